@@ -1,0 +1,3 @@
+from gaaudit.cli import main
+
+main()

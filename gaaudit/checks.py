@@ -1,0 +1,171 @@
+"""GA001 and GA002: judge each backward call against its accumulation window."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import libcst as cst
+
+from gaaudit import catalogue
+from gaaudit.evidence import Evidence
+from gaaudit.findings import Confidence, Finding
+from gaaudit.loops import Backward, Structure, Window
+from gaaudit.provenance import Division, Origin, Tracer
+from gaaudit.tree import Tree, code, depends_on, dotted
+
+
+SiteKind = Literal["loss-division", "gradient-division", "no-division"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """A backward call in an accumulation window, with what the rules concluded about it."""
+
+    kind: SiteKind
+    node: cst.CSTNode  # what the finding points at
+    backward: Backward
+    window: Window
+    origin: Origin
+    division: Division | None  # the constant division, for GA001
+    message: str
+
+    @property
+    def code(self) -> str:
+        return "GA002" if self.kind == "no-division" else "GA001"
+
+
+class Auditor:
+    """Runs the accumulation rules over one parsed file."""
+
+    def __init__(self, tree: Tree, accumulation_names: frozenset[str] = frozenset()) -> None:
+        self.tree = tree
+        self.structure = Structure(tree, accumulation_names)
+        self.tracer = Tracer(tree)
+
+    def sites(self) -> Iterator[Site]:
+        """One site per reportable node, in source order."""
+        seen: set[cst.CSTNode] = set()
+        for backward in self.structure.backwards():
+            for site in self._judge(backward):
+                if site.node not in seen:
+                    seen.add(site.node)
+                    yield site
+
+    def findings(self, path: str, evidence: Evidence) -> list[Finding]:
+        rules = catalogue.load()
+        found = []
+        for site in self.sites():
+            confidence, why = evidence.confidence()
+            if site.origin.kind == "unknown":
+                confidence, why = Confidence.LOW, "gaaudit could not tell whether the loss is a mean"
+            found.append(
+                Finding(
+                    path=path,
+                    code=site.code,
+                    message=site.message,
+                    span=self.tree.span(site.node),
+                    confidence=confidence,
+                    evidence=(
+                        f"loss: {site.origin.description}",
+                        f"window: {self._describe(site.window)}",
+                        f"confidence {confidence}: {why}",
+                    ),
+                    hint=rules[site.code].hint,
+                    fixable=True,
+                )
+            )
+        return found
+
+    def _judge(self, backward: Backward) -> Iterator[Site]:
+        window = self.structure.window(backward)
+        origin = self.tracer.origin(backward.loss)
+        if window is None:
+            division = next(
+                (d for d in origin.divisions if self.structure.is_accumulation_name(d.divisor)), None
+            )
+            if division is None or origin.kind not in ("mean", "unknown"):
+                return
+            window = Window("named", None, division.divisor, backward.call, ())
+        if origin.kind not in ("mean", "unknown"):
+            return
+        division = next((d for d in origin.divisions if self._constant_divisor(d, window)), None)
+        if division is not None:
+            yield Site(
+                "loss-division", division.node, backward, window, origin, division,
+                f"Mean loss divided by the constant accumulation divisor "
+                f"`{code(division.divisor)}`: micro-batches with fewer valid tokens are over-weighted",
+            )
+            return
+        scaled = list(self._gradient_divisions(window))
+        for node, divisor in scaled:
+            yield Site(
+                "gradient-division", node, backward, window, origin, Division(node, divisor),
+                f"Gradients divided by the constant accumulation divisor `{code(divisor)}` "
+                "after backward on per-micro-batch mean losses",
+            )
+        if not scaled and window.kind in ("modulo", "micro-loop"):
+            yield Site(
+                "no-division", backward.call, backward, window, origin, None,
+                "Mean loss accumulated over micro-batches with no normalization: the gradient is "
+                "about K times too large and wrongly weighted per token",
+            )
+
+    def _constant_divisor(self, division: Division, window: Window) -> bool:
+        """A divisor that is the window size K, an accumulation name, or loop-invariant."""
+        divisor = division.divisor
+        if self.structure.is_accumulation_name(divisor):
+            return True
+        if window.size is not None:
+            return self._same_value(divisor, window.size)
+        if window.loop is None:
+            return False
+        return not depends_on(divisor, self.tree.assigned_in(window.loop))
+
+    def _same_value(self, a: cst.BaseExpression, b: cst.BaseExpression) -> bool:
+        """Equal code, or one is a name bound to the other (`k = args.accum`)."""
+        return bool({code(a), self._alias(a)} & {code(b), self._alias(b)} - {""})
+
+    def _alias(self, expr: cst.BaseExpression) -> str:
+        if not isinstance(expr, cst.Name):
+            return ""
+        stmt = self.tracer.binding(expr.value, expr)
+        return code(stmt.value) if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 else ""
+
+    def _gradient_divisions(self, window: Window) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:
+        """`p.grad.div_(k)`, `p.grad /= k`, `p.grad = p.grad / k` at the window's step."""
+        for region in window.step_region:
+            for node in self.tree.walk(region, into_defs=False):
+                divisor = _grad_divisor(node)
+                if divisor is not None and self._constant_divisor(Division(node, divisor), window):
+                    yield node, divisor
+
+    def _describe(self, window: Window) -> str:
+        line = self.tree.line(window.anchor)
+        if window.kind == "modulo":
+            return f"optimizer step guarded by `{code(window.anchor.test)}` (line {line})"
+        if window.kind == "micro-loop":
+            head = code(window.anchor.iter) if isinstance(window.anchor, cst.For) else "while"
+            return f"micro-step loop over `{head}` (line {line}) before one optimizer step"
+        if window.kind == "accumulate":
+            return f"`accumulate()` context (line {line})"
+        return f"`{code(window.size)}` names an accumulation divisor"
+
+
+def _is_grad(node: cst.CSTNode) -> bool:
+    name = dotted(node) or ""
+    return name.endswith(".grad") or name.endswith(".grad.data")
+
+
+def _grad_divisor(node: cst.CSTNode) -> cst.BaseExpression | None:
+    if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
+        if node.func.attr.value == "div_" and _is_grad(node.func.value) and len(node.args) == 1:
+            return node.args[0].value
+    if isinstance(node, cst.AugAssign) and isinstance(node.operator, cst.DivideAssign):
+        return node.value if _is_grad(node.target) else None
+    if isinstance(node, cst.Assign) and len(node.targets) == 1 and _is_grad(node.targets[0].target):
+        value = node.value
+        if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Divide):
+            return value.right if _is_grad(value.left) else None
+    return None

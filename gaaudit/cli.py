@@ -1,0 +1,164 @@
+"""The `gaaudit` command line: check, fix, rules, explain, verify."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from gaaudit import __version__
+
+app = typer.Typer(
+    name="gaaudit",
+    help="Find, fix and prove the gradient-accumulation loss bug in training code.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
+
+
+class Format(str, Enum):
+    text = "text"
+    json = "json"
+    sarif = "sarif"
+    github = "github"
+
+
+class Level(str, Enum):
+    low = "low"
+    medium = "medium"
+    high = "high"
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"gaaudit: error: {message}", err=True)
+    raise typer.Exit(EXIT_ERROR)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"gaaudit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    """Find, fix and prove the gradient-accumulation loss bug in training code."""
+
+
+Paths = Annotated[Optional[list[Path]], typer.Argument(help="Files or directories [default: .]")]
+Codes = Annotated[Optional[list[str]], typer.Option(help="Rule codes or prefixes (repeatable).")]
+Globs = Annotated[Optional[list[str]], typer.Option(help="gitignore-style patterns (repeatable).")]
+
+
+def _settings(paths, select, ignore, exclude, extend_exclude, min_confidence):
+    from gaaudit.config import ConfigError, load
+    from gaaudit.findings import Confidence
+
+    try:
+        settings = load(paths[0] if paths else Path.cwd())
+    except ConfigError as exc:
+        _fail(str(exc))
+    settings = settings.override(
+        select=tuple(select) if select else None,
+        ignore=tuple(ignore) if ignore else None,
+        exclude=tuple(exclude) if exclude else None,
+        extend_exclude=(*settings.extend_exclude, *extend_exclude) if extend_exclude else None,
+        min_confidence=Confidence.parse(min_confidence.value) if min_confidence else None,
+    )
+    missing = [p for p in paths if not p.exists() and not p.is_symlink()]
+    if missing:
+        _fail(f"{missing[0]}: no such file or directory")
+    return settings
+
+
+@app.command()
+def check(
+    paths: Paths = None,
+    format: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.text,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to FILE.")] = None,
+    select: Codes = None,
+    ignore: Codes = None,
+    exclude: Globs = None,
+    extend_exclude: Globs = None,
+    min_confidence: Annotated[
+        Optional[Level], typer.Option(help="Lowest confidence to report [default: medium].")
+    ] = None,
+    statistics: Annotated[bool, typer.Option(help="Count findings per rule.")] = False,
+    exit_zero: Annotated[bool, typer.Option(help="Exit 0 even when there are findings.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Findings only, no summary.")] = False,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes.")] = None,
+) -> None:
+    """Report gradient-accumulation loss bugs. Exit 0: none, 1: findings, 2: errors."""
+    from gaaudit.discovery import discover
+    from gaaudit.engine import check_files
+    from gaaudit.output import CheckRun, write
+
+    paths = paths or [Path(".")]
+    settings = _settings(paths, select, ignore, exclude, extend_exclude, min_confidence)
+    started = time.perf_counter()
+    files = list(discover(paths, settings))
+    reports = list(check_files(files, settings, jobs))
+    run = CheckRun(
+        reports=reports,
+        files_checked=len(files),
+        elapsed=time.perf_counter() - started,
+        statistics=statistics,
+        color=output is None and format is Format.text and _use_color(),
+        quiet=quiet,
+    )
+    if output is None:
+        write(format.value, run, sys.stdout)
+    else:
+        with output.open("w", encoding="utf-8") as stream:
+            write(format.value, run, stream)
+    if run.errors:
+        raise typer.Exit(EXIT_ERROR)
+    raise typer.Exit(EXIT_FINDINGS if run.findings and not exit_zero else EXIT_CLEAN)
+
+
+def _use_color() -> bool:
+    return sys.stdout.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
+
+
+@app.command()
+def rules() -> None:
+    """List the rules of the catalogue."""
+    from gaaudit.catalogue import load
+
+    catalogue = load()
+    width = max(len(rule.name) for rule in catalogue.values())
+    for rule in catalogue.values():
+        typer.echo(f"{rule.code}  {rule.name:<{width}}  {rule.severity:<7}  {rule.summary}")
+
+
+@app.command()
+def explain(code: Annotated[str, typer.Argument(help="A rule code, e.g. GA001.")]) -> None:
+    """Show a rule's rationale with a bad and a good example."""
+    from gaaudit.catalogue import load
+
+    rule = load().get(code.upper())
+    if rule is None:
+        _fail(f"unknown rule {code!r}; `gaaudit rules` lists them")
+    typer.echo(
+        f"{rule.code} ({rule.name}): {rule.summary}\n\n"
+        f"## What it does\n{rule.what.strip()}\n\n## Why is this bad?\n{rule.why.strip()}\n\n"
+        f"## Example\n{rule.bad.strip()}\n\n## Use instead\n{rule.good.strip()}\n\n"
+        f"Hint: {rule.hint}"
+    )
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,106 @@
+"""Apply planned edits in one pass, and write files safely (atomic, mode kept, no lost updates)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libcst as cst
+
+from gaaudit.fixes import Edits, Outcome
+
+
+class _Apply(cst.CSTTransformer):
+    """Replaces nodes and splices statements, keyed by the original nodes' identity.
+
+    A statement mapped to `REMOVE` is dropped from its block.
+    """
+
+    def __init__(self, edits: Edits) -> None:
+        self.edits = edits
+
+    def on_leave(self, original_node, updated_node):
+        updated_node = super().on_leave(original_node, updated_node)
+        replacement = self.edits.replace.get(original_node, updated_node)
+        return updated_node if replacement is cst.RemovalSentinel.REMOVE else replacement
+
+    def _splice(self, original_body, updated_body) -> list:
+        body = []
+        for original, updated in zip(original_body, updated_body):
+            body.extend(self.edits.before.get(original, ()))
+            if self.edits.replace.get(original) is not cst.RemovalSentinel.REMOVE:
+                body.append(updated)
+            body.extend(self.edits.after.get(original, ()))
+        return body
+
+    def leave_IndentedBlock(self, original_node, updated_node):
+        return updated_node.with_changes(body=self._splice(original_node.body, updated_node.body))
+
+    def leave_Module(self, original_node, updated_node):
+        return updated_node.with_changes(body=self._splice(original_node.body, updated_node.body))
+
+
+def apply(module: cst.Module, edits: Edits) -> cst.Module:
+    """The module with every edit applied in one traversal."""
+    return module.visit(_Apply(edits))
+
+
+@dataclass
+class FileFix:
+    """The outcome of fixing one file."""
+
+    path: str
+    before: bytes
+    after: bytes
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.after
+
+    def diff(self) -> str:
+        """A unified diff `git apply` accepts."""
+        old = self.before.decode("utf-8", "surrogateescape").splitlines(keepends=True)
+        new = self.after.decode("utf-8", "surrogateescape").splitlines(keepends=True)
+        lines = []
+        for line in difflib.unified_diff(old, new, f"a/{self.path}", f"b/{self.path}"):
+            if not line.endswith(("\n", "\r")):
+                line += "\n\\ No newline at end of file\n"
+            lines.append(line)
+        return "".join(lines)
+
+
+class WriteError(Exception):
+    """A fixed file that could not be written; the original is untouched."""
+
+
+def write_atomic(path: Path, data: bytes, expected: bytes) -> None:
+    """Replace `path` with `data` via a temporary file in the same directory.
+
+    Refuses when the file no longer holds `expected` (it changed since it was read);
+    keeps the file's permission bits.
+    """
+    try:
+        mode = path.stat().st_mode
+        if path.read_bytes() != expected:
+            raise WriteError("file changed while gaaudit was fixing it; run again")
+        if not os.access(path, os.W_OK):
+            raise WriteError("file is not writable")
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".gaaudit", dir=path.parent)
+    except OSError as exc:
+        raise WriteError(f"cannot write: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(temporary, mode & 0o7777)
+        os.replace(temporary, path)
+    except BaseException as exc:
+        Path(temporary).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise WriteError(f"cannot write: {exc.strerror or exc}") from None
+        raise

@@ -1,0 +1,111 @@
+"""`[tool.gaaudit]` in pyproject.toml: found by walking up, validated key by key."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field, replace
+from pathlib import Path, PurePosixPath
+
+from gaaudit.catalogue import tomllib
+from gaaudit.findings import Confidence
+
+DEFAULT_EXCLUDE = (
+    ".git", ".hg", ".svn", ".venv", "venv", ".env", "env", "build", "dist", "site-packages",
+    "node_modules", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox",
+    ".nox", ".eggs", "*.egg-info", ".ipynb_checkpoints", ".gaaudit_cache",
+)
+
+
+class ConfigError(Exception):
+    """A configuration problem, worded for the user (file, key, what to do)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the run needs from the configuration file and the command line."""
+
+    root: Path = field(default_factory=Path.cwd)
+    select: tuple[str, ...] = ("GA",)
+    ignore: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    extend_exclude: tuple[str, ...] = ()
+    per_file_ignores: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    accumulation_names: frozenset[str] = frozenset()
+    min_confidence: Confidence = Confidence.MEDIUM
+    source: Path | None = None  # the pyproject.toml read, if any
+
+    def enabled(self, code: str, path: str) -> bool:
+        """Whether `code` is selected and not ignored for `path` (relative, forward slashes)."""
+        if not any(code.startswith(s) for s in self.select):
+            return False
+        if any(code.startswith(i) for i in self.ignore):
+            return False
+        pure = PurePosixPath(path)
+        return not any(
+            any(code.startswith(c) for c in codes) and (pure.match(glob) or fnmatch.fnmatch(path, glob))
+            for glob, codes in self.per_file_ignores
+        )
+
+    def override(self, **changes) -> Settings:
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def find_pyproject(start: Path) -> Path | None:
+    """The nearest pyproject.toml with a [tool.gaaudit] table, walking up from `start`."""
+    start = start.resolve()
+    for directory in (start, *start.parents) if start.is_dir() else start.parents:
+        candidate = directory / "pyproject.toml"
+        if candidate.is_file():
+            try:
+                data = tomllib.loads(candidate.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+                raise ConfigError(f"{candidate}: cannot read TOML: {exc}") from None
+            if "gaaudit" in data.get("tool", {}):
+                return candidate
+    return None
+
+
+def load(start: Path) -> Settings:
+    """Settings from the nearest `[tool.gaaudit]`, or the defaults rooted at the current directory."""
+    path = find_pyproject(start)
+    if path is None:
+        return Settings()
+    table = tomllib.loads(path.read_text(encoding="utf-8"))["tool"]["gaaudit"]
+    return parse(table, path)
+
+
+def parse(table: dict, path: Path) -> Settings:
+    """Validate a `[tool.gaaudit]` table; every error names the file and the key."""
+    settings = Settings(root=path.parent, source=path)
+    changes: dict = {}
+    for key, value in table.items():
+        where = f"{path}: [tool.gaaudit] {key}"
+        if key in ("select", "ignore", "exclude", "extend-exclude"):
+            changes[key.replace("-", "_")] = tuple(_strings(value, where))
+        elif key == "accumulation-names":
+            changes["accumulation_names"] = frozenset(_strings(value, where))
+        elif key == "per-file-ignores":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: expected a table of glob = [codes], got {value!r}")
+            changes["per_file_ignores"] = tuple(
+                (glob, tuple(_strings(codes, f"{where}.{glob}"))) for glob, codes in value.items()
+            )
+        elif key == "min-confidence":
+            try:
+                changes["min_confidence"] = Confidence.parse(str(value))
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+        else:
+            known = "select, ignore, exclude, extend-exclude, per-file-ignores, accumulation-names, min-confidence"
+            raise ConfigError(f"{where}: unknown key; known keys are {known}")
+    for key in ("select", "ignore"):
+        for code in changes.get(key, ()):
+            if not code.isalnum() or not code.isupper():
+                raise ConfigError(f"{path}: [tool.gaaudit] {key}: {code!r} is not a rule code like 'GA001'")
+    return replace(settings, **changes)
+
+
+def _strings(value, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+    return value

@@ -1,0 +1,72 @@
+"""The check pipeline for one file, and for many files in bounded worker processes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from gaaudit.config import Settings
+from gaaudit.findings import FileError, FileReport
+from gaaudit.source import SourceError, parse, read
+
+# Below this many files, a worker pool costs more than it saves.
+PARALLEL_THRESHOLD = 64
+
+
+def display_path(path: Path, root: Path | None = None) -> str:
+    """A path relative to `root` (default: the current directory) when under it, with `/`."""
+    base = (root or Path.cwd()).resolve()
+    try:
+        return path.resolve().relative_to(base).as_posix()
+    except (ValueError, OSError):
+        return path.as_posix()
+
+
+def check_file(path: Path, settings: Settings) -> FileReport:
+    """Read, prefilter, parse and audit one file; never raises for a bad file."""
+    shown = display_path(path)
+    try:
+        source = read(path)
+        if not source.may_have_findings:
+            return FileReport(shown)
+        module = parse(source.data)
+        text = source.data.decode(module.encoding)
+        return FileReport(shown, audit(module, text, shown, display_path(path, settings.root), settings))
+    except SourceError as exc:
+        return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column))
+    except RecursionError:
+        return FileReport(shown, error=FileError(shown, "code nested too deeply to analyse"))
+
+
+def audit(module, text: str, shown: str, relative: str, settings: Settings):
+    """Findings of a parsed module that pass selection, confidence and suppressions.
+
+    `shown` is the path as reported; `relative` is relative to the settings' root,
+    which is what per-file-ignores globs match.
+    """
+    from gaaudit.checks import Auditor
+    from gaaudit.evidence import scan
+    from gaaudit.tree import Tree
+
+    evidence = scan(text.removeprefix("\ufeff"))
+    return [
+        finding
+        for finding in Auditor(Tree(module), settings.accumulation_names).findings(shown, evidence)
+        if finding.confidence >= settings.min_confidence
+        and settings.enabled(finding.code, relative)
+        and not evidence.suppressed(finding.span.line, finding.code)
+    ]
+
+
+def check_files(files: Iterable[Path], settings: Settings, jobs: int | None = None) -> Iterator[FileReport]:
+    """Reports in input order; large inputs go to at most `jobs` worker processes."""
+    files = list(files)
+    jobs = jobs or os.cpu_count() or 1
+    if jobs == 1 or len(files) < PARALLEL_THRESHOLD:
+        for path in files:
+            yield check_file(path, settings)
+        return
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        yield from pool.map(check_file, files, [settings] * len(files), chunksize=16)

@@ -1,0 +1,72 @@
+"""The values that cross module boundaries: findings, errors, per-file results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Confidence(IntEnum):
+    """How sure a finding is that mean/K is wrong for this code (GA-GUIDE section 3)."""
+
+    LOW = 1
+    MEDIUM = 2
+    HIGH = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> Confidence:
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(f"expected one of low, medium, high, got {text!r}") from None
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    """A source range: 1-based lines, 1-based columns, end exclusive."""
+
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One reported problem, with the evidence that led to it."""
+
+    path: str
+    code: str
+    message: str
+    span: Span
+    confidence: Confidence
+    evidence: tuple[str, ...] = ()
+    hint: str = ""
+    fixable: bool = False
+
+    @property
+    def sort_key(self) -> tuple:
+        return (self.path, self.span, self.code)
+
+
+@dataclass(frozen=True)
+class FileError:
+    """A file that could not be read or parsed (reported as E999)."""
+
+    path: str
+    message: str
+    line: int = 1
+    column: int = 1
+    code: str = "E999"
+
+
+@dataclass
+class FileReport:
+    """Everything `check` learned about one file."""
+
+    path: str
+    findings: list[Finding] = field(default_factory=list)
+    error: FileError | None = None

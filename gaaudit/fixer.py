@@ -1,0 +1,54 @@
+"""`gaaudit fix` for one file: audit, plan, apply, verify the result parses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gaaudit.codemod import FileFix, apply
+from gaaudit.config import Settings
+from gaaudit.engine import audit, display_path
+from gaaudit.source import SourceError, parse, read
+
+
+def fix_source(data: bytes, shown: str, relative: str, settings: Settings, unsafe: bool = False) -> FileFix:
+    """Rewrite every reported, fixable finding of one file's bytes; raises `SourceError`."""
+    from gaaudit.checks import Auditor
+    from gaaudit.fixes import Planner
+    from gaaudit.tree import Tree
+
+    if not any(t in data for t in (b"backward", b".grad")):
+        return FileFix(shown, data, data)
+    module = parse(data)
+    text = data.decode(module.encoding)
+    reported = {(f.code, f.span.line, f.span.column) for f in audit(module, text, shown, relative, settings)}
+    tree = Tree(module)
+    auditor = Auditor(tree, settings.accumulation_names)
+    sites = [
+        site
+        for site in auditor.sites()
+        if (site.code, *_start(tree, site.node)) in reported
+    ]
+    if not sites:
+        return FileFix(shown, data, data)
+    planner = Planner(tree, auditor, unsafe)
+    outcomes = planner.plan(sites)
+    if not any(o.applied for o in outcomes):
+        return FileFix(shown, data, data, outcomes)
+    fixed = apply(module, planner.edits).bytes
+    try:
+        parse(fixed)
+        compile(fixed, shown, "exec")
+    except (SourceError, SyntaxError, ValueError) as exc:
+        raise SourceError(f"internal error: the fix would not parse ({exc}); file left unchanged") from None
+    return FileFix(shown, data, fixed, outcomes)
+
+
+def _start(tree, node) -> tuple[int, int]:
+    span = tree.span(node)
+    return span.line, span.column
+
+
+def fix_file(path: Path, settings: Settings, unsafe: bool = False) -> FileFix:
+    """Plan the fix of one file on disk (nothing is written here)."""
+    source = read(path)
+    return fix_source(source.data, display_path(path), display_path(path, settings.root), settings, unsafe)

@@ -1,0 +1,114 @@
+"""The gradient-comparison core: precision settings, the full-batch reference, the error
+measure and the recording optimizer that ends a replay at its first step."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from gaaudit.harness.data import Window
+from gaaudit.harness.models import mean_token_loss
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# A correct loop stays below these relative errors; autocast noise sets the low-precision ones.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+BUG_THRESHOLD = 1e-3
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """`auto` means cuda when available, else cpu."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype = "float32") -> torch.dtype:
+    """A torch dtype from a name (`float32`, `bf16`, ...) or a dtype; only the three in TOLERANCE."""
+    resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in TOLERANCE:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected float32, bfloat16 or float16")
+    return resolved
+
+
+def bug_threshold(dtype: torch.dtype) -> float:
+    """The error above which a loop's gradient is wrong beyond numerical noise."""
+    return max(BUG_THRESHOLD, 2 * TOLERANCE[dtype])
+
+
+@contextlib.contextmanager
+def deterministic(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed everything and force deterministic kernels; restore the caller's state afterwards."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Mixed precision for bf16/fp16 (weights and gradients stay fp32); nothing for fp32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def snapshot(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """fp32 copies of the parameters' gradients (zeros where a gradient is missing)."""
+    return [p.grad.detach().float().clone() if p.grad is not None
+            else torch.zeros_like(p, dtype=torch.float32) for p in params]
+
+
+def full_batch_grads(model: torch.nn.Module, window: Window) -> list[torch.Tensor]:
+    """The reference: one backward on the mean loss over all valid tokens of the whole window."""
+    model.zero_grad(set_to_none=True)
+    mean_token_loss(window.kind, model, window.full).backward()
+    grads = snapshot(model.parameters())
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def relative_error(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """||g - ref|| / ||ref|| over all parameters, flattened, in fp64."""
+    g = torch.cat([t.detach().double().flatten().cpu() for t in grads])
+    ref = torch.cat([t.detach().double().flatten().cpu() for t in reference])
+    if g.shape != ref.shape:
+        raise ValueError(f"gradient sizes differ: {g.numel()} vs {ref.numel()}")
+    diff, norm = (g - ref).norm().item(), ref.norm().item()
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / norm
+
+
+class StepReached(BaseException):
+    """Ends a replay when the gradients are captured. A BaseException, so that a loop's own
+    `except Exception:` cannot swallow it."""
+
+    def __init__(self, where: str):
+        super().__init__(where)
+        self.where = where
+
+
+class RecordingOptimizer(torch.optim.SGD):
+    """A real SGD whose `step()` records the gradients in `grads` and raises StepReached."""
+
+    def __init__(self, params, lr: float = 1e-3):
+        super().__init__(params, lr=lr)
+        self.grads: list[torch.Tensor] | None = None
+
+    def record(self, where: str = "optimizer.step") -> None:
+        """Snapshot the gradients of every parameter group, then end the replay."""
+        self.grads = snapshot(p for group in self.param_groups for p in group["params"])
+        raise StepReached(where)
+
+    def step(self, closure=None):
+        self.record()

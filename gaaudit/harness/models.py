@@ -1,0 +1,106 @@
+"""Tiny, deterministic models built from configs (no downloads), dropout off."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB = 256
+MAX_POSITIONS = 128
+KINDS = ("causal", "seq2seq", "mlm", "nanogpt", "logits")
+
+# The value each kind's loss ignores in `labels`.
+IGNORE_INDEX = {"causal": -100, "seq2seq": -100, "mlm": -100, "nanogpt": -1, "logits": -100}
+
+
+class TinyGPT(nn.Module):
+    """A nanoGPT-style causal LM: `forward(idx, targets=None) -> (logits, loss)`, ignore_index=-1."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, width)
+        self.wpe = nn.Embedding(MAX_POSITIONS, width)
+        self.ln_1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, VOCAB, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=-1)
+        heads = lambda t: t.unflatten(-1, (2, -1)).transpose(1, 2)
+        att = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).flatten(2))
+        x = x + self.mlp(self.ln_2(x))
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits[:, [-1], :], None
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+
+class TinyTokenModel(nn.Module):
+    """A plain module returning logits `(B, T, VOCAB)`; the loop computes the loss itself."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, VOCAB))
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.mlp(self.embed(input_ids))
+
+
+def build_model(kind: str = "causal", seed: int = 0) -> nn.Module:
+    """A fresh tiny model of `kind` (see KINDS) with weights fixed by `seed`, in eval mode."""
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
+    torch.manual_seed(seed)
+    ids = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+    if kind == "causal":
+        model = GPT2LMHeadModel(GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, n_positions=MAX_POSITIONS,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids))
+    elif kind == "seq2seq":
+        model = T5ForConditionalGeneration(T5Config(
+            d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=2, dropout_rate=0.0,
+            decoder_start_token_id=0, **ids))
+    elif kind == "mlm":
+        model = BertForMaskedLM(BertConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            max_position_embeddings=MAX_POSITIONS, **ids))
+    elif kind == "nanogpt":
+        model = TinyGPT()
+    else:
+        model = TinyTokenModel()
+    return model.eval()
+
+
+def mean_token_loss(kind: str, model: nn.Module, batch: dict) -> torch.Tensor:
+    """The loss the harness takes as truth: the mean over every valid token of `batch`."""
+    if kind == "nanogpt":
+        return model(batch["input_ids"], batch["labels"])[1]
+    if kind == "logits":
+        logits = model(batch["input_ids"])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+    return model(**batch).loss
+
+
+def count_tokens(kind: str, batch: dict) -> torch.Tensor:
+    """The number of valid (counted) tokens of `batch`; HF causal LMs shift labels inside."""
+    labels = batch["labels"][..., 1:] if kind == "causal" else batch["labels"]
+    return (labels != IGNORE_INDEX[kind]).sum()

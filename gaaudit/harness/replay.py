@@ -1,0 +1,395 @@
+"""Statement replay (GA-GUIDE section 6): run one loop or function of a source text with its
+free names bound to harness objects, capture the gradients at the first optimizer step and
+compare them with one full batch."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import copy
+import inspect
+import io
+import signal
+import threading
+import traceback
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from gaaudit.harness.analysis import NotReplayable, Plan, analyse
+from gaaudit.harness.data import make_window
+from gaaudit.harness.gradcheck import (
+    TOLERANCE,
+    RecordingOptimizer,
+    StepReached,
+    autocast,
+    bug_threshold,
+    deterministic,
+    full_batch_grads,
+    relative_error,
+    resolve_device,
+    resolve_dtype,
+    snapshot,
+)
+from gaaudit.harness.models import build_model
+from gaaudit.harness.stubs import DataSource, Exhausted, Progress, Stub, progress_module
+
+TRACKERS = ("wandb", "mlflow", "comet_ml", "neptune", "tensorboardX", "swanlab", "aim",
+            "clearml", "trackio", "torch.utils.tensorboard")
+CLIPPERS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One replay: the gradients captured (None when it could not run) and why not."""
+
+    grads: list[torch.Tensor] | None
+    reason: str = ""
+    captured_at: str = ""
+    bindings: dict[str, str] = field(default_factory=dict)
+    model_kind: str = ""
+    output: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.grads is not None
+
+
+@dataclass(frozen=True)
+class Check:
+    """One loop against the full batch. `verdict` is `verified`, `bug reproduced`,
+    `inconclusive: ...` or `not replayable: ...`; `k1_error` is set when the loop was also
+    replayed with the whole window as one micro-batch to rule out a harness mismatch."""
+
+    verdict: str
+    error: float | None
+    k1_error: float | None
+    replay: Replay
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """An original loop and its patched version against the same full batch. `verdict` is the
+    patched loop's: `verified`, `bug reproduced`, `inconclusive: ...` or `not replayable: ...`."""
+
+    original: Check
+    patched: Check
+    k: int
+    dtype: str
+    tolerance: float
+
+    @property
+    def verdict(self) -> str:
+        return self.patched.verdict
+
+
+class _TimedOut(BaseException):
+    """The replay ran past its time limit."""
+
+
+class _Session:
+    """Shared settings, data and reference gradients for the replays of one check."""
+
+    def __init__(self, kind, k, micro_batch_size, seed, device, dtype, timeout):
+        self.kind, self.k, self.seed, self.timeout = kind, k, seed, timeout
+        self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
+        self.tolerance = TOLERANCE[self.dtype]
+        self.window = make_window(kind, k, micro_batch_size, seed).to(self.device)
+        with deterministic(seed, self.device):
+            model = build_model(kind, seed).to(self.device)
+            self.reference = full_batch_grads(model, self.window)
+
+    def replay(self, plan: Plan, filename: str, whole: bool = False) -> Replay:
+        """Replay `plan` on the window, or on the whole window as one micro-batch."""
+        batches, k = ([self.window.full], 1) if whole else (self.window.micro, self.k)
+        return _execute(plan, filename, self.kind, batches, k, self.seed, self.device,
+                        self.dtype, self.timeout)
+
+    def check(self, plan: Plan | str, filename: str) -> Check:
+        if isinstance(plan, str):
+            return Check(f"not replayable: {plan}", None, None, Replay(None, plan))
+        result = self.replay(plan, filename)
+        if not result.ok:
+            return Check(f"not replayable: {result.reason}", None, None, result)
+        error = relative_error(result.grads, self.reference)
+        if error < self.tolerance:
+            return Check("verified", error, None, result)
+        whole = self.replay(plan, filename, whole=True) if self.k > 1 else result
+        k1_error = relative_error(whole.grads, self.reference) if whole.ok else None
+        if k1_error is None or k1_error >= self.tolerance:
+            detail = whole.reason or f"error {k1_error:.1e}"
+            return Check("not replayable: with the whole window as one micro-batch the loop "
+                         f"does not match the full batch either ({detail}); its loss is not "
+                         "the token mean the harness models", error, k1_error, result)
+        if error > bug_threshold(self.dtype):
+            return Check("bug reproduced", error, k1_error, result)
+        return Check(f"inconclusive: error {error:.1e} is above the tolerance "
+                     f"{self.tolerance:.0e} but within numerical noise", error, k1_error, result)
+
+
+def _plan(source: str, line: int, divisor_names, model_kind) -> Plan | str:
+    try:
+        return analyse(source, line, tuple(divisor_names), model_kind)
+    except NotReplayable as exc:
+        return str(exc)
+
+
+def replay(source: str, line: int, *, k: int = 4, divisor_names=(), model_kind: str | None = None,
+           micro_batch_size: int = 2, seed: int = 0, device: str = "auto",
+           dtype: str = "float32", timeout: float = 60.0, filename: str = "<replay>") -> Replay:
+    """Replay the loop or function at `line` of `source` on one window of `k` micro-batches."""
+    plan = _plan(source, line, divisor_names, model_kind)
+    if isinstance(plan, str):
+        return Replay(None, plan)
+    window = make_window(plan.model_kind, k, micro_batch_size, seed)
+    device = resolve_device(device)
+    return _execute(plan, filename, plan.model_kind, window.to(device).micro, k, seed, device,
+                    resolve_dtype(dtype), timeout)
+
+
+def check(source: str, line: int, *, k: int = 4, divisor_names=(), model_kind: str | None = None,
+          micro_batch_size: int = 2, seed: int = 0, device: str = "auto", dtype: str = "float32",
+          timeout: float = 60.0) -> Check:
+    """Replay one loop and judge its gradient against the full batch."""
+    plan = _plan(source, line, divisor_names, model_kind)
+    kind = model_kind or getattr(plan, "model_kind", "causal")
+    session = _Session(kind, k, micro_batch_size, seed, device, dtype, timeout)
+    return session.check(plan, "<loop>")
+
+
+def compare(original_source: str, patched_source: str, loop_line_original: int,
+            loop_line_patched: int, k: int = 4, divisor_names=(), *,
+            model_kind: str | None = None, micro_batch_size: int = 2, seed: int = 0,
+            device: str = "auto", dtype: str = "float32", timeout: float = 60.0) -> Comparison:
+    """Replay a loop before and after a fix on the same model, data and full-batch reference."""
+    original = _plan(original_source, loop_line_original, divisor_names, model_kind)
+    patched = _plan(patched_source, loop_line_patched, divisor_names, model_kind)
+    planned = [p for p in (original, patched) if isinstance(p, Plan)]
+    kind = model_kind or (planned[0].model_kind if planned else "causal")
+    for plan in planned:
+        plan.model_kind = kind
+    session = _Session(kind, k, micro_batch_size, seed, device, dtype, timeout)
+    return Comparison(session.check(original, "<original>"), session.check(patched, "<patched>"),
+                      k, str(session.dtype).removeprefix("torch."), session.tolerance)
+
+
+def _execute(plan: Plan, filename: str, kind: str, batches: list, k: int, seed: int,
+             device: torch.device, dtype: torch.dtype, timeout: float) -> Replay:
+    """Run the planned statement once; never raises for what the user's code does."""
+    output, bindings = io.StringIO(), {}
+    grads, where, reason = None, "", ""
+    with deterministic(seed, device), contextlib.redirect_stdout(output), \
+            contextlib.redirect_stderr(output), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_model(kind, seed).to(device)
+        optimizer = RecordingOptimizer(model.parameters())
+        try:
+            namespace = _namespace(plan, filename)
+            objects = _Objects(plan, kind, batches, k, model, optimizer, device, dtype,
+                               namespace, bindings)
+            function, kwargs = _callable(plan, filename, namespace, objects)
+            with _capturing(optimizer, namespace), autocast(device, dtype), _time_limit(timeout):
+                result = function(**kwargs)
+                if inspect.isgenerator(result):
+                    for _ in result:
+                        pass
+        except StepReached as stop:
+            grads, where = optimizer.grads, stop.where
+        except Exhausted as exc:
+            reason = f"the loop read more than one window without an optimizer step ({exc})"
+        except _TimedOut:
+            reason = f"timed out after {timeout:g} s"
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported as the reason
+            reason = _describe(exc, filename)
+        else:
+            grads, where = snapshot(model.parameters()), "end of statement"
+            if objects.scaler is not None and objects.scaler.is_enabled():
+                grads = [g / objects.scaler.get_scale() for g in grads]
+    if grads is not None and not any(g.any() for g in grads):
+        grads, reason = None, ("the optimizer stepped with zero gradients"
+                               if where != "end of statement"
+                               else "no backward pass and no optimizer step was reached")
+    return Replay(grads, reason, where if grads is not None else "", bindings, kind,
+                  output.getvalue()[-4000:])
+
+
+def _namespace(plan: Plan, filename: str) -> dict:
+    """Module globals: the source's imports that work (trackers and tqdm replaced), then the
+    module-level helpers the statement uses."""
+    namespace = {"__name__": "__gaaudit_replay__", "__builtins__": builtins}
+    for node in plan.imports:
+        try:
+            exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
+        except (Exception, SystemExit):  # noqa: BLE001, S112 - a failing import is skipped
+            continue
+    for name, value in list(namespace.items()):
+        module = value.__name__ if isinstance(value, types.ModuleType) \
+            else getattr(value, "__module__", None) or ""
+        if any(module == t or module.startswith(t + ".") for t in TRACKERS):
+            namespace[name] = Stub(name)
+        elif module.split(".")[0] == "tqdm":
+            namespace[name] = progress_module(name) if isinstance(value, types.ModuleType) \
+                else Progress
+    for helper in plan.helpers:
+        try:
+            exec(compile(ast.Module([helper], []), filename, "exec"), namespace)  # noqa: S102
+        except (Exception, SystemExit):  # noqa: BLE001, S112 - a failing import is skipped
+            continue
+    return namespace
+
+
+class _Objects:
+    """The harness objects bound to the statement's free names, by role; `bindings` receives
+    a description of each."""
+
+    def __init__(self, plan, kind, batches, k, model, optimizer, device, dtype, namespace,
+                 bindings):
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+        from transformers import BatchEncoding
+
+        self.plan, self.bindings, self.values = plan, bindings, {}
+        roles = {c: r for c, r in plan.roles.items()
+                 if not isinstance(namespace.get(c[0]), types.ModuleType)}
+        self.accelerator = self.scaler = None
+        self.optimizer, text = optimizer, "recording SGD"
+        steps = k if plan.uses_accumulate else 1
+        if "accelerator" in roles.values():
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            self.accelerator = Accelerator(cpu=device.type == "cpu",
+                                           gradient_accumulation_steps=steps)
+            self.optimizer, text = self.accelerator.prepare(optimizer), f"{text}, prepared"
+
+            def clip(*args, **kwargs):
+                self.accelerator.unscale_gradients()
+                optimizer.record("accelerator.clip_grad_norm_")
+
+            self.accelerator.clip_grad_norm_ = self.accelerator.clip_grad_value_ = clip
+        if "scaler" in roles.values():
+            enabled = dtype == torch.float16 and device.type == "cuda"
+            self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
+        if plan.data_arity:
+            items = [(b["input_ids"], b["labels"]) for b in batches]
+        else:
+            items = [BatchEncoding(dict(b)) for b in batches]
+        described = {
+            "model": (model, f"tiny {kind} model"),
+            "optimizer": (self.optimizer, text),
+            "accelerator": (self.accelerator, f"Accelerator(gradient_accumulation_steps={steps})"),
+            "scaler": (self.scaler, f"GradScaler(enabled={getattr(self.scaler, '_enabled', 0)})"),
+            "divisor": (k, f"K = {k}"),
+            "device": (str(device), str(device)),
+        }
+        for chain, role in roles.items():
+            if role == "data":
+                self._bind_data(chain, items, namespace)
+            else:
+                self._bind(chain, *described[role], namespace)
+        for name, value in plan.initial.items():
+            if name not in self.values and name not in namespace:
+                self.values[name] = value
+                self.bindings[name] = f"{value!r}, as assigned before the statement"
+        params = [p for p in plan.params or [] if p not in plan.optional]
+        for name in plan.free + params:
+            if name in plan.optional:
+                continue
+            if name not in self.values and (name in params or (
+                    name not in namespace and name not in vars(builtins))):
+                self.values[name] = Stub(name)
+                self.bindings.setdefault(name, "stub")
+
+    def _bind_data(self, chain, items, namespace) -> None:
+        prefetched = self.plan.prefetch.get(chain, [])
+        source = DataSource(".".join(chain), items, start=1 if prefetched else 0)
+        shape = "(input_ids, labels) tuples" if self.plan.data_arity else "dict batches"
+        self._bind(chain, source, f"{len(items)} micro-batches as {shape}", namespace)
+        for index, (name,) in enumerate(prefetched):
+            self.values[name] = items[0] if len(prefetched) == 1 else items[0][index]
+            self.bindings[name] = "the first micro-batch (prefetched)"
+
+    def _bind(self, chain, value, text: str, namespace) -> None:
+        root = chain[0]
+        if len(chain) == 1:
+            self.values[root] = value
+        elif root in namespace or not isinstance(self.values.setdefault(root, Stub(root)), Stub):
+            return
+        else:
+            holder = self.values[root]
+            for name in chain[1:-1]:
+                holder = getattr(holder, name)
+            setattr(holder, chain[-1], value)
+        self.bindings[".".join(chain)] = text
+
+
+def _callable(plan: Plan, filename: str, namespace: dict, objects: _Objects):
+    """The statement as a function of its free names (a loop is wrapped in one; a function
+    target is defined without its decorators), and the keyword arguments to call it with."""
+    values = objects.values
+    namespace.update({n: v for n, v in values.items() if n not in (plan.params or ())})
+    if plan.params is not None:
+        node = copy.copy(plan.target)
+        node.decorator_list = []
+        exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
+        return namespace[node.name], {n: values[n] for n in plan.params if n in values}
+    wrapper = ast.parse(f"def __gaaudit_replay__({', '.join(values)}):\n    pass").body[0]
+    wrapper.body = [plan.target]
+    ast.copy_location(wrapper, plan.target)
+    module = ast.fix_missing_locations(ast.Module([wrapper], []))
+    exec(compile(module, filename, "exec"), namespace)  # noqa: S102
+    return namespace["__gaaudit_replay__"], values
+
+
+@contextlib.contextmanager
+def _capturing(optimizer: RecordingOptimizer, namespace: dict):
+    """Capture the gradients at any optimizer's step and at gradient clipping (before the clip
+    changes them), for the duration of the replay."""
+    hook = register_optimizer_step_pre_hook(
+        lambda *args: optimizer.record("optimizer.step"))
+    modules = (torch.nn.utils, torch.nn.utils.clip_grad)
+    saved = [(m, n, getattr(m, n)) for m in modules for n in CLIPPERS if hasattr(m, n)]
+    originals = {id(f): n for _, n, f in saved}
+
+    def clipper(name):
+        return lambda *args, **kwargs: optimizer.record(name)
+
+    for module, name, _ in saved:
+        setattr(module, name, clipper(name))
+    for key, value in list(namespace.items()):
+        if id(value) in originals:
+            namespace[key] = clipper(originals[id(value)])
+    try:
+        yield
+    finally:
+        hook.remove()
+        for module, name, function in saved:
+            setattr(module, name, function)
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise _TimedOut after `seconds` (main thread only; elsewhere there is no limit)."""
+    if threading.current_thread() is not threading.main_thread() or not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _TimedOut()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _describe(exc: BaseException, filename: str) -> str:
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    where = f" (line {lines[-1]})" if lines else ""
+    return f"{type(exc).__name__}: {exc}{where}"

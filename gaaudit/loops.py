@@ -1,0 +1,221 @@
+"""Accumulation structure: backward calls, optimizer steps, and the windows that join them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+import libcst as cst
+
+from gaaudit.tree import LOOPS, Tree, code, dotted, last_name, positional
+
+OPTIMIZER = re.compile(r"(^|_)opt|optim")
+WindowKind = Literal["modulo", "micro-loop", "accumulate", "named"]
+
+# Default names of accumulation divisors; extend with `accumulation-names` in the config.
+ACCUMULATION_NAMES = frozenset({
+    "gradient_accumulation_steps", "grad_accum_steps", "grad_accumulation_steps",
+    "accumulation_steps", "accum_steps", "accum_iter", "accum_iters", "grad_accum",
+    "gradient_accumulation", "accumulate_grad_batches", "ga_steps", "num_accumulation_steps",
+    "n_accum", "accum", "accumulate", "grad_acc_steps", "micro_steps", "num_micro_batches",
+})
+
+
+@dataclass(frozen=True)
+class Backward:
+    """A call that differentiates a loss: `loss.backward()`, `accelerator.backward(loss)`, ..."""
+
+    call: cst.Call
+    loss: cst.BaseExpression
+
+
+@dataclass(frozen=True)
+class Window:
+    """The micro-steps whose gradients one optimizer step consumes."""
+
+    kind: WindowKind
+    loop: cst.For | cst.While | None
+    size: cst.BaseExpression | None  # K, when the code names it
+    anchor: cst.CSTNode  # the step guard, the micro-step loop, or the `with` statement
+    step_region: tuple[cst.CSTNode, ...]  # where the optimizer step (and gradient scaling) sits
+
+
+def is_step(call: cst.Call) -> bool:
+    """`optimizer.step()`, `opt.step()`, `scaler.step(optimizer)`."""
+    func = call.func
+    if not (isinstance(func, cst.Attribute) and func.attr.value == "step"):
+        return False
+    receiver = (last_name(func.value) or "").lower()
+    if "sched" in receiver:
+        return False
+    return bool(OPTIMIZER.search(receiver)) or ("scaler" in receiver and len(positional(call)) == 1)
+
+
+def backward_of(call: cst.Call) -> cst.BaseExpression | None:
+    """The loss a `backward` call differentiates, else None."""
+    func = call.func
+    if not (isinstance(func, cst.Attribute) and func.attr.value == "backward"):
+        return None
+    args = positional(call)
+    if args:
+        return args[0]
+    receiver = func.value
+    if isinstance(receiver, cst.Call) and isinstance(receiver.func, cst.Attribute):
+        if receiver.func.attr.value == "scale" and len(receiver.args) == 1:
+            return receiver.args[0].value
+    return receiver
+
+
+class Structure:
+    """Backward calls, steps and windows of one file, same-file helpers included."""
+
+    def __init__(self, tree: Tree, accumulation_names: frozenset[str]) -> None:
+        self.tree = tree
+        self.names = ACCUMULATION_NAMES | accumulation_names
+
+    @cached_property
+    def _helpers(self) -> tuple[dict[str, int], set[str]]:
+        """Same-file functions that call backward on their N-th parameter, and those that step."""
+        backward: dict[str, int] = {}
+        stepping: set[str] = set()
+        for name, function in self.tree.functions.items():
+            params = [p.name.value for p in function.params.params]
+            for node in self.tree.in_scope(function):
+                if not isinstance(node, cst.Call):
+                    continue
+                if is_step(node):
+                    stepping.add(name)
+                loss = backward_of(node)
+                if isinstance(loss, cst.BaseExpression):
+                    root = next((n.value for n in self.tree.walk(loss) if isinstance(n, cst.Name)), None)
+                    if root in params:
+                        backward[name] = params.index(root) - (params[:1] == ["self"])
+        return backward, stepping
+
+    def backwards(self) -> Iterator[Backward]:
+        helpers, _ = self._helpers
+        for node in self.tree.walk(self.tree.module):
+            if not isinstance(node, cst.Call):
+                continue
+            loss = backward_of(node)
+            if isinstance(loss, cst.BaseExpression):
+                yield Backward(node, loss)
+                continue
+            name = last_name(node.func)
+            if name in helpers and not self._inside(node, self.tree.functions[name]):
+                args = positional(node)
+                if helpers[name] < len(args):
+                    yield Backward(node, args[helpers[name]])
+
+    def _inside(self, node: cst.CSTNode, outer: cst.CSTNode) -> bool:
+        return any(a is outer for a in self.tree.ancestors(node))
+
+    def steps_in(self, region: cst.CSTNode) -> list[cst.Call]:
+        """Optimizer steps inside a region, calls to same-file stepping helpers included."""
+        _, stepping = self._helpers
+        return [
+            node
+            for node in self.tree.walk(region, into_defs=False)
+            if isinstance(node, cst.Call) and (is_step(node) or last_name(node.func) in stepping)
+        ]
+
+    def window(self, backward: Backward) -> Window | None:
+        """The accumulation window a backward call belongs to, if the code shows one."""
+        scope = self.tree.scope_of(backward.call)
+        ancestors = []
+        for node in self.tree.ancestors(backward.call):
+            if node is scope:
+                break
+            ancestors.append(node)
+        accumulate = next((w for w in ancestors if self._is_accumulate(w)), None)
+        loop = next((a for a in ancestors if isinstance(a, LOOPS)), None)
+        if loop is not None:
+            if self.steps_in(loop):
+                found = self._modulo_window(loop)
+            elif not self._zeroes_gradients(loop):
+                found = self._micro_window(loop)
+            else:
+                found = None
+            if found is not None:
+                return found
+        if accumulate is not None:
+            return Window("accumulate", loop, None, accumulate, (accumulate,))
+        return None
+
+    def _zeroes_gradients(self, loop: cst.CSTNode) -> bool:
+        return any(
+            isinstance(n, cst.Call) and last_name(n.func) == "zero_grad"
+            for n in self.tree.walk(loop, into_defs=False)
+        )
+
+    def _micro_window(self, loop: cst.For | cst.While) -> Window:
+        size = None
+        if isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call):
+            args = positional(loop.iter)
+            if dotted(loop.iter.func) == "range" and len(args) in (1, 2):
+                size = args[-1]
+        if size is None and isinstance(loop, cst.For) and dotted(loop.iter) is not None:
+            size = cst.parse_expression(f"len({code(loop.iter)})")
+        return Window("micro-loop", loop, size, loop, tuple(self._after(loop)))
+
+    def _after(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+        """The statements following `node` in its block, and after its enclosing blocks."""
+        while node in self.tree.parents:
+            parent = self.tree.parents[node]
+            body = getattr(parent, "body", None)
+            if isinstance(body, (list, tuple)) and node in body:
+                yield from body[body.index(node) + 1:]
+            if isinstance(parent, (cst.FunctionDef, cst.Module) + LOOPS):
+                return
+            node = parent
+
+    def _modulo_window(self, loop: cst.For | cst.While) -> Window | None:
+        for step in self.steps_in(loop):
+            for guard in self.tree.ancestors(step):
+                if guard is loop:
+                    break
+                if isinstance(guard, cst.If):
+                    modulo = self._modulo(guard.test)
+                    if modulo is not None:
+                        return Window("modulo", loop, modulo.right, guard, (guard,))
+        return None
+
+    def _modulo(self, test: cst.BaseExpression) -> cst.BinaryOperation | None:
+        """The `a % k` a step guard tests, directly or through a name assigned from it."""
+        for node in self.tree.walk(test):
+            if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo):
+                return node
+            if isinstance(node, cst.Name):
+                for stmt in self.tree.walk(self.tree.scope_of(test)):
+                    if isinstance(stmt, cst.Assign) and any(
+                        dotted(t.target) == node.value for t in stmt.targets
+                    ):
+                        inner = self._first_modulo(stmt.value)
+                        if inner is not None:
+                            return inner
+        return None
+
+    def _first_modulo(self, expr: cst.CSTNode) -> cst.BinaryOperation | None:
+        return next(
+            (
+                n
+                for n in self.tree.walk(expr)
+                if isinstance(n, cst.BinaryOperation) and isinstance(n.operator, cst.Modulo)
+            ),
+            None,
+        )
+
+    @staticmethod
+    def _is_accumulate(node: cst.CSTNode) -> bool:
+        return isinstance(node, cst.With) and any(
+            isinstance(item.item, cst.Call)
+            and isinstance(item.item.func, cst.Attribute)
+            and item.item.func.attr.value == "accumulate"
+            for item in node.items
+        )
+
+    def is_accumulation_name(self, expr: cst.CSTNode) -> bool:
+        return (last_name(expr) or "") in self.names

@@ -1,0 +1,56 @@
+"""Output formats: one module per format, each with `write(run, out)`."""
+
+from __future__ import annotations
+
+import tokenize
+from collections import Counter
+from dataclasses import dataclass
+from importlib import import_module
+from typing import TextIO
+
+from gaaudit.findings import FileError, FileReport, Finding
+
+FORMATS = ("text", "json", "sarif", "github")
+
+
+@dataclass
+class CheckRun:
+    """What one `gaaudit check` found, and how it should be shown."""
+
+    reports: list[FileReport]
+    files_checked: int
+    elapsed: float
+    statistics: bool = False
+    color: bool = False
+    quiet: bool = False
+
+    @property
+    def findings(self) -> list[Finding]:
+        """Every finding of every file, in `Finding.sort_key` order."""
+        return sorted((f for r in self.reports for f in r.findings), key=lambda f: f.sort_key)
+
+    @property
+    def errors(self) -> list[FileError]:
+        """The files that could not be checked, by path."""
+        return sorted((r.error for r in self.reports if r.error), key=lambda e: e.path)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Number of findings per rule code, in code order."""
+        return dict(sorted(Counter(f.code for r in self.reports for f in r.findings).items()))
+
+
+def write(fmt: str, run: CheckRun, out: TextIO) -> None:
+    """Write `run` to `out` in the format `fmt`, one of `FORMATS`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown output format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    import_module(f"{__name__}.{fmt}").write(run, out)
+
+
+def source_lines(path: str) -> list[str]:
+    """The lines of a Python file (encoding cookie honoured); empty if it cannot be read."""
+    try:
+        with tokenize.open(path) as file:
+            return file.read().split("\n")
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return []

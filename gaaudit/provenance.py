@@ -1,0 +1,289 @@
+"""Where a loss comes from: a per-micro-batch mean, a sum, or unknown (GA-GUIDE section 2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import libcst as cst
+
+from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional, string_value
+
+Kind = Literal["mean", "sum", "elementwise", "unknown"]
+
+# torch losses whose default reduction is a mean over the elements (or valid targets).
+TORCH_LOSSES = {
+    "cross_entropy", "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+    "CrossEntropyLoss", "NLLLoss", "BCELoss", "BCEWithLogitsLoss", "MSELoss", "L1Loss",
+    "SmoothL1Loss", "HuberLoss", "KLDivLoss",
+}
+PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half", "bfloat16"}
+MAX_DEPTH = 16
+
+
+@dataclass(frozen=True)
+class Division:
+    """A `value / divisor` on the path from the loss source to `backward`."""
+
+    node: cst.CSTNode  # the BinaryOperation, or the AugAssign statement for `/=`
+    divisor: cst.BaseExpression
+
+
+@dataclass(frozen=True)
+class Origin:
+    """What a loss expression is, where it was made, and what divided it on the way."""
+
+    kind: Kind
+    description: str
+    source: cst.CSTNode | None = None
+    divisions: tuple[Division, ...] = field(default=())
+
+    def divided(self, division: Division) -> Origin:
+        return replace(self, divisions=(*self.divisions, division))
+
+
+UNKNOWN = Origin("unknown", "an expression gaaudit cannot trace")
+
+
+class Tracer:
+    """Traces loss expressions back through assignments and same-file helpers."""
+
+    def __init__(self, tree: Tree) -> None:
+        self.tree = tree
+
+    def origin(self, expr: cst.BaseExpression, depth: int = 0) -> Origin:
+        if depth > MAX_DEPTH:
+            return UNKNOWN
+        if isinstance(expr, cst.BinaryOperation):
+            return self._binary(expr, depth)
+        if isinstance(expr, cst.Name):
+            return self._name(expr, depth)
+        if isinstance(expr, cst.Attribute):
+            if expr.attr.value == "loss":
+                return self._mean(expr, f"`{code(expr)}`, the mean loss a model returns for its labels")
+            return Origin("unknown", f"`{code(expr)}`, whose origin is not visible here")
+        if isinstance(expr, cst.Subscript):
+            return self._subscript(expr, depth)
+        if isinstance(expr, cst.Call):
+            return self._call(expr, depth)
+        return UNKNOWN
+
+    def _mean(self, node: cst.CSTNode, what: str) -> Origin:
+        return Origin("mean", f"{what} (line {self.tree.line(node)})", node)
+
+    def _sum(self, node: cst.CSTNode, what: str) -> Origin:
+        return Origin("sum", f"{what} (line {self.tree.line(node)})", node)
+
+    def _binary(self, expr: cst.BinaryOperation, depth: int) -> Origin:
+        left = self.origin(expr.left, depth + 1)
+        if isinstance(expr.operator, cst.Divide):
+            if left.kind == "sum" and self._per_micro_batch(expr, expr.right):
+                return self._mean(expr, f"`{code(expr)}`, a sum over its own count (a masked mean)")
+            return left.divided(Division(expr, expr.right))
+        right = self.origin(expr.right, depth + 1)
+        if isinstance(expr.operator, cst.Multiply):
+            loss, other = (left, expr.right) if left.kind != "unknown" else (right, expr.left)
+            if loss.kind == "mean" and not isinstance(other, (cst.Integer, cst.Float)):
+                return self._sum(expr, f"`{code(expr)}`, a mean times a count")
+            return loss
+        if isinstance(expr.operator, (cst.Add, cst.Subtract)):
+            for kind in ("mean", "sum", "elementwise"):
+                for side in (left, right):
+                    if side.kind == kind:
+                        return side
+        return UNKNOWN
+
+    def _per_micro_batch(self, expr: cst.CSTNode, divisor: cst.BaseExpression) -> bool:
+        """Whether a divisor is computed inside the loop that holds `expr` (a micro-batch count)."""
+        from gaaudit.tree import LOOPS, depends_on
+
+        loop = next((a for a in self.tree.ancestors(expr) if isinstance(a, LOOPS)), None)
+        if loop is None:
+            return not isinstance(divisor, (cst.Name, cst.Attribute, cst.Integer, cst.Float))
+        return depends_on(divisor, self.tree.assigned_in(loop))
+
+    def _name(self, expr: cst.Name, depth: int) -> Origin:
+        binding = self.binding(expr.value, expr)
+        if binding is None:
+            return Origin("unknown", f"`{expr.value}`, whose origin is not visible here")
+        return self._from_binding(expr.value, binding, depth)
+
+    def _from_binding(self, name: str, stmt: cst.CSTNode, depth: int) -> Origin:
+        if isinstance(stmt, cst.Param):
+            return Origin("unknown", f"`{name}`, a parameter of the function")
+        if isinstance(stmt, cst.AugAssign):
+            previous = self.binding(name, stmt)
+            before = self._from_binding(name, previous, depth + 1) if previous else UNKNOWN
+            if isinstance(stmt.operator, cst.DivideAssign):
+                return before.divided(Division(stmt, stmt.value))
+            if isinstance(stmt.operator, cst.MultiplyAssign) and before.kind == "mean":
+                return self._sum(stmt, f"`{name}` multiplied by a count")
+            return before
+        value = stmt.value if isinstance(stmt, (cst.Assign, cst.AnnAssign)) else None
+        if value is None:
+            return UNKNOWN
+        targets = [t.target for t in stmt.targets] if isinstance(stmt, cst.Assign) else [stmt.target]
+        for target in targets:
+            if isinstance(target, (cst.Tuple, cst.List)):
+                return self._unpacked(name, target, value, depth)
+        return self.origin(value, depth + 1)
+
+    def _unpacked(self, name: str, target, value, depth: int) -> Origin:
+        names = [last_name(e.value) for e in target.elements]
+        index = names.index(name)
+        if isinstance(value, (cst.Tuple, cst.List)) and index < len(value.elements):
+            return self.origin(value.elements[index].value, depth + 1)
+        if isinstance(value, cst.Call):
+            helper = self._helper(value)
+            if helper is not None:
+                returned = [r for r in self._returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
+                if returned and index < len(returned[0].elements):
+                    return self.origin(returned[0].elements[index].value, depth + 1)
+            if "loss" in name:
+                return self._mean(
+                    value, f"`{name}` returned by `{code(value.func)}(...)`, a model's mean loss"
+                )
+        return UNKNOWN
+
+    def _subscript(self, expr: cst.Subscript, depth: int) -> Origin:
+        key = expr.slice[0].slice if len(expr.slice) == 1 else None
+        index = key.value if isinstance(key, cst.Index) else None
+        if string_value(index) == "loss":
+            return self._mean(expr, f"`{code(expr)}`, the mean loss a model returns for its labels")
+        if isinstance(index, cst.Integer) and index.value == "0":
+            outputs = self.origin_call(expr.value)
+            if outputs is not None and self._passes_labels(outputs):
+                return self._mean(expr, f"`{code(expr)}`, the loss of a model called with labels")
+        return UNKNOWN
+
+    def origin_call(self, expr: cst.BaseExpression) -> cst.Call | None:
+        """The call an expression (or the name it is bound to) evaluates."""
+        if isinstance(expr, cst.Name):
+            stmt = self.binding(expr.value, expr)
+            expr = stmt.value if isinstance(stmt, cst.Assign) else None
+        return expr if isinstance(expr, cst.Call) else None
+
+    @staticmethod
+    def _passes_labels(call: cst.Call) -> bool:
+        return any(
+            (a.keyword is not None and a.keyword.value in ("labels", "targets")) or a.star == "**"
+            for a in call.args
+        )
+
+    def _call(self, call: cst.Call, depth: int) -> Origin:
+        func = call.func
+        if isinstance(func, cst.Attribute):
+            method = func.attr.value
+            if method in ("mean", "nanmean") and not positional(call) and keyword(call, "dim") is None:
+                return self._mean(call, f"`{code(call)}`")
+            if method in ("sum", "nansum") and not positional(call) and keyword(call, "dim") is None:
+                return self._sum(call, f"`{code(call)}`")
+            if method in PASS_THROUGH or (method == "scale" and len(call.args) == 1):
+                target = func.value if method in PASS_THROUGH else call.args[0].value
+                return self.origin(target, depth + 1)
+        qualified = self.tree.qualified(func) or ""
+        if qualified in ("torch.mean", "torch.nanmean"):
+            return self._mean(call, f"`{code(call)}`")
+        if qualified in ("torch.sum", "torch.nansum"):
+            return self._sum(call, f"`{code(call)}`")
+        if qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES:
+            return self._reduction(call, call, f"`{qualified.rsplit('.', 1)[-1]}`")
+        constructor = self._loss_instance(func)
+        if constructor is not None:
+            return self._reduction(constructor, call, f"a `{code(constructor.func)}` instance")
+        helper = self._helper(call)
+        if helper is not None:
+            for returned in self._returns(helper):
+                found = self.origin(returned, depth + 1)
+                if found.kind != "unknown":
+                    return replace(found, description=f"{found.description}, returned by `{helper.name.value}()`")
+        return Origin("unknown", f"`{code(func)}(...)`, a call gaaudit cannot see into")
+
+    def _reduction(self, configured: cst.Call, call: cst.Call, what: str) -> Origin:
+        reduction = string_value(keyword(configured, "reduction"))
+        if reduction == "sum":
+            return self._sum(call, f"{what} with reduction='sum'")
+        if reduction == "none":
+            return Origin("elementwise", f"{what} with reduction='none'", call)
+        return self._mean(call, f"{what} with the default reduction='mean'")
+
+    def _loss_instance(self, func: cst.BaseExpression) -> cst.Call | None:
+        """The `nn.CrossEntropyLoss(...)` call a callee was bound to, if any."""
+        name = dotted(func)
+        if name is None:
+            return None
+        candidates = self._assignments_anywhere(name) if "." in name else []
+        if not candidates:
+            stmt = self.binding(name, func)
+            candidates = [stmt.value] if isinstance(stmt, cst.Assign) else []
+        for value in candidates:
+            if isinstance(value, cst.Call):
+                qualified = self.tree.qualified(value.func) or ""
+                if qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES:
+                    return value
+        return None
+
+    def _assignments_anywhere(self, name: str) -> list[cst.BaseExpression]:
+        
+        return [
+            node.value
+            for node in self.tree.walk(self.tree.module)
+            if isinstance(node, cst.Assign)
+            and any(dotted(t.target) == name for t in node.targets)
+        ]
+
+    def _helper(self, call: cst.Call) -> cst.FunctionDef | None:
+        name = dotted(call.func)
+        if name is None or name.count(".") > 1 or (name.count(".") == 1 and not name.startswith("self.")):
+            return None
+        return self.tree.functions.get(name.rsplit(".", 1)[-1])
+
+    def _returns(self, function: cst.FunctionDef) -> list[cst.BaseExpression]:
+        return [
+            node.value
+            for node in self.tree.in_scope(function)
+            if isinstance(node, cst.Return) and node.value is not None
+        ]
+
+    def binding(self, name: str, use: cst.CSTNode) -> cst.CSTNode | None:
+        """The last statement before `use` in its scope (then the module) that binds `name`."""
+        scope = self.tree.scope_of(use)
+        where = self._start(use)
+        for region in (scope, self.tree.module) if scope is not self.tree.module else (scope,):
+            earlier = [
+                node
+                for node in self.tree.in_scope(region)
+                if self._binds(node, name)
+                and node is not use
+                and self._start(node) <= where
+                and not self._contains(node, use)
+            ]
+            if earlier:
+                return max(earlier, key=self._start)
+            if isinstance(region, cst.FunctionDef):
+                for param in region.params.params:
+                    if param.name.value == name:
+                        return param
+        return None
+
+    def _start(self, node: cst.CSTNode) -> tuple[int, int]:
+        start = self.tree.positions[node].start
+        return (start.line, start.column)
+
+    def _contains(self, outer: cst.CSTNode, inner: cst.CSTNode) -> bool:
+        return any(a is outer for a in self.tree.ancestors(inner))
+
+    @staticmethod
+    def _binds(node: cst.CSTNode, name: str) -> bool:
+        if isinstance(node, cst.Assign):
+            return any(name in _target_names(t.target) for t in node.targets)
+        if isinstance(node, (cst.AugAssign, cst.AnnAssign)):
+            return name in _target_names(node.target)
+        return False
+
+
+def _target_names(target: cst.CSTNode) -> set[str]:
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return set().union(*(_target_names(e.value) for e in target.elements))
+    return {target.value} if isinstance(target, cst.Name) else set()

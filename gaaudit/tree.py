@@ -1,0 +1,227 @@
+"""A parsed file with the indexes the analysis needs: parents, positions, imports, bindings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cached_property
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from gaaudit.findings import Span
+
+Scope = cst.Module | cst.FunctionDef
+LOOPS = (cst.For, cst.While)
+
+
+def code(node: cst.CSTNode) -> str:
+    """The source text of an expression, on one line."""
+    return " ".join(cst.Module([]).code_for_node(node).split())
+
+
+def dotted(node: cst.CSTNode) -> str | None:
+    """`a.b.c` for a Name/Attribute chain, else None."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        base = dotted(node.value)
+        return f"{base}.{node.attr.value}" if base else None
+    return None
+
+
+def last_name(node: cst.CSTNode) -> str | None:
+    """The last component of a Name/Attribute chain: `args.k` -> `k`."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return node.attr.value
+    return None
+
+
+def reads(node: cst.CSTNode) -> set[str]:
+    """The longest dotted chains an expression reads: `a.b / len(c)` -> {"a.b", "len", "c"}."""
+    chains: set[str] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        name = dotted(current)
+        if name is not None:
+            chains.add(name)
+        else:
+            stack.extend(current.children)
+    return chains
+
+
+def depends_on(node: cst.CSTNode, bound: set[str]) -> bool:
+    """Whether an expression reads any of the `bound` chains (or something inside one)."""
+    return any(
+        chain == b or chain.startswith(b + ".") for chain in reads(node) for b in bound
+    )
+
+
+DEFS = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
+
+
+def walk(node: cst.CSTNode, children=None, *, into_defs: bool = True) -> Iterator[cst.CSTNode]:
+    """Every node below `node` (itself included), optionally not entering nested defs.
+
+    `children` maps a node to its children (a `Tree` keeps one); without it, libcst's
+    slower `node.children` is used, which suits small detached expressions.
+    """
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        if not into_defs and current is not node and isinstance(current, DEFS):
+            continue
+        below = children.get(current, ()) if children is not None else current.children
+        stack.extend(reversed(below))
+
+
+class _Indexer(cst.CSTVisitor):
+    """One traversal recording every node's parent and children."""
+
+    def __init__(self) -> None:
+        self.stack: list[cst.CSTNode] = []
+        self.parents: dict[cst.CSTNode, cst.CSTNode] = {}
+        self.children: dict[cst.CSTNode, list[cst.CSTNode]] = {}
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.stack:
+            self.parents[node] = self.stack[-1]
+            self.children.setdefault(self.stack[-1], []).append(node)
+        self.stack.append(node)
+        return True
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.stack.pop()
+
+
+def keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
+    for arg in call.args:
+        if arg.keyword is not None and arg.keyword.value == name:
+            return arg.value
+    return None
+
+
+def positional(call: cst.Call) -> list[cst.BaseExpression]:
+    return [a.value for a in call.args if a.keyword is None and not a.star]
+
+
+def string_value(node: cst.CSTNode | None) -> str | None:
+    if isinstance(node, cst.SimpleString):
+        return node.evaluated_value if isinstance(node.evaluated_value, str) else None
+    return None
+
+
+class Tree:
+    """One module and its indexes, built once per file."""
+
+    def __init__(self, module: cst.Module) -> None:
+        self.wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+        self.module = module
+        indexer = _Indexer()
+        module.visit(indexer)
+        self.parents, self.children = indexer.parents, indexer.children
+
+    def walk(self, node: cst.CSTNode, *, into_defs: bool = True) -> Iterator[cst.CSTNode]:
+        return walk(node, self.children, into_defs=into_defs)
+
+    @cached_property
+    def positions(self):
+        return self.wrapper.resolve(PositionProvider)
+
+    def span(self, node: cst.CSTNode) -> Span:
+        r = self.positions[node]
+        return Span(r.start.line, r.start.column + 1, r.end.line, r.end.column + 1)
+
+    def line(self, node: cst.CSTNode) -> int:
+        return self.positions[node].start.line
+
+    def ancestors(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+        while node in self.parents:
+            node = self.parents[node]
+            yield node
+
+    def scope_of(self, node: cst.CSTNode) -> Scope:
+        for parent in self.ancestors(node):
+            if isinstance(parent, (cst.FunctionDef, cst.Module)):
+                return parent
+        return self.module
+
+    def statement_of(self, node: cst.CSTNode) -> cst.CSTNode:
+        """The innermost statement (simple or compound) holding `node`."""
+        for candidate in (node, *self.ancestors(node)):
+            if isinstance(candidate, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+                return candidate
+        return node
+
+    def in_scope(self, scope: Scope) -> Iterator[cst.CSTNode]:
+        """Nodes of one scope, not entering nested functions or classes."""
+        body = scope if isinstance(scope, cst.Module) else scope.body
+        return self.walk(body, into_defs=False)
+
+    @cached_property
+    def functions(self) -> dict[str, cst.FunctionDef]:
+        """Functions and methods defined in the file, by name (first definition wins)."""
+        found: dict[str, cst.FunctionDef] = {}
+        for node in self.walk(self.module):
+            if isinstance(node, cst.FunctionDef):
+                found.setdefault(node.name.value, node)
+        return found
+
+    @cached_property
+    def imports(self) -> dict[str, str]:
+        """Local name -> qualified name, from the file's import statements."""
+        table: dict[str, str] = {}
+        for node in self.walk(self.module):
+            if isinstance(node, cst.Import):
+                for alias in node.names:
+                    full = dotted(alias.name) or ""
+                    if alias.asname is not None:
+                        table[alias.asname.name.value] = full
+                    else:
+                        table[full.split(".")[0]] = full.split(".")[0]
+            elif isinstance(node, cst.ImportFrom) and not isinstance(node.names, cst.ImportStar):
+                base = dotted(node.module) if node.module is not None else ""
+                for alias in node.names:
+                    local = alias.asname.name.value if alias.asname else alias.name.value
+                    table[local] = f"{base}.{alias.name.value}" if base else alias.name.value
+        return table
+
+    def qualified(self, node: cst.CSTNode) -> str | None:
+        """`F.cross_entropy` -> `torch.nn.functional.cross_entropy` through import aliases."""
+        name = dotted(node)
+        if name is None:
+            return None
+        head, _, rest = name.partition(".")
+        full = self.imports.get(head, head)
+        return f"{full}.{rest}" if rest else full
+
+    def assigned_in(self, region: cst.CSTNode) -> set[str]:
+        """Names bound anywhere inside `region` (assignments, loop targets, `as` names)."""
+        bound: set[str] = set()
+        for node in self.walk(region, into_defs=False):
+            targets: list[cst.CSTNode] = []
+            if isinstance(node, cst.Assign):
+                targets = [t.target for t in node.targets]
+            elif isinstance(node, (cst.AugAssign, cst.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, cst.For):
+                targets = [node.target]
+            elif isinstance(node, (cst.AsName, cst.NamedExpr)):
+                targets = [node.name if isinstance(node, cst.AsName) else node.target]
+            for target in targets:
+                bound |= _target_chains(target)
+        return bound
+
+
+def _target_chains(target: cst.CSTNode) -> set[str]:
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return set().union(*(_target_chains(e.value) for e in target.elements))
+    if isinstance(target, cst.StarredElement):
+        return _target_chains(target.value)
+    if isinstance(target, cst.Subscript):
+        return _target_chains(target.value)
+    name = dotted(target)
+    return {name} if name else set()

@@ -1,0 +1,60 @@
+"""Shared helpers: the fixture catalogue, the CLI runner, the shared SARIF schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gaaudit.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+SHARED = ROOT.parent / "shared"
+
+
+def fixture_scripts() -> list[Path]:
+    """Every fixture script that has an `.expected` file."""
+    return sorted(p for p in FIXTURES.glob("*.py") if p.with_suffix(".expected").exists())
+
+
+def expected(path: Path) -> list[tuple[int, str, str]]:
+    rows = []
+    for line in path.with_suffix(".expected").read_text().splitlines():
+        if line.strip():
+            number, code, confidence = line.split()
+            rows.append((int(number), code, confidence))
+    return rows
+
+
+def gaaudit(*args: str, cwd: Path | None = None, env=None) -> subprocess.CompletedProcess:
+    """Run the real console entry point in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "gaaudit", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """Invoke the Typer app in-process from a chosen working directory."""
+    runner = CliRunner()
+
+    def invoke(*args: str, cwd: Path | None = None):
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        return runner.invoke(app, list(args), catch_exceptions=False)
+
+    return invoke
+
+
+@pytest.fixture(scope="session")
+def sarif_schema() -> dict:
+    path = SHARED / "data" / "sarif-schema-2.1.0.json"
+    if not path.exists():
+        pytest.fail(f"the official SARIF schema is missing at {path}")
+    return json.loads(path.read_text())

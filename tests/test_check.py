@@ -1,0 +1,268 @@
+"""`gaaudit check` end to end: fixtures, rule examples, formats, exit codes, config, discovery."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from conftest import FIXTURES, expected, fixture_scripts, gaaudit
+from gaaudit import catalogue
+from gaaudit.config import Settings
+from gaaudit.engine import check_file
+from gaaudit.findings import Confidence
+
+ALL = Settings(min_confidence=Confidence.LOW)
+
+BUGGY = textwrap.dedent(
+    """\
+    from transformers import DataCollatorForSeq2Seq
+
+    for step, batch in enumerate(loader):
+        outputs = model(**batch)
+        loss = outputs.loss / accum_steps{comment}
+        loss.backward()
+        if (step + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    """
+)
+
+
+def buggy(comment: str = "") -> str:
+    return BUGGY.format(comment=comment)
+
+
+@pytest.mark.parametrize("script", fixture_scripts(), ids=lambda p: p.stem)
+def test_fixture_findings_are_exact(script: Path):
+    report = check_file(script, ALL)
+    assert report.error is None
+    got = [(f.span.line, f.code, str(f.confidence)) for f in report.findings]
+    assert got == expected(script)
+
+
+def test_fixture_catalogue_is_large_and_varied():
+    scripts = fixture_scripts()
+    buggy_ones = [s for s in scripts if expected(s)]
+    clean = [s for s in scripts if not expected(s)]
+    assert len(buggy_ones) >= 20 and len(clean) >= 8
+    codes = {code for s in buggy_ones for _, code, _ in expected(s)}
+    levels = {level for s in buggy_ones for _, _, level in expected(s)}
+    assert codes == {"GA001", "GA002"} and levels == {"low", "medium", "high"}
+
+
+@pytest.mark.parametrize("rule", list(catalogue.load().values()), ids=lambda r: r.code)
+def test_rule_examples(rule, tmp_path):
+    for name, source, should_fire in (("bad", rule.bad, True), ("good", rule.good, False), ("fixed", rule.fixed, False)):
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        codes = [f.code for f in check_file(path, ALL).findings]
+        assert (rule.code in codes) is should_fire, (name, codes)
+
+
+def test_finding_carries_evidence_and_hint(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(buggy())
+    (finding,) = check_file(path, ALL).findings
+    assert (finding.code, finding.span.line, finding.span.column) == ("GA001", 5, 12)
+    assert finding.confidence is Confidence.HIGH
+    assert any("outputs.loss" in e for e in finding.evidence)
+    assert any("(step + 1) % accum_steps == 0" in e for e in finding.evidence)
+    assert any("DataCollatorForSeq2Seq" in e for e in finding.evidence)
+    assert finding.hint == catalogue.load()["GA001"].hint
+
+
+@pytest.mark.parametrize(
+    "comment, reported",
+    [
+        ("", True),
+        ("  # noqa", False),
+        ("  # noqa: GA001", False),
+        ("  # noqa: GA002", True),
+        ("  # gaaudit: ignore[GA001]", False),
+        ("  # gaaudit: ignore[GA002, GA003]", True),
+        ("  # a comment that mentions GA001", True),
+    ],
+)
+def test_suppressions(tmp_path, comment, reported):
+    path = tmp_path / "train.py"
+    path.write_text(buggy(comment))
+    assert bool(check_file(path, ALL).findings) is reported
+
+
+def test_noqa_inside_a_string_does_not_suppress(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(buggy('; note = "# noqa"'))
+    assert check_file(path, ALL).findings
+
+
+def test_exit_codes_and_text_output(tmp_path, cli):
+    (tmp_path / "bad.py").write_text(buggy())
+    (tmp_path / "clean.py").write_text("print('hello')\n")
+    result = cli("check", "clean.py", cwd=tmp_path)
+    assert result.exit_code == 0 and "All checked!" in result.output
+    result = cli("check", ".", cwd=tmp_path)
+    assert result.exit_code == 1
+    assert "bad.py:5:12: GA001 [high]" in result.output
+    assert cli("check", ".", "--exit-zero").exit_code == 0
+
+
+def test_unparsable_file_is_e999_and_others_still_checked(tmp_path, cli):
+    (tmp_path / "bad.py").write_text(buggy())
+    (tmp_path / "broken.py").write_text("def f(:\n    loss.backward()\n")
+    result = cli("check", ".", cwd=tmp_path)
+    assert result.exit_code == 2
+    assert "broken.py:1:" in result.output and "E999" in result.output
+    assert "bad.py:5:12: GA001" in result.output
+
+
+def test_min_confidence(tmp_path, cli):
+    low = FIXTURES / "ga001_exact_hf_clm_group_texts.py"
+    assert cli("check", str(low)).exit_code == 0
+    result = cli("check", str(low), "--min-confidence", "low")
+    assert result.exit_code == 1 and "[low]" in result.output
+    high_only = cli("check", str(FIXTURES / "ga001_inplace_accum_iter_vit.py"), "--min-confidence", "high")
+    assert high_only.exit_code == 0
+
+
+def test_select_and_ignore_options(tmp_path, cli):
+    (tmp_path / "bad.py").write_text(buggy())
+    assert cli("check", ".", "--ignore", "GA001", cwd=tmp_path).exit_code == 0
+    assert cli("check", ".", "--select", "GA002", cwd=tmp_path).exit_code == 0
+    assert cli("check", ".", "--select", "GA", cwd=tmp_path).exit_code == 1
+
+
+def test_pyproject_config(tmp_path, cli):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "bad.py").write_text(buggy())
+    (tmp_path / "other.py").write_text(buggy())
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.gaaudit]\nper-file-ignores = { "scripts/*.py" = ["GA001"] }\nmin-confidence = "high"\n'
+    )
+    result = cli("check", ".", cwd=tmp_path)
+    assert "other.py:5:12: GA001" in result.output and "scripts/bad.py" not in result.output
+
+
+def test_config_found_from_a_subdirectory(tmp_path, cli):
+    (tmp_path / "pyproject.toml").write_text('[tool.gaaudit]\nignore = ["GA001"]\n')
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "bad.py").write_text(buggy())
+    assert cli("check", "bad.py", cwd=tmp_path / "pkg").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "table, words",
+    [
+        ('select = "GA001"', ["select", "list of strings"]),
+        ('min-confidence = "sure"', ["min-confidence", "low, medium, high"]),
+        ("colour = true", ["colour", "unknown key"]),
+        ('ignore = ["ga001"]', ["ignore", "rule code"]),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, cli, table, words):
+    (tmp_path / "pyproject.toml").write_text(f"[tool.gaaudit]\n{table}\n")
+    (tmp_path / "bad.py").write_text(buggy())
+    result = gaaudit("check", ".", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "pyproject.toml" in result.stderr and all(w in result.stderr for w in words), result.stderr
+
+
+def test_accumulation_names_are_configurable(tmp_path, cli):
+    source = textwrap.dedent(
+        """\
+        def train_step(model, batch, every):
+            loss = model(**batch).loss / every
+            loss.backward()
+        """
+    )
+    (tmp_path / "step.py").write_text(source)
+    assert cli("check", ".", cwd=tmp_path).exit_code == 0
+    (tmp_path / "pyproject.toml").write_text('[tool.gaaudit]\naccumulation-names = ["every"]\n')
+    result = cli("check", ".", cwd=tmp_path)
+    assert result.exit_code == 1 and "step.py:2:12: GA001" in result.output
+
+
+def test_discovery_honours_gitignore_and_default_excludes(tmp_path, cli):
+    for name in ("kept.py", "ignored/x.py", ".venv/lib/x.py", "build/x.py", "node_modules/x.py", "notes.txt"):
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(buggy())
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    result = cli("check", ".", "-q", cwd=tmp_path)
+    reported = {line.split(":")[0] for line in result.output.splitlines() if ": GA" in line}
+    assert reported == {"kept.py"}
+    assert cli("check", "ignored/x.py", cwd=tmp_path).exit_code == 1  # named files are always checked
+    excluded = cli("check", ".", "--extend-exclude", "kept.py", cwd=tmp_path)
+    assert excluded.exit_code == 0
+    replaced = cli("check", ".", "--exclude", "kept.py", "-q", cwd=tmp_path)
+    assert "build/x.py" in replaced.output
+
+
+def test_missing_path_is_a_usage_error(tmp_path):
+    result = gaaudit("check", "nope.py", cwd=tmp_path)
+    assert result.returncode == 2 and "nope.py" in result.stderr
+
+
+def test_formats_over_fixtures(tmp_path, cli, sarif_schema):
+    sarif_file = tmp_path / "out.sarif"
+    result = cli("check", str(FIXTURES), "--format", "sarif", "--output", str(sarif_file))
+    assert result.exit_code == 1
+    sarif = json.loads(sarif_file.read_text())
+    jsonschema.validate(sarif, sarif_schema)
+    results = sarif["runs"][0]["results"]
+    assert len(results) == sum(
+        1 for s in fixture_scripts() for _, _, level in expected(s) if level != "low"
+    )
+    data = json.loads(cli("check", str(FIXTURES), "--format", "json").output)
+    assert data["schema_version"] == 1 and data["summary"]["findings"] == len(results)
+    github = cli("check", str(FIXTURES), "--format", "github").output
+    assert github.count("title=GA00") == len(results)
+
+
+def test_statistics(cli):
+    result = cli("check", str(FIXTURES), "--statistics")
+    assert result.exit_code == 1
+    assert "GA001" in result.output and "mean-loss-divided-by-accumulation-steps" in result.output
+
+
+def test_rules_and_explain(cli):
+    listing = cli("rules").output
+    for rule in catalogue.load().values():
+        assert rule.code in listing and rule.name in listing
+    explained = cli("explain", "ga001")
+    assert explained.exit_code == 0
+    assert "Why is this bad?" in explained.output and "Use instead" in explained.output
+    assert catalogue.load()["GA001"].bad.strip().splitlines()[0] in explained.output
+    assert gaaudit("explain", "GA999").returncode == 2
+
+
+def test_version_and_module_entry_point():
+    from gaaudit import __version__
+
+    result = gaaudit("--version")
+    assert result.returncode == 0 and __version__ in result.stdout
+
+
+def test_check_never_imports_frameworks_or_user_code(tmp_path):
+    sentinel = tmp_path / "ran"
+    (tmp_path / "train.py").write_text(
+        f"open({str(sentinel)!r}, 'w').close()\nimport torch\n" + buggy()
+    )
+    probe = (
+        "import sys; from gaaudit.cli import main; sys.argv=['gaaudit','check','.'];\n"
+        "try:\n main()\nexcept SystemExit: pass\n"
+        "assert not {'torch','transformers','accelerate'} & set(sys.modules), sys.modules.keys()"
+    )
+    result = gaaudit_python(probe, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "GA001" in result.stdout and not sentinel.exists()
+
+
+def gaaudit_python(code: str, cwd: Path):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)

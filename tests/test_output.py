@@ -1,0 +1,345 @@
+"""Output formats (text, json, sarif, github) and the rule catalogue's entries."""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import re
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import gaaudit.output
+from gaaudit import catalogue
+from gaaudit.findings import Confidence, FileError, FileReport, Finding, Span
+from gaaudit.output import CheckRun, write
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = """\
+for step, batch in enumerate(loader):
+    outputs = model(**batch)
+    loss = outputs.loss / gradient_accumulation_steps
+    loss.backward()
+"""
+
+
+@pytest.fixture
+def train_py(tmp_path, monkeypatch) -> str:
+    """A real file for code frames and fingerprints, named relative to the working directory."""
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text(SOURCE, encoding="utf-8")
+    return "train.py"
+
+
+def finding(path: str, code: str = "GA001", line: int = 3, **changes) -> Finding:
+    values = dict(
+        path=path,
+        code=code,
+        message="mean loss divided by gradient_accumulation_steps",
+        span=Span(line, 12, line, 54),
+        confidence=Confidence.HIGH,
+        evidence=("labels padded with -100",),
+        hint="sum and count",
+        fixable=True,
+    )
+    return Finding(**{**values, **changes})
+
+
+def render(fmt: str, reports: list[FileReport], files_checked: int = 3, **options) -> str:
+    out = io.StringIO()
+    write(fmt, CheckRun(reports, files_checked, elapsed=0.1234, **options), out)
+    return out.getvalue()
+
+
+def sample(path: str) -> list[FileReport]:
+    return [
+        FileReport("b.py", [finding("b.py", "GA002", line=1, confidence=Confidence.LOW, hint="")]),
+        FileReport(path, [finding(path), finding(path, line=2, confidence=Confidence.MEDIUM)]),
+        FileReport("bad.py", error=FileError("bad.py", "syntax error, not valid Python 3", 4, 7)),
+    ]
+
+
+# text
+
+
+def test_text_lines_and_summary(train_py):
+    lines = render("text", sample(train_py)).splitlines()
+    assert lines == [
+        "b.py:1:12: GA002 [low] mean loss divided by gradient_accumulation_steps",
+        "    labels padded with -100",
+        "train.py:2:12: GA001 [medium] mean loss divided by gradient_accumulation_steps",
+        "    labels padded with -100",
+        "    hint: sum and count",
+        "train.py:3:12: GA001 [high] mean loss divided by gradient_accumulation_steps",
+        "    labels padded with -100",
+        "    hint: sum and count",
+        "bad.py:4:7: E999 syntax error, not valid Python 3",
+        "Found 3 findings (GA001: 2, GA002: 1) in 2 of 3 files in 0.12s."
+        " 1 file could not be checked.",
+    ]
+
+
+def test_text_all_checked_and_quiet():
+    assert (
+        render("text", [FileReport("a.py")], files_checked=1) == "All checked! 1 file in 0.12s.\n"
+    )
+    assert render("text", [FileReport("a.py")], quiet=True) == ""
+    quiet = render("text", [FileReport("a.py", [finding("a.py")])], quiet=True).splitlines()
+    assert quiet[0].startswith("a.py:3:12: GA001 [high]") and not quiet[-1].startswith("Found")
+
+
+def test_text_statistics(train_py):
+    lines = render("text", sample(train_py), statistics=True).splitlines()
+    assert lines[:2] == [
+        "2  GA001  mean-loss-divided-by-accumulation-steps",
+        "1  GA002  unnormalized-accumulation",
+    ]
+    assert lines[2].startswith("bad.py:4:7: E999") and lines[3].startswith("Found 3 findings")
+
+
+def test_text_colour_has_ansi_and_code_frame(train_py, monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    text = render("text", [FileReport(train_py, [finding(train_py)])], color=True)
+    assert "\x1b[" in text
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()
+    assert plain[1] == "  3 |     loss = outputs.loss / gradient_accumulation_steps"
+    assert plain[2] == "    |            " + "^" * 42
+
+
+def test_text_colour_frame_multiline_and_unreadable(train_py):
+    multi = finding(train_py, span=Span(2, 5, 3, 9))
+    gone = finding("missing.py")
+    plain = re.sub(
+        r"\x1b\[[0-9;]*m", "", render("text", [FileReport(train_py, [multi, gone])], color=True)
+    )
+    lines = plain.splitlines()
+    assert lines[3].startswith("train.py:2:5: GA001")
+    assert lines[4:8] == [
+        "  2 |     outputs = model(**batch)",
+        "    |     " + "^" * 24,
+        "  3 |     loss = outputs.loss / gradient_accumulation_steps",
+        "    |     ^^^^",
+    ]
+    assert lines[0].startswith("missing.py:3:12:") and lines[1] == "    labels padded with -100"
+    assert lines[8] == "    labels padded with -100"
+
+
+def test_only_colour_loads_rich():
+    script = (
+        "import io, sys; from gaaudit.output import *; from gaaudit.findings import FileReport\n"
+        "for fmt in FORMATS: write(fmt, CheckRun([FileReport('a.py')], 1, 0.0), io.StringIO())\n"
+        "assert 'rich' not in sys.modules, 'rich loaded'\n"
+        "write('text', CheckRun([], 0, 0.0, color=True), io.StringIO())\n"
+        "assert 'rich' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True)
+
+
+# json
+
+
+def test_json_validates_and_round_trips(train_py):
+    schema = json.loads((Path(gaaudit.output.__file__).parent / "json_schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    reports = sample(train_py)
+    document = json.loads(render("json", reports))
+    jsonschema.validate(document, schema, cls=jsonschema.Draft202012Validator)
+    assert document["schema_version"] == 1
+    assert document["summary"] == {
+        "files_checked": 3,
+        "findings": 3,
+        "errors": 1,
+        "by_code": {"GA001": 2, "GA002": 1},
+    }
+    first = document["findings"][0]
+    rule = catalogue.load()["GA002"]
+    assert first == {
+        "path": "b.py",
+        "code": "GA002",
+        "name": rule.name,
+        "message": "mean loss divided by gradient_accumulation_steps",
+        "line": 1,
+        "column": 12,
+        "end_line": 1,
+        "end_column": 54,
+        "confidence": "low",
+        "evidence": ["labels padded with -100"],
+        "hint": "",
+        "fixable": True,
+        "url": rule.help_uri,
+    }
+    rebuilt = [
+        Finding(
+            d["path"],
+            d["code"],
+            d["message"],
+            Span(d["line"], d["column"], d["end_line"], d["end_column"]),
+            Confidence.parse(d["confidence"]),
+            tuple(d["evidence"]),
+            d["hint"],
+            d["fixable"],
+        )
+        for d in document["findings"]
+    ]
+    assert rebuilt == sorted((f for r in reports for f in r.findings), key=lambda f: f.sort_key)
+    assert document["errors"] == [
+        {
+            "path": "bad.py",
+            "code": "E999",
+            "message": "syntax error, not valid Python 3",
+            "line": 4,
+            "column": 7,
+        }
+    ]
+
+
+# sarif
+
+
+def sarif_run(reports: list[FileReport], schema: dict) -> dict:
+    log = json.loads(render("sarif", reports))
+    jsonschema.validators.validator_for(schema)(schema).validate(log)
+    (run,) = log["runs"]
+    return run
+
+
+def test_sarif_validates_with_rules_levels_and_locations(train_py, sarif_schema):
+    run = sarif_run(sample(train_py), sarif_schema)
+    rules = catalogue.load()
+    driver = run["tool"]["driver"]
+    assert [r["id"] for r in driver["rules"]] == list(rules)
+    for meta in driver["rules"]:
+        rule = rules[meta["id"]]
+        assert meta["name"] == rule.name and meta["helpUri"] == rule.help_uri
+        assert meta["shortDescription"]["text"] == rule.summary
+        assert meta["fullDescription"]["text"] == rule.what.strip()
+        assert rule.good.strip() in meta["help"]["markdown"] and rule.hint in meta["help"]["text"]
+        assert meta["defaultConfiguration"]["level"] == rule.severity
+    results = run["results"]
+    assert [(r["ruleId"], r["level"]) for r in results] == [
+        ("GA002", "note"),
+        ("GA001", "warning"),
+        ("GA001", "error"),
+    ]
+    for result in results:
+        assert driver["rules"][result["ruleIndex"]]["id"] == result["ruleId"]
+    location = results[2]["locations"][0]["physicalLocation"]
+    assert location == {
+        "artifactLocation": {"uri": "train.py", "uriBaseId": "%SRCROOT%"},
+        "region": {"startLine": 3, "startColumn": 12, "endLine": 3, "endColumn": 54},
+    }
+    assert results[2]["properties"] == {
+        "confidence": "high",
+        "evidence": ["labels padded with -100"],
+    }
+    (invocation,) = run["invocations"]
+    assert invocation["executionSuccessful"] is False
+    (note,) = invocation["toolExecutionNotifications"]
+    assert note["descriptor"]["id"] == "E999" and note["message"]["text"].startswith("syntax error")
+
+
+def test_sarif_clean_run_and_paths(tmp_path, monkeypatch, sarif_schema):
+    monkeypatch.chdir(tmp_path)
+    reports = [
+        FileReport(
+            str(tmp_path / "sub dir" / "x.py"), [finding(str(tmp_path / "sub dir" / "x.py"))]
+        ),
+        FileReport("/elsewhere/y.py", [finding("/elsewhere/y.py")]),
+    ]
+    uris = [
+        r["locations"][0]["physicalLocation"]["artifactLocation"]
+        for r in sarif_run(reports, sarif_schema)["results"]
+    ]
+    assert uris == [
+        {"uri": "file:///elsewhere/y.py"},
+        {"uri": "sub%20dir/x.py", "uriBaseId": "%SRCROOT%"},
+    ]
+    clean = sarif_run([FileReport("a.py")], sarif_schema)
+    assert clean["results"] == [] and clean["invocations"][0]["executionSuccessful"] is True
+
+
+def fingerprints(reports: list[FileReport], schema: dict) -> list[str]:
+    return [r["partialFingerprints"]["gaaudit/v1"] for r in sarif_run(reports, schema)["results"]]
+
+
+def test_sarif_fingerprints_are_stable(train_py, sarif_schema):
+    reports = [FileReport(train_py, [finding(train_py), finding(train_py, line=2)])]
+    before = fingerprints(reports, sarif_schema)
+    assert before == fingerprints(reports, sarif_schema) and len(set(before)) == 2
+
+    Path(train_py).write_text("import torch\n\n" + SOURCE, encoding="utf-8")
+    shifted = [FileReport(train_py, [finding(train_py, line=5), finding(train_py, line=4)])]
+    assert fingerprints(shifted, sarif_schema) == before
+
+
+def test_sarif_fingerprints_count_repeated_lines(train_py, sarif_schema):
+    Path(train_py).write_text(SOURCE + SOURCE, encoding="utf-8")
+    reports = [FileReport(train_py, [finding(train_py), finding(train_py, line=7)])]
+    first, second = fingerprints(reports, sarif_schema)
+    assert first != second
+
+
+# github
+
+
+def test_github_commands_and_escaping():
+    reports = [
+        FileReport(
+            "a,b:c%.py",
+            [
+                finding("a,b:c%.py", message="50% of\r\nloss: a, b"),
+                finding("a,b:c%.py", line=4, confidence=Confidence.MEDIUM, hint=""),
+                finding("a,b:c%.py", line=5, confidence=Confidence.LOW, hint=""),
+            ],
+        ),
+        FileReport("bad.py", error=FileError("bad.py", "cannot read file", 1, 1)),
+    ]
+    assert render("github", reports).splitlines() == [
+        "::error file=a%2Cb%3Ac%25.py,line=3,col=12,endLine=3,endColumn=54,"
+        "title=GA001 [high]::50%25 of%0D%0Aloss: a, b%0Ahint: sum and count",
+        "::warning file=a%2Cb%3Ac%25.py,line=4,col=12,endLine=4,endColumn=54,"
+        "title=GA001 [medium]::mean loss divided by gradient_accumulation_steps",
+        "::notice file=a%2Cb%3Ac%25.py,line=5,col=12,endLine=5,endColumn=54,"
+        "title=GA001 [low]::mean loss divided by gradient_accumulation_steps",
+        "::error file=bad.py,line=1,col=1,title=E999::cannot read file",
+    ]
+
+
+def test_unknown_format():
+    with pytest.raises(ValueError, match="unknown output format 'xml'"):
+        render("xml", [])
+
+
+# catalogue
+
+
+def test_catalogue_entries_are_complete():
+    paths = sorted((REPO / "rules").glob("*.toml"))
+    assert paths, "no rules/*.toml"
+    rules = catalogue.load()
+    assert list(rules) == [path.stem for path in paths]
+    for path in paths:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        assert set(data) == {f.name for f in fields(catalogue.Rule)}, path.name
+        rule = catalogue.Rule(**data)
+        assert rule == rules[path.stem] and rule.code == path.stem
+        for field in fields(rule):
+            value = getattr(rule, field.name)
+            assert isinstance(value, str) and value.strip(), f"{path.name}: {field.name} is empty"
+        assert re.fullmatch(r"GA\d{3}", rule.code)
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", rule.name), rule.name
+        assert rule.severity in {"error", "warning", "note"}
+        assert "\n" not in rule.summary and "\n" not in rule.hint
+        for example in (rule.bad, rule.good, rule.fixed):
+            ast.parse(example)
+        assert rule.bad != rule.good and rule.bad != rule.fixed
