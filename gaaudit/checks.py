@@ -15,7 +15,6 @@ from gaaudit.loops import Backward, Structure, Window
 from gaaudit.provenance import Division, Origin, Tracer
 from gaaudit.tree import Tree, code, depends_on, dotted
 
-
 SiteKind = Literal["loss-division", "gradient-division", "no-division"]
 
 

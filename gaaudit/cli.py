@@ -129,6 +129,65 @@ def check(
     raise typer.Exit(EXIT_FINDINGS if run.findings and not exit_zero else EXIT_CLEAN)
 
 
+@app.command()
+def fix(
+    paths: Paths = None,
+    diff: Annotated[bool, typer.Option("--diff", help="Print a unified diff; write nothing.")] = False,
+    unsafe_fixes: Annotated[bool, typer.Option(help="Also apply fixes marked unsafe.")] = False,
+    select: Codes = None,
+    ignore: Codes = None,
+    exclude: Globs = None,
+    extend_exclude: Globs = None,
+    min_confidence: Annotated[
+        Optional[Level], typer.Option(help="Lowest confidence to fix [default: medium].")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
+) -> None:
+    """Rewrite findings to sum-and-count. Exit 0: nothing left, 1: findings remain (or, with
+    --diff, something would change), 2: errors."""
+    from gaaudit.codemod import WriteError, write_atomic
+    from gaaudit.discovery import discover
+    from gaaudit.fixer import fix_file
+    from gaaudit.source import SourceError
+
+    paths = paths or [Path(".")]
+    settings = _settings(paths, select, ignore, exclude, extend_exclude, min_confidence)
+    applied = skipped = changed = errors = 0
+    for path in discover(paths, settings):
+        try:
+            result = fix_file(path, settings, unsafe_fixes)
+            if result.changed and not diff:
+                write_atomic(path, result.after, result.before)
+        except (SourceError, WriteError) as exc:
+            errors += 1
+            line = f":{exc.line}:{exc.column}" if isinstance(exc, SourceError) else ""
+            typer.echo(f"{path.as_posix()}{line}: E999 {exc.message if isinstance(exc, SourceError) else exc}")
+            continue
+        changed += result.changed
+        for outcome in result.outcomes:
+            if outcome.applied:
+                applied += 1
+            else:
+                skipped += 1
+                typer.echo(
+                    f"{result.path}:{outcome.line}:{outcome.column}: {outcome.site.code} "
+                    f"not fixed: {outcome.reason}",
+                    err=diff,
+                )
+        if diff and result.changed:
+            typer.echo(result.diff(), nl=False)
+    if not quiet:
+        verb = "Would fix" if diff else "Fixed"
+        typer.echo(
+            f"{verb} {applied} finding{'s' * (applied != 1)} in {changed} file{'s' * (changed != 1)}"
+            f"; {skipped} not fixed.",
+            err=diff,
+        )
+    if errors:
+        raise typer.Exit(EXIT_ERROR)
+    raise typer.Exit(EXIT_FINDINGS if (changed if diff else skipped) else EXIT_CLEAN)
+
+
 def _use_color() -> bool:
     return sys.stdout.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
 

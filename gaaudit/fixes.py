@@ -10,7 +10,7 @@ import libcst as cst
 from gaaudit.checks import Auditor, Site
 from gaaudit.loops import Window, is_step
 from gaaudit.provenance import Origin
-from gaaudit.tree import Tree, code, dotted, keyword, positional, string_value
+from gaaudit.tree import Tree, code, dotted, keyword, positional
 
 CAUSAL = re.compile(r"ForCausalLM|LMHeadModel|CausalLM")
 NO_SHIFT = re.compile(
@@ -39,8 +39,16 @@ class Outcome:
     """What happened to one finding: fixed (safe or unsafe) or skipped, and why."""
 
     site: Site
+    line: int
+    column: int
     applied: bool
     reason: str = ""
+
+
+def _atom(expr: cst.BaseExpression) -> str:
+    """An expression's code, parenthesised unless it already binds tighter than `.attr`."""
+    text = code(expr)
+    return text if isinstance(expr, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) else f"({text})"
 
 
 def _statements(source: str) -> list[cst.BaseStatement]:
@@ -79,11 +87,16 @@ class Planner:
                 if not safe and not self.unsafe:
                     raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
                 self._rewrite(site, count[0])
-                outcomes.append(Outcome(site, True))
-            except Unfixable as exc:
+                outcomes.append(Outcome(site, *self._position(site), True))
+            except (Unfixable, cst.ParserSyntaxError) as exc:
                 self.edits, self._prepared = saved
-                outcomes.append(Outcome(site, False, str(exc)))
+                reason = str(exc) if isinstance(exc, Unfixable) else "gaaudit could not build a valid rewrite"
+                outcomes.append(Outcome(site, *self._position(site), False, reason))
         return outcomes
+
+    def _position(self, site: Site) -> tuple[int, int]:
+        span = self.tree.span(site.node)
+        return span.line, span.column
 
     def _snapshot(self) -> tuple[Edits, set[cst.CSTNode]]:
         """A copy to restore when a site turns out unfixable half-way through planning."""
@@ -133,11 +146,11 @@ class Planner:
 
     def _call_count(self, call: cst.Call, origin: Origin) -> tuple[tuple[str, str], bool]:
         func = call.func
-        if isinstance(func, cst.Attribute) and func.attr.value in ("mean", "nanmean"):
-            return (f"{code(func.value)}.numel()", ""), True
         qualified = self.tree.qualified(func) or ""
         if qualified in ("torch.mean", "torch.nanmean"):
-            return (f"{code(positional(call)[0])}.numel()", ""), True
+            return (f"{_atom(positional(call)[0])}.numel()", ""), True
+        if isinstance(func, cst.Attribute) and func.attr.value in ("mean", "nanmean"):
+            return (f"{_atom(func.value)}.numel()", ""), True
         if "returned by" in origin.description:
             return self._returned_count(call)
         configured = self.auditor.tracer._loss_instance(func) or call
@@ -147,7 +160,7 @@ class Planner:
         if target is None:
             raise Unfixable("the target tensor of the loss is not visible")
         if name not in TOKEN_LOSSES:
-            return (f"{code(target)}.numel()", ""), True
+            return (f"{_atom(target)}.numel()", ""), True
         ignore = keyword(configured, "ignore_index")
         return (f"({code(target)} != {code(ignore) if ignore else '-100'}).sum()", ""), True
 
@@ -159,7 +172,7 @@ class Planner:
         ignore = re.search(r"ignore_index\s*=\s*(-?\d+)", self.text) or re.search(r"(-100)\b", self.text)
         if ignore:
             return (f"({code(target)} != {ignore.group(1)}).sum()", ""), True
-        return (f"{code(target)}.numel()", "assumes every target counts: no ignore_index is visible"), False
+        return (f"{_atom(target)}.numel()", "assumes every target counts: no ignore_index is visible"), False
 
     # --- the rewrite --------------------------------------------------------------------------
 
@@ -179,8 +192,10 @@ class Planner:
             anchor = self._line(site.backward.call)
             text = f"({code(node)})" if isinstance(node, cst.BinaryOperation) else code(node)
             new = cst.parse_expression(f"{text} * {factor}")
+            if isinstance(self.tree.parents[node], cst.Attribute):  # `(loss * n).backward()`
+                new = new.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
             if site.kind == "gradient-division":
-                self._remove(site.division.node)
+                self._remove(site.division.node, site.window)
         if node not in self.edits.replace:
             self.edits.replace[node] = new
         if anchor not in self.edits.before:
@@ -200,18 +215,18 @@ class Planner:
             return name if "accelerator" in name.lower() else None
         return None
 
-    def _remove(self, node: cst.CSTNode) -> None:
-        """Drop a `p.grad.div_(k)` statement (the window division replaces it)."""
-        line = self._line(node)
-        body = self.tree.parents[line]
-        loop = self.tree.parents.get(body)
-        if isinstance(loop, cst.For) and len(body.body) == 1:
-            self.edits.replace[loop] = cst.RemovalSentinel.REMOVE
-        elif isinstance(loop, cst.If) and len(body.body) == 1:
-            outer = self._line(loop)
-            self.edits.replace[outer] = cst.RemovalSentinel.REMOVE
-        else:
-            self.edits.replace[line] = cst.RemovalSentinel.REMOVE
+    def _remove(self, node: cst.CSTNode, window: Window) -> None:
+        """Drop a `p.grad.div_(k)` statement, with the `for`/`if` left holding nothing else."""
+        statement = self._line(node)
+        while True:
+            owner = self.tree.parents.get(self.tree.parents[statement])
+            block = self.tree.parents[statement]
+            if not isinstance(owner, (cst.For, cst.If, cst.With)) or owner is window.anchor:
+                break
+            if len(block.body) != 1 or (isinstance(owner, (cst.For, cst.If)) and owner.orelse):
+                break
+            statement = owner
+        self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
 
     def _prepare_window(self, site: Site) -> None:
         window = site.window
@@ -229,13 +244,12 @@ class Planner:
             self.edits.insert_after(self._line(window.loop), normalize)
         elif window.kind == "accumulate":
             outer = next((a for a in self.tree.ancestors(window.anchor) if isinstance(a, (cst.For, cst.While))), None)
-            step = next(iter(self.auditor.structure.steps_in(window.anchor)), None)
-            if outer is None or step is None:
-                raise Unfixable("the optimizer step of the accumulate() window is not in this loop")
-            receiver = self._accelerator(site) or "accelerator"
+            receiver = self._accelerator(site)
+            if outer is None or receiver is None:
+                raise Unfixable("the accumulate() window has no accelerator.backward in a loop")
             self.edits.insert_before(self._line(outer), f"{self.window_total} = 0\n")
             body = "\n".join("    " + line for line in (normalize + f"{self.window_total} = 0").splitlines())
-            self.edits.insert_before(self._line(step), f"if {receiver}.sync_gradients:\n{body}\n")
+            self.edits.insert_after(self._line(site.backward.call), f"if {receiver}.sync_gradients:\n{body}\n")
         else:
             raise Unfixable("the optimizer step is not in this function; gaaudit cannot place the one division")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-
 from conftest import FIXTURES, expected, fixture_scripts, gaaudit
+
 from gaaudit import catalogue
 from gaaudit.config import Settings
 from gaaudit.engine import check_file

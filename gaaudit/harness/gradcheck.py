@@ -14,8 +14,12 @@ from gaaudit.harness.models import mean_token_loss
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-# A correct loop stays below these relative errors; autocast noise sets the low-precision ones.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# A correct loop stays below these relative errors. In fp32 the error is measured against the
+# full batch; under bf16/fp16 autocast against the loop's own one-micro-batch replay in the same
+# precision, whose distance to the fp32 full batch must stay below AGREEMENT (measured: up to
+# 4e-2 bf16 and 1.5e-2 fp16 for the tiny T5, 4e-3 / 5e-4 for GPT-2; splitting noise 4e-3 / 4e-4).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+AGREEMENT = {torch.float32: 1e-5, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 BUG_THRESHOLD = 1e-3
 
 

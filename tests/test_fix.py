@@ -1,0 +1,197 @@
+"""`gaaudit fix`: exact before/after pairs, guarantees on bytes, and the CLI contract."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, expected, fixture_scripts
+
+from gaaudit import catalogue, codemod
+from gaaudit.config import Settings
+from gaaudit.engine import check_file
+from gaaudit.findings import Confidence
+from gaaudit.fixer import fix_source
+
+ALL = Settings(min_confidence=Confidence.LOW)
+PAIRS = sorted(FIXTURES.glob("*.fixed.py"))
+
+BUGGY = textwrap.dedent(
+    """\
+    import torch
+    from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
+
+    model = AutoModelForCausalLM.from_pretrained("gpt2")
+    for step, batch in enumerate(loader):
+        outputs = model(**batch)  # forward
+        loss = outputs.loss / accum_steps
+        loss.backward()
+        if (step + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    """
+)
+
+
+def fixed(data: bytes, unsafe: bool = True, settings: Settings = ALL) -> bytes:
+    return fix_source(data, "x.py", "x.py", settings, unsafe).after
+
+
+def original_of(pair: Path) -> Path:
+    return pair.with_name(pair.name.replace(".fixed.py", ".py"))
+
+
+def test_every_fixable_shape_has_a_pair():
+    assert len(PAIRS) >= 20
+    for script in fixture_scripts():
+        if expected(script):
+            changes = fixed(script.read_bytes()) != script.read_bytes()
+            assert changes == script.with_name(script.stem + ".fixed.py").exists(), script.name
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.stem)
+def test_pair_is_exact_compiles_is_clean_and_idempotent(pair: Path):
+    after = pair.read_bytes()
+    assert fixed(original_of(pair).read_bytes()) == after
+    compile(after, str(pair), "exec")
+    assert check_file(pair, ALL).findings == []
+    assert fixed(after) == after
+    assert b"gaaudit" not in after
+
+
+@pytest.mark.parametrize("script", [s for s in fixture_scripts() if not expected(s)], ids=lambda p: p.stem)
+def test_clean_files_are_byte_identical(script: Path):
+    assert fixed(script.read_bytes()) == script.read_bytes()
+
+
+def test_rewrite_keeps_comments_and_divides_before_the_step():
+    after = fixed(BUGGY.encode()).decode()
+    assert "# forward" in after
+    assert "micro_tokens = (batch[\"labels\"][..., 1:] != -100).sum()" in after
+    assert "loss = outputs.loss * micro_tokens" in after
+    assert after.index("param.grad.div_(max(window_tokens, 1))") < after.index("optimizer.step()")
+    assert after.index("window_tokens = 0") < after.index("for step, batch")
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda s: s.replace("\n", "\r\n"),
+        lambda s: "\ufeff" + s,
+        lambda s: s.replace("    ", "\t"),
+        lambda s: "# -*- coding: latin-1 -*-\n# caf\xe9\n" + s,
+    ],
+    ids=["crlf", "bom", "tabs", "latin-1"],
+)
+def test_encodings_and_line_endings_survive(transform):
+    text = transform(BUGGY)
+    encoding = "latin-1" if "coding: latin-1" in text else "utf-8"
+    data = text.encode(encoding)
+    after = fixed(data)
+    assert after != data
+    decoded = after.decode(encoding)
+    assert decoded.startswith(text[:10])
+    if "\r\n" in text:
+        assert "\n" not in decoded.replace("\r\n", "")
+    if "\t" in text:
+        assert "\n\t\tfor group in optimizer.param_groups:" in decoded
+    compile(after, "x.py", "exec")
+    assert fixed(after) == after
+
+
+def test_unsafe_fixes_are_held_back_with_a_reason(tmp_path, cli):
+    script = FIXTURES / "ga002_nanogpt_micro_loop_no_division.py"
+    target = tmp_path / script.name
+    target.write_bytes(script.read_bytes())
+    result = cli("fix", str(target))
+    assert result.exit_code == 1
+    assert "not fixed: unsafe fix" in result.output and "--unsafe-fixes" in result.output
+    assert target.read_bytes() == script.read_bytes()
+    result = cli("fix", str(target), "--unsafe-fixes")
+    assert result.exit_code == 0
+    assert target.read_bytes() == script.with_name(script.stem + ".fixed.py").read_bytes()
+
+
+def test_unfixable_finding_says_why_with_its_position(tmp_path, cli):
+    script = FIXTURES / "ga001_custom_compute_loss_helper.py"
+    (tmp_path / script.name).write_bytes(script.read_bytes())
+    result = cli("fix", ".", cwd=tmp_path)
+    assert result.exit_code == 1
+    assert f"{script.name}:75:20: GA001 not fixed: the loss is computed in another function" in result.output
+    assert "Fixed 0 findings in 0 files; 1 not fixed." in result.output
+
+
+def test_diff_writes_nothing_and_git_applies(tmp_path, cli):
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    for name in ("ga001_hf_clm_sft_no_trainer.py", "ok_sum_and_count_grad_div.py"):
+        (tmp_path / name).write_bytes((FIXTURES / name).read_bytes())
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("*.py")}
+    result = cli("fix", ".", "--diff", cwd=tmp_path)
+    assert result.exit_code == 1
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.py")} == before
+    patch = tmp_path / "fix.patch"
+    patch.write_text(result.stdout)
+    subprocess.run(["git", "apply", "--check", str(patch)], cwd=tmp_path, check=True)
+    subprocess.run(["git", "apply", str(patch)], cwd=tmp_path, check=True)
+    assert (tmp_path / "ga001_hf_clm_sft_no_trainer.py").read_bytes() == (
+        FIXTURES / "ga001_hf_clm_sft_no_trainer.fixed.py"
+    ).read_bytes()
+    assert cli("fix", ".", "--diff", cwd=tmp_path).exit_code == 0
+
+
+def test_fix_writes_in_place_keeps_mode_and_is_idempotent(tmp_path, cli):
+    target = tmp_path / "train.py"
+    target.write_text(BUGGY)
+    target.chmod(0o750)
+    assert cli("fix", ".", cwd=tmp_path).exit_code == 0
+    once = target.read_bytes()
+    assert once != BUGGY.encode() and stat.S_IMODE(target.stat().st_mode) == 0o750
+    assert cli("fix", ".", cwd=tmp_path).exit_code == 0
+    assert target.read_bytes() == once
+    assert [p.name for p in tmp_path.iterdir()] == ["train.py"]
+
+
+def test_unparsable_and_read_only_files_are_left_untouched(tmp_path, cli):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n    loss.backward()\n")
+    locked = tmp_path / "locked.py"
+    locked.write_text(BUGGY)
+    locked.chmod(0o444)
+    result = cli("fix", ".", cwd=tmp_path)
+    assert result.exit_code == 2
+    assert "broken.py:1:7: E999" in result.output
+    if os.geteuid() != 0:  # root may write anything
+        assert "locked.py: E999" in result.output and "not writable" in result.output
+        assert locked.read_text() == BUGGY
+    assert broken.read_text() == "def f(:\n    loss.backward()\n"
+
+
+def test_interrupted_write_leaves_the_original(tmp_path, monkeypatch):
+    target = tmp_path / "train.py"
+    target.write_text(BUGGY)
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(codemod.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        codemod.write_atomic(target, b"new", BUGGY.encode())
+    assert target.read_text() == BUGGY
+    assert [p.name for p in tmp_path.iterdir()] == ["train.py"]
+
+
+def test_file_changed_since_read_is_not_overwritten(tmp_path):
+    target = tmp_path / "train.py"
+    target.write_text(BUGGY + "# edited meanwhile\n")
+    with pytest.raises(codemod.WriteError, match="changed while gaaudit was fixing it"):
+        codemod.write_atomic(target, b"new", BUGGY.encode())
+    assert target.read_text().endswith("# edited meanwhile\n")
+
+
+@pytest.mark.parametrize("rule", list(catalogue.load().values()), ids=lambda r: r.code)
+def test_rule_fixed_example_is_what_fix_produces(rule):
+    assert fixed(rule.bad.encode(), unsafe=False).decode() == rule.fixed
