@@ -46,14 +46,15 @@ def audit(module, text: str, shown: str, relative: str, settings: Settings):
     `shown` is the path as reported; `relative` is relative to the settings' root,
     which is what per-file-ignores globs match.
     """
-    from gaaudit.checks import Auditor
+    from gaaudit.checks import Context, run
     from gaaudit.evidence import scan
     from gaaudit.tree import Tree
 
     evidence = scan(text.removeprefix("\ufeff"))
+    context = Context(Tree(module), shown, evidence, settings.accumulation_names)
     return [
         finding
-        for finding in Auditor(Tree(module), settings.accumulation_names).findings(shown, evidence)
+        for finding in run(context)
         if finding.confidence >= settings.min_confidence
         and settings.enabled(finding.code, relative)
         and not evidence.suppressed(finding.span.line, finding.code)

@@ -7,16 +7,16 @@ from pathlib import Path
 from gaaudit.codemod import FileFix, apply
 from gaaudit.config import Settings
 from gaaudit.engine import audit, display_path
-from gaaudit.source import SourceError, parse, read
+from gaaudit.source import Source, SourceError, parse, read
 
 
 def fix_source(data: bytes, shown: str, relative: str, settings: Settings, unsafe: bool = False) -> FileFix:
     """Rewrite every reported, fixable finding of one file's bytes; raises `SourceError`."""
-    from gaaudit.checks import Auditor
+    from gaaudit.checks.accumulation import Auditor
     from gaaudit.fixes import Planner
     from gaaudit.tree import Tree
 
-    if not any(t in data for t in (b"backward", b".grad")):
+    if not Source(Path(shown), data).may_have_findings:
         return FileFix(shown, data, data)
     module = parse(data)
     text = data.decode(module.encoding)

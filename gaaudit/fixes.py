@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from gaaudit.checks import Auditor, Site
+from gaaudit.checks.accumulation import Auditor, Site
 from gaaudit.loops import Window, is_step
 from gaaudit.provenance import Origin
 from gaaudit.tree import Tree, code, dotted, keyword, positional

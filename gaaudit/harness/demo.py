@@ -57,9 +57,8 @@ def plot(rows: list[DemoRow], path: str) -> None:
     figure, axes = pyplot.subplots(figsize=(6, 4))
     ks = [row.k for row in rows]
     # an exact match (error 0, as at K=1) cannot be drawn on a log scale
-    floor = lambda values: [max(v, 1e-12) for v in values]  # noqa: E731
-    axes.plot(ks, floor([r.mean_over_k for r in rows]), "o-", label="mean / K")
-    axes.plot(ks, floor([r.sum_and_count for r in rows]), "s-", label="sum and count")
+    axes.plot(ks, [max(r.mean_over_k, 1e-12) for r in rows], "o-", label="mean / K")
+    axes.plot(ks, [max(r.sum_and_count, 1e-12) for r in rows], "s-", label="sum and count")
     axes.set(xlabel="micro-batches K", ylabel="relative gradient error", yscale="log",
              title="Gradient accumulation vs one full batch (tiny GPT-2)")
     axes.legend()

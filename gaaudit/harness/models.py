@@ -55,39 +55,38 @@ class TinyTokenModel(nn.Module):
         return self.mlp(self.embed(input_ids))
 
 
-def build_model(kind: str = "causal", seed: int = 0) -> nn.Module:
-    """A fresh tiny model of `kind` (see KINDS) with weights fixed by `seed`, in eval mode."""
-    from transformers import (
-        BertConfig,
-        BertForMaskedLM,
-        GPT2Config,
-        GPT2LMHeadModel,
-        T5Config,
-        T5ForConditionalGeneration,
-    )
+def _hf_model(kind: str) -> nn.Module:
+    import transformers as tf
 
-    if kind not in KINDS:
-        raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
-    torch.manual_seed(seed)
     ids = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
     if kind == "causal":
-        model = GPT2LMHeadModel(GPT2Config(
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(
             n_layer=2, n_embd=64, n_head=2, n_positions=MAX_POSITIONS,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids))
         model.loss_type = "ForCausalLM"  # the class name does not say so; silences a warning
-    elif kind == "seq2seq":
-        model = T5ForConditionalGeneration(T5Config(
+        return model
+    if kind == "seq2seq":
+        return tf.T5ForConditionalGeneration(tf.T5Config(
             d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=2, dropout_rate=0.0,
             decoder_start_token_id=0, **ids))
-    elif kind == "mlm":
-        model = BertForMaskedLM(BertConfig(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            max_position_embeddings=MAX_POSITIONS, **ids))
-    elif kind == "nanogpt":
+    return tf.BertForMaskedLM(tf.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        max_position_embeddings=MAX_POSITIONS, **ids))
+
+
+def build_model(kind: str = "causal", seed: int = 0) -> nn.Module:
+    """A fresh tiny model of `kind` (see KINDS) with weights fixed by `seed`, in eval mode:
+    GPT-2 (causal), T5 (seq2seq), BERT (mlm), TinyGPT (nanogpt), TinyTokenModel (logits)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
+    torch.manual_seed(seed)
+    if kind == "nanogpt":
         model = TinyGPT()
-    else:
+    elif kind == "logits":
         model = TinyTokenModel()
+    else:
+        model = _hf_model(kind)
     return model.eval()
 
 

@@ -168,3 +168,8 @@ def _grad_divisor(node: cst.CSTNode) -> cst.BaseExpression | None:
         if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Divide):
             return value.right if _is_grad(value.left) else None
     return None
+
+
+def findings(context) -> list[Finding]:
+    """GA001/GA002 (and, in accumulate() windows, GA003) for one file."""
+    return Auditor(context.tree, context.accumulation_names).findings(context.path, context.evidence)

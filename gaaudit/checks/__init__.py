@@ -1,0 +1,38 @@
+"""The rules' code, one module per family; `run` applies them all to one parsed file.
+
+A new rule goes in the module of its family (or a new module listed in `CHECKERS`),
+with its catalogue entry in `rules/<CODE>.toml` and fixtures under `fixtures/`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib import import_module
+
+from gaaudit.evidence import Evidence
+from gaaudit.findings import Finding
+from gaaudit.tree import Tree
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every checker gets for one file."""
+
+    tree: Tree
+    path: str
+    evidence: Evidence
+    accumulation_names: frozenset[str]
+
+
+Checker = Callable[[Context], Iterable[Finding]]
+
+# Modules exposing `findings(context)`, imported only when a file reaches analysis.
+CHECKERS = ("gaaudit.checks.accumulation",)
+
+
+def run(context: Context) -> list[Finding]:
+    found: list[Finding] = []
+    for name in CHECKERS:
+        found.extend(import_module(name).findings(context))
+    return sorted(found, key=lambda f: f.sort_key)
