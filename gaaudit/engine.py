@@ -33,15 +33,17 @@ def check_file(path: Path, settings: Settings) -> FileReport:
             return FileReport(shown)
         module = parse(source.data)
         text = source.data.decode(module.encoding)
-        return FileReport(shown, audit(module, text, shown, display_path(path, settings.root), settings))
+        relative = display_path(path, settings.root)
+        return FileReport(shown, audit(module, text, shown, relative, settings, path.parent)[1])
     except SourceError as exc:
         return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column))
     except RecursionError:
         return FileReport(shown, error=FileError(shown, "code nested too deeply to analyse"))
 
 
-def audit(module, text: str, shown: str, relative: str, settings: Settings):
-    """Findings of a parsed module that pass selection, confidence and suppressions.
+def audit(module, text: str, shown: str, relative: str, settings: Settings, directory: Path):
+    """The analysis context of a parsed module, and its findings that pass selection,
+    confidence and suppressions.
 
     `shown` is the path as reported; `relative` is relative to the settings' root,
     which is what per-file-ignores globs match.
@@ -51,14 +53,15 @@ def audit(module, text: str, shown: str, relative: str, settings: Settings):
     from gaaudit.tree import Tree
 
     evidence = scan(text.removeprefix("\ufeff"))
-    context = Context(Tree(module), shown, evidence, settings.accumulation_names)
-    return [
+    context = Context(Tree(module), shown, evidence, settings.accumulation_names, directory)
+    findings = [
         finding
         for finding in run(context)
         if finding.confidence >= settings.min_confidence
         and settings.enabled(finding.code, relative)
         and not evidence.suppressed(finding.span.line, finding.code)
     ]
+    return context, findings
 
 
 def check_files(files: Iterable[Path], settings: Settings, jobs: int | None = None) -> Iterator[FileReport]:

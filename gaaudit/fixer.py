@@ -10,24 +10,21 @@ from gaaudit.engine import audit, display_path
 from gaaudit.source import Source, SourceError, parse, read
 
 
-def fix_source(data: bytes, shown: str, relative: str, settings: Settings, unsafe: bool = False) -> FileFix:
+def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False) -> FileFix:
     """Rewrite every reported, fixable finding of one file's bytes; raises `SourceError`."""
     from gaaudit.checks.accumulation import Auditor
     from gaaudit.fixes import Planner
-    from gaaudit.tree import Tree
 
-    if not Source(Path(shown), data).may_have_findings:
+    shown = display_path(path)
+    if not Source(path, data).may_have_findings:
         return FileFix(shown, data, data)
     module = parse(data)
     text = data.decode(module.encoding)
-    reported = {(f.code, f.span.line, f.span.column) for f in audit(module, text, shown, relative, settings)}
-    tree = Tree(module)
-    auditor = Auditor(tree, settings.accumulation_names)
-    sites = [
-        site
-        for site in auditor.sites()
-        if (site.code, *_start(tree, site.node)) in reported
-    ]
+    context, findings = audit(module, text, shown, display_path(path, settings.root), settings, path.parent)
+    reported = {(f.code, f.span.line, f.span.column) for f in findings}
+    tree = context.tree
+    auditor = Auditor(tree, settings.accumulation_names, path.parent)
+    sites = [site for site in auditor.sites() if (site.code, *_start(tree, site.node)) in reported]
     if not sites:
         return FileFix(shown, data, data)
     planner = Planner(tree, auditor, unsafe)
@@ -50,5 +47,4 @@ def _start(tree, node) -> tuple[int, int]:
 
 def fix_file(path: Path, settings: Settings, unsafe: bool = False) -> FileFix:
     """Plan the fix of one file on disk (nothing is written here)."""
-    source = read(path)
-    return fix_source(source.data, display_path(path), display_path(path, settings.root), settings, unsafe)
+    return fix_source(read(path).data, path, settings, unsafe)

@@ -113,6 +113,11 @@ class Planner:
         """(count expression, caveat) and whether the fix is safe."""
         origin = site.origin
         source = origin.source
+        if site.kind == "framework-division" and self._accelerator(site) is None:
+            raise Unfixable(
+                "the framework divides by the accumulation steps internally; gaaudit has no safe "
+                "rewrite for it (see `gaaudit explain GA003`)"
+            )
         if origin.kind != "mean" or source is None:
             raise Unfixable("gaaudit could not tell what the loss averages over")
         if self.tree.scope_of(source) is not self.tree.scope_of(site.backward.call):
@@ -209,6 +214,8 @@ class Planner:
         return ""
 
     def _accelerator(self, site: Site) -> str | None:
+        if site.backward.call is None:
+            return None
         func = site.backward.call.func
         if isinstance(func, cst.Attribute) and func.attr.value == "backward" and positional(site.backward.call):
             name = dotted(func.value) or ""

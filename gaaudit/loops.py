@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
 import libcst as cst
 
-from gaaudit.tree import LOOPS, Tree, code, dotted, last_name, positional
+from gaaudit.tree import LOOPS, Tree, code, dotted, keyword, last_name, positional, string_value
 
 OPTIMIZER = re.compile(r"(^|_)opt|optim")
-WindowKind = Literal["modulo", "micro-loop", "accumulate", "named"]
+WindowKind = Literal["modulo", "micro-loop", "accumulate", "framework", "named"]
 
 # Default names of accumulation divisors; extend with `accumulation-names` in the config.
 ACCUMULATION_NAMES = frozenset({
@@ -28,7 +30,7 @@ ACCUMULATION_NAMES = frozenset({
 class Backward:
     """A call that differentiates a loss: `loss.backward()`, `accelerator.backward(loss)`, ..."""
 
-    call: cst.Call
+    call: cst.Call | None  # None for a loss returned to a framework that calls backward itself
     loss: cst.BaseExpression
 
 
@@ -72,9 +74,10 @@ def backward_of(call: cst.Call) -> cst.BaseExpression | None:
 class Structure:
     """Backward calls, steps and windows of one file, same-file helpers included."""
 
-    def __init__(self, tree: Tree, accumulation_names: frozenset[str]) -> None:
+    def __init__(self, tree: Tree, accumulation_names: frozenset[str], directory: Path = Path(".")) -> None:
         self.tree = tree
         self.names = ACCUMULATION_NAMES | accumulation_names
+        self.directory = directory  # where config files named in the source are looked up
 
     @cached_property
     def _helpers(self) -> tuple[dict[str, int], set[str]]:
@@ -124,6 +127,8 @@ class Structure:
 
     def window(self, backward: Backward) -> Window | None:
         """The accumulation window a backward call belongs to, if the code shows one."""
+        if self._deepspeed_engine(backward) and self.deepspeed_accumulation():
+            return Window("framework", None, None, backward.call, ())
         scope = self.tree.scope_of(backward.call)
         ancestors = []
         for node in self.tree.ancestors(backward.call):
@@ -217,5 +222,93 @@ class Structure:
             for item in node.items
         )
 
+    def dividing_framework(self, backward: Backward, window: Window) -> str | None:
+        """Which framework divides this backward's loss by the accumulation steps, if any."""
+        if self._deepspeed_engine(backward):
+            where = self.deepspeed_accumulation()
+            return f"DeepSpeed, gradient_accumulation_steps in {where}" if where else None
+        receiver = self._receiver(backward)
+        if receiver is None or "accelerator" not in receiver.lower():
+            return None
+        if window.kind == "accumulate":
+            return f"accelerate's `{receiver}.accumulate()`"
+        if self._configured_accelerator():
+            return "accelerate, `Accelerator(gradient_accumulation_steps=...)`"
+        return None
+
+    @staticmethod
+    def _receiver(backward: Backward) -> str | None:
+        call = backward.call
+        if call is None or not positional(call) or not isinstance(call.func, cst.Attribute):
+            return None
+        return dotted(call.func.value)
+
+    @cached_property
+    def _constructors(self) -> dict[str, list[cst.Call]]:
+        """Calls by qualified callee name (for framework configuration lookups)."""
+        calls: dict[str, list[cst.Call]] = {}
+        for node in self.tree.walk(self.tree.module):
+            if isinstance(node, cst.Call):
+                calls.setdefault(self.tree.qualified(node.func) or "", []).append(node)
+        return calls
+
+    def _configured_accelerator(self) -> bool:
+        accelerators = [c for name, calls in self._constructors.items() if name.endswith("Accelerator") for c in calls]
+        plugins = any(name.endswith("GradientAccumulationPlugin") for name in self._constructors)
+        return plugins or any(keyword(c, "gradient_accumulation_steps") is not None for c in accelerators)
+
+    def _deepspeed_engine(self, backward: Backward) -> bool:
+        """Whether the backward's receiver was unpacked from `deepspeed.initialize(...)`."""
+        receiver = self._receiver(backward)
+        if receiver is None:
+            return False
+        for node in self.tree.walk(self.tree.module):
+            if isinstance(node, cst.Assign) and isinstance(node.value, cst.Call):
+                if (self.tree.qualified(node.value.func) or "").endswith("deepspeed.initialize"):
+                    targets = {dotted(e.value) for t in node.targets if isinstance(t.target, cst.Tuple) for e in t.target.elements}
+                    targets |= {dotted(t.target) for t in node.targets}
+                    if receiver in targets:
+                        return True
+        return False
+
+    @cached_property
+    def _deepspeed_config(self) -> str | None:
+        """Where the file's DeepSpeed config sets gradient_accumulation_steps above 1."""
+        for node in self.tree.walk(self.tree.module):
+            if isinstance(node, cst.DictElement) and string_value(node.key) == "gradient_accumulation_steps":
+                value = node.value
+                if not (isinstance(value, cst.Integer) and int(value.value) <= 1):
+                    return f"a config dict (line {self.tree.line(node)})"
+            if isinstance(node, cst.SimpleString) and (string_value(node) or "").endswith(".json"):
+                steps = _json_accumulation(self.directory / string_value(node))
+                if steps:
+                    return f"{string_value(node)} (gradient_accumulation_steps={steps})"
+        for call in self._constructors.get("deepspeed.initialize", []):
+            if keyword(call, "gradient_accumulation_steps") is not None:
+                return f"deepspeed.initialize(...) (line {self.tree.line(call)})"
+        return None
+
+    def deepspeed_accumulation(self) -> str | None:
+        return self._deepspeed_config
+
+    def lightning_accumulation(self) -> cst.BaseExpression | None:
+        """The `accumulate_grad_batches` of a Lightning `Trainer(...)` in the file, unless 1."""
+        for name, calls in self._constructors.items():
+            if name.endswith("Trainer") and ("lightning" in name or "pl." in name or name == "Trainer"):
+                for call in calls:
+                    value = keyword(call, "accumulate_grad_batches")
+                    if value is not None and not (isinstance(value, cst.Integer) and value.value == "1"):
+                        return value
+        return None
+
     def is_accumulation_name(self, expr: cst.CSTNode) -> bool:
         return (last_name(expr) or "") in self.names
+
+
+def _json_accumulation(path: Path) -> int | str | None:
+    """gradient_accumulation_steps from a JSON config file next to the source, when above 1."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("gradient_accumulation_steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if value == "auto" or (isinstance(value, int) and value > 1) else None

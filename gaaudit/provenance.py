@@ -137,7 +137,7 @@ class Tracer:
         if isinstance(value, cst.Call):
             helper = self._helper(value)
             if helper is not None:
-                returned = [r for r in self._returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
+                returned = [r for r in self.returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
                 if returned and index < len(returned[0].elements):
                     return self.origin(returned[0].elements[index].value, depth + 1)
             if "loss" in name:
@@ -194,7 +194,7 @@ class Tracer:
             return self._reduction(constructor, call, f"a `{code(constructor.func)}` instance")
         helper = self._helper(call)
         if helper is not None:
-            for returned in self._returns(helper):
+            for returned in self.returns(helper):
                 found = self.origin(returned, depth + 1)
                 if found.kind != "unknown":
                     return replace(found, description=f"{found.description}, returned by `{helper.name.value}()`")
@@ -239,7 +239,7 @@ class Tracer:
             return None
         return self.tree.functions.get(name.rsplit(".", 1)[-1])
 
-    def _returns(self, function: cst.FunctionDef) -> list[cst.BaseExpression]:
+    def returns(self, function: cst.FunctionDef) -> list[cst.BaseExpression]:
         return [
             node.value
             for node in self.tree.in_scope(function)

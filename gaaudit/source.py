@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Byte patterns without which no rule can fire: files lacking all of them are never parsed.
-TRIGGERS = (b"backward", b".grad")
+TRIGGERS = (b"backward", b".grad", b"accumulate_grad_batches")
 
 
 class SourceError(Exception):

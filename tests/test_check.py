@@ -51,7 +51,7 @@ def test_fixture_catalogue_is_large_and_varied():
     assert len(buggy_ones) >= 20 and len(clean) >= 8
     codes = {code for s in buggy_ones for _, code, _ in expected(s)}
     levels = {level for s in buggy_ones for _, _, level in expected(s)}
-    assert codes == {"GA001", "GA002"} and levels == {"low", "medium", "high"}
+    assert {"GA001", "GA002", "GA003"} <= codes and levels == {"low", "medium", "high"}
 
 
 @pytest.mark.parametrize("rule", list(catalogue.load().values()), ids=lambda r: r.code)

@@ -38,7 +38,7 @@ BUGGY = textwrap.dedent(
 
 
 def fixed(data: bytes, unsafe: bool = True, settings: Settings = ALL) -> bytes:
-    return fix_source(data, "x.py", "x.py", settings, unsafe).after
+    return fix_source(data, Path("x.py"), settings, unsafe).after
 
 
 def original_of(pair: Path) -> Path:

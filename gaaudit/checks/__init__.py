@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import import_module
+from pathlib import Path
 
 from gaaudit.evidence import Evidence
 from gaaudit.findings import Finding
@@ -23,6 +24,7 @@ class Context:
     path: str
     evidence: Evidence
     accumulation_names: frozenset[str]
+    directory: Path  # the file's folder, where config files it names are looked up
 
 
 Checker = Callable[[Context], Iterable[Finding]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import libcst as cst
@@ -13,9 +14,11 @@ from gaaudit.evidence import Evidence
 from gaaudit.findings import Confidence, Finding
 from gaaudit.loops import Backward, Structure, Window
 from gaaudit.provenance import Division, Origin, Tracer
-from gaaudit.tree import Tree, code, depends_on, dotted
+from gaaudit.tree import Tree, code, depends_on, dotted, string_value
 
-SiteKind = Literal["loss-division", "gradient-division", "no-division"]
+SiteKind = Literal["loss-division", "gradient-division", "no-division", "framework-division"]
+CODES = {"loss-division": "GA001", "gradient-division": "GA001", "no-division": "GA002",
+         "framework-division": "GA003"}
 
 
 @dataclass(frozen=True)
@@ -32,22 +35,24 @@ class Site:
 
     @property
     def code(self) -> str:
-        return "GA002" if self.kind == "no-division" else "GA001"
+        return CODES[self.kind]
 
 
 class Auditor:
     """Runs the accumulation rules over one parsed file."""
 
-    def __init__(self, tree: Tree, accumulation_names: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, tree: Tree, accumulation_names: frozenset[str] = frozenset(), directory: Path = Path(".")
+    ) -> None:
         self.tree = tree
-        self.structure = Structure(tree, accumulation_names)
+        self.structure = Structure(tree, accumulation_names, directory)
         self.tracer = Tracer(tree)
 
     def sites(self) -> Iterator[Site]:
         """One site per reportable node, in source order."""
         seen: set[cst.CSTNode] = set()
-        for backward in self.structure.backwards():
-            for site in self._judge(backward):
+        judged = (site for backward in self.structure.backwards() for site in self._judge(backward))
+        for site in (*judged, *self._lightning()):
                 if site.node not in seen:
                     seen.add(site.node)
                     yield site
@@ -97,7 +102,15 @@ class Auditor:
                 f"`{code(division.divisor)}`: micro-batches with fewer valid tokens are over-weighted",
             )
             return
+        framework = self.structure.dividing_framework(backward, window)
         scaled = list(self._gradient_divisions(window))
+        if framework is not None and not scaled:
+            yield Site(
+                "framework-division", backward.call, backward, window, origin, None,
+                f"Mean loss passed to a backward that divides by the accumulation steps for you "
+                f"({framework}): micro-batches with fewer valid tokens are over-weighted",
+            )
+            return
         for node, divisor in scaled:
             yield Site(
                 "gradient-division", node, backward, window, origin, Division(node, divisor),
@@ -110,6 +123,28 @@ class Auditor:
                 "Mean loss accumulated over micro-batches with no normalization: the gradient is "
                 "about K times too large and wrongly weighted per token",
             )
+
+    def _lightning(self) -> Iterator[Site]:
+        """`training_step` returning a mean loss under `Trainer(accumulate_grad_batches=k)`."""
+        accumulate = self.structure.lightning_accumulation()
+        if accumulate is None:
+            return
+        for cls in self.tree.walk(self.tree.module):
+            if not (isinstance(cls, cst.ClassDef) and _is_lightning_module(cls)):
+                continue
+            for node in self.tree.walk(cls.body):
+                if isinstance(node, cst.FunctionDef) and node.name.value == "training_step":
+                    for returned in self.tracer.returns(node):
+                        loss = _returned_loss(returned)
+                        origin = self.tracer.origin(loss)
+                        if origin.kind == "mean":
+                            window = Window("framework", None, accumulate, node, ())
+                            yield Site(
+                                "framework-division", loss, Backward(None, loss), window, origin, None,
+                                "Mean loss returned to a Lightning Trainer that divides it by "
+                                f"`accumulate_grad_batches={code(accumulate)}`: micro-batches with "
+                                "fewer valid tokens are over-weighted",
+                            )
 
     def _constant_divisor(self, division: Division, window: Window) -> bool:
         """A divisor that is the window size K, an accumulation name, or loop-invariant."""
@@ -149,7 +184,22 @@ class Auditor:
             return f"micro-step loop over `{head}` (line {line}) before one optimizer step"
         if window.kind == "accumulate":
             return f"`accumulate()` context (line {line})"
+        if window.kind == "framework":
+            return f"the framework accumulates gradients for you (line {line})"
         return f"`{code(window.size)}` names an accumulation divisor"
+
+
+def _is_lightning_module(cls: cst.ClassDef) -> bool:
+    return any((dotted(base.value) or "").endswith("LightningModule") for base in cls.bases)
+
+
+def _returned_loss(returned: cst.BaseExpression) -> cst.BaseExpression:
+    """`loss`, or the value under "loss" in a returned dict."""
+    if isinstance(returned, cst.Dict):
+        for element in returned.elements:
+            if isinstance(element, cst.DictElement) and string_value(element.key) == "loss":
+                return element.value
+    return returned
 
 
 def _is_grad(node: cst.CSTNode) -> bool:
@@ -172,4 +222,5 @@ def _grad_divisor(node: cst.CSTNode) -> cst.BaseExpression | None:
 
 def findings(context) -> list[Finding]:
     """GA001/GA002 (and, in accumulate() windows, GA003) for one file."""
-    return Auditor(context.tree, context.accumulation_names).findings(context.path, context.evidence)
+    auditor = Auditor(context.tree, context.accumulation_names, context.directory)
+    return auditor.findings(context.path, context.evidence)
