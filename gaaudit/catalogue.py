@@ -29,7 +29,7 @@ class Rule:
     hint: str
     bad: str
     good: str
-    fixed: str = ""
+    fixed: str = ""  # what `gaaudit fix` makes of `bad`; empty when the rule has no codemod
 
     @property
     def help_uri(self) -> str:

@@ -111,6 +111,8 @@ def check(
     started = time.perf_counter()
     files = list(discover(paths, settings))
     reports = list(check_files(files, settings, jobs))
+    if settings.enabled("GA006", ""):
+        reports += _repository_reports(files, paths, settings)
     run = CheckRun(
         reports=reports,
         files_checked=len(files),
@@ -186,6 +188,21 @@ def fix(
     if errors:
         raise typer.Exit(EXIT_ERROR)
     raise typer.Exit(EXIT_FINDINGS if (changed if diff else skipped) else EXIT_CLEAN)
+
+
+def _repository_reports(files, paths, settings):
+    """GA006 findings on dependency files, filtered like the per-file ones."""
+    from gaaudit.checks.versions import check_repository
+    from gaaudit.engine import display_path
+
+    reports = check_repository(files, [p for p in paths if p.is_dir()])
+    for report in reports:
+        relative = display_path(Path(report.path), settings.root)
+        report.findings = [
+            f for f in report.findings
+            if f.confidence >= settings.min_confidence and settings.enabled(f.code, relative)
+        ]
+    return [r for r in reports if r.findings]
 
 
 def _use_color() -> bool:

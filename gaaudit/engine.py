@@ -9,7 +9,8 @@ from pathlib import Path
 
 from gaaudit.config import Settings
 from gaaudit.findings import FileError, FileReport
-from gaaudit.source import SourceError, parse, read
+from gaaudit.focus import focus
+from gaaudit.source import TRIGGERS, SourceError, parse, read
 
 # Below this many files, a worker pool costs more than it saves.
 PARALLEL_THRESHOLD = 64
@@ -31,7 +32,7 @@ def check_file(path: Path, settings: Settings) -> FileReport:
         source = read(path)
         if not source.may_have_findings:
             return FileReport(shown)
-        module = parse(source.data)
+        module = parse(focus(source.data, TRIGGERS))
         text = source.data.decode(module.encoding)
         relative = display_path(path, settings.root)
         return FileReport(shown, audit(module, text, shown, relative, settings, path.parent)[1])
@@ -39,6 +40,9 @@ def check_file(path: Path, settings: Settings) -> FileReport:
         return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column))
     except RecursionError:
         return FileReport(shown, error=FileError(shown, "code nested too deeply to analyse"))
+    except Exception as exc:  # a bug in gaaudit must not end the run for every other file
+        message = f"internal error ({type(exc).__name__}: {exc}); the file was skipped, please report this"
+        return FileReport(shown, error=FileError(shown, message))
 
 
 def audit(module, text: str, shown: str, relative: str, settings: Settings, directory: Path):
@@ -49,17 +53,15 @@ def audit(module, text: str, shown: str, relative: str, settings: Settings, dire
     which is what per-file-ignores globs match.
     """
     from gaaudit.checks import Context, run
-    from gaaudit.evidence import scan
     from gaaudit.tree import Tree
 
-    evidence = scan(text.removeprefix("\ufeff"))
-    context = Context(Tree(module), shown, evidence, settings.accumulation_names, directory)
+    context = Context(Tree(module), shown, text, settings.accumulation_names, directory)
     findings = [
         finding
         for finding in run(context)
         if finding.confidence >= settings.min_confidence
         and settings.enabled(finding.code, relative)
-        and not evidence.suppressed(finding.span.line, finding.code)
+        and not context.evidence.suppressed(finding.span.line, finding.code)
     ]
     return context, findings
 

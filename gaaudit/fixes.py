@@ -156,7 +156,7 @@ class Planner:
             return (f"{_atom(positional(call)[0])}.numel()", ""), True
         if isinstance(func, cst.Attribute) and func.attr.value in ("mean", "nanmean"):
             return (f"{_atom(func.value)}.numel()", ""), True
-        if "returned by" in origin.description:
+        if origin.source is not None and "returned by" in origin.what:
             return self._returned_count(call)
         configured = self.auditor.tracer._loss_instance(func) or call
         name = (self.tree.qualified(configured.func) or "").rsplit(".", 1)[-1]

@@ -100,9 +100,7 @@ class Structure:
 
     def backwards(self) -> Iterator[Backward]:
         helpers, _ = self._helpers
-        for node in self.tree.walk(self.tree.module):
-            if not isinstance(node, cst.Call):
-                continue
+        for node in self.tree.calls:
             loss = backward_of(node)
             if isinstance(loss, cst.BaseExpression):
                 yield Backward(node, loss)
@@ -110,11 +108,11 @@ class Structure:
             name = last_name(node.func)
             if name in helpers and not self._inside(node, self.tree.functions[name]):
                 args = positional(node)
-                if helpers[name] < len(args):
+                if 0 <= helpers[name] < len(args):
                     yield Backward(node, args[helpers[name]])
 
     def _inside(self, node: cst.CSTNode, outer: cst.CSTNode) -> bool:
-        return any(a is outer for a in self.tree.ancestors(node))
+        return self.tree.contains(outer, node)
 
     def steps_in(self, region: cst.CSTNode) -> list[cst.Call]:
         """Optimizer steps inside a region, calls to same-file stepping helpers included."""
@@ -156,7 +154,11 @@ class Structure:
             for n in self.tree.walk(loop, into_defs=False)
         )
 
-    def _micro_window(self, loop: cst.For | cst.While) -> Window:
+    def _micro_window(self, loop: cst.For | cst.While) -> Window | None:
+        """A loop of backward calls whose summed gradient is used after it (a step, a `.grad`)."""
+        after = tuple(self._after(loop))
+        if self._reads_grad(loop) or not any(self.steps_in(s) or self._reads_grad(s) for s in after):
+            return None
         size = None
         if isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call):
             args = positional(loop.iter)
@@ -164,7 +166,13 @@ class Structure:
                 size = args[-1]
         if size is None and isinstance(loop, cst.For) and dotted(loop.iter) is not None:
             size = cst.parse_expression(f"len({code(loop.iter)})")
-        return Window("micro-loop", loop, size, loop, tuple(self._after(loop)))
+        return Window("micro-loop", loop, size, loop, after)
+
+    def _reads_grad(self, region: cst.CSTNode) -> bool:
+        return any(
+            isinstance(n, cst.Attribute) and n.attr.value == "grad"
+            for n in self.tree.walk(region, into_defs=False)
+        )
 
     def _after(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
         """The statements following `node` in its block, and after its enclosing blocks."""
@@ -194,13 +202,10 @@ class Structure:
             if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo):
                 return node
             if isinstance(node, cst.Name):
-                for stmt in self.tree.walk(self.tree.scope_of(test)):
-                    if isinstance(stmt, cst.Assign) and any(
-                        dotted(t.target) == node.value for t in stmt.targets
-                    ):
-                        inner = self._first_modulo(stmt.value)
-                        if inner is not None:
-                            return inner
+                for stmt in self.tree.bindings(self.tree.scope_of(test)).get(node.value, ()):
+                    inner = self._first_modulo(stmt.value) if isinstance(stmt, cst.Assign) else None
+                    if inner is not None:
+                        return inner
         return None
 
     def _first_modulo(self, expr: cst.CSTNode) -> cst.BinaryOperation | None:
@@ -247,9 +252,8 @@ class Structure:
     def _constructors(self) -> dict[str, list[cst.Call]]:
         """Calls by qualified callee name (for framework configuration lookups)."""
         calls: dict[str, list[cst.Call]] = {}
-        for node in self.tree.walk(self.tree.module):
-            if isinstance(node, cst.Call):
-                calls.setdefault(self.tree.qualified(node.func) or "", []).append(node)
+        for node in self.tree.calls:
+            calls.setdefault(self.tree.qualified(node.func) or "", []).append(node)
         return calls
 
     def _configured_accelerator(self) -> bool:
@@ -259,17 +263,18 @@ class Structure:
 
     def _deepspeed_engine(self, backward: Backward) -> bool:
         """Whether the backward's receiver was unpacked from `deepspeed.initialize(...)`."""
-        receiver = self._receiver(backward)
-        if receiver is None:
-            return False
-        for node in self.tree.walk(self.tree.module):
+        return self._receiver(backward) in self._deepspeed_engines
+
+    @cached_property
+    def _deepspeed_engines(self) -> set[str]:
+        engines: set[str] = set()
+        for node in self.tree.assignments:
             if isinstance(node, cst.Assign) and isinstance(node.value, cst.Call):
                 if (self.tree.qualified(node.value.func) or "").endswith("deepspeed.initialize"):
-                    targets = {dotted(e.value) for t in node.targets if isinstance(t.target, cst.Tuple) for e in t.target.elements}
-                    targets |= {dotted(t.target) for t in node.targets}
-                    if receiver in targets:
-                        return True
-        return False
+                    for target in node.targets:
+                        elements = target.target.elements if isinstance(target.target, cst.Tuple) else ()
+                        engines |= {dotted(e.value) for e in elements} | {dotted(target.target)}
+        return engines - {None}
 
     @cached_property
     def _deepspeed_config(self) -> str | None:

@@ -35,9 +35,17 @@ class Origin:
     """What a loss expression is, where it was made, and what divided it on the way."""
 
     kind: Kind
-    description: str
+    what: str
     source: cst.CSTNode | None = None
     divisions: tuple[Division, ...] = field(default=())
+    via: str = ""  # ", returned by `helper()`" when it came out of a same-file function
+    tree: Tree | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def description(self) -> str:
+        """What it is and where, with the line looked up only when someone reads it."""
+        where = f" (line {self.tree.line(self.source)})" if self.tree and self.source else ""
+        return f"{self.what}{where}{self.via}"
 
     def divided(self, division: Division) -> Origin:
         return replace(self, divisions=(*self.divisions, division))
@@ -70,10 +78,10 @@ class Tracer:
         return UNKNOWN
 
     def _mean(self, node: cst.CSTNode, what: str) -> Origin:
-        return Origin("mean", f"{what} (line {self.tree.line(node)})", node)
+        return Origin("mean", what, node, tree=self.tree)
 
     def _sum(self, node: cst.CSTNode, what: str) -> Origin:
-        return Origin("sum", f"{what} (line {self.tree.line(node)})", node)
+        return Origin("sum", what, node, tree=self.tree)
 
     def _binary(self, expr: cst.BinaryOperation, depth: int) -> Origin:
         left = self.origin(expr.left, depth + 1)
@@ -197,7 +205,7 @@ class Tracer:
             for returned in self.returns(helper):
                 found = self.origin(returned, depth + 1)
                 if found.kind != "unknown":
-                    return replace(found, description=f"{found.description}, returned by `{helper.name.value}()`")
+                    return replace(found, via=f", returned by `{helper.name.value}()`")
         return Origin("unknown", f"`{code(func)}(...)`, a call gaaudit cannot see into")
 
     def _reduction(self, configured: cst.Call, call: cst.Call, what: str) -> Origin:
@@ -205,7 +213,7 @@ class Tracer:
         if reduction == "sum":
             return self._sum(call, f"{what} with reduction='sum'")
         if reduction == "none":
-            return Origin("elementwise", f"{what} with reduction='none'", call)
+            return Origin("elementwise", f"{what} with reduction='none'", call, tree=self.tree)
         return self._mean(call, f"{what} with the default reduction='mean'")
 
     def _loss_instance(self, func: cst.BaseExpression) -> cst.Call | None:
@@ -213,7 +221,7 @@ class Tracer:
         name = dotted(func)
         if name is None:
             return None
-        candidates = self._assignments_anywhere(name) if "." in name else []
+        candidates = self.tree.assigned_values.get(name, []) if "." in name else []
         if not candidates:
             stmt = self.binding(name, func)
             candidates = [stmt.value] if isinstance(stmt, cst.Assign) else []
@@ -223,15 +231,6 @@ class Tracer:
                 if qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES:
                     return value
         return None
-
-    def _assignments_anywhere(self, name: str) -> list[cst.BaseExpression]:
-        
-        return [
-            node.value
-            for node in self.tree.walk(self.tree.module)
-            if isinstance(node, cst.Assign)
-            and any(dotted(t.target) == name for t in node.targets)
-        ]
 
     def _helper(self, call: cst.Call) -> cst.FunctionDef | None:
         name = dotted(call.func)
@@ -248,42 +247,19 @@ class Tracer:
 
     def binding(self, name: str, use: cst.CSTNode) -> cst.CSTNode | None:
         """The last statement before `use` in its scope (then the module) that binds `name`."""
-        scope = self.tree.scope_of(use)
-        where = self._start(use)
-        for region in (scope, self.tree.module) if scope is not self.tree.module else (scope,):
+        tree = self.tree
+        scope = tree.scope_of(use)
+        where = tree.order[use]
+        for region in (scope, tree.module) if scope is not tree.module else (scope,):
             earlier = [
                 node
-                for node in self.tree.in_scope(region)
-                if self._binds(node, name)
-                and node is not use
-                and self._start(node) <= where
-                and not self._contains(node, use)
+                for node in tree.bindings(region).get(name, ())
+                if node is not use and tree.order[node] <= where and not tree.contains(node, use)
             ]
             if earlier:
-                return max(earlier, key=self._start)
+                return earlier[-1]
             if isinstance(region, cst.FunctionDef):
                 for param in region.params.params:
                     if param.name.value == name:
                         return param
         return None
-
-    def _start(self, node: cst.CSTNode) -> tuple[int, int]:
-        start = self.tree.positions[node].start
-        return (start.line, start.column)
-
-    def _contains(self, outer: cst.CSTNode, inner: cst.CSTNode) -> bool:
-        return any(a is outer for a in self.tree.ancestors(inner))
-
-    @staticmethod
-    def _binds(node: cst.CSTNode, name: str) -> bool:
-        if isinstance(node, cst.Assign):
-            return any(name in _target_names(t.target) for t in node.targets)
-        if isinstance(node, (cst.AugAssign, cst.AnnAssign)):
-            return name in _target_names(node.target)
-        return False
-
-
-def _target_names(target: cst.CSTNode) -> set[str]:
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return set().union(*(_target_names(e.value) for e in target.elements))
-    return {target.value} if isinstance(target, cst.Name) else set()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Byte patterns without which no rule can fire: files lacking all of them are never parsed.
-TRIGGERS = (b"backward", b".grad", b"accumulate_grad_batches")
+TRIGGERS = (b".backward(", b"accumulate_grad_batches", b"compute_loss", b"training_step", b"MultiSteps", b"jax", b"Trainer", b"gradient_accumulation_steps")
 
 
 class SourceError(Exception):

@@ -79,21 +79,31 @@ def walk(node: cst.CSTNode, children=None, *, into_defs: bool = True) -> Iterato
 
 
 class _Indexer(cst.CSTVisitor):
-    """One traversal recording every node's parent and children."""
+    """One traversal recording every node's parent, children and document order."""
 
     def __init__(self) -> None:
         self.stack: list[cst.CSTNode] = []
         self.parents: dict[cst.CSTNode, cst.CSTNode] = {}
         self.children: dict[cst.CSTNode, list[cst.CSTNode]] = {}
+        self.order: dict[cst.CSTNode, int] = {}
+        self.last: dict[cst.CSTNode, int] = {}  # the highest order inside a node's subtree
+        self.calls: list[cst.Call] = []
+        self.assignments: list[cst.CSTNode] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if self.stack:
             self.parents[node] = self.stack[-1]
             self.children.setdefault(self.stack[-1], []).append(node)
+        self.order[node] = len(self.order)
+        if isinstance(node, cst.Call):
+            self.calls.append(node)
+        elif isinstance(node, (cst.Assign, cst.AugAssign, cst.AnnAssign)):
+            self.assignments.append(node)
         self.stack.append(node)
         return True
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.last[original_node] = len(self.order) - 1
         self.stack.pop()
 
 
@@ -123,6 +133,37 @@ class Tree:
         indexer = _Indexer()
         module.visit(indexer)
         self.parents, self.children = indexer.parents, indexer.children
+        self.order, self.last = indexer.order, indexer.last
+        self.calls, self.assignments = indexer.calls, indexer.assignments
+        self._bindings: dict[cst.CSTNode, dict[str, list[cst.CSTNode]]] = {}
+
+    def contains(self, outer: cst.CSTNode, inner: cst.CSTNode) -> bool:
+        """Whether `inner` lies inside `outer` (or is it)."""
+        return self.order[outer] <= self.order[inner] <= self.last[outer]
+
+    def bindings(self, scope: Scope) -> dict[str, list[cst.CSTNode]]:
+        """Assignment statements of one scope by the names they bind, in document order."""
+        if scope not in self._bindings:
+            table: dict[str, list[cst.CSTNode]] = {}
+            for node in self.assignments:
+                if self.scope_of(node) is scope:
+                    targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+                    for name in set().union(*(_target_names(t) for t in targets)):
+                        table.setdefault(name, []).append(node)
+            self._bindings[scope] = table
+        return self._bindings[scope]
+
+    @cached_property
+    def assigned_values(self) -> dict[str, list[cst.BaseExpression]]:
+        """Values assigned to each dotted target anywhere in the file (`self.loss_fn = ...`)."""
+        table: dict[str, list[cst.BaseExpression]] = {}
+        for node in self.assignments:
+            if isinstance(node, cst.Assign):
+                for target in node.targets:
+                    name = dotted(target.target)
+                    if name:
+                        table.setdefault(name, []).append(node.value)
+        return table
 
     def walk(self, node: cst.CSTNode, *, into_defs: bool = True) -> Iterator[cst.CSTNode]:
         return walk(node, self.children, into_defs=into_defs)
@@ -214,6 +255,15 @@ class Tree:
             for target in targets:
                 bound |= _target_chains(target)
         return bound
+
+
+def _target_names(target: cst.CSTNode) -> set[str]:
+    """Plain names a target binds: `a`, `a, (b, c)`, `*rest`."""
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return set().union(*(_target_names(e.value) for e in target.elements))
+    if isinstance(target, cst.StarredElement):
+        return _target_names(target.value)
+    return {target.value} if isinstance(target, cst.Name) else set()
 
 
 def _target_chains(target: cst.CSTNode) -> set[str]:

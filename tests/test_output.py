@@ -25,6 +25,7 @@ from gaaudit.findings import Confidence, FileError, FileReport, Finding, Span
 from gaaudit.output import CheckRun, write
 
 REPO = Path(__file__).resolve().parents[1]
+FIXABLE = {"GA001", "GA002", "GA003"}
 SOURCE = """\
 for step, batch in enumerate(loader):
     outputs = model(**batch)
@@ -335,7 +336,8 @@ def test_catalogue_entries_are_complete():
         assert rule == rules[path.stem] and rule.code == path.stem
         for field in fields(rule):
             value = getattr(rule, field.name)
-            assert isinstance(value, str) and value.strip(), f"{path.name}: {field.name} is empty"
+            assert isinstance(value, str), f"{path.name}: {field.name} is not a string"
+            assert value.strip() or field.name == "fixed", f"{path.name}: {field.name} is empty"
         assert re.fullmatch(r"GA\d{3}", rule.code)
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", rule.name), rule.name
         assert rule.severity in {"error", "warning", "note"}
@@ -343,3 +345,4 @@ def test_catalogue_entries_are_complete():
         for example in (rule.bad, rule.good, rule.fixed):
             ast.parse(example)
         assert rule.bad != rule.good and rule.bad != rule.fixed
+        assert bool(rule.fixed) == (rule.code in FIXABLE), "`fixed` is set exactly for rules with a codemod"

@@ -8,29 +8,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import import_module
 from pathlib import Path
 
-from gaaudit.evidence import Evidence
+from gaaudit.evidence import Evidence, scan
 from gaaudit.findings import Finding
 from gaaudit.tree import Tree
 
 
-@dataclass(frozen=True)
+@dataclass
 class Context:
     """What every checker gets for one file."""
 
     tree: Tree
     path: str
-    evidence: Evidence
+    text: str  # the whole file, even where the tree was focused
     accumulation_names: frozenset[str]
     directory: Path  # the file's folder, where config files it names are looked up
+
+    @cached_property
+    def evidence(self) -> Evidence:
+        """Data-shape evidence and suppressions, tokenized only when a rule asks."""
+        return scan(self.text.removeprefix("\ufeff"))
 
 
 Checker = Callable[[Context], Iterable[Finding]]
 
 # Modules exposing `findings(context)`, imported only when a file reaches analysis.
-CHECKERS = ("gaaudit.checks.accumulation",)
+CHECKERS = ("gaaudit.checks.accumulation", "gaaudit.checks.trainer", "gaaudit.checks.optax", "gaaudit.checks.versions")
 
 
 def run(context: Context) -> list[Finding]:

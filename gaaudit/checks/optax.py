@@ -1,0 +1,292 @@
+"""GA005: JAX accumulation that averages the gradients of per-micro-batch mean losses."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import libcst as cst
+
+from gaaudit import catalogue
+from gaaudit.findings import Confidence, Finding
+from gaaudit.loops import ACCUMULATION_NAMES
+from gaaudit.provenance import Origin, Tracer
+from gaaudit.tree import (
+    Tree,
+    code,
+    depends_on,
+    dotted,
+    keyword,
+    last_name,
+    positional,
+    string_value,
+)
+
+CODE = "GA005"
+# Function transforms whose first argument is the loss function.
+GRADS = {"grad", "value_and_grad", "filter_grad", "filter_value_and_grad"}
+JAX_HOMES = ("jax", "flax", "equinox")
+# optax losses that return one value per example or token (reduced later by the caller).
+OPTAX_LOSSES = {
+    "softmax_cross_entropy",
+    "softmax_cross_entropy_with_integer_labels",
+    "sigmoid_binary_cross_entropy",
+    "l2_loss",
+    "squared_error",
+    "huber_loss",
+    "log_cosh",
+    "kl_divergence",
+    "cosine_distance",
+    "sigmoid_focal_loss",
+    "poly_loss_cross_entropy",
+    "safe_softmax_cross_entropy",
+}
+COUNTS = {"sum", "nansum", "count_nonzero"}
+STEPS = re.compile(r"accum|micro", re.IGNORECASE)
+MASK = re.compile(r"mask|pad|ignore", re.IGNORECASE)
+NO_LOSS = Origin("unknown", "no loss function gaaudit could find (passed to `jax.value_and_grad`)")
+
+
+class JaxTracer(Tracer):
+    """A Tracer that also knows `jax.numpy` reductions and optax's per-example losses."""
+
+    def _call(self, call: cst.Call, depth: int) -> Origin:
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value == "astype":
+            return self.origin(func.value, depth + 1)
+        qualified = self.tree.qualified(func) or ""
+        home, _, name = qualified.rpartition(".")
+        if home == "jax.numpy" and keyword(call, "axis") is None:
+            if name in ("mean", "nanmean", "average"):
+                return self._mean(call, f"`{code(call)}`")
+            if name in ("sum", "nansum"):
+                return self._sum(call, f"`{code(call)}`")
+        if home.startswith("optax") and name in OPTAX_LOSSES:
+            return Origin("elementwise", f"`{name}`, one loss per example or token", call)
+        return super()._call(call, depth)
+
+    def _per_micro_batch(self, expr: cst.CSTNode, divisor: cst.BaseExpression) -> bool:
+        """In a loss function: a count reduced from the batch (`jnp.sum(mask)`, `n = mask.sum()`),
+        not a count passed in (`window_tokens`, `batch["window_tokens"]`)."""
+        function = next(
+            (a for a in self.tree.ancestors(expr) if isinstance(a, cst.FunctionDef)), None
+        )
+        if function is None:
+            return super()._per_micro_batch(expr, divisor)
+        counted = any(
+            isinstance(node, cst.Call) and last_name(node.func) in COUNTS
+            for node in self.tree.walk(divisor)
+        )
+        return counted or depends_on(divisor, self.tree.assigned_in(function.body))
+
+
+@dataclass(frozen=True)
+class Site:
+    """One reportable node, what GA005 says about it, and the accumulation it belongs to."""
+
+    node: cst.CSTNode
+    message: str
+    accumulation: str
+
+
+class OptaxAudit:
+    """GA005 over one file: `optax.MultiSteps`, and hand-written averages of micro-gradients."""
+
+    def __init__(self, tree: Tree, accumulation_names: frozenset[str]) -> None:
+        self.tree = tree
+        self.tracer = JaxTracer(tree)
+        self.names = ACCUMULATION_NAMES | accumulation_names
+
+    @cached_property
+    def loss(self) -> tuple[Origin, cst.CSTNode | None]:
+        """The micro-step loss: a mean if any loss function returns one, else a sum, else unknown."""
+        origins = [
+            (self.tracer.origin(_first(returned)), function)
+            for function in self._loss_functions()
+            for returned in (
+                self.tracer.returns(function)
+                if isinstance(function, cst.FunctionDef)
+                else [function.body]
+            )
+        ]
+        for kind in ("mean", "sum"):
+            for origin, function in origins:
+                if origin.kind == kind:
+                    return origin, function
+        return origins[0] if origins else (NO_LOSS, None)
+
+    def _loss_functions(self) -> list[cst.FunctionDef | cst.Lambda]:
+        """Functions given to `jax.value_and_grad` and kin; else the file's `*loss*` functions."""
+        found = []
+        for node in self.tree.walk(self.tree.module):
+            if isinstance(node, cst.Call) and positional(node):
+                qualified = self.tree.qualified(node.func) or ""
+                if qualified.split(".")[0] in JAX_HOMES and qualified.rsplit(".", 1)[-1] in GRADS:
+                    function = self._function_of(positional(node)[0])
+                    if function is not None:
+                        found.append(function)
+        return found or [f for name, f in self.tree.functions.items() if "loss" in name.lower()]
+
+    def _function_of(self, expr: cst.BaseExpression) -> cst.FunctionDef | cst.Lambda | None:
+        if isinstance(expr, cst.Lambda):
+            return expr
+        if (
+            isinstance(expr, cst.Call)
+            and (dotted(expr.func) or "").endswith("partial")
+            and positional(expr)
+        ):
+            return self._function_of(positional(expr)[0])
+        return self.tree.functions.get(dotted(expr) or "")
+
+    def sites(self) -> Iterator[Site]:
+        if self.loss[0].kind == "sum":
+            return
+        yield from self._multisteps()
+        if self._accumulates():
+            yield from self._tree_divisions()
+
+    def _multisteps(self) -> Iterator[Site]:
+        for node in self.tree.walk(self.tree.module):
+            if not isinstance(node, cst.Call):
+                continue
+            qualified = self.tree.qualified(node.func) or ""
+            if not (qualified.startswith("optax.") and qualified.endswith(".MultiSteps")):
+                continue
+            args = positional(node)
+            every = keyword(node, "every_k_schedule") or (args[1] if len(args) > 1 else None)
+            mean = keyword(node, "use_grad_mean") or (args[2] if len(args) > 2 else None)
+            if (every is not None and code(every) == "1") or (
+                mean is not None and code(mean) != "True"
+            ):
+                continue
+            k = f"`{code(every)}`" if every is not None else "K"
+            yield Site(
+                node,
+                "`optax.MultiSteps` averages the micro-gradients with equal weight (use_grad_mean=True) "
+                "while each micro-step's loss is a mean: micro-batches with fewer valid tokens are "
+                "over-weighted",
+                f"accumulation: `{code(node.func)}` steps every {k} micro-steps "
+                f"(line {self.tree.line(node)})",
+            )
+
+    def _accumulates(self) -> bool:
+        """A Python loop, or a `lax.scan` / `lax.fori_loop` / `lax.while_loop`, somewhere in the file."""
+        return any(
+            isinstance(node, (cst.For, cst.While))
+            or (
+                isinstance(node, cst.Call)
+                and (self.tree.qualified(node.func) or "").endswith(
+                    ("lax.scan", "lax.fori_loop", "lax.while_loop")
+                )
+            )
+            for node in self.tree.walk(self.tree.module)
+        )
+
+    def _tree_divisions(self) -> Iterator[Site]:
+        """`tree_map(lambda g: g / k, grads)`, `tree_map(lambda a, g: a + g / k, acc, grads)`."""
+        for node in self.tree.walk(self.tree.module):
+            if not (
+                isinstance(node, cst.Call) and self._is_tree_map(node.func) and positional(node)
+            ):
+                continue
+            function = positional(node)[0]
+            if not isinstance(function, cst.Lambda):
+                continue
+            leaves = {p.name.value for p in function.params.params}
+            for inner in self.tree.walk(function.body):
+                if (
+                    isinstance(inner, cst.BinaryOperation)
+                    and isinstance(inner.operator, cst.Divide)
+                    and depends_on(inner.left, leaves)
+                    and not depends_on(inner.right, leaves)
+                    and self._is_steps(inner.right)
+                ):
+                    yield Site(
+                        inner,
+                        f"Gradients divided by the number of micro-steps `{code(inner.right)}` while "
+                        "each micro-step's loss is a mean: micro-batches are weighted equally instead "
+                        "of by their valid tokens",
+                        f"accumulation: `{code(node.func)}` averages the micro-gradients "
+                        f"(line {self.tree.line(node)})",
+                    )
+
+    def _is_tree_map(self, func: cst.BaseExpression) -> bool:
+        qualified = self.tree.qualified(func) or ""
+        return qualified.split(".")[0] in JAX_HOMES and qualified.endswith(("tree_map", "tree.map"))
+
+    def _is_steps(self, expr: cst.BaseExpression, hops: int = 2) -> bool:
+        """A count of micro-steps: an accumulation name, `len(micro_batches)`, or a name bound to one."""
+        if (
+            isinstance(expr, cst.Call)
+            and dotted(expr.func) in ("len", "float", "int")
+            and positional(expr)
+        ):
+            return self._is_steps(positional(expr)[0], hops)
+        name = last_name(expr) or ""
+        if name in self.names or STEPS.search(name):
+            return True
+        if hops and isinstance(expr, cst.Name):
+            stmt = self.tracer.binding(name, expr)
+            return isinstance(stmt, cst.Assign) and self._is_steps(stmt.value, hops - 1)
+        return False
+
+    def confidence(self, evidence) -> tuple[Confidence, str]:
+        """High when the loss is masked, low for fixed-length data or an unknown loss, else medium."""
+        origin, function = self.loss
+        if origin.kind != "mean":
+            return Confidence.LOW, "gaaudit could not tell whether the micro-step loss is a mean"
+        mask = self._mask_sign(function)
+        if mask is not None:
+            return Confidence.HIGH, f"the loss is masked, so valid-token counts vary: {mask}"
+        return evidence.confidence()
+
+    def _mask_sign(self, function: cst.CSTNode) -> str | None:
+        """A mask, padding or ignore label read by the loss function, or a `where=` reduction."""
+        for node in self.tree.walk(function):
+            if (
+                isinstance(node, cst.Arg)
+                and node.keyword is not None
+                and node.keyword.value == "where"
+            ):
+                return f"a `where=` reduction (line {self.tree.line(node)})"
+            text = last_name(node) or string_value(node) or ""
+            if isinstance(node, (cst.Name, cst.Attribute, cst.SimpleString)) and MASK.search(text):
+                return f"`{text}` (line {self.tree.line(node)})"
+        return None
+
+
+def _first(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """The loss of `return loss, aux`."""
+    if isinstance(expr, (cst.Tuple, cst.List)) and expr.elements:
+        return _first(expr.elements[0].value)
+    return expr
+
+
+def findings(context) -> list[Finding]:
+    """GA005 for one file."""
+    if not any(q.split(".")[0] in (*JAX_HOMES, "optax") for q in context.tree.imports.values()):
+        return []
+    audit = OptaxAudit(context.tree, context.accumulation_names)
+    sites = list(audit.sites())
+    if not sites:
+        return []
+    confidence, why = audit.confidence(context.evidence)
+    hint = catalogue.load()[CODE].hint
+    return [
+        Finding(
+            path=context.path,
+            code=CODE,
+            message=site.message,
+            span=context.tree.span(site.node),
+            confidence=confidence,
+            evidence=(
+                f"loss: {audit.loss[0].description}",
+                site.accumulation,
+                f"confidence {confidence}: {why}",
+            ),
+            hint=hint,
+        )
+        for site in sites
+    ]

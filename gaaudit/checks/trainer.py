@@ -1,0 +1,295 @@
+"""GA004: transformers Trainer overrides that defeat its `num_items_in_batch` normalisation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import libcst as cst
+
+from gaaudit import catalogue
+from gaaudit.findings import Confidence, Finding
+from gaaudit.provenance import Origin, Tracer
+from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional, string_value
+
+CODE = "GA004"
+HOMES = ("transformers.", "trl.")  # where a `Trainer` class comes from
+# Tests under which a division by K is the Trainer's own fallback for models without loss kwargs.
+FALLBACK_GUARDS = {"num_items_in_batch", "model_accepts_loss_kwargs", "compute_loss_func"}
+
+
+@dataclass(frozen=True)
+class Site:
+    """One reportable node and what GA004 says about it."""
+
+    node: cst.CSTNode
+    message: str
+    facts: tuple[str, ...]
+    crashes: bool = False  # a TypeError on every call, whatever the data
+
+
+class _Tracer(Tracer):
+    """A Tracer that also follows both branches of `a if cond else b`."""
+
+    def origin(self, expr: cst.BaseExpression, depth: int = 0) -> Origin:
+        if isinstance(expr, cst.IfExp):
+            body = super().origin(expr.body, depth + 1)
+            return body if body.kind != "unknown" else super().origin(expr.orelse, depth + 1)
+        return super().origin(expr, depth)
+
+
+class TrainerAudit:
+    """GA004 over one file: Trainer subclasses, and models handed to a Trainer."""
+
+    def __init__(self, tree: Tree) -> None:
+        self.tree = tree
+        self.tracer = _Tracer(tree)
+        self.classes = {
+            node.name.value: node
+            for node in tree.walk(tree.module)
+            if isinstance(node, cst.ClassDef)
+        }
+        self.trainers: dict[str, cst.ClassDef] = {}
+        for name, cls in self.classes.items():  # source order: a base precedes its subclasses
+            if any(self._is_trainer(base.value) for base in cls.bases):
+                self.trainers[name] = cls
+
+    def sites(self) -> Iterator[Site]:
+        for name, cls in self.trainers.items():
+            methods = _methods(cls)
+            where = f"trainer: `class {name}` subclasses a transformers Trainer (line {self.tree.line(cls)})"
+            if "compute_loss" in methods:
+                yield from self._compute_loss(cls, methods["compute_loss"], where)
+            if "training_step" in methods:
+                yield from self._training_step(methods["training_step"], where)
+        yield from self._models()
+
+    def _is_trainer(self, expr: cst.BaseExpression) -> bool:
+        """A Trainer class from transformers or trl, or a same-file subclass of one."""
+        qualified = self.tree.qualified(expr) or ""
+        if qualified.startswith(HOMES) and qualified.endswith("Trainer"):
+            return True
+        return dotted(expr) in self.trainers
+
+    def _compute_loss(
+        self, cls: cst.ClassDef, function: cst.FunctionDef, where: str
+    ) -> Iterator[Site]:
+        names, kwargs = _parameters(function)
+        if "num_items_in_batch" not in names and kwargs is None:
+            yield Site(
+                function.name,
+                "`compute_loss` does not accept `num_items_in_batch`: transformers >= 4.46 passes it "
+                "on every call, which raises TypeError",
+                (where, f"signature: `def compute_loss({code(function.params)})`"),
+                crashes=True,
+            )
+            return
+        if self._reads(function, {"num_items_in_batch", kwargs}) or self._opts_out(cls):
+            return
+        origin = self._returned_mean(function)
+        if origin is not None:
+            yield Site(
+                function.name,
+                "`compute_loss` accepts `num_items_in_batch` but never uses it while returning a mean "
+                "loss: the Trainer then skips its division by the accumulation steps, so the loss is "
+                "K times too large and still weighted per micro-batch",
+                (where, f"loss: {origin.description}"),
+            )
+
+    def _opts_out(self, cls: cst.ClassDef) -> bool:
+        """`model_accepts_loss_kwargs = False` in the class or a same-file base."""
+        pending, seen = [cls], set()
+        while pending:
+            current = pending.pop()
+            seen.add(current)
+            for node in self.tree.walk(current):
+                if (
+                    isinstance(node, cst.Assign)
+                    and code(node.value) == "False"
+                    and any(
+                        last_name(t.target) == "model_accepts_loss_kwargs" for t in node.targets
+                    )
+                ):
+                    return True
+            bases = (self.trainers.get(dotted(base.value) or "") for base in current.bases)
+            pending.extend(b for b in bases if b is not None and b not in seen)
+        return False
+
+    def _training_step(self, function: cst.FunctionDef, where: str) -> Iterator[Site]:
+        params = function.params
+        positional_count = len(params.posonly_params) + len(params.params)
+        if (
+            positional_count < 4
+            and not isinstance(params.star_arg, cst.Param)
+            and params.star_kwarg is None
+        ):
+            yield Site(
+                function.name,
+                "`training_step` takes no `num_items_in_batch`: transformers >= 4.46 passes it as a "
+                "third argument, which raises TypeError",
+                (where, f"signature: `def training_step({code(params)})`"),
+                crashes=True,
+            )
+        for node in self.tree.walk(function.body):
+            division = _division(node)
+            if division is None:
+                continue
+            value, divisor = division
+            if last_name(divisor) != "gradient_accumulation_steps" or _detached(value):
+                continue
+            if self._guarded(node, function):
+                continue
+            yield Site(
+                node,
+                f"`training_step` divides the loss by `{code(divisor)}`: a per-micro-batch mean divided "
+                "by K weights micro-batches equally instead of by their valid tokens",
+                (where, f"loss: {self.tracer.origin(value).description}"),
+            )
+
+    def _guarded(self, node: cst.CSTNode, function: cst.FunctionDef) -> bool:
+        """Inside an `if` on `num_items_in_batch` / `model_accepts_loss_kwargs` (the Trainer's fallback)."""
+        for parent in self.tree.ancestors(node):
+            if parent is function:
+                return False
+            if isinstance(parent, cst.If) and any(
+                last_name(n) in FALLBACK_GUARDS for n in self.tree.walk(parent.test)
+            ):
+                return True
+        return False
+
+    def _models(self) -> Iterator[Site]:
+        """Same-file models passed to a Trainer whose `forward` returns a mean loss."""
+        seen: set[str] = set()
+        for node in self.tree.walk(self.tree.module):
+            if not (isinstance(node, cst.Call) and self._is_trainer(node.func)):
+                continue
+            given = keyword(node, "model") or next(iter(positional(node)), None)
+            cls = self._model_class(given)
+            forward = _methods(cls).get("forward") if cls is not None else None
+            if forward is None or cls.name.value in seen:
+                continue
+            seen.add(cls.name.value)
+            passed = f"model: `{cls.name.value}` is trained by `{code(node.func)}` (line {self.tree.line(node)})"
+            yield from self._forward(forward, passed)
+
+    def _model_class(self, expr: cst.BaseExpression | None) -> cst.ClassDef | None:
+        """The same-file class an expression instantiates: `M(...)`, `M(...).to(d)`, a name bound to one."""
+        for _ in range(8):
+            if isinstance(expr, cst.Name) and expr.value not in self.classes:
+                stmt = self.tracer.binding(expr.value, expr)
+                expr = stmt.value if isinstance(stmt, cst.Assign) else None
+            elif isinstance(expr, cst.Call):
+                if dotted(expr.func) in self.classes:
+                    return self.classes[dotted(expr.func)]
+                expr = expr.func.value if isinstance(expr.func, cst.Attribute) else None
+            else:
+                return None
+        return None
+
+    def _forward(self, forward: cst.FunctionDef, passed: str) -> Iterator[Site]:
+        _, kwargs = _parameters(forward)
+        if kwargs is not None and self._reads(forward, {"num_items_in_batch", kwargs}):
+            return
+        origin = self._returned_mean(forward)
+        if origin is None:
+            return
+        if kwargs is None:
+            message = (
+                "`forward` returns a per-batch mean loss and takes no `**kwargs`: the Trainer cannot "
+                "pass `num_items_in_batch` and divides the mean by the accumulation steps instead"
+            )
+        else:
+            message = (
+                f"`forward` takes `**{kwargs}` but ignores `num_items_in_batch` while returning a mean "
+                "loss: the Trainer passes the count and skips its own division, so the loss is "
+                "K times too large"
+            )
+        yield Site(forward.name, message, (passed, f"loss: {origin.description}"))
+
+    def _reads(self, function: cst.FunctionDef, names: set[str | None]) -> bool:
+        return any(
+            isinstance(n, cst.Name) and n.value in names for n in self.tree.walk(function.body)
+        )
+
+    def _returned_mean(self, function: cst.FunctionDef) -> Origin | None:
+        """The first returned loss that traces to a mean, looking through tuples, dicts and outputs."""
+        for returned in self.tracer.returns(function):
+            for expr in _loss_parts(returned):
+                origin = self.tracer.origin(expr)
+                if origin.kind == "mean":
+                    return origin
+        return None
+
+
+def _methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+    return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
+
+
+def _parameters(function: cst.FunctionDef) -> tuple[set[str], str | None]:
+    """Named parameters, and the name of `**kwargs` if any."""
+    params = function.params
+    names = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
+    kwargs = params.star_kwarg.name.value if isinstance(params.star_kwarg, cst.Param) else None
+    return names, kwargs
+
+
+def _loss_parts(expr: cst.BaseExpression) -> Iterator[cst.BaseExpression]:
+    """`(loss, outputs) if flag else loss`, `loss, logits`, `{"loss": loss}`, `Output(loss=loss)`."""
+    if isinstance(expr, cst.IfExp):
+        yield from _loss_parts(expr.body)
+        yield from _loss_parts(expr.orelse)
+    elif isinstance(expr, (cst.Tuple, cst.List)) and expr.elements:
+        yield from _loss_parts(expr.elements[0].value)
+    elif isinstance(expr, cst.Dict):
+        for element in expr.elements:
+            if isinstance(element, cst.DictElement) and string_value(element.key) == "loss":
+                yield element.value
+    elif isinstance(expr, cst.Call) and keyword(expr, "loss") is not None:
+        yield keyword(expr, "loss")
+    else:
+        yield expr
+
+
+def _division(node: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
+    """(value, divisor) of `a / b` or `a /= b`."""
+    if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Divide):
+        return node.left, node.right
+    if isinstance(node, cst.AugAssign) and isinstance(node.operator, cst.DivideAssign):
+        return node.target, node.value
+    return None
+
+
+def _detached(value: cst.BaseExpression) -> bool:
+    """`loss.detach() / k` or `loss.item() / k`: a value for logging, not for backward."""
+    return (
+        isinstance(value, cst.Call)
+        and isinstance(value.func, cst.Attribute)
+        and value.func.attr.value in ("detach", "item")
+    )
+
+
+def findings(context) -> list[Finding]:
+    """GA004 for one file."""
+    tree = context.tree
+    if not any(q.split(".")[0] in ("transformers", "trl") for q in tree.imports.values()):
+        return []
+    hint = catalogue.load()[CODE].hint
+    found = []
+    for site in TrainerAudit(tree).sites():
+        if site.crashes:
+            confidence = Confidence.HIGH
+            why = "transformers >= 4.46 passes `num_items_in_batch` whatever the data"
+        else:
+            confidence, why = context.evidence.confidence()
+        found.append(
+            Finding(
+                path=context.path,
+                code=CODE,
+                message=site.message,
+                span=tree.span(site.node),
+                confidence=confidence,
+                evidence=(*site.facts, f"confidence {confidence}: {why}"),
+                hint=hint,
+            )
+        )
+    return found

@@ -1,0 +1,429 @@
+"""GA006: a transformers pin without the Trainer's accumulation fix, where the code accumulates.
+
+Repository level (`check_repository`): requirements files, pyproject.toml (PEP 621 and
+poetry), setup.cfg, setup.py and conda environment files, against
+`gradient_accumulation_steps > 1` in the Python files and config files under the
+pin file's folder. File level (`findings`): a script's PEP 723 inline metadata.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import libcst as cst
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from gaaudit import catalogue
+from gaaudit.config import DEFAULT_EXCLUDE
+from gaaudit.engine import display_path
+from gaaudit.evidence import SUPPRESSION
+from gaaudit.findings import Confidence, FileReport, Finding, Span
+
+CODE = "GA006"
+FIXED = Version("4.46.2")
+EARLY = Version("4.46.0")
+FLAGS = {"--gradient_accumulation_steps", "--gradient-accumulation-steps"}
+CONFIGS = {".yaml", ".yml", ".json", ".toml", ".cfg", ".ini", ".sh"}
+MAX_BYTES = 1 << 20
+# `gradient_accumulation_steps: 8`, `"gradient_accumulation_steps": 8`, `= 8`, `--gradient-accumulation-steps 8`
+SETTING = re.compile(r"""gradient[_-]accumulation[_-]steps["']?\s*(?:[:=]|\s)\s*["']?(\d+)\b""")
+QUOTED = re.compile(r"""(["'])\s*(transformers(?![\w-])[^"']*)\1""", re.IGNORECASE)
+POETRY = re.compile(r"""^(\s*["']?)transformers["']?\s*=\s*(.+?)\s*$""", re.IGNORECASE)
+CONDA = re.compile(r"^(?:[\w-]+::)?transformers\s*(?:=|\s)\s*(\d[\w.*]*)$", re.IGNORECASE)
+SCRIPT = re.compile(r"(?m)^# /// script\s*$")  # PEP 723 inline script metadata
+FRAMEWORK = re.compile(rb"\b(?:transformers|trl)\b")
+TRAINER_SEEN = "the code trains with a transformers Trainer"
+NO_TRAINER = (
+    "no transformers Trainer seen in the code; the pin matters where a framework trains with one "
+    "from this configuration"
+)
+# Releases probed to decide what a specifier admits, with the versions it names and their successors.
+PROBES = (
+    "2.0.0",
+    "3.0.0",
+    *(f"4.{minor}.0" for minor in range(100)),
+    "4.46.1",
+    "4.46.2",
+    "4.46.3",
+    *(f"{major}.0.0" for major in range(5, 10)),
+)
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """Where the code sets gradient_accumulation_steps above 1."""
+
+    path: Path
+    where: str
+    trainer: bool  # set on a TrainingArguments-like call
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A transformers requirement and where it is written."""
+
+    line: int
+    column: int
+    shown: str  # as written
+    requirement: str  # as PEP 508 (poetry and conda constraints converted)
+    raw: str  # the whole source line, for suppression comments
+
+
+def verdict(specifier: SpecifierSet) -> str | None:
+    """Whether a specifier admits only releases without the fix: `old` when the newest it
+    admits predates 4.46, `early` when that is 4.46.0 or 4.46.1, None otherwise."""
+    declared = [v for v in (_version(s.version) for s in specifier) if v is not None]
+    probes = [*map(Version, PROBES), *declared]
+    probes += [Version(f"{v.major}.{v.minor}.{v.micro + 1}") for v in declared]
+    admitted = [v for v in probes if specifier.contains(v, prereleases=True)]
+    if not admitted or max(admitted) >= FIXED:
+        return None
+    return "early" if max(admitted) >= EARLY else "old"
+
+
+def _version(text: str) -> Version | None:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return None
+
+
+def bad_pin(pin: Pin) -> str | None:
+    """The verdict on a pin that names transformers with a version specifier."""
+    try:
+        requirement = Requirement(pin.requirement)
+    except InvalidRequirement:
+        return None
+    if requirement.name.lower() != "transformers" or requirement.url or not requirement.specifier:
+        return None
+    return verdict(requirement.specifier)
+
+
+# Pins -------------------------------------------------------------------------------------
+
+
+def pins(path: Path, text: str) -> list[Pin]:
+    """The transformers requirements of one dependency file."""
+    lines = text.splitlines()
+    name = path.name.lower()
+    if name == "pyproject.toml":
+        return [*_quoted(lines), *_poetry(lines)]
+    if name == "setup.py":
+        return list(_quoted(lines))
+    if name == "setup.cfg":
+        return list(_setup_cfg(lines))
+    if name.startswith("environment"):
+        return list(_environment(lines))
+    return [
+        pin for number, raw in enumerate(lines, 1) if (pin := _requirement_line(number, raw, 0))
+    ]
+
+
+def is_pin_file(path: Path) -> bool:
+    name = path.name.lower()
+    if name in ("pyproject.toml", "setup.py", "setup.cfg"):
+        return True
+    if name.startswith("environment") and path.suffix in (".yml", ".yaml"):
+        return True
+    text_file = path.suffix == ".txt"
+    return text_file and (
+        name.startswith(("requirements", "constraints")) or path.parent.name == "requirements"
+    )
+
+
+def _requirement_line(number: int, raw: str, start: int) -> Pin | None:
+    """A requirements-file line (from column `start`), without its comment and options."""
+    body = re.sub(r"(^|\s)#.*", "", raw[start:])
+    stripped = body.strip()
+    if not stripped or stripped.startswith("-"):
+        return None
+    column = start + len(body) - len(body.lstrip()) + 1
+    return Pin(number, column, stripped, stripped, raw)
+
+
+def _quoted(lines: Iterable[str], first: int = 1) -> Iterator[Pin]:
+    """Quoted PEP 508 strings naming transformers: PEP 621 arrays, setup.py lists, PEP 723."""
+    for number, raw in enumerate(lines, first):
+        for match in QUOTED.finditer(raw):
+            text = match.group(2).strip()
+            yield Pin(number, match.start(2) + 1, text, text, raw)
+
+
+def _poetry(lines: list[str]) -> Iterator[Pin]:
+    """`transformers = "^4.40"` or `transformers = { version = "4.45.2", ... }`."""
+    for number, raw in enumerate(lines, 1):
+        match = POETRY.match(raw)
+        if match is None:
+            continue
+        value = match.group(2)
+        inner = re.search(r"""version\s*=\s*["']([^"']+)""", value)
+        if value.startswith("{") and inner is None:
+            continue
+        constraint = inner.group(1) if inner else value.strip("\"'")
+        converted = _poetry_constraint(constraint)
+        if converted is not None:
+            shown = raw.strip()
+            yield Pin(number, len(match.group(1)) + 1, shown, f"transformers{converted}", raw)
+
+
+def _poetry_constraint(constraint: str) -> str | None:
+    """Poetry's `^4.40`, `~4.45`, `4.45.2` as a PEP 440 specifier."""
+    parts = []
+    for piece in (p.strip() for p in constraint.split(",")):
+        operator = piece[:1] if piece[:1] in "^~" and piece[:2] != "~=" else ""
+        version = _version(piece[len(operator) :])
+        if operator and version is not None:
+            major, minor = (*version.release, 0)[:2]
+            whole = (operator == "^" and major) or len(version.release) == 1
+            upper = f"{major + 1}" if whole else f"{major}.{minor + 1}"
+            parts += [f">={version}", f"<{upper}"]
+        elif version is not None:
+            parts.append(f"=={version}")
+        elif piece not in ("", "*"):
+            parts.append(piece)
+    return ",".join(parts) or None
+
+
+def _setup_cfg(lines: list[str]) -> Iterator[Pin]:
+    """Lines of `[options]` (`install_requires`) and `[options.extras_require]`."""
+    section = ""
+    for number, raw in enumerate(lines, 1):
+        header = re.match(r"\s*\[([^\]]+)\]", raw)
+        if header:
+            section = header.group(1).strip()
+            continue
+        if not section.startswith("options"):
+            continue
+        key = re.match(r"\s*[\w.-]+\s*=(?!=)\s*", raw)
+        pin = _requirement_line(number, raw, key.end() if key else 0)
+        if pin is not None:
+            yield pin
+
+
+def _environment(lines: list[str]) -> Iterator[Pin]:
+    """`- transformers=4.45` (conda) and `- transformers==4.45.2` (pip) list items."""
+    for number, raw in enumerate(lines, 1):
+        item = re.match(r"""(\s*-\s*["']?)([^"'#]+?)["']?\s*(?:#.*)?$""", raw)
+        if item is None:
+            continue
+        text = item.group(2)
+        conda = CONDA.match(text)
+        requirement = text
+        if conda:
+            version = conda.group(1)
+            requirement = (
+                f"transformers=={version}"
+                if version.endswith("*")
+                else f"transformers=={version}.*"
+            )
+        yield Pin(number, len(item.group(1)) + 1, text, requirement, raw)
+
+
+# Accumulation -------------------------------------------------------------------------------
+
+
+def accumulation_in(source: str | bytes) -> list[tuple[int, str, bool]]:
+    """(line, what, on a TrainingArguments-like call) for each `gradient_accumulation_steps > 1`
+    in Python source, in line order. Read with `ast`: these files are only scanned, not audited."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    constants = {
+        target.id: node.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for target in node.targets
+        if isinstance(target, ast.Name) and type(node.value.value) is int
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "attr", None) or getattr(node.func, "id", "")
+        given = {k.arg: k.value for k in node.keywords if k.arg}
+        value = given.get("gradient_accumulation_steps")
+        if value is not None and name.endswith(("Arguments", "Config")):
+            if _steps(value, constants) > 1:
+                what = f"`{name}(gradient_accumulation_steps={ast.unparse(value)})`"
+                found.append((node.lineno, what, True))
+        elif name == "add_argument" and any(
+            isinstance(a, ast.Constant) and a.value in FLAGS for a in node.args
+        ):
+            steps = _steps(given.get("default"), constants)
+            if steps > 1:
+                found.append(
+                    (node.lineno, f"`--gradient_accumulation_steps` defaulting to {steps}", False)
+                )
+    return sorted(found)
+
+
+def _steps(value: ast.expr | None, constants: dict[str, int]) -> int:
+    """An integer literal, or a module-level name bound to one."""
+    if isinstance(value, ast.Name):
+        return constants.get(value.id, 0)
+    return value.value if isinstance(value, ast.Constant) and type(value.value) is int else 0
+
+
+def _accumulations(path: Path, data: bytes, root: Path) -> Iterator[Accumulation]:
+    shown = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
+    if path.suffix == ".py":
+        if re.search(rb"gradient[_-]accumulation[_-]steps", data):
+            for line, what, trainer in accumulation_in(data):
+                yield Accumulation(path, f"{what} in {shown} line {line}", trainer)
+        return
+    for number, raw in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        match = SETTING.search(raw)
+        if match and int(match.group(1)) > 1 and not raw.lstrip().startswith(("#", ";", "//")):
+            yield Accumulation(
+                path,
+                f"`gradient_accumulation_steps` {match.group(1)} in {shown} line {number}",
+                False,
+            )
+
+
+# Findings -----------------------------------------------------------------------------------
+
+
+def _finding(shown: str, pin: Pin, kind: str, accumulation: str, trainer: bool) -> Finding:
+    if kind == "old":
+        problem = (
+            "admits only transformers releases before 4.46, whose Trainer divides each "
+            "micro-batch's mean loss by the accumulation steps"
+        )
+    else:
+        problem = (
+            "admits transformers 4.46.0/4.46.1 at best, whose Trainer over-scales the loss of "
+            "models that ignore `num_items_in_batch`"
+        )
+    confidence, why = (
+        (Confidence.HIGH, TRAINER_SEEN) if trainer else (Confidence.MEDIUM, NO_TRAINER)
+    )
+    return Finding(
+        path=shown,
+        code=CODE,
+        message=f"`{pin.shown}` {problem}, and the code accumulates gradients: require `transformers>=4.46.2`",
+        span=Span(pin.line, pin.column, pin.line, pin.column + len(pin.shown)),
+        confidence=confidence,
+        evidence=(
+            f"pin: `{pin.shown}`",
+            f"accumulation: {accumulation}",
+            f"confidence {confidence}: {why}",
+        ),
+        hint=catalogue.load()[CODE].hint,
+    )
+
+
+def _uses_trainer(data: bytes) -> bool:
+    return b"Trainer" in data and FRAMEWORK.search(data) is not None
+
+
+def _suppressed(raw: str) -> bool:
+    match = SUPPRESSION.search(raw)
+    return match is not None and (
+        match.group("codes") is None or CODE in match.group("codes").upper()
+    )
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes() if path.stat().st_size <= MAX_BYTES else b""
+    except OSError:
+        return b""
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    """Config and dependency files under `root`, skipping hidden and default-excluded folders."""
+    for directory, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if not d.startswith(".") and not any(fnmatch.fnmatch(d, p) for p in DEFAULT_EXCLUDE)
+        )
+        for name in sorted(filenames):
+            path = Path(directory, name)
+            if path.suffix in CONFIGS or is_pin_file(path):
+                yield path
+
+
+def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
+    """GA006 over the checked folders: one report per dependency file with a bad transformers pin.
+
+    Dependency and config files are gathered from the folders in `roots`; the checked Python
+    `files` give the accumulation settings. A pin file is judged against the accumulation
+    settings found in its own folder and below. Nothing else is read unless a bad pin exists.
+    """
+    walked = sorted({p.resolve() for root in roots if root.is_dir() for p in _walk(root)})
+    bad = {}
+    for path in {p for p in walked if is_pin_file(p)} | {p.resolve() for p in files if is_pin_file(p)}:
+        text = _read(path).decode("utf-8", "replace")
+        found = [(pin, kind) for pin in pins(path, text) if (kind := bad_pin(pin)) and not _suppressed(pin.raw)]
+        if found:
+            bad[path] = found
+    if not bad:
+        return []
+    scanned = [p for p in walked if p.suffix in CONFIGS] + [p.resolve() for p in files if p.suffix == ".py"]
+    data = {path: _read(path) for path in scanned}
+    base = Path(os.path.commonpath([p.parent for p in bad] + [p.parent for p in scanned]))
+    accumulations = [a for path in scanned for a in _accumulations(path, data[path], base)]
+    reports = []
+    for path, found in sorted(bad.items()):
+        here = [a for a in accumulations if a.path.is_relative_to(path.parent)]
+        if not here:
+            continue
+        trainer = any(a.trainer for a in here) or any(
+            p.suffix == ".py" and p.is_relative_to(path.parent) and _uses_trainer(data[p]) for p in scanned
+        )
+        shown = display_path(path)
+        reports.append(FileReport(shown, [_finding(shown, pin, kind, here[0].where, trainer) for pin, kind in found]))
+    return reports
+
+
+def findings(context) -> list[Finding]:
+    """GA006 for a script whose PEP 723 metadata pins transformers while it accumulates."""
+    tree = context.tree
+    imports = tree.imports.values()
+    if not _has_script(tree.module) or not any(
+        q.split(".")[0] in ("transformers", "trl") for q in imports
+    ):
+        return []
+    text = tree.module.code
+    settings = accumulation_in(text)
+    start = SCRIPT.search(text)
+    if start is None or not settings:
+        return []
+    first = text.count("\n", 0, start.start()) + 1
+    block = []
+    for line in text.splitlines()[first:]:
+        if line.rstrip() == "# ///":
+            break
+        block.append(line)
+    line, what, trainer = settings[0]
+    trainer = trainer or any(
+        q.startswith(("transformers.", "trl.")) and q.endswith("Trainer") for q in imports
+    )
+    return [
+        _finding(context.path, pin, kind, f"{what} (line {line})", trainer)
+        for pin in _quoted(block, first + 1)
+        if (kind := bad_pin(pin))
+    ]
+
+
+def _has_script(module: cst.Module) -> bool:
+    """A `# /// script` comment among the module's top-level comment lines (cheap, no codegen)."""
+    lines = [
+        *module.header,
+        *(line for s in module.body for line in s.leading_lines),
+        *module.footer,
+    ]
+    return any(
+        line.comment is not None and line.comment.value.rstrip() == "# /// script" for line in lines
+    )

@@ -1,0 +1,405 @@
+"""GA004 (Trainer overrides), GA005 (JAX/optax) and GA006 (dependency pins) beyond the fixtures."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES
+from packaging.specifiers import SpecifierSet
+
+from gaaudit import catalogue
+from gaaudit.checks.versions import check_repository, verdict
+from gaaudit.config import Settings
+from gaaudit.engine import check_file
+from gaaudit.findings import Confidence
+
+ALL = Settings(min_confidence=Confidence.LOW)
+REPOSITORIES = sorted(p for p in FIXTURES.glob("ga006_*") if p.is_dir())
+
+
+def found(tmp_path: Path, source: str, name: str = "train.py") -> list[tuple[int, str, str]]:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    report = check_file(path, ALL)
+    assert report.error is None
+    return [(f.span.line, f.code, str(f.confidence)) for f in report.findings]
+
+
+# GA004 -------------------------------------------------------------------------------------
+
+TRAINER = """\
+    {imports}
+
+    class CustomTrainer({base}):
+        {body}
+        def compute_loss(self, model, inputs, return_outputs=False{params}):
+            outputs = model(**inputs{passed})
+            loss = outputs.loss
+            return (loss, outputs) if return_outputs else loss
+    """
+
+
+def trainer(
+    imports="from transformers import Trainer",
+    base="Trainer",
+    body="pass",
+    params=", num_items_in_batch=None",
+    passed="",
+):
+    return TRAINER.format(imports=imports, base=base, body=body, params=params, passed=passed)
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (trainer(), [(5, "GA004", "medium")]),
+        (trainer(imports="import transformers as hf", base="hf.Trainer"), [(5, "GA004", "medium")]),
+        (
+            trainer(imports="from trl import SFTTrainer as Base", base="Base"),
+            [(5, "GA004", "medium")],
+        ),
+        (trainer(params=", **kwargs"), [(5, "GA004", "medium")]),
+        (trainer(params=""), [(5, "GA004", "high")]),
+        (trainer(params=", **kwargs", passed=", **kwargs"), []),
+        (trainer(passed=", num_items_in_batch=num_items_in_batch"), []),
+        (trainer(body="model_accepts_loss_kwargs = False"), []),
+        (trainer(imports="from mylib.engine import Trainer"), []),
+    ],
+    ids=[
+        "ignored",
+        "module-alias",
+        "trl-alias",
+        "kwargs-ignored",
+        "old-signature",
+        "kwargs-passed",
+        "count-passed",
+        "opted-out",
+        "not-transformers",
+    ],
+)
+def test_compute_loss_overrides(tmp_path, source, expected):
+    assert found(tmp_path, source) == expected
+
+
+def test_subclass_of_a_same_file_trainer_and_inherited_opt_out(tmp_path):
+    source = """\
+        from transformers import Seq2SeqTrainer
+
+        class Base(Seq2SeqTrainer):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.model_accepts_loss_kwargs = False
+
+        class Child(Base):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return model(**inputs).loss
+
+        class Plain(Seq2SeqTrainer):
+            pass
+
+        class Grandchild(Plain):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return model(**inputs)["loss"]
+        """
+    assert found(tmp_path, source) == [(16, "GA004", "medium")]
+
+
+def test_training_step_divisions(tmp_path):
+    source = """\
+        from transformers import Trainer
+
+        class StepTrainer(Trainer):
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+                if num_items_in_batch is None:
+                    loss = loss / self.args.gradient_accumulation_steps
+                scaled = loss / self.args.gradient_accumulation_steps
+                self.accelerator.backward(scaled)
+                return loss.detach() / self.args.gradient_accumulation_steps
+        """
+    ga004 = [row for row in found(tmp_path, source) if row[1] == "GA004"]
+    assert ga004 == [(8, "GA004", "medium")]
+
+
+def test_model_passed_to_trainer_through_a_name(tmp_path):
+    source = """\
+        import torch.nn.functional as F
+        from torch import nn
+        from transformers import Trainer
+
+        class Head(nn.Module):
+            def forward(self, features, labels=None):
+                logits = self.proj(features)
+                return F.cross_entropy(logits, labels), logits
+
+        class Unused(nn.Module):
+            def forward(self, features, labels=None):
+                return F.cross_entropy(self.proj(features), labels)
+
+        def main(args):
+            model = Head().to("cuda")
+            Trainer(model=model, args=args).train()
+        """
+    assert found(tmp_path, source) == [(6, "GA004", "medium")]
+
+
+def test_ga004_finding_explains_itself(tmp_path):
+    path = FIXTURES / "ga004_weighted_classification_compute_loss.py"
+    (finding,) = check_file(path, ALL).findings
+    assert "num_items_in_batch" in finding.message and "K times" in finding.message
+    assert any("WeightedLossTrainer" in e for e in finding.evidence)
+    assert any("CrossEntropyLoss" in e for e in finding.evidence)
+    assert finding.hint == catalogue.load()["GA004"].hint and not finding.fixable
+
+
+# GA005 -------------------------------------------------------------------------------------
+
+OPTAX = """\
+    import jax
+    import jax.numpy as jnp
+    {imports}
+
+    def loss_fn(params, batch):
+        losses = per_token(params, batch)
+        return {loss}
+
+    def make(k):
+        return {call}
+
+    def step(params, state, batch, tx):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        return tx.update(grads, state, params)
+    """
+
+
+def optax_source(
+    imports="import optax",
+    loss="losses.mean()",
+    call="optax.MultiSteps(optax.adam(1e-3), every_k_schedule=k)",
+):
+    return OPTAX.format(imports=imports, loss=loss, call=call)
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (optax_source(), [(10, "GA005", "medium")]),
+        (
+            optax_source(imports="import optax as ox", call="ox.MultiSteps(ox.sgd(0.1), k)"),
+            [(10, "GA005", "medium")],
+        ),
+        (
+            optax_source(
+                imports="from optax import MultiSteps, adam", call="MultiSteps(adam(1e-3), k)"
+            ),
+            [(10, "GA005", "medium")],
+        ),
+        (
+            optax_source(
+                imports="from optax import MultiSteps as Accumulate, adam\n    tx = Accumulate(adam(1e-3), 4)"
+            ),
+            [(4, "GA005", "medium"), (11, "GA005", "medium")],
+        ),
+        (
+            optax_source(loss='jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])'),
+            [(10, "GA005", "high")],
+        ),
+        (optax_source(loss="jnp.mean(losses, where=batch['valid'])"), [(10, "GA005", "high")]),
+        (optax_source(loss="undefined_reduce(losses)"), [(10, "GA005", "low")]),
+        (
+            optax_source(
+                call="optax.MultiSteps(optax.adam(1e-3), every_k_schedule=k, use_grad_mean=False)"
+            ),
+            [],
+        ),
+        (optax_source(call="optax.MultiSteps(optax.adam(1e-3), k, False)"), []),
+        (optax_source(call="optax.MultiSteps(optax.adam(1e-3), every_k_schedule=1)"), []),
+        (optax_source(loss="jnp.sum(losses)"), []),
+        (optax_source(loss='jnp.sum(losses * batch["mask"]) / batch["window_tokens"]'), []),
+    ],
+    ids=[
+        "default",
+        "module-alias",
+        "from-import",
+        "renamed",
+        "masked-mean",
+        "where-mean",
+        "unknown-loss",
+        "grad-sum",
+        "grad-sum-positional",
+        "k-is-1",
+        "sum-loss",
+        "window-count",
+    ],
+)
+def test_multisteps(tmp_path, source, expected):
+    assert found(tmp_path, source) == expected
+
+
+def test_hand_written_averages_need_a_step_count_divisor(tmp_path):
+    source = """\
+        import jax
+        import jax.tree_util as jtu
+
+        grad_accum_steps = 4
+
+        def loss_fn(params, batch):
+            return model_loss(params, batch).mean()
+
+        def window(params, micro_batches, norm):
+            grads = None
+            for batch in micro_batches:
+                _, g = jax.value_and_grad(loss_fn)(params, batch)
+                grads = g if grads is None else jtu.tree_map(lambda a, b: a + b, grads, g)
+            k = grad_accum_steps
+            clipped = jtu.tree_map(lambda g: g / norm, grads)
+            averaged = jtu.tree_map(lambda g: g / k, grads)
+            by_count = jax.tree.map(lambda g: g / len(micro_batches), grads)
+            return clipped, averaged, by_count
+        """
+    assert found(tmp_path, source) == [(16, "GA005", "medium"), (17, "GA005", "medium")]
+
+
+def test_seed_003_fires_with_fixed_length_evidence():
+    (finding,) = check_file(FIXTURES / "ga005_seed_multisteps_layerwise_adamw.py", ALL).findings
+    assert finding.code == "GA005" and finding.confidence is Confidence.LOW
+    assert any("memmap" in e for e in finding.evidence)
+    assert any("softmax_cross_entropy_with_integer_labels" in e for e in finding.evidence)
+
+
+# GA006 -------------------------------------------------------------------------------------
+
+
+def expected_rows(folder: Path) -> list[tuple[str, int, str]]:
+    rows = []
+    for line in (folder / "expected.txt").read_text().splitlines():
+        if line.strip():
+            file, number, code = line.split()
+            rows.append((file, int(number), code))
+    return rows
+
+
+def repository_rows(folder: Path, reports) -> list[tuple[str, int, str]]:
+    return [
+        (Path(r.path).resolve().relative_to(folder.resolve()).as_posix(), f.span.line, f.code)
+        for r in reports
+        for f in r.findings
+    ]
+
+
+@pytest.mark.parametrize("folder", REPOSITORIES, ids=lambda p: p.name)
+def test_repository_fixtures_are_exact(folder):
+    files = sorted(p for p in folder.rglob("*.py"))
+    assert repository_rows(folder, check_repository(files, [folder])) == expected_rows(folder)
+
+
+def test_repository_fixtures_are_varied():
+    buggy = [f for f in REPOSITORIES if expected_rows(f)]
+    assert len(buggy) >= 5 and len(REPOSITORIES) - len(buggy) >= 3
+    pin_files = {Path(file).name for f in buggy for file, _, _ in expected_rows(f)}
+    assert {
+        "requirements.txt",
+        "pyproject.toml",
+        "setup.cfg",
+        "setup.py",
+        "environment.yml",
+    } <= pin_files
+
+
+def test_repository_python_files_have_no_per_file_findings():
+    for script in (p for folder in REPOSITORIES for p in folder.rglob("*.py")):
+        assert check_file(script, ALL).findings == [], script
+
+
+@pytest.mark.parametrize(
+    "specifier, expected",
+    [
+        ("==4.45.2", "old"),
+        ("<4.46", "old"),
+        ("<=4.45", "old"),
+        ("~=4.40.0", "old"),
+        (">=4.30,<4.46", "old"),
+        ("<3", "old"),
+        ("==4.46.0", "early"),
+        ("==4.46.1", "early"),
+        ("<4.46.2", "early"),
+        (">=4.46.2", None),
+        ("~=4.40", None),
+        (">=4.40", None),
+        ("==4.46.*", None),
+        ("!=4.46.2,<4.47", None),
+        ("==5.0.0", None),
+        (">=4.46.2,<4.46.2", None),
+    ],
+)
+def test_verdict(specifier, expected):
+    assert verdict(SpecifierSet(specifier)) == expected
+
+
+def write(root: Path, files: dict[str, str]) -> list[Path]:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return sorted(root.rglob("*.py"))
+
+
+def test_pin_reported_with_column_evidence_and_suppression(tmp_path):
+    files = write(
+        tmp_path,
+        {
+            "requirements.txt": "torch\n  transformers==4.45.2\ntransformers<4.46  # noqa: GA006\n",
+            "train.py": "from transformers import TrainingArguments\nargs = TrainingArguments('o', gradient_accumulation_steps=4)\n",
+        },
+    )
+    (report,) = check_repository(files, [tmp_path])
+    (finding,) = report.findings
+    assert (finding.span.line, finding.span.column, finding.span.end_column) == (2, 3, 23)
+    assert finding.confidence is Confidence.HIGH and "transformers>=4.46.2" in finding.message
+    assert any("train.py line 2" in e for e in finding.evidence)
+    assert finding.hint == catalogue.load()["GA006"].hint
+
+
+@pytest.mark.parametrize(
+    "pin, reported",
+    [
+        ('transformers = "^4.40"', False),
+        ('transformers = "~4.45"', True),
+        ('transformers = "4.45.2"', True),
+        ('transformers = { git = "https://github.com/huggingface/transformers" }', False),
+    ],
+)
+def test_poetry_constraints(tmp_path, pin, reported):
+    files = write(
+        tmp_path,
+        {
+            "pyproject.toml": f"[tool.poetry.dependencies]\npython = '^3.10'\n{pin}\n",
+            "configs/run.yaml": "gradient_accumulation_steps: 8\n",
+        },
+    )
+    assert bool(check_repository(files, [tmp_path])) is reported
+
+
+def test_accumulation_must_sit_under_the_pin_file(tmp_path):
+    files = write(
+        tmp_path,
+        {
+            "a/requirements.txt": "transformers==4.45.2\n",
+            "b/requirements.txt": "transformers==4.45.2\n",
+            "b/run.sh": "python train.py --gradient-accumulation-steps=4 --bf16\n",
+            "c/run.sh": "# --gradient_accumulation_steps 8 was too slow\npython train.py\n",
+        },
+    )
+    reports = check_repository(files, [tmp_path])
+    assert [Path(r.path).parent.name for r in reports] == ["b"]
+    assert reports[0].findings[0].confidence is Confidence.MEDIUM
+
+
+def test_inline_script_metadata_is_checked_per_file(tmp_path):
+    rule = catalogue.load()["GA006"]
+    assert found(tmp_path, rule.bad) == [(6, "GA006", "high")]
+    assert found(tmp_path, rule.good) == []
+    single_step = rule.bad.replace("gradient_accumulation_steps=8", "gradient_accumulation_steps=1")
+    assert found(tmp_path, single_step) == []
