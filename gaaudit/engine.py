@@ -10,7 +10,7 @@ from pathlib import Path
 from gaaudit.config import Settings
 from gaaudit.findings import FileError, FileReport
 from gaaudit.focus import focus
-from gaaudit.source import TRIGGERS, SourceError, parse, read
+from gaaudit.source import FOCUS, SourceError, parse, read
 
 # Below this many files, a worker pool costs more than it saves.
 PARALLEL_THRESHOLD = 64
@@ -32,7 +32,7 @@ def check_file(path: Path, settings: Settings) -> FileReport:
         source = read(path)
         if not source.may_have_findings:
             return FileReport(shown)
-        module = parse(focus(source.data, TRIGGERS))
+        module = parse(focus(source.data, FOCUS))
         text = source.data.decode(module.encoding)
         relative = display_path(path, settings.root)
         return FileReport(shown, audit(module, text, shown, relative, settings, path.parent)[1])

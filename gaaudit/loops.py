@@ -84,18 +84,19 @@ class Structure:
         """Same-file functions that call backward on their N-th parameter, and those that step."""
         backward: dict[str, int] = {}
         stepping: set[str] = set()
-        for name, function in self.tree.functions.items():
-            params = [p.name.value for p in function.params.params]
-            for node in self.tree.in_scope(function):
-                if not isinstance(node, cst.Call):
-                    continue
-                if is_step(node):
-                    stepping.add(name)
-                loss = backward_of(node)
-                if isinstance(loss, cst.BaseExpression):
-                    root = next((n.value for n in self.tree.walk(loss) if isinstance(n, cst.Name)), None)
-                    if root in params:
-                        backward[name] = params.index(root) - (params[:1] == ["self"])
+        for node in self.tree.calls:
+            function = self.tree.enclosing_function(node)
+            if function is None or self.tree.functions.get(function.name.value) is not function:
+                continue
+            name = function.name.value
+            if is_step(node):
+                stepping.add(name)
+            loss = backward_of(node)
+            if isinstance(loss, cst.BaseExpression):
+                params = [p.name.value for p in function.params.params]
+                root = next((n.value for n in self.tree.walk(loss) if isinstance(n, cst.Name)), None)
+                if root in params:
+                    backward[name] = params.index(root) - (params[:1] == ["self"])
         return backward, stepping
 
     def backwards(self) -> Iterator[Backward]:

@@ -6,7 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Byte patterns without which no rule can fire: files lacking all of them are never parsed.
-TRIGGERS = (b".backward(", b"accumulate_grad_batches", b"compute_loss", b"training_step", b"MultiSteps", b"jax", b"Trainer", b"gradient_accumulation_steps")
+TRIGGERS = (
+    b".backward(", b"accumulate_grad_batches", b"compute_loss", b"training_step", b"Trainer(",
+    b"Trainer)", b"MultiSteps", b"jax.tree", b"tree_util", b"/// script",
+)
+# Inside a file that passed, the definitions holding any of these are kept for libcst (focus.py).
+FOCUS = (*TRIGGERS, b"tree_map", b"tree.map")
 
 
 class SourceError(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from functools import cached_property
 
@@ -78,33 +79,73 @@ def walk(node: cst.CSTNode, children=None, *, into_defs: bool = True) -> Iterato
         stack.extend(reversed(below))
 
 
-class _Indexer(cst.CSTVisitor):
+_FIELDS: dict[type, tuple[str, ...]] = {}
+_IS_NODE: dict[type, bool] = {}
+ASSIGNMENTS = (cst.Assign, cst.AugAssign, cst.AnnAssign)
+
+
+def _is_node(value) -> bool:
+    kind = type(value)
+    known = _IS_NODE.get(kind)
+    if known is None:
+        known = _IS_NODE[kind] = issubclass(kind, cst.CSTNode)
+    return known
+
+
+def _kids(node: cst.CSTNode) -> list[cst.CSTNode]:
+    """A node's children, read from its dataclass fields (much faster than libcst's visitors)."""
+    names = _FIELDS.get(type(node))
+    if names is None:
+        names = _FIELDS[type(node)] = tuple(f.name for f in dataclasses.fields(node))
+    kids = []
+    for name in names:
+        value = getattr(node, name)
+        if type(value) in (list, tuple):
+            kids.extend(v for v in value if _is_node(v))
+        elif _is_node(value):
+            kids.append(value)
+    return kids
+
+
+class _Index:
     """One traversal recording every node's parent, children and document order."""
 
-    def __init__(self) -> None:
-        self.stack: list[cst.CSTNode] = []
+    def __init__(self, module: cst.Module) -> None:
         self.parents: dict[cst.CSTNode, cst.CSTNode] = {}
         self.children: dict[cst.CSTNode, list[cst.CSTNode]] = {}
         self.order: dict[cst.CSTNode, int] = {}
         self.last: dict[cst.CSTNode, int] = {}  # the highest order inside a node's subtree
         self.calls: list[cst.Call] = []
         self.assignments: list[cst.CSTNode] = []
-
-    def on_visit(self, node: cst.CSTNode) -> bool:
-        if self.stack:
-            self.parents[node] = self.stack[-1]
-            self.children.setdefault(self.stack[-1], []).append(node)
-        self.order[node] = len(self.order)
-        if isinstance(node, cst.Call):
-            self.calls.append(node)
-        elif isinstance(node, (cst.Assign, cst.AugAssign, cst.AnnAssign)):
-            self.assignments.append(node)
-        self.stack.append(node)
-        return True
-
-    def on_leave(self, original_node: cst.CSTNode) -> None:
-        self.last[original_node] = len(self.order) - 1
-        self.stack.pop()
+        self.scopes: dict[cst.CSTNode, cst.CSTNode] = {}  # call or assignment -> module or function
+        self.functions: list[cst.FunctionDef] = []
+        self.imports: list[cst.Import | cst.ImportFrom] = []
+        stack: list[tuple[cst.CSTNode, bool, cst.CSTNode]] = [(module, False, module)]
+        while stack:
+            node, left, scope = stack.pop()
+            if left:
+                self.last[node] = len(self.order) - 1
+                continue
+            self.order[node] = len(self.order)
+            kind = type(node)
+            if kind is cst.Call:
+                self.calls.append(node)
+                self.scopes[node] = scope
+            elif kind in ASSIGNMENTS:
+                self.assignments.append(node)
+                self.scopes[node] = scope
+            elif kind is cst.FunctionDef:
+                self.functions.append(node)
+                scope = node
+            elif kind is cst.Import or kind is cst.ImportFrom:
+                self.imports.append(node)
+            kids = _kids(node)
+            if kids:
+                self.children[node] = kids
+                for kid in kids:
+                    self.parents[kid] = node
+            stack.append((node, True, scope))
+            stack.extend((kid, False, scope) for kid in reversed(kids))
 
 
 def keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
@@ -130,11 +171,11 @@ class Tree:
     def __init__(self, module: cst.Module) -> None:
         self.wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
         self.module = module
-        indexer = _Indexer()
-        module.visit(indexer)
+        indexer = _Index(module)
         self.parents, self.children = indexer.parents, indexer.children
         self.order, self.last = indexer.order, indexer.last
-        self.calls, self.assignments = indexer.calls, indexer.assignments
+        self.calls, self.assignments, self._scopes = indexer.calls, indexer.assignments, indexer.scopes
+        self._functions, self._imports = indexer.functions, indexer.imports
         self._bindings: dict[cst.CSTNode, dict[str, list[cst.CSTNode]]] = {}
 
     def contains(self, outer: cst.CSTNode, inner: cst.CSTNode) -> bool:
@@ -146,7 +187,7 @@ class Tree:
         if scope not in self._bindings:
             table: dict[str, list[cst.CSTNode]] = {}
             for node in self.assignments:
-                if self.scope_of(node) is scope:
+                if self._scopes[node] is scope:
                     targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
                     for name in set().union(*(_target_names(t) for t in targets)):
                         table.setdefault(name, []).append(node)
@@ -206,16 +247,20 @@ class Tree:
     def functions(self) -> dict[str, cst.FunctionDef]:
         """Functions and methods defined in the file, by name (first definition wins)."""
         found: dict[str, cst.FunctionDef] = {}
-        for node in self.walk(self.module):
-            if isinstance(node, cst.FunctionDef):
-                found.setdefault(node.name.value, node)
+        for node in self._functions:
+            found.setdefault(node.name.value, node)
         return found
+
+    def enclosing_function(self, node: cst.Call | cst.CSTNode) -> cst.FunctionDef | None:
+        """The function a call or assignment sits in directly, if any (indexed, no walk)."""
+        scope = self._scopes.get(node)
+        return scope if isinstance(scope, cst.FunctionDef) else None
 
     @cached_property
     def imports(self) -> dict[str, str]:
         """Local name -> qualified name, from the file's import statements."""
         table: dict[str, str] = {}
-        for node in self.walk(self.module):
+        for node in self._imports:
             if isinstance(node, cst.Import):
                 for alias in node.names:
                     full = dotted(alias.name) or ""
