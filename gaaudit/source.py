@@ -11,7 +11,7 @@ TRIGGERS = (
     b"Trainer)", b"MultiSteps", b"jax.tree", b"tree_util", b"/// script",
 )
 # Inside a file that passed, the definitions holding any of these are kept for libcst (focus.py).
-FOCUS = (*TRIGGERS, b"tree_map", b"tree.map")
+FOCUS = (*TRIGGERS, b"tree_map", b"tree.map", b"value_and_grad", b"jax.grad")
 
 
 class SourceError(Exception):
