@@ -172,7 +172,7 @@ def fix(
             else:
                 skipped += 1
                 typer.echo(
-                    f"{result.path}:{outcome.line}:{outcome.column}: {outcome.site.code} "
+                    f"{result.path}:{outcome.location}: {outcome.site.code} "
                     f"not fixed: {outcome.reason}",
                     err=diff,
                 )

@@ -11,6 +11,7 @@ from pathlib import Path
 import libcst as cst
 
 from gaaudit.fixes import Edits, Outcome
+from gaaudit.notebook import MARKER as CELL_MARKER
 
 
 class _Apply(cst.CSTTransformer):
@@ -30,7 +31,11 @@ class _Apply(cst.CSTTransformer):
     def _splice(self, original_body, updated_body) -> list:
         body = []
         for original, updated in zip(original_body, updated_body):
-            body.extend(self.edits.before.get(original, ()))
+            inserted = list(self.edits.before.get(original, ()))
+            if inserted and _opens_cell(updated):  # a notebook cell marker stays on top
+                inserted[0] = inserted[0].with_changes(leading_lines=updated.leading_lines)
+                updated = updated.with_changes(leading_lines=())
+            body.extend(inserted)
             if self.edits.replace.get(original) is not cst.RemovalSentinel.REMOVE:
                 body.append(updated)
             body.extend(self.edits.after.get(original, ()))
@@ -41,6 +46,13 @@ class _Apply(cst.CSTTransformer):
 
     def leave_Module(self, original_node, updated_node):
         return updated_node.with_changes(body=self._splice(original_node.body, updated_node.body))
+
+
+def _opens_cell(statement) -> bool:
+    return any(
+        line.comment is not None and line.comment.value.startswith(CELL_MARKER)
+        for line in getattr(statement, "leading_lines", ())
+    )
 
 
 def apply(module: cst.Module, edits: Edits) -> cst.Module:

@@ -10,7 +10,7 @@ import pathspec
 
 from gaaudit.config import Settings
 
-SUFFIXES = (".py",)
+SUFFIXES = (".py", ".ipynb")
 
 
 def _spec(patterns) -> pathspec.GitIgnoreSpec:

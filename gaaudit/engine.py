@@ -10,7 +10,8 @@ from pathlib import Path
 from gaaudit.config import Settings
 from gaaudit.findings import FileError, FileReport
 from gaaudit.focus import focus
-from gaaudit.source import FOCUS, SourceError, parse, read
+from gaaudit.notebook import load as load_notebook
+from gaaudit.source import FOCUS, Source, SourceError, parse, read
 
 # Below this many files, a worker pool costs more than it saves.
 PARALLEL_THRESHOLD = 64
@@ -28,15 +29,22 @@ def display_path(path: Path, root: Path | None = None) -> str:
 def check_file(path: Path, settings: Settings) -> FileReport:
     """Read, prefilter, parse and audit one file; never raises for a bad file."""
     shown = display_path(path)
+    notebook = None
     try:
         source = read(path)
+        if path.suffix == ".ipynb":
+            notebook = load_notebook(source.data)
+            source = Source(path, notebook.text.encode("utf-8"))
         if not source.may_have_findings:
             return FileReport(shown)
         module = parse(focus(source.data, FOCUS))
         text = source.data.decode(module.encoding)
         relative = display_path(path, settings.root)
-        return FileReport(shown, audit(module, text, shown, relative, settings, path.parent)[1])
+        findings = audit(module, text, shown, relative, settings, path.parent)[1]
+        return FileReport(shown, [notebook.relocate(f) for f in findings] if notebook else findings)
     except SourceError as exc:
+        if notebook is not None:
+            exc = notebook.relocate_error(exc)
         return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column))
     except RecursionError:
         return FileReport(shown, error=FileError(shown, "code nested too deeply to analyse"))

@@ -46,10 +46,18 @@ class Finding:
     evidence: tuple[str, ...] = ()
     hint: str = ""
     fixable: bool = False
+    cell: int | None = None  # in a notebook: the 1-based cell; `span` then counts within it
 
     @property
     def sort_key(self) -> tuple:
-        return (self.path, self.span, self.code)
+        return (self.path, self.cell or 0, self.span, self.code)
+
+    @property
+    def location(self) -> str:
+        """`12:5`, or `cell 3:line 12:col 5` in a notebook."""
+        if self.cell is None:
+            return f"{self.span.line}:{self.span.column}"
+        return f"cell {self.cell}:line {self.span.line}:col {self.span.column}"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ from pathlib import Path
 from gaaudit.codemod import FileFix, apply
 from gaaudit.config import Settings
 from gaaudit.engine import audit, display_path
+from gaaudit.notebook import load as load_notebook
+from gaaudit.notebook import rebuild
 from gaaudit.source import Source, SourceError, parse, read
 
 
@@ -46,5 +48,15 @@ def _start(tree, node) -> tuple[int, int]:
 
 
 def fix_file(path: Path, settings: Settings, unsafe: bool = False) -> FileFix:
-    """Plan the fix of one file on disk (nothing is written here)."""
-    return fix_source(read(path).data, path, settings, unsafe)
+    """Plan the fix of one file on disk (nothing is written here); notebooks cell by cell."""
+    raw = read(path).data
+    if path.suffix != ".ipynb":
+        return fix_source(raw, path, settings, unsafe)
+    notebook = load_notebook(raw)
+    try:
+        fixed = fix_source(notebook.text.encode("utf-8"), path, settings, unsafe)
+    except SourceError as exc:
+        raise notebook.relocate_error(exc) from None
+    outcomes = [notebook.relocate_outcome(o) for o in fixed.outcomes]
+    after = rebuild(notebook, fixed.after.decode("utf-8"), raw) if fixed.changed else raw
+    return FileFix(fixed.path, raw, after, outcomes)

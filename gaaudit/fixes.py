@@ -43,6 +43,13 @@ class Outcome:
     column: int
     applied: bool
     reason: str = ""
+    cell: int | None = None  # in a notebook: the cell `line` counts within
+
+    @property
+    def location(self) -> str:
+        if self.cell is None:
+            return f"{self.line}:{self.column}"
+        return f"cell {self.cell}:line {self.line}:col {self.column}"
 
 
 def _atom(expr: cst.BaseExpression) -> str:

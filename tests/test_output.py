@@ -173,6 +173,7 @@ def test_json_validates_and_round_trips(train_py):
         "column": 12,
         "end_line": 1,
         "end_column": 54,
+        "cell": None,
         "confidence": "low",
         "evidence": ["labels padded with -100"],
         "hint": "",

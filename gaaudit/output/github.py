@@ -18,7 +18,8 @@ def write(run: CheckRun, out: TextIO) -> None:
         out.write(
             f"::{COMMAND[f.confidence]} file={_property(f.path)},line={s.line},col={s.column},"
             f"endLine={s.end_line},endColumn={s.end_column},"
-            f"title={_property(f'{f.code} [{f.confidence}]')}::{_data(message)}\n"
+            f"title={_property(f'{f.code} [{f.confidence}]' + (f' (cell {f.cell})' if f.cell else ''))}"
+            f"::{_data(message)}\n"
         )
     for e in run.errors:
         out.write(

@@ -39,6 +39,7 @@ def _document(run: CheckRun) -> dict:
                 "column": f.span.column,
                 "end_line": f.span.end_line,
                 "end_column": f.span.end_column,
+                "cell": f.cell,
                 "confidence": str(f.confidence),
                 "evidence": list(f.evidence),
                 "hint": f.hint,

@@ -88,7 +88,11 @@ def _result(finding: Finding, rule_index: int, artifact: dict, fingerprint: str)
         "message": {"text": finding.message},
         "locations": [{"physicalLocation": {"artifactLocation": artifact, "region": region}}],
         "partialFingerprints": {FINGERPRINT_KEY: fingerprint},
-        "properties": {"confidence": str(finding.confidence), "evidence": list(finding.evidence)},
+        "properties": {
+            "confidence": str(finding.confidence),
+            "evidence": list(finding.evidence),
+            **({"cell": finding.cell} if finding.cell is not None else {}),
+        },
     }
 
 

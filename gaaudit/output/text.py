@@ -69,14 +69,15 @@ def _lines(run: CheckRun) -> Iterator[Line]:
 def _finding(finding: Finding, source: list[str]) -> Iterator[Line]:
     span = finding.span
     yield [
-        (f"{finding.path}:{span.line}:{span.column}:", PATH_STYLE),
+        (f"{finding.path}:{finding.location}:", PATH_STYLE),
         (" ", ""),
         (finding.code, CODE_STYLE),
         (" ", ""),
         (f"[{finding.confidence}]", CONFIDENCE_STYLE[finding.confidence]),
         (f" {finding.message}", ""),
     ]
-    yield from _frame(span, source)
+    if finding.cell is None:
+        yield from _frame(span, source)
     for evidence in finding.evidence:
         yield [(f"    {evidence}", "dim")]
     if finding.hint:

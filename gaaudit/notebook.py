@@ -1,0 +1,123 @@
+"""Jupyter notebooks: code cells joined into one Python source, and split back after a fix.
+
+Cells are joined in order, each preceded by a marker comment, so the analysis sees the
+whole notebook (the model built in one cell, the loop in another). IPython magics and
+shell lines become `pass` placeholders that keep line numbers and indentation, and are
+restored verbatim when the source is split back into cells.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+
+from gaaudit.findings import Finding, Span
+from gaaudit.source import SourceError
+
+MARKER = "# gaaudit: cell "
+PLACEHOLDER = "pass  # gaaudit: magic "
+LINE = re.compile(r"\(line (\d+)\)")
+MAGIC = re.compile(r"^(\s*)(%|!|\?|[\w.]+\s*=\s*[%!])")
+
+
+@dataclass(frozen=True)
+class Notebook:
+    """A notebook's JSON and its code cells as one Python text."""
+
+    data: dict
+    text: str
+    origins: tuple[tuple[int, int], ...]  # per line of `text`: (1-based cell, 1-based line)
+    magics: tuple[str, ...]  # original magic lines, by placeholder number
+
+    def locate(self, line: int) -> tuple[int, int]:
+        """(cell, line in cell) for a 1-based line of `text`."""
+        return self.origins[max(1, min(line, len(self.origins))) - 1]
+
+    def relocate(self, finding: Finding) -> Finding:
+        """A finding on `text`, re-pointed at its cell."""
+        span = finding.span
+        cell, line = self.locate(span.line)
+        end_cell, end_line = self.locate(span.end_line)
+        end_line = end_line if end_cell == cell else line
+        evidence = tuple(LINE.sub(self._cell_line, text) for text in finding.evidence)
+        return replace(
+            finding, cell=cell, span=Span(line, span.column, end_line, span.end_column), evidence=evidence
+        )
+
+    def _cell_line(self, match: re.Match) -> str:
+        cell, line = self.locate(int(match.group(1)))
+        return f"(cell {cell}, line {line})"
+
+    def relocate_outcome(self, outcome):
+        """A fix outcome on `text`, re-pointed at `cell N, line L` for the user."""
+        cell, line = self.locate(outcome.line)
+        return replace(outcome, line=line, cell=cell)
+
+    def relocate_error(self, error: SourceError) -> SourceError:
+        cell, line = self.locate(error.line)
+        return SourceError(f"cell {cell}, line {line}: {error.message}", 1, 1)
+
+
+def load(raw: bytes) -> Notebook:
+    """Parse notebook JSON; raise `SourceError` with a clear reason when it is not one."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SourceError(f"not a valid notebook: invalid JSON ({exc})") from None
+    cells = data.get("cells") if isinstance(data, dict) else None
+    if not isinstance(cells, list):
+        raise SourceError("not a valid notebook: no `cells` list (nbformat 4 expected)")
+    lines: list[str] = []
+    origins: list[tuple[int, int]] = []
+    magics: list[str] = []
+    in_cell_magic = False
+    for number, cell in enumerate(cells, 1):
+        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
+            continue
+        source = _source(cell)
+        lines.append(f"{MARKER}{number}")
+        origins.append((number, 1))
+        in_cell_magic = source.startswith("%%")
+        for index, line in enumerate(source.split("\n"), 1):
+            match = MAGIC.match(line)
+            if in_cell_magic or match:
+                indent = match.group(1) if match else ""
+                line = f"{indent}{PLACEHOLDER}{len(magics)}"
+                magics.append(source.split("\n")[index - 1])
+            lines.append(line)
+            origins.append((number, index))
+    return Notebook(data, "\n".join(lines) + "\n", tuple(origins), tuple(magics))
+
+
+def _source(cell: dict) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else str(source)
+
+
+def rebuild(notebook: Notebook, fixed: str, raw: bytes) -> bytes:
+    """The notebook JSON with each changed code cell's source taken from the fixed text;
+    outputs, metadata and untouched cells stay as they were."""
+    sources: dict[int, list[str]] = {}
+    current = None
+    for line in fixed.removesuffix("\n").split("\n"):
+        stripped = line.strip()
+        if stripped.startswith(MARKER):
+            current = int(stripped[len(MARKER):])
+            sources[current] = []
+        elif current is not None:
+            if stripped.startswith(PLACEHOLDER):
+                line = notebook.magics[int(stripped[len(PLACEHOLDER):])]
+            sources[current].append(line)
+    data = json.loads(raw)
+    for number, cell in enumerate(data["cells"], 1):
+        text = "\n".join(sources.get(number, ()))
+        if number in sources and text != _source(cell):
+            cell["source"] = text.splitlines(keepends=True) if isinstance(cell.get("source"), list) else text
+    return (json.dumps(data, indent=_indent(raw), ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _indent(raw: bytes) -> int:
+    """The JSON indentation the notebook was written with (nbformat uses 1)."""
+    match = re.search(rb"\n( +)\"", raw)
+    return len(match.group(1)) if match else 1

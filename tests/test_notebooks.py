@@ -1,0 +1,129 @@
+"""Jupyter notebooks: checked and fixed cell by cell, outputs and metadata untouched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FIXTURES
+
+SCRIPT = (FIXTURES / "ga002_hf_clm_no_division.py").read_text()
+
+
+def notebook(cells: list[dict]) -> dict:
+    return {
+        "cells": cells,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+
+
+def code(source, outputs=()) -> dict:
+    return {
+        "cell_type": "code",
+        "execution_count": 3,
+        "metadata": {"tags": ["train"]},
+        "outputs": list(outputs),
+        "source": source,
+    }
+
+
+def split_script() -> list[dict]:
+    """The fixture script as cells: imports and helpers first, the training function last."""
+    head, _, tail = SCRIPT.partition("\ndef main")
+    return [
+        {"cell_type": "markdown", "metadata": {}, "source": ["# Fine-tuning\n", "with accumulation"]},
+        code(["!pip install -q transformers\n", "%load_ext autoreload\n", "%autoreload 2"],
+             outputs=[{"output_type": "stream", "name": "stdout", "text": ["done\n"]}]),
+        code(head.splitlines(keepends=True)),
+        code(("def main" + tail).splitlines(keepends=True)),
+    ]
+
+
+@pytest.fixture
+def train_ipynb(tmp_path):
+    path = tmp_path / "train.ipynb"
+    path.write_text(json.dumps(notebook(split_script()), indent=1) + "\n")
+    return path
+
+
+def backward_line() -> tuple[int, int]:
+    """(cell, line) of the fixture's backward call in the notebook above."""
+    lines = ("def main" + SCRIPT.partition("\ndef main")[2]).splitlines()
+    return 4, next(i for i, line in enumerate(lines, 1) if "loss.backward()" in line)
+
+
+def test_findings_point_at_cell_and_line(train_ipynb, cli):
+    result = cli("check", "train.ipynb", cwd=train_ipynb.parent)
+    cell, line = backward_line()
+    assert result.exit_code == 1
+    assert f"train.ipynb:cell {cell}:line {line}:col 13: GA002 [high]" in result.output
+    assert "(cell 3, line" in result.output  # evidence from another cell, re-pointed too
+
+
+def test_json_and_sarif_carry_the_cell(train_ipynb, cli, sarif_schema):
+    import jsonschema
+
+    data = json.loads(cli("check", "train.ipynb", "--format", "json", cwd=train_ipynb.parent).output)
+    (finding,) = data["findings"]
+    assert (finding["cell"], finding["line"]) == backward_line()
+    sarif = json.loads(cli("check", "train.ipynb", "--format", "sarif").output)
+    jsonschema.validate(sarif, sarif_schema)
+    assert sarif["runs"][0]["results"][0]["properties"]["cell"] == backward_line()[0]
+
+
+def test_fix_rewrites_only_code_cell_sources(train_ipynb, cli):
+    before = json.loads(train_ipynb.read_text())
+    result = cli("fix", "train.ipynb", cwd=train_ipynb.parent)
+    assert result.exit_code == 0, result.output
+    after = json.loads(train_ipynb.read_text())
+    assert after["metadata"] == before["metadata"] and after["nbformat"] == before["nbformat"]
+    for old, new in zip(before["cells"], after["cells"]):
+        assert {k: v for k, v in old.items() if k != "source"} == {k: v for k, v in new.items() if k != "source"}
+    assert after["cells"][:3] == before["cells"][:3]  # markdown, magics and untouched code
+    fixed_cell = "".join(after["cells"][3]["source"])
+    assert "micro_tokens" in fixed_cell and "window_tokens = 0" in fixed_cell
+    compile(fixed_cell, "cell", "exec")
+    once = train_ipynb.read_bytes()
+    assert cli("fix", "train.ipynb").exit_code == 0 and train_ipynb.read_bytes() == once
+    assert cli("check", "train.ipynb").exit_code == 0
+
+
+def test_clean_notebook_is_byte_identical(tmp_path, cli):
+    path = tmp_path / "clean.ipynb"
+    raw = json.dumps(notebook([code("x = 1\n%time x + 1\n!ls"), code(["print(x)"])]), indent=2)
+    path.write_text(raw)  # no trailing newline, indent 2: any rewrite would show
+    assert cli("fix", "clean.ipynb", cwd=tmp_path).exit_code == 0
+    assert cli("check", "clean.ipynb").exit_code == 0
+    assert path.read_text() == raw
+
+
+def test_magics_inside_blocks_do_not_break_parsing(tmp_path, cli):
+    cell = "for step in range(3):\n    !echo $step\n    loss = model(x).mean()\n    loss.backward()\n"
+    path = tmp_path / "magic.ipynb"
+    path.write_text(json.dumps(notebook([code("%%time\nprint(1)"), code(cell + "optimizer.step()\n")])))
+    result = cli("check", "magic.ipynb", cwd=tmp_path)
+    assert "E999" not in result.output
+    assert "magic.ipynb:cell 2:line 4:col 5: GA002" in result.output
+
+
+@pytest.mark.parametrize(
+    "raw, reason",
+    [("{not json", "invalid JSON"), ('{"cells": 3}', "no `cells` list"), ("[1, 2]", "no `cells` list")],
+)
+def test_invalid_notebook_is_e999(tmp_path, cli, raw, reason):
+    path = tmp_path / "broken.ipynb"
+    path.write_text(raw)
+    result = cli("check", ".", cwd=tmp_path)
+    assert result.exit_code == 2
+    assert "broken.ipynb:1:1: E999 not a valid notebook" in result.output and reason in result.output
+    assert cli("fix", "broken.ipynb").exit_code == 2 and path.read_text() == raw
+
+
+def test_syntax_error_in_a_cell_names_the_cell(tmp_path, cli):
+    path = tmp_path / "bad.ipynb"
+    path.write_text(json.dumps(notebook([code("x = 1"), code("loss.backward(\n")])))
+    result = cli("check", "bad.ipynb", cwd=tmp_path)
+    assert result.exit_code == 2 and "E999 cell 2, line" in result.output
