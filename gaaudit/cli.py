@@ -22,7 +22,8 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+PROGRESS_THRESHOLD = 200  # files
 
 
 class Format(str, Enum):
@@ -110,7 +111,7 @@ def check(
     settings = _settings(paths, select, ignore, exclude, extend_exclude, min_confidence)
     started = time.perf_counter()
     files = list(discover(paths, settings))
-    reports = list(check_files(files, settings, jobs))
+    reports = list(_progress(check_files(files, settings, jobs), len(files), quiet))
     if settings.enabled("GA006", ""):
         reports += _repository_reports(files, paths, settings)
     run = CheckRun(
@@ -190,6 +191,16 @@ def fix(
     raise typer.Exit(EXIT_FINDINGS if (changed if diff else skipped) else EXIT_CLEAN)
 
 
+def _progress(reports, total: int, quiet: bool):
+    """A progress bar on stderr for long runs in a terminal; never in CI logs or pipes."""
+    if quiet or total < PROGRESS_THRESHOLD or not sys.stderr.isatty() or os.environ.get("CI"):
+        return reports
+    from rich.console import Console
+    from rich.progress import track
+
+    return track(reports, total=total, description="checking", console=Console(stderr=True), transient=True)
+
+
 def _repository_reports(files, paths, settings):
     """GA006 findings on dependency files, filtered like the per-file ones."""
     from gaaudit.checks.versions import check_repository
@@ -236,5 +247,24 @@ def explain(code: Annotated[str, typer.Argument(help="A rule code, e.g. GA001.")
     )
 
 
+@app.command()
+def init(
+    directory: Annotated[Path, typer.Argument(help="The project root [default: .]")] = Path("."),
+) -> None:
+    """Write a commented [tool.gaaudit] block and a .pre-commit-config.yaml entry.
+    Exit 1 when either already existed and was left unchanged."""
+    from gaaudit.setup import write_config
+
+    refused = False
+    for line, done in write_config(directory):
+        typer.echo(line, err=not done)
+        refused |= not done
+    raise typer.Exit(EXIT_FINDINGS if refused else EXIT_CLEAN)
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("gaaudit: interrupted", err=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None

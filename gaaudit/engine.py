@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -82,5 +83,13 @@ def check_files(files: Iterable[Path], settings: Settings, jobs: int | None = No
         for path in files:
             yield check_file(path, settings)
         return
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_ignore_interrupts)
+    try:
         yield from pool.map(check_file, files, [settings] * len(files), chunksize=16)
+    finally:  # on Ctrl-C too: drop queued work, let the workers finish their file and exit
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _ignore_interrupts() -> None:
+    """Workers leave Ctrl-C to the main process, which stops them cleanly."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -11,10 +11,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from importlib import import_module
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gaaudit.evidence import Evidence, scan
 from gaaudit.findings import Finding
-from gaaudit.tree import Tree
+
+if TYPE_CHECKING:  # the repository-level GA006 pass imports this package without libcst
+    from gaaudit.tree import Tree
 
 
 @dataclass

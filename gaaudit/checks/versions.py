@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import libcst as cst
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -417,7 +416,7 @@ def findings(context) -> list[Finding]:
     ]
 
 
-def _has_script(module: cst.Module) -> bool:
+def _has_script(module) -> bool:
     """A `# /// script` comment among the module's top-level comment lines (cheap, no codegen)."""
     lines = [
         *module.header,

@@ -1,0 +1,43 @@
+"""CLI extras: init, version, the help path, and what a plain check imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import gaaudit
+from gaaudit.config import load
+
+
+def test_init_writes_both_files_then_refuses(tmp_path, cli):
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "demo"')
+    result = cli("init", str(tmp_path))
+    assert result.exit_code == 0
+    text = (tmp_path / "pyproject.toml").read_text()
+    assert text.startswith('[project]\nname = "demo"\n\n[tool.gaaudit]\n# ')
+    assert load(tmp_path).source == tmp_path / "pyproject.toml"  # a valid, empty table
+    hooks = (tmp_path / ".pre-commit-config.yaml").read_text()
+    assert "id: gaaudit" in hooks and "repos:" in hooks
+    again = cli("init", str(tmp_path))
+    assert again.exit_code == 1 and "left unchanged" in again.output
+    assert (tmp_path / "pyproject.toml").read_text() == text
+    assert (tmp_path / ".pre-commit-config.yaml").read_text() == hooks
+
+
+def test_clean_file_check_loads_no_parser_or_frameworks(tmp_path):
+    (tmp_path / "clean.py").write_text("import torch\nprint(torch.ones(2).sum())\n")
+    probe = (
+        "import sys\nfrom gaaudit.cli import main\nsys.argv = ['gaaudit', 'check', 'clean.py']\n"
+        "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "heavy = {'libcst', 'torch', 'transformers', 'accelerate', 'rich'} & set(sys.modules)\n"
+        "print('CODE', code, 'HEAVY', sorted(heavy))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert "CODE 0 HEAVY []" in result.stdout, result.stdout + result.stderr
+
+
+def test_help_lists_every_command():
+    result = gaaudit("--help")
+    assert result.returncode == 0
+    for command in ("check", "fix", "rules", "explain", "init"):
+        assert command in result.stdout
