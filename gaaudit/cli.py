@@ -145,6 +145,9 @@ def fix(
         Optional[Level], typer.Option(help="Lowest confidence to fix [default: medium].")
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Apply a file's fixes only when their replay is verified.")
+    ] = False,
 ) -> None:
     """Rewrite findings to sum-and-count. Exit 0: nothing left, 1: findings remain (or, with
     --diff, something would change), 2: errors."""
@@ -159,6 +162,11 @@ def fix(
     for path in discover(paths, settings):
         try:
             result = fix_file(path, settings, unsafe_fixes)
+            held = verify and result.changed and _held_back(path, result)
+            if held:
+                typer.echo(f"{result.path}: fixes held back: {held}")
+                skipped += sum(o.applied for o in result.outcomes)
+                continue
             if result.changed and not diff:
                 write_atomic(path, result.after, result.before)
         except (SourceError, WriteError) as exc:
@@ -189,6 +197,19 @@ def fix(
     if errors:
         raise typer.Exit(EXIT_ERROR)
     raise typer.Exit(EXIT_FINDINGS if (changed if diff else skipped) else EXIT_CLEAN)
+
+
+def _held_back(path: Path, result) -> str:
+    """Why a file's fixes may not be applied under --verify ("" when every loop verified)."""
+    from gaaudit.verify import VERIFIED, Options, verify_pair
+
+    if path.suffix != ".py":
+        return "--verify replays Python files only"
+    outcomes = verify_pair(path, result.before, result.after, None, Options(ks=(4,)))
+    failed = [o for o in outcomes if o.verdict != VERIFIED]
+    if not outcomes:
+        return "no loop could be replayed"
+    return "; ".join(f"line {o.line}: {o.verdict}" for o in failed)
 
 
 def _progress(reports, total: int, quiet: bool):
@@ -245,6 +266,45 @@ def explain(code: Annotated[str, typer.Argument(help="A rule code, e.g. GA001.")
         f"## Example\n{rule.bad.strip()}\n\n## Use instead\n{rule.good.strip()}\n\n"
         f"Hint: {rule.hint}"
     )
+
+
+@app.command()
+def verify(
+    target: Annotated[Optional[str], typer.Argument(help="PATH or PATH:LINE of a training script.")] = None,
+    k: Annotated[str, typer.Option("-k", help="Window sizes, comma-separated.")] = "2,4,8",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    seed: Annotated[int, typer.Option(help="Seed for the model and the data.")] = 0,
+    timeout: Annotated[float, typer.Option(help="Seconds before a replay is stopped.")] = 120.0,
+    format: Annotated[Format, typer.Option("--format", "-f", help="text or json.")] = Format.text,
+    demo: Annotated[bool, typer.Option(help="Run the reference experiment, no user code.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(help="With --demo: draw error against K (PNG).")] = None,
+) -> None:
+    """Replay each accumulation loop, original and patched, against one full-batch step on a
+    tiny real model. Exit 0: every patched loop verified, 1: one is not, 2: nothing replayed."""
+    from gaaudit import verify as verifying
+
+    from importlib.util import find_spec
+
+    missing = [name for name in ("torch", "transformers", "accelerate") if find_spec(name) is None]
+    if missing:
+        _fail(f"verify needs {', '.join(missing)}: pip install 'gaaudit[verify]'")
+    if demo:
+        raise typer.Exit(verifying.run_demo(format.value, plot))
+    if target is None:
+        _fail("give a training script: gaaudit verify PATH[:LINE] (or --demo)")
+    path_text, _, line_text = target.rpartition(":") if target.rpartition(":")[2].isdigit() else (target, "", "")
+    path = Path(path_text)
+    if not path.is_file():
+        _fail(f"{path}: no such file")
+    try:
+        ks = tuple(int(v) for v in k.split(","))
+    except ValueError:
+        _fail(f"-k {k!r}: expected comma-separated integers such as 2,4,8")
+    options = verifying.Options(ks, device, dtype, seed, timeout)
+    typer.echo(f"gaaudit: executing loops of {path} (and their patched versions) on a tiny model", err=True)
+    outcomes = verifying.verify_file(path, int(line_text) if line_text else None, options)
+    raise typer.Exit(verifying.report(outcomes, format.value, path))
 
 
 @app.command()
