@@ -13,17 +13,26 @@ from dataclasses import dataclass, field
 Chain = tuple[str, ...]
 LOOPS = (ast.For, ast.While)
 DEFS = (ast.FunctionDef,)
-ITER_WRAPPERS = {"enumerate", "tqdm", "trange", "iter", "islice", "zip", "Progress"}
+ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip"}
 HF_KWARGS = {"input_ids", "labels", "attention_mask", "decoder_input_ids", "inputs_embeds"}
 MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
 SCHEDULER_RE = re.compile(r"sched", re.IGNORECASE)
-DATA_RE = re.compile(r"batch|loader|data|iter", re.IGNORECASE)
+DATA_RE = re.compile(r"batch|loader|data|(^|_)iter(ator)?($|_)", re.IGNORECASE)
 DIVISOR_RE = re.compile(r"accum", re.IGNORECASE)
 NOT_DIVISOR_RE = re.compile(r"loss|token|count|item|sum|total", re.IGNORECASE)
-SEQ2SEQ_RE = re.compile(r"Seq2Seq|T5|Bart|Pegasus|Marian|EncoderDecoder|decoder_input_ids")
-MLM_RE = re.compile(r"MaskedLM|\bmlm\b|DataCollatorForLanguageModeling")
+# `ignore_index=-1` in the source: the value its loss ignores (used for nanogpt / logits kinds).
+IGNORE_RE = re.compile(r"ignore_index\s*=\s*(-?\d+)")
+# Model classes, strongest evidence first; then weaker hints (collators, argument names).
+KIND_HINTS = (
+    ("causal", re.compile(r"ForCausalLM|LMHeadModel|CausalLM\b")),
+    ("seq2seq", re.compile(r"Seq2SeqLM|ForConditionalGeneration|\bT5Model|\bM?Bart|Pegasus"
+                           r"|MarianMT|EncoderDecoderModel")),
+    ("mlm", re.compile(r"MaskedLM")),
+    ("seq2seq", re.compile(r"decoder_input_ids|\bT5")),
+    ("mlm", re.compile(r"mlm_probability|mlm=True")),
+)
 
 
 class NotReplayable(Exception):
@@ -32,7 +41,9 @@ class NotReplayable(Exception):
 
 @dataclass
 class Plan:
-    """What replay needs to run one statement."""
+    """What replay needs to run one statement. `free` holds the names the statement and its
+    helpers read before assigning; `roles` maps names and attribute chains to what the harness
+    binds there (model, optimizer, data, divisor, accelerator, fabric, scaler, device)."""
 
     target: ast.stmt
     imports: list[ast.stmt]
@@ -44,6 +55,7 @@ class Plan:
     prefetch: dict[Chain, list[str]] = field(default_factory=dict)
     initial: dict[str, object] = field(default_factory=dict)
     model_kind: str = "causal"
+    ignore_index: int | None = None
     data_arity: int = 0
     uses_accumulate: bool = False
 
@@ -62,8 +74,9 @@ class FreeNames(ast.NodeVisitor):
     """Names read before any assignment, visiting in evaluation order (straight-line
     approximation: a read counts as free if no assignment precedes it in the text)."""
 
-    def __init__(self, bound=()):
-        self.bound, self.free = set(bound), {}
+    def __init__(self):
+        self.bound: set[str] = set()
+        self.free: dict[str, None] = {}
 
     def visit_Name(self, node):
         if isinstance(node.ctx, ast.Load):
@@ -230,6 +243,7 @@ class _Usage:
     arity: dict = field(default_factory=dict)
     assigned: dict = field(default_factory=lambda: defaultdict(list))
     result_attrs: set = field(default_factory=set)
+    aliases: list = field(default_factory=list)
 
     def add(self, nodes: list[ast.stmt]) -> None:
         parents = {child: parent for node in nodes for parent in ast.walk(node)
@@ -245,18 +259,24 @@ class _Usage:
                     self._iterated(node.iter, node.target)
                 elif _reads_output(node):
                     self.result_attrs.add(chain_of(node.value))
+                elif isinstance(node, ast.Assign) and chain_of(node.value) \
+                        and isinstance(node.targets[0], ast.Name):
+                    self.aliases.append((node.targets[0].id, chain_of(node.value)))
+        for alias, chain in self.aliases:  # `active = train_loader; for batch in active:`
+            self.evidence[chain] |= self.evidence.get((alias,), set()) & {"iterated", "next"}
+            if (alias,) in self.arity:
+                self.arity.setdefault(chain, self.arity[(alias,)])
 
     def _call(self, call: ast.Call, parents: dict) -> None:
         func = chain_of(call.func)
         if func is None:
             return
-        args = [chain_of(a) for a in call.args]
+        args, parent = [chain_of(a) for a in call.args], parents.get(call)
         self.evidence[func].add("called")
-        self.calls[func].append((call, parents.get(call)))
+        self.calls[func].append((call, parent))
         if func in (("next",), ("iter",)) and args and args[0]:
             self.evidence[args[0]].add("next")
-            self._unpacked(args[0], parents.get(call))
-        parent = parents.get(call)
+            self._unpacked(args[0], parent)
         self._unpacked(func, parent)
         if len(func) < 2:
             return
@@ -287,14 +307,15 @@ class _Usage:
             self.assigned[source] = [n for n in names if n]
 
     def _iterated(self, iterable: ast.expr, target: ast.expr) -> None:
+        """`for ... in enumerate(tqdm(loader))` and the like: `loader` is iterated."""
         sources = [iterable]
         while sources and isinstance(sources[0], ast.Call) and sources[0].args \
                 and (chain_of(sources[0].func) or ("",))[-1] in ITER_WRAPPERS:
             call = sources.pop(0)
-            if (chain_of(call.func) or ("",))[-1] == "enumerate" \
-                    and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+            wrapper = chain_of(call.func)[-1]
+            if wrapper == "enumerate" and isinstance(target, ast.Tuple) and len(target.elts) == 2:
                 target = target.elts[1]
-            sources[:0] = call.args if chain_of(call.func)[-1] == "zip" else call.args[:1]
+            sources[:0] = call.args if wrapper == "zip" else call.args[:1]
         for source in sources:
             chain = chain_of(source)
             if chain:
@@ -331,6 +352,25 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
     return None
 
 
+def _harness_made(chain: Chain, role: str | None, usage: _Usage) -> bool:
+    """Whether a module-level function is replaced rather than run: a model, or a data source
+    that is iterated or called like `get_batch('train')` (`split_batch(batch, n)` runs)."""
+    return role == "model" or role == "data" and (
+        bool(usage.evidence[chain] & {"iterated", "next"}) or _string_call(usage, chain))
+
+
+def _string_call(usage: _Usage, chain: Chain) -> bool:
+    return any(isinstance(a, ast.Constant) and isinstance(a.value, str)
+               for call, _ in usage.calls.get(chain, []) for a in call.args)
+
+
+def _no_grad(node: ast.stmt) -> bool:
+    """A helper under `@torch.no_grad()` or `@torch.inference_mode()` cannot change a gradient;
+    it stays a stub (it usually evaluates on data the harness does not serve)."""
+    return any((chain_of(d.func if isinstance(d, ast.Call) else d) or ("",))[-1]
+               in ("no_grad", "inference_mode") for d in getattr(node, "decorator_list", []))
+
+
 def _is_divisor(chain: Chain, divisor_names) -> bool:
     dotted = ".".join(chain)
     for name in divisor_names:
@@ -346,6 +386,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "divisor"
     if "accumulate" in ev or (not called and "accelerator" in last.lower()):
         return "accelerator"
+    if not called and "fabric" in last.lower():
+        return "fabric"
     if "scaler" in ev or (not called and "scaler" in last.lower()):
         return "scaler"
     if chain[0] in helpers and len(chain) == 1:
@@ -360,8 +402,7 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "optimizer"
     if ev & {"iterated", "next"} or (called and DATA_RE.search(last)):
         return "data"
-    if called and any(isinstance(a, ast.Constant) and isinstance(a.value, str)
-                      for call, _ in usage.calls[chain] for a in call.args):
+    if called and _string_call(usage, chain):
         return "data"
     if last == "device" or last.endswith("_device"):
         return "device"
@@ -393,8 +434,8 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
     while pending:
         usage.add(pending)
         wanted = [n for n in free if n in defs and defs[n] not in helpers]
-        pending = [defs[n] for n in wanted
-                   if _role((n,), usage, divisor_names, set()) not in ("model", "data")]
+        pending = [defs[n] for n in wanted if not _no_grad(defs[n]) and not _harness_made(
+            (n,), _role((n,), usage, divisor_names, set()), usage)]
         helpers += pending
         for helper in pending:
             inner = FreeNames()
@@ -416,23 +457,26 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
     models = [c for c, r in roles.items() if r == "model"]
     shapes = {_call_shape(usage, c) for c in models}
     kind = model_kind or _kind(source, shapes)
+    ignore = IGNORE_RE.search(source)
+    ignore_index = int(ignore.group(1)) if ignore else (
+        -100 if kind == "nanogpt" and re.search(r"-100\b", source) else None)
     prefetch = {c: usage.assigned[c] for c in data if usage.assigned.get(c)
                 and all(len(n) == 1 and n[0] in free for n in usage.assigned[c])}
     arities = {usage.arity[c] for c in data if c in usage.arity}
     arity = max(arities) if arities else (2 if kind == "nanogpt" else 0)
     if arity not in (0, 2):
-        raise NotReplayable(f"the loop unpacks {arity} values from each batch (supported: 1, 2)")
+        raise NotReplayable(f"the loop unpacks {arity} values from each batch; the harness "
+                            "serves dict batches or (input_ids, labels) pairs")
     return Plan(target=target, imports=_imports(tree, target), helpers=helpers, free=free,
-                params=params, optional=optional, roles=roles, prefetch=prefetch, model_kind=kind,
-                initial=_initial_values(tree, target, free),
-                data_arity=arity,
+                params=params, optional=optional, roles=roles, prefetch=prefetch,
+                initial=_initial_values(tree, target, free), model_kind=kind,
+                ignore_index=ignore_index, data_arity=arity,
                 uses_accumulate=any("accumulate" in usage.evidence.get(c, ())
                                     for c, r in roles.items() if r == "accelerator"))
 
 
 def _kind(source: str, shapes: set) -> str:
+    """The tiny model to bind: from how the model is called, then from the source's hints."""
     if "hf" in shapes or not shapes - {None}:
-        if SEQ2SEQ_RE.search(source):
-            return "seq2seq"
-        return "mlm" if MLM_RE.search(source) else "causal"
+        return next((kind for kind, hint in KIND_HINTS if hint.search(source)), "causal")
     return "nanogpt" if "nanogpt" in shapes else "logits"

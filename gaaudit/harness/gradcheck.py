@@ -45,17 +45,22 @@ def bug_threshold(dtype: torch.dtype) -> float:
 
 @contextlib.contextmanager
 def deterministic(seed: int, device: torch.device) -> Iterator[None]:
-    """Seed everything and force deterministic kernels; restore the caller's state afterwards."""
+    """Seed everything, force deterministic kernels and one CPU thread (reduction order then
+    does not depend on the machine, and tiny models run no slower); restore the caller's
+    state afterwards."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     was = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    threads = torch.get_num_threads()
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.set_num_threads(1)
         try:
             yield
         finally:
+            torch.set_num_threads(threads)
             torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
@@ -75,7 +80,7 @@ def snapshot(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
 def full_batch_grads(model: torch.nn.Module, window: Window) -> list[torch.Tensor]:
     """The reference: one backward on the mean loss over all valid tokens of the whole window."""
     model.zero_grad(set_to_none=True)
-    mean_token_loss(window.kind, model, window.full).backward()
+    mean_token_loss(window.kind, model, window.full, window.ignore_index).backward()
     grads = snapshot(model.parameters())
     model.zero_grad(set_to_none=True)
     return grads

@@ -11,14 +11,25 @@ MAX_POSITIONS = 128
 KINDS = ("causal", "seq2seq", "mlm", "nanogpt", "logits")
 
 # The value each kind's loss ignores in `labels`.
+# The default value each kind's loss ignores in `labels`; HF models always use -100, the other
+# two take another value (`ignore_index`) where the loop under test uses one.
 IGNORE_INDEX = {"causal": -100, "seq2seq": -100, "mlm": -100, "nanogpt": -1, "logits": -100}
 
 
-class TinyGPT(nn.Module):
-    """A nanoGPT-style causal LM: `forward(idx, targets=None) -> (logits, loss)`, ignore_index=-1."""
+def ignore_value(kind: str, ignore_index: int | None = None) -> int:
+    """The label value `kind` ignores: `ignore_index` where the kind allows another one."""
+    if ignore_index is None or kind not in ("nanogpt", "logits"):
+        return IGNORE_INDEX[kind]
+    return ignore_index
 
-    def __init__(self, width: int = 64):
+
+class TinyGPT(nn.Module):
+    """A nanoGPT-style causal LM: `forward(idx, targets=None) -> (logits, loss)`; the loss
+    ignores `ignore_index` (-1 as in nanoGPT)."""
+
+    def __init__(self, width: int = 64, ignore_index: int = -1):
         super().__init__()
+        self.ignore_index = ignore_index
         self.wte = nn.Embedding(VOCAB, width)
         self.wpe = nn.Embedding(MAX_POSITIONS, width)
         self.ln_1 = nn.LayerNorm(width)
@@ -39,7 +50,8 @@ class TinyGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits[:, [-1], :], None
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                               ignore_index=self.ignore_index)
         return logits, loss
 
 
@@ -75,14 +87,14 @@ def _hf_model(kind: str) -> nn.Module:
         max_position_embeddings=MAX_POSITIONS, **ids))
 
 
-def build_model(kind: str = "causal", seed: int = 0) -> nn.Module:
+def build_model(kind: str = "causal", seed: int = 0, ignore_index: int | None = None) -> nn.Module:
     """A fresh tiny model of `kind` (see KINDS) with weights fixed by `seed`, in eval mode:
     GPT-2 (causal), T5 (seq2seq), BERT (mlm), TinyGPT (nanogpt), TinyTokenModel (logits)."""
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
     torch.manual_seed(seed)
     if kind == "nanogpt":
-        model = TinyGPT()
+        model = TinyGPT(ignore_index=ignore_value(kind, ignore_index))
     elif kind == "logits":
         model = TinyTokenModel()
     else:
@@ -90,17 +102,19 @@ def build_model(kind: str = "causal", seed: int = 0) -> nn.Module:
     return model.eval()
 
 
-def mean_token_loss(kind: str, model: nn.Module, batch: dict) -> torch.Tensor:
+def mean_token_loss(kind: str, model: nn.Module, batch: dict,
+                    ignore_index: int | None = None) -> torch.Tensor:
     """The loss the harness takes as truth: the mean over every valid token of `batch`."""
     if kind == "nanogpt":
         return model(batch["input_ids"], batch["labels"])[1]
     if kind == "logits":
         logits = model(batch["input_ids"])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
+                               ignore_index=ignore_value(kind, ignore_index))
     return model(**batch).loss
 
 
-def count_tokens(kind: str, batch: dict) -> torch.Tensor:
+def count_tokens(kind: str, batch: dict, ignore_index: int | None = None) -> torch.Tensor:
     """The number of valid (counted) tokens of `batch`; HF causal LMs shift labels inside."""
     labels = batch["labels"][..., 1:] if kind == "causal" else batch["labels"]
-    return (labels != IGNORE_INDEX[kind]).sum()
+    return (labels != ignore_value(kind, ignore_index)).sum()

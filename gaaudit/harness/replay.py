@@ -1,6 +1,7 @@
 """Statement replay (GA-GUIDE section 6): run one loop or function of a source text with its
-free names bound to harness objects, capture the gradients at the first optimizer step and
-compare them with one full batch."""
+free names bound to harness objects, capture the gradients at the first optimizer step (or
+gradient clipping) and compare them with one full batch. This executes the user's code (its
+imports, the statement and the module-level helpers it calls) in this process."""
 
 from __future__ import annotations
 
@@ -37,7 +38,16 @@ from gaaudit.harness.gradcheck import (
     snapshot,
 )
 from gaaudit.harness.models import build_model
-from gaaudit.harness.stubs import DataSource, Exhausted, Progress, Stub, progress_module
+from gaaudit.harness.stubs import (
+    DataSource,
+    Exhausted,
+    Fabric,
+    Progress,
+    Stub,
+    progress_module,
+    stub_range,
+    trange,
+)
 
 TRACKERS = ("wandb", "mlflow", "comet_ml", "neptune", "tensorboardX", "swanlab", "aim",
             "clearml", "trackio", "torch.utils.tensorboard")
@@ -96,20 +106,24 @@ class _TimedOut(BaseException):
 class _Session:
     """Shared settings, data and reference gradients for the replays of one check."""
 
-    def __init__(self, kind, k, micro_batch_size, seed, device, dtype, timeout):
-        self.kind, self.k, self.seed, self.timeout = kind, k, seed, timeout
+    def __init__(self, plan: Plan | str, k, micro_batch_size, seed, device, dtype, timeout,
+                 packed):
+        self.kind = getattr(plan, "model_kind", "causal")
+        self.k, self.seed, self.timeout = k, seed, timeout
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
         self.tolerance = TOLERANCE[self.dtype]
-        self.window = make_window(kind, k, micro_batch_size, seed).to(self.device)
+        self.window = make_window(self.kind, k, micro_batch_size, seed, packed=packed,
+                                  ignore_index=getattr(plan, "ignore_index", None))
+        self.window = self.window.to(self.device)
         with deterministic(seed, self.device):
-            model = build_model(kind, seed).to(self.device)
+            model = build_model(self.kind, seed, self.window.ignore_index).to(self.device)
             self.reference = full_batch_grads(model, self.window)
 
     def replay(self, plan: Plan, filename: str, whole: bool = False) -> Replay:
         """Replay `plan` on the window, or on the whole window as one micro-batch."""
         batches, k = ([self.window.full], 1) if whole else (self.window.micro, self.k)
-        return _execute(plan, filename, self.kind, batches, k, self.seed, self.device,
-                        self.dtype, self.timeout)
+        return _execute(plan, filename, batches, k, self.window.ignore_index, self.seed,
+                        self.device, self.dtype, self.timeout)
 
     def check(self, plan: Plan | str, filename: str) -> Check:
         """The verdict on one loop (see Check). fp32: the K-micro-batch gradient against the
@@ -142,53 +156,70 @@ class _Session:
                      f"{self.tolerance:.0e} but within numerical noise", error, k1_error, result)
 
 
-def _plan(source: str, line: int, divisor_names, model_kind) -> Plan | str:
+def _plan(source: str, line: int, divisor_names, model_kind, ignore_index) -> Plan | str:
+    """The replay plan, or why there is none."""
     try:
-        return analyse(source, line, tuple(divisor_names), model_kind)
+        plan = analyse(source, line, tuple(divisor_names), model_kind)
+        if ignore_index is not None:
+            plan.ignore_index = ignore_index
+        return plan
     except NotReplayable as exc:
         return str(exc)
+    except (RecursionError, ValueError, MemoryError) as exc:  # pathological sources
+        return f"the harness could not analyse the statement ({type(exc).__name__}: {exc})"
 
 
 def replay(source: str, line: int, *, k: int = 4, divisor_names=(), model_kind: str | None = None,
-           micro_batch_size: int = 2, seed: int = 0, device: str = "auto",
-           dtype: str = "float32", timeout: float = 60.0, filename: str = "<replay>") -> Replay:
-    """Replay the loop or function at `line` of `source` on one window of `k` micro-batches."""
-    plan = _plan(source, line, divisor_names, model_kind)
+           ignore_index: int | None = None, micro_batch_size: int = 2, seed: int = 0,
+           device: str = "auto", dtype: str = "float32", timeout: float = 60.0,
+           packed: bool = False, filename: str = "<replay>") -> Replay:
+    """Replay the loop or function at `line` of `source` on one window of `k` micro-batches
+    (see compare for the options)."""
+    plan = _plan(source, line, divisor_names, model_kind, ignore_index)
     if isinstance(plan, str):
         return Replay(None, plan)
-    window = make_window(plan.model_kind, k, micro_batch_size, seed)
+    window = make_window(plan.model_kind, k, micro_batch_size, seed, packed=packed,
+                         ignore_index=plan.ignore_index)
     device = resolve_device(device)
-    return _execute(plan, filename, plan.model_kind, window.to(device).micro, k, seed, device,
-                    resolve_dtype(dtype), timeout)
+    return _execute(plan, filename, window.to(device).micro, k, window.ignore_index, seed,
+                    device, resolve_dtype(dtype), timeout)
 
 
 def check(source: str, line: int, *, k: int = 4, divisor_names=(), model_kind: str | None = None,
-          micro_batch_size: int = 2, seed: int = 0, device: str = "auto", dtype: str = "float32",
-          timeout: float = 60.0) -> Check:
-    """Replay one loop and judge its gradient against the full batch."""
-    plan = _plan(source, line, divisor_names, model_kind)
-    kind = model_kind or getattr(plan, "model_kind", "causal")
-    session = _Session(kind, k, micro_batch_size, seed, device, dtype, timeout)
+          ignore_index: int | None = None, micro_batch_size: int = 2, seed: int = 0,
+          device: str = "auto", dtype: str = "float32", timeout: float = 60.0,
+          packed: bool = False) -> Check:
+    """Replay one loop and judge its gradient against the full batch (see compare)."""
+    plan = _plan(source, line, divisor_names, model_kind, ignore_index)
+    session = _Session(plan, k, micro_batch_size, seed, device, dtype, timeout, packed)
     return session.check(plan, "<loop>")
 
 
 def compare(original_source: str, patched_source: str, loop_line_original: int,
             loop_line_patched: int, k: int = 4, divisor_names=(), *,
-            model_kind: str | None = None, micro_batch_size: int = 2, seed: int = 0,
-            device: str = "auto", dtype: str = "float32", timeout: float = 60.0) -> Comparison:
-    """Replay a loop before and after a fix on the same model, data and full-batch reference."""
-    original = _plan(original_source, loop_line_original, divisor_names, model_kind)
-    patched = _plan(patched_source, loop_line_patched, divisor_names, model_kind)
+            model_kind: str | None = None, ignore_index: int | None = None,
+            micro_batch_size: int = 2, seed: int = 0, device: str = "auto",
+            dtype: str = "float32", timeout: float = 60.0, packed: bool = False) -> Comparison:
+    """Replay a loop before and after a fix on the same model, data and full-batch reference.
+
+    `divisor_names`: the names or dotted chains that hold K (names containing `accum` are
+    taken too). `model_kind` / `ignore_index`: override what the source suggests (see
+    models.KINDS). `packed`: fixed-length samples with no padding, where mean/K is exact.
+    `timeout`: seconds per replay. `device`: `auto`, `cpu` or `cuda`; `dtype`: float32,
+    bfloat16 or float16 (autocast)."""
+    original = _plan(original_source, loop_line_original, divisor_names, model_kind,
+                     ignore_index)
+    patched = _plan(patched_source, loop_line_patched, divisor_names, model_kind, ignore_index)
     planned = [p for p in (original, patched) if isinstance(p, Plan)]
-    kind = model_kind or (planned[0].model_kind if planned else "causal")
-    for plan in planned:
-        plan.model_kind = kind
-    session = _Session(kind, k, micro_batch_size, seed, device, dtype, timeout)
+    for plan in planned[1:]:
+        plan.model_kind, plan.ignore_index = planned[0].model_kind, planned[0].ignore_index
+    session = _Session(planned[0] if planned else "", k, micro_batch_size, seed, device, dtype,
+                       timeout, packed)
     return Comparison(session.check(original, "<original>"), session.check(patched, "<patched>"),
                       k, str(session.dtype).removeprefix("torch."), session.tolerance)
 
 
-def _execute(plan: Plan, filename: str, kind: str, batches: list, k: int, seed: int,
+def _execute(plan: Plan, filename: str, batches: list, k: int, ignore_index: int, seed: int,
              device: torch.device, dtype: torch.dtype, timeout: float) -> Replay:
     """Run the planned statement once; never raises for what the user's code does."""
     output, bindings = io.StringIO(), {}
@@ -196,14 +227,17 @@ def _execute(plan: Plan, filename: str, kind: str, batches: list, k: int, seed: 
     with deterministic(seed, device), contextlib.redirect_stdout(output), \
             contextlib.redirect_stderr(output), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_model(kind, seed).to(device)
+        kind = plan.model_kind
+        model = build_model(kind, seed, ignore_index).to(device)
+        model.no_sync = contextlib.nullcontext  # DDP's, for one process: nothing to skip
         optimizer = RecordingOptimizer(model.parameters())
         try:
             namespace = _namespace(plan, filename)
             objects = _Objects(plan, kind, batches, k, model, optimizer, device, dtype,
                                namespace, bindings)
             function, kwargs = _callable(plan, filename, namespace, objects)
-            with _capturing(optimizer, namespace), autocast(device, dtype), _time_limit(timeout):
+            with _capturing(optimizer, namespace), _staying_on(device), autocast(device, dtype), \
+                    _time_limit(timeout):
                 result = function(**kwargs)
                 if inspect.isgenerator(result):
                     for _ in result:
@@ -211,7 +245,7 @@ def _execute(plan: Plan, filename: str, kind: str, batches: list, k: int, seed: 
         except StepReached as stop:
             grads, where = optimizer.grads, stop.where
         except Exhausted as exc:
-            reason = f"the loop read more than one window without an optimizer step ({exc})"
+            reason = f"the loop did not reach an optimizer step ({exc})"
         except _TimedOut:
             reason = f"timed out after {timeout:g} s"
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported as the reason
@@ -224,14 +258,14 @@ def _execute(plan: Plan, filename: str, kind: str, batches: list, k: int, seed: 
         grads, reason = None, ("the optimizer stepped with zero gradients"
                                if where != "end of statement"
                                else "no backward pass and no optimizer step was reached")
-    return Replay(grads, reason, where if grads is not None else "", bindings, kind,
+    return Replay(grads, reason, where if grads is not None else "", bindings, plan.model_kind,
                   output.getvalue()[-4000:])
 
 
 def _namespace(plan: Plan, filename: str) -> dict:
-    """Module globals: the source's imports that work (trackers and tqdm replaced), then the
-    module-level helpers the statement uses."""
-    namespace = {"__name__": "__gaaudit_replay__", "__builtins__": builtins}
+    """Module globals: `range` that tolerates stub limits, the source's imports that work
+    (trackers and tqdm replaced), then the module-level helpers the statement uses."""
+    namespace = {"__name__": "__gaaudit_replay__", "__builtins__": builtins, "range": stub_range}
     for node in plan.imports:
         try:
             exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
@@ -242,13 +276,14 @@ def _namespace(plan: Plan, filename: str) -> dict:
             else getattr(value, "__module__", None) or ""
         if any(module == t or module.startswith(t + ".") for t in TRACKERS):
             namespace[name] = Stub(name)
+        elif isinstance(value, types.ModuleType) and module.split(".")[0] == "tqdm":
+            namespace[name] = progress_module(name)
         elif module.split(".")[0] == "tqdm":
-            namespace[name] = progress_module(name) if isinstance(value, types.ModuleType) \
-                else Progress
+            namespace[name] = trange if getattr(value, "__name__", "") == "trange" else Progress
     for helper in plan.helpers:
         try:
             exec(compile(ast.Module([helper], []), filename, "exec"), namespace)  # noqa: S102
-        except (Exception, SystemExit):  # noqa: BLE001, S112 - a failing import is skipped
+        except (Exception, SystemExit):  # noqa: BLE001, S112 - its name stays a stub
             continue
     return namespace
 
@@ -281,6 +316,8 @@ class _Objects:
                 optimizer.record("accelerator.clip_grad_norm_")
 
             self.accelerator.clip_grad_norm_ = self.accelerator.clip_grad_value_ = clip
+        fabric = Fabric("fabric", {"clip_gradients": lambda *args, **kwargs: optimizer.record(
+            "fabric.clip_gradients")})
         if "scaler" in roles.values():
             enabled = dtype == torch.float16 and device.type == "cuda"
             self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
@@ -293,6 +330,7 @@ class _Objects:
             "optimizer": (self.optimizer, text),
             "accelerator": (self.accelerator, f"Accelerator(gradient_accumulation_steps={steps})"),
             "scaler": (self.scaler, f"GradScaler(enabled={getattr(self.scaler, '_enabled', 0)})"),
+            "fabric": (fabric, "single-process Fabric stand-in"),
             "divisor": (k, f"K = {k}"),
             "device": (str(device), str(device)),
         }
@@ -379,6 +417,21 @@ def _capturing(optimizer: RecordingOptimizer, namespace: dict):
         hook.remove()
         for module, name, function in saved:
             setattr(module, name, function)
+
+
+@contextlib.contextmanager
+def _staying_on(device: torch.device):
+    """On a machine without the accelerator the code expects, `.cuda()` keeps tensors and
+    modules where they are."""
+    if device.type == "cuda":
+        yield
+        return
+    saved = torch.Tensor.cuda, torch.nn.Module.cuda
+    torch.Tensor.cuda = torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda, torch.nn.Module.cuda = saved
 
 
 @contextlib.contextmanager

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 
 class Stub:
     """An inert stand-in: callable, attribute-able (attributes are stubs too, or the values
     given in `children`), iterable-empty, falsy, a no-op context manager, absorbing in
-    arithmetic and unequal to everything else. Its repr names the expression it replaces."""
+    arithmetic, unequal to everything else and larger than any number (a limit such as
+    `args.max_steps` is never reached). Its repr names the expression it replaces."""
 
     def __init__(self, path: str = "stub", children: dict | None = None):
         object.__setattr__(self, "_path", path)
@@ -80,13 +82,19 @@ def _false(self, other):
     return False
 
 
+def _true(self, other):
+    return True
+
+
 for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or"):
     for _form in ("__{}__", "__r{}__", "__i{}__"):
         setattr(Stub, _form.format(_name), _absorb)
 for _name in ("neg", "pos", "abs", "invert"):
     setattr(Stub, f"__{_name}__", _absorb)
-for _name in ("lt", "le", "gt", "ge"):
+for _name in ("lt", "le"):
     setattr(Stub, f"__{_name}__", _false)
+for _name in ("gt", "ge"):
+    setattr(Stub, f"__{_name}__", _true)
 del _name, _form
 
 
@@ -107,9 +115,36 @@ class Progress(Stub):
         return True
 
 
+RANGE_LIMIT = 10_000
+
+
+def stub_range(*args):
+    """`range` that reads a stub start or step as 0 or 1 and a stub stop as "until the
+    optimizer steps" (at most RANGE_LIMIT turns, then Exhausted), so that
+    `for epoch in range(args.epochs)` runs."""
+    if not any(isinstance(a, Stub) for a in args):
+        return range(*args)
+    if len(args) == 1:
+        args = (0, *args)
+    defaults = (0, None, 1)
+    start, stop, step = (defaults[i] if isinstance(a, Stub) else a for i, a in enumerate(
+        (*args, 1)[:3]))
+    return _bounded(range(start, start + RANGE_LIMIT * step if stop is None else stop, step))
+
+
+def _bounded(turns: range):
+    yield from turns
+    if len(turns) == RANGE_LIMIT:
+        raise Exhausted(f"a range with an unknown end ran {RANGE_LIMIT} times")
+
+
+def trange(*args, **kwargs) -> Progress:
+    """tqdm's `trange` stand-in."""
+    return Progress(stub_range(*args))
+
+
 def progress_module(path: str = "tqdm") -> Stub:
     """A stand-in for the tqdm package (`tqdm.tqdm`, `tqdm.auto.tqdm`, `trange`)."""
-    trange = lambda *args, **kwargs: Progress(range(*args))
     children = {"tqdm": Progress, "trange": trange}
     return Stub(path, {**children, **{sub: Stub(f"{path}.{sub}", children)
                                       for sub in ("auto", "std", "notebook", "rich")}})
@@ -150,3 +185,14 @@ class DataSource(Stub):
 
     def __bool__(self) -> bool:
         return True
+
+
+class Fabric(Stub):
+    """A Lightning Fabric stand-in for one process: `backward` is `loss.backward()` (Fabric
+    does not divide by K), `no_backward_sync` does nothing; everything else is inert."""
+
+    def backward(self, tensor, *args, **kwargs) -> None:
+        tensor.backward(*args)
+
+    def no_backward_sync(self, *args, **kwargs):
+        return contextlib.nullcontext()

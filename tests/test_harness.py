@@ -1,0 +1,523 @@
+"""The runtime harness on real tiny models (torch, transformers, accelerate; CPU, no mocks)."""
+
+from __future__ import annotations
+
+import itertools
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from gaaudit.harness.data import make_window
+from gaaudit.harness.demo import plot, run_demo
+from gaaudit.harness.gradcheck import (
+    RecordingOptimizer,
+    StepReached,
+    full_batch_grads,
+    relative_error,
+)
+from gaaudit.harness.models import build_model, count_tokens
+from gaaudit.harness.replay import check, compare, replay
+from gaaudit.harness.stubs import Stub
+from gaaudit.harness.stubs import stub_range as range_of
+
+
+def source(text: str) -> str:
+    return textwrap.dedent(text).lstrip("\n")
+
+
+def line_of(text: str, start: str) -> int:
+    """1-based line of the first line that starts (after indentation) with `start`."""
+    return next(i for i, line in enumerate(text.splitlines(), 1) if line.strip().startswith(start))
+
+
+def test_demo_mean_over_k_error_grows_with_k_and_sum_and_count_matches():
+    rows = run_demo([1, 2, 4, 8, 16], seed=0)
+    assert [row.k for row in rows] == [1, 2, 4, 8, 16]
+    assert rows[0].mean_over_k < 1e-6
+    assert all(row.mean_over_k > 1e-3 for row in rows[1:])
+    assert rows[-1].mean_over_k > rows[1].mean_over_k
+    assert all(row.sum_and_count < 1e-5 for row in rows)
+
+
+def test_plot_writes_a_file_or_says_matplotlib_is_missing(tmp_path):
+    rows = run_demo([1, 2], seed=0)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="matplotlib"):
+            plot(rows, tmp_path / "demo.png")
+    else:
+        plot(rows, tmp_path / "demo.png")
+        assert (tmp_path / "demo.png").stat().st_size > 0
+
+
+def test_window_has_unequal_token_counts_and_a_matching_full_batch():
+    window = make_window("causal", 4, micro_batch_size=2, seed=0)
+    counts = [int(count_tokens("causal", b)) for b in window.micro]
+    assert len(set(counts)) > 1
+    assert sum(counts) == int(count_tokens("causal", window.full))
+    assert (window.micro[0]["labels"][window.micro[0]["attention_mask"] == 0] == -100).all()
+    again = make_window("causal", 4, micro_batch_size=2, seed=0)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(window.micro, again.micro))
+
+
+@pytest.mark.parametrize("kind", ["causal", "mlm", "nanogpt", "logits"])
+def test_full_batch_gradient_is_deterministic(kind):
+    window = make_window(kind, 2, seed=1)
+    first = full_batch_grads(build_model(kind, seed=1), window)
+    second = full_batch_grads(build_model(kind, seed=1), window)
+    assert relative_error(first, second) == 0.0
+    assert relative_error([g * 2 for g in first], first) == pytest.approx(1.0)
+
+
+def test_recording_optimizer_captures_gradients_and_stops():
+    model = torch.nn.Linear(3, 1)
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer = RecordingOptimizer(model.parameters())
+    with pytest.raises(StepReached):
+        optimizer.step()
+    assert torch.equal(optimizer.grads[0], model.weight.grad)
+    assert not issubclass(StepReached, Exception)  # a loop's `except Exception` cannot swallow it
+
+
+def test_stub_is_inert():
+    args = Stub("args")
+    assert not args.with_tracking and args.x.y() is not None
+    assert 10**9 < args.max_steps and not (args.max_steps <= 3)  # a limit is never reached
+    assert list(itertools.islice(range_of(args.epochs), 2)) == [0, 1]
+    assert list(args.loggers) == [] and f"{args.lr:.3f}" == "<stub args.lr>"
+    assert isinstance(torch.ones(1) * args.scale, Stub)
+    with args.context():
+        pass
+
+
+HF_BUGGY = source("""
+    import math
+    import torch
+    from tqdm.auto import tqdm
+
+    def train(args, model, train_dataloader, optimizer, lr_scheduler, logger=None):
+        model.train()
+        completed_steps = 0
+        for step, batch in enumerate(tqdm(train_dataloader)):
+            outputs = model(**batch)
+            loss = outputs.loss
+            loss = loss / args.gradient_accumulation_steps
+            loss.backward()
+            if step % args.gradient_accumulation_steps == args.gradient_accumulation_steps - 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+                completed_steps += 1
+            if completed_steps >= args.max_train_steps:
+                break
+""")
+
+HF_FIXED = source("""
+    import math
+    import torch
+    from tqdm.auto import tqdm
+
+    def train(args, model, train_dataloader, optimizer, lr_scheduler, logger=None):
+        model.train()
+        completed_steps = 0
+        num_items = 0
+        for step, batch in enumerate(tqdm(train_dataloader)):
+            outputs = model(**batch)
+            n = (batch["labels"][..., 1:] != -100).sum()
+            (outputs.loss * n).backward()
+            num_items += n
+            if step % args.gradient_accumulation_steps == args.gradient_accumulation_steps - 1:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(num_items)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+                completed_steps += 1
+                num_items = 0
+            if completed_steps >= args.max_train_steps:
+                break
+""")
+
+
+@pytest.mark.parametrize("start", ["for step", "def train"])
+def test_hf_loop_bug_reproduced_and_fix_verified(start):
+    result = compare(HF_BUGGY, HF_FIXED, line_of(HF_BUGGY, start), line_of(HF_FIXED, start),
+                     k=4, divisor_names=["args.gradient_accumulation_steps"], device="cpu")
+    assert result.original.verdict == "bug reproduced", result.original
+    assert result.original.error > 1e-2
+    assert result.verdict == "verified", result.patched
+    assert result.patched.error < 1e-5
+    bindings = result.patched.replay.bindings
+    assert bindings["model"] == "tiny causal model"
+    assert bindings["args.gradient_accumulation_steps"] == "K = 4"
+    assert result.patched.replay.captured_at == "clip_grad_norm_"
+
+
+def test_replay_reports_bindings_and_gradients():
+    line = line_of(HF_BUGGY, "for step")
+    result = replay(HF_BUGGY, line, k=3, divisor_names=["args.gradient_accumulation_steps"],
+                    device="cpu")
+    assert result.ok and len(result.grads) == len(list(build_model("causal").parameters()))
+    assert result.bindings["train_dataloader"] == "3 micro-batches as dict batches"
+    assert result.bindings["completed_steps"].startswith("0")
+    assert result.bindings["lr_scheduler"] == "stub"
+
+
+NANO_BUGGY = source("""
+    import time
+    import torch
+    gradient_accumulation_steps = 5 * 8
+    grad_clip = 1.0
+    iter_num = 0
+    decay_lr = False
+    learning_rate = 6e-4
+
+    X, Y = get_batch('train')
+    while True:
+        lr = get_lr(iter_num) if decay_lr else learning_rate
+        for param_group in optimizer.param_groups:
+            param_group['lr'] = lr
+        if iter_num % eval_interval == 0 and master_process:
+            losses = estimate_loss()
+        for micro_step in range(gradient_accumulation_steps):
+            if ddp:
+                model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
+            with ctx:
+                logits, loss = model(X, Y)
+                loss = loss / gradient_accumulation_steps
+            X, Y = get_batch('train')
+            scaler.scale(loss).backward()
+        if grad_clip != 0.0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+""")
+
+NANO_FIXED = source("""
+    import time
+    import torch
+    gradient_accumulation_steps = 5 * 8
+    grad_clip = 1.0
+    iter_num = 0
+
+    X, Y = get_batch('train')
+    while True:
+        num_tokens = 0
+        for micro_step in range(gradient_accumulation_steps):
+            with ctx:
+                logits, loss = model(X, Y)
+                n = (Y != -1).sum()
+                loss = loss * n
+            num_tokens += n
+            X, Y = get_batch('train')
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(num_tokens)
+        if grad_clip != 0.0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+""")
+
+
+def test_nanogpt_loop_with_prefetch_and_scaler():
+    result = compare(NANO_BUGGY, NANO_FIXED, line_of(NANO_BUGGY, "while True"),
+                     line_of(NANO_FIXED, "while True"), k=4,
+                     divisor_names=["gradient_accumulation_steps"], device="cpu")
+    assert result.original.verdict == "bug reproduced", result.original
+    assert result.verdict == "verified", result.patched
+    bindings = result.original.replay.bindings
+    assert bindings["model"] == "tiny nanogpt model"
+    assert bindings["X"] == bindings["Y"] == "the first micro-batch (prefetched)"
+    assert bindings["get_batch"] == "4 micro-batches as (input_ids, labels) tuples"
+    assert bindings["scaler"].startswith("GradScaler")
+
+
+CE_BUGGY = source("""
+    import torch.nn.functional as F
+
+    for step, (x, y) in enumerate(loader):
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-100)
+        (loss / accum_steps).backward()
+        if (step + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+""")
+
+CE_FIXED = source("""
+    import torch.nn.functional as F
+
+    n_tokens = 0
+    for step, (x, y) in enumerate(loader):
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-100,
+                               reduction="sum")
+        loss.backward()
+        n_tokens += (y != -100).sum()
+        if (step + 1) % accum_steps == 0:
+            for p in model.parameters():
+                p.grad.div_(n_tokens)
+            optimizer.step()
+            optimizer.zero_grad()
+            n_tokens = 0
+""")
+
+
+def test_cross_entropy_over_logits():
+    result = compare(CE_BUGGY, CE_FIXED, line_of(CE_BUGGY, "for step"),
+                     line_of(CE_FIXED, "for step"), k=4, divisor_names=["accum_steps"],
+                     device="cpu")
+    assert result.original.replay.model_kind == "logits"
+    assert result.original.verdict == "bug reproduced", result.original
+    assert result.verdict == "verified", result.patched
+
+
+ACCELERATE_BUGGY = source("""
+    def train(model, optimizer, train_dataloader, lr_scheduler, k):
+        for step, batch in enumerate(train_dataloader):
+            outputs = model(**batch)
+            accelerator.backward(outputs.loss / k)
+            if (step + 1) % k == 0:
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+""")
+
+ACCELERATE_FIXED = source("""
+    def train(model, optimizer, train_dataloader, lr_scheduler, k):
+        num_items = 0
+        for step, batch in enumerate(train_dataloader):
+            outputs = model(**batch)
+            n = (batch["labels"][..., 1:] != -100).sum()
+            accelerator.backward(outputs.loss * n)
+            num_items += n
+            if (step + 1) % k == 0:
+                for p in model.parameters():
+                    p.grad /= num_items
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+""")
+
+
+def test_accelerator_backward_of_loss_over_k():
+    result = compare(ACCELERATE_BUGGY, ACCELERATE_FIXED, 1, 1, k=4, divisor_names=["k"],
+                     device="cpu")
+    assert result.original.verdict == "bug reproduced", result.original
+    assert result.verdict == "verified", result.patched
+    assert result.patched.replay.bindings["optimizer"] == "recording SGD, prepared"
+
+
+ACCUMULATE_BUGGY = source("""
+    for batch in train_dataloader:
+        with accelerator.accumulate(model):
+            outputs = model(**batch)
+            accelerator.backward(outputs.loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+""")
+
+ACCUMULATE_FIXED = source("""
+    import torch
+
+    while True:
+        batches = [next(data_iter) for _ in range(args.gradient_accumulation_steps)]
+        counts = [(b["labels"][..., 1:] != -100).sum() for b in batches]
+        n_global = accelerator.gather(torch.stack(counts)).sum()
+        for batch, n in zip(batches, counts):
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss * n
+                scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+                accelerator.backward(loss * scale / n_global)
+                optimizer.step()
+                optimizer.zero_grad()
+""")
+
+
+def test_accelerate_accumulate_divides_by_k_itself():
+    result = compare(ACCUMULATE_BUGGY, ACCUMULATE_FIXED, 1, line_of(ACCUMULATE_FIXED, "while"),
+                     k=4, divisor_names=["args.gradient_accumulation_steps"], device="cpu")
+    assert result.original.verdict == "bug reproduced", result.original
+    assert result.original.replay.captured_at == "accelerator.clip_grad_norm_"
+    assert "gradient_accumulation_steps=4" in result.original.replay.bindings["accelerator"]
+    assert result.verdict == "verified", result.patched
+
+
+KIND_BUGGY = source("""
+    from transformers import {model_class}
+
+    for step, batch in enumerate(train_dataloader):
+        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     labels=batch["labels"]).loss
+        (loss / gradient_accumulation_steps).backward()
+        if (step + 1) % gradient_accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+""")
+
+KIND_FIXED = source("""
+    from transformers import {model_class}
+
+    total = 0
+    for step, batch in enumerate(train_dataloader):
+        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     labels=batch["labels"]).loss
+        n = (batch["labels"]{shift} != -100).sum()
+        (loss * n).backward()
+        total += n
+        if (step + 1) % gradient_accumulation_steps == 0:
+            for p in model.parameters():
+                p.grad.div_(total)
+            optimizer.step()
+            optimizer.zero_grad()
+""")
+
+
+@pytest.mark.parametrize(("model_class", "shift", "kind", "dtype"), [
+    ("AutoModelForMaskedLM", "", "mlm", "float32"),
+    ("AutoModelForMaskedLM", "", "mlm", "bfloat16"),
+    ("AutoModelForSeq2SeqLM", "", "seq2seq", "float32"),
+    ("AutoModelForCausalLM", "[..., 1:]", "causal", "float16"),
+])
+def test_model_kinds_and_low_precision(model_class, shift, kind, dtype):
+    buggy = KIND_BUGGY.format(model_class=model_class)
+    fixed = KIND_FIXED.format(model_class=model_class, shift=shift)
+    result = compare(buggy, fixed, line_of(buggy, "for step"), line_of(fixed, "for step"), k=4,
+                     dtype=dtype, device="cpu")
+    assert result.original.replay.model_kind == kind
+    assert result.original.verdict == "bug reproduced", result.original
+    assert result.verdict == "verified", result.patched
+
+
+FILE_LOOP = source("""
+    import torch
+
+    for step in range(100):
+        batch = torch.load(f"shards/batch_{step}.pt")
+        loss = model(**batch).loss / accum
+        loss.backward()
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+""")
+
+
+@pytest.mark.parametrize(("text", "line", "reason"), [
+    (FILE_LOOP, 3, "FileNotFoundError"),
+    ("for x in loader:\n    print(x)\n", 1, "no backward pass"),
+    ("x = 1\n", 1, "not in a loop or a function"),
+    ("for x in (:\n", 1, "cannot parse"),
+    ("for b in loader:\n    (model(**b).loss * 0).backward()\n    optimizer.step()\n", 1,
+     "zero gradients"),
+    ("for epoch in range(args.epochs):\n    for b in []:\n        optimizer.step()\n", 1,
+     "did not reach an optimizer step (a range with an unknown end ran 10000 times)"),
+    ("while True:\n    pass\n", 1, "timed out after 1 s"),
+])
+def test_not_replayable_with_a_reason(text, line, reason):
+    result = check(text, line, k=2, device="cpu", timeout=1)
+    assert result.verdict.startswith("not replayable: "), result.verdict
+    assert reason in result.verdict
+    assert result.error is None
+
+
+def test_a_loss_the_harness_does_not_model_is_not_called_a_bug():
+    text = source("""
+        for step, batch in enumerate(loader):
+            logits = model(**batch).logits
+            loss = logits.pow(2).mean() / k
+            loss.backward()
+            if (step + 1) % k == 0:
+                optimizer.step()
+    """)
+    result = check(text, 1, k=3, divisor_names=["k"], device="cpu")
+    assert result.verdict.startswith("not replayable: with the whole window"), result.verdict
+    assert result.k1_error > 1e-3
+
+
+NANO_NO_DIVISION = NANO_BUGGY.replace("loss = loss / gradient_accumulation_steps",
+                                      "loss = loss")
+
+
+def test_packed_data_makes_mean_over_k_exact_but_not_a_missing_division():
+    line = line_of(NANO_BUGGY, "while True")
+    packed = check(NANO_BUGGY, line, k=4, packed=True, device="cpu")
+    assert packed.verdict == "verified", packed  # GA-GUIDE section 3: exact on packed blocks
+    missing = check(NANO_NO_DIVISION, line, k=4, packed=True, device="cpu")
+    assert missing.verdict == "bug reproduced"
+    assert missing.error == pytest.approx(3.0, rel=1e-4)  # K times the full-batch gradient
+
+
+FABRIC_BUGGY = source("""
+    def train(fabric, model, optimizer, train_loader, grad_accum_steps):
+        for iter_num, (input_ids, targets) in enumerate(train_loader):
+            is_accumulating = (iter_num + 1) % grad_accum_steps != 0
+            with fabric.no_backward_sync(model, enabled=is_accumulating):
+                logits = model(input_ids)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+                fabric.backward(loss / grad_accum_steps)
+            if not is_accumulating:
+                fabric.clip_gradients(model, optimizer, max_norm=1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+""")
+
+
+def test_fabric_loop_and_an_ignore_index_read_from_the_source():
+    result = check("import torch.nn.functional as F\n" + FABRIC_BUGGY, 2, k=4, device="cpu")
+    assert result.verdict == "bug reproduced", result
+    assert result.replay.captured_at == "fabric.clip_gradients"
+    assert result.replay.bindings["fabric"] == "single-process Fabric stand-in"
+
+
+SCRIPT_SHAPED = source("""
+    import torch
+
+    @torch.no_grad()
+    def evaluate(model, loader):
+        return sum(model(**b).loss for b in loader)
+
+    def main():
+        cfg = load_config()
+        model = build().cuda()
+        step = 0
+        for epoch in range(cfg.epochs):
+            while step < cfg.max_steps:
+                if step % cfg.eval_every == 0:
+                    print(evaluate(model, val_loader))
+                total = 0
+                for micro in range(cfg.accum_steps):
+                    batch = {k: v.cuda() for k, v in next(train_iter).items()}
+                    n = (batch["labels"][..., 1:] != -100).sum()
+                    (model(**batch).loss * n).backward()
+                    total += n
+                for p in model.parameters():
+                    p.grad /= total
+                optimizer.step()
+                optimizer.zero_grad()
+                step += 1
+""")
+
+
+def test_unknown_limits_stub_ranges_cuda_calls_and_no_grad_helpers_do_not_block_a_replay():
+    result = check(SCRIPT_SHAPED, line_of(SCRIPT_SHAPED, "for epoch"), k=4, device="cpu")
+    assert result.verdict == "verified", result
+    assert result.replay.bindings["cfg.accum_steps"] == "K = 4"
+    assert result.replay.bindings["evaluate"] == "stub"
