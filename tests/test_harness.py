@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from gaaudit.harness.data import make_window
-from gaaudit.harness.demo import plot, run_demo
+from gaaudit.harness.demo import DemoRow, plot, run_demo
 from gaaudit.harness.gradcheck import (
     RecordingOptimizer,
     StepReached,
@@ -35,8 +35,8 @@ def line_of(text: str, start: str) -> int:
 
 
 def test_demo_mean_over_k_error_grows_with_k_and_sum_and_count_matches():
-    rows = run_demo([1, 2, 4, 8, 16], seed=0)
-    assert [row.k for row in rows] == [1, 2, 4, 8, 16]
+    rows = run_demo([1, 2, 4, 8], seed=0)
+    assert [row.k for row in rows] == [1, 2, 4, 8]
     assert rows[0].mean_over_k < 1e-6
     assert all(row.mean_over_k > 1e-3 for row in rows[1:])
     assert rows[-1].mean_over_k > rows[1].mean_over_k
@@ -44,7 +44,7 @@ def test_demo_mean_over_k_error_grows_with_k_and_sum_and_count_matches():
 
 
 def test_plot_writes_a_file_or_says_matplotlib_is_missing(tmp_path):
-    rows = run_demo([1, 2], seed=0)
+    rows = [DemoRow(1, 0.0, 1e-7), DemoRow(2, 0.05, 1e-7)]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
