@@ -186,7 +186,8 @@ def fix(
                     err=diff,
                 )
         if diff and result.changed:
-            typer.echo(result.diff(), nl=False)
+            coloured = _use_color()
+            typer.echo(_colour_diff(result.diff()) if coloured else result.diff(), nl=False, color=coloured)
     if not quiet:
         verb = "Would fix" if diff else "Fixed"
         typer.echo(
@@ -235,6 +236,18 @@ def _repository_reports(files, paths, settings):
             if f.confidence >= settings.min_confidence and settings.enabled(f.code, relative)
         ]
     return [r for r in reports if r.findings]
+
+
+DIFF_COLOURS = (("+++", "1"), ("---", "1"), ("@@", "36"), ("+", "32"), ("-", "31"))
+
+
+def _colour_diff(text: str) -> str:
+    """ANSI-coloured unified diff lines (headers bold, hunks cyan, additions green)."""
+    lines = []
+    for line in text.splitlines(keepends=True):
+        colour = next((c for prefix, c in DIFF_COLOURS if line.startswith(prefix)), None)
+        lines.append(f"\x1b[{colour}m{line.rstrip(chr(10))}\x1b[0m\n" if colour else line)
+    return "".join(lines)
 
 
 def _use_color() -> bool:

@@ -41,3 +41,25 @@ def test_help_lists_every_command():
     assert result.returncode == 0
     for command in ("check", "fix", "rules", "explain", "init"):
         assert command in result.stdout
+
+
+def test_diff_is_coloured_only_for_a_terminal(tmp_path, monkeypatch, cli):
+    from conftest import FIXTURES
+    from gaaudit import cli as module
+
+    (tmp_path / "train.py").write_bytes((FIXTURES / "ga002_hf_clm_no_division.py").read_bytes())
+    plain = cli("fix", ".", "--diff", cwd=tmp_path).stdout
+    assert "\x1b[" not in plain and plain.startswith("--- a/train.py")
+    monkeypatch.setattr(module, "_use_color", lambda: True)
+    coloured = cli("fix", ".", "--diff").stdout
+    assert "\x1b[32m+" in coloured and "\x1b[31m-" in coloured
+
+
+def test_verify_without_the_harness_says_how_to_install_it(tmp_path):
+    probe = (
+        "import importlib.util, sys\nreal = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name == 'torch' else real(name, *a)\n"
+        "from gaaudit.cli import main\nsys.argv = ['gaaudit', 'verify', 'x.py']\nmain()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "pip install 'gaaudit[verify]'" in result.stderr
