@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import tempfile
@@ -92,14 +93,17 @@ class WriteError(Exception):
 def write_atomic(path: Path, data: bytes, expected: bytes) -> None:
     """Replace `path` with `data` via a temporary file in the same directory.
 
-    Refuses when the file no longer holds `expected` (it changed since it was read);
-    keeps the file's permission bits.
+    Refuses when the file no longer holds `expected` (it changed since it was read), or
+    when its permission bits make it read-only (checked on the bits, so root is refused
+    too); keeps the file's permission bits and, where allowed, its owner. A symbolic link
+    is written through: its target is replaced, the link stays.
     """
+    path = Path(os.path.realpath(path))
     try:
-        mode = path.stat().st_mode
+        info = path.stat()
         if path.read_bytes() != expected:
             raise WriteError("file changed while gaaudit was fixing it; run again")
-        if not os.access(path, os.W_OK):
+        if not info.st_mode & 0o222 or not os.access(path, os.W_OK):
             raise WriteError("file is not writable")
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".gaaudit", dir=path.parent)
     except OSError as exc:
@@ -109,10 +113,18 @@ def write_atomic(path: Path, data: bytes, expected: bytes) -> None:
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
-        os.chmod(temporary, mode & 0o7777)
+        _keep_owner(temporary, info)
+        os.chmod(temporary, info.st_mode & 0o7777)
         os.replace(temporary, path)
     except BaseException as exc:
         Path(temporary).unlink(missing_ok=True)
         if isinstance(exc, OSError):
             raise WriteError(f"cannot write: {exc.strerror or exc}") from None
         raise
+
+
+def _keep_owner(temporary: str, info: os.stat_result) -> None:
+    """Give the new file the old one's owner and group, where the user may (root may)."""
+    if hasattr(os, "chown") and (info.st_uid, info.st_gid) != (os.geteuid(), os.getegid()):
+        with contextlib.suppress(PermissionError):
+            os.chown(temporary, info.st_uid, info.st_gid)

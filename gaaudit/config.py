@@ -52,7 +52,10 @@ class Settings:
 
 def find_pyproject(start: Path) -> Path | None:
     """The nearest pyproject.toml with a [tool.gaaudit] table, walking up from `start`."""
-    start = start.resolve()
+    try:
+        start = start.resolve()
+    except (OSError, RuntimeError):  # a symbolic link loop: look from where it sits
+        start = start.absolute().parent
     for directory in (start, *start.parents) if start.is_dir() else start.parents:
         candidate = directory / "pyproject.toml"
         if candidate.is_file():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,8 @@ def discover(paths: list[Path], settings: Settings) -> Iterator[Path]:
 
 
 def _walk(top: Path, excluded: pathspec.GitIgnoreSpec, root: Path) -> Iterator[Path]:
-    """Python files under `top`, in a stable order; symbolic links are not followed."""
+    """Python files under `top`, in a stable order; symbolic links are not followed, and
+    only regular files are listed."""
     resolved = top.resolve()
     ignores = _parent_gitignores(resolved)
     for directory, dirnames, filenames in os.walk(top):
@@ -50,10 +52,18 @@ def _walk(top: Path, excluded: pathspec.GitIgnoreSpec, root: Path) -> Iterator[P
             file = here / name
             if (
                 name.endswith(SUFFIXES)
-                and not file.is_symlink()
+                and _is_regular(file)
                 and not _ignored(file, False, excluded, ignores, top)
             ):
                 yield file
+
+
+def _is_regular(path: Path) -> bool:
+    """A plain file, not a link, pipe, socket or device (reading a pipe would block)."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def _ignored(path: Path, is_dir: bool, excluded, ignores, top: Path) -> bool:

@@ -23,7 +23,7 @@ def display_path(path: Path, root: Path | None = None) -> str:
     base = (root or Path.cwd()).resolve()
     try:
         return path.resolve().relative_to(base).as_posix()
-    except (ValueError, OSError):
+    except (ValueError, OSError, RuntimeError):  # RuntimeError: a symbolic link loop
         return path.as_posix()
 
 

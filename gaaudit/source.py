@@ -132,6 +132,8 @@ def parse(data: bytes):
         ) from None
     if python is not None and _cst_depth(module) > MAX_DEPTH:
         raise SourceError(f"code nested too deeply to analyse (more than {MAX_DEPTH} levels)")
+    if data.endswith(b"\r") and not module.has_trailing_newline:  # libcst drops a final lone CR
+        module = module.with_changes(has_trailing_newline=True)
     return module
 
 
