@@ -116,7 +116,7 @@ def _artifact(path: str) -> dict:
             location = location.relative_to(Path.cwd())
         except ValueError:
             return {"uri": location.as_uri()}
-    return {"uri": quote(location.as_posix()), "uriBaseId": "%SRCROOT%"}
+    return {"uri": quote(location.as_posix(), errors="surrogateescape"), "uriBaseId": "%SRCROOT%"}
 
 
 def _fingerprinted(findings: list[Finding]) -> list[tuple[Finding, dict, str]]:
