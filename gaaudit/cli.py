@@ -174,6 +174,10 @@ def fix(
             line = f":{exc.line}:{exc.column}" if isinstance(exc, SourceError) else ""
             typer.echo(f"{path.as_posix()}{line}: E999 {exc.message if isinstance(exc, SourceError) else exc}")
             continue
+        except Exception as exc:  # a gaaudit bug: leave this file untouched, go on with the rest
+            errors += 1
+            typer.echo(f"{path.as_posix()}: E999 internal error ({type(exc).__name__}); file left unchanged, please report this")
+            continue
         changed += result.changed
         for outcome in result.outcomes:
             if outcome.applied:

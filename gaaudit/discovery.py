@@ -36,10 +36,12 @@ def discover(paths: list[Path], settings: Settings) -> Iterator[Path]:
 
 def _walk(top: Path, excluded: pathspec.GitIgnoreSpec, root: Path) -> Iterator[Path]:
     """Python files under `top`, in a stable order; symbolic links are not followed, and
-    only regular files are listed."""
+    only regular files are listed. A directory that cannot be listed is yielded itself, so
+    that reading it reports the error instead of its files being skipped in silence."""
     resolved = top.resolve()
     ignores = _parent_gitignores(resolved)
-    for directory, dirnames, filenames in os.walk(top):
+    unlisted: list[OSError] = []
+    for directory, dirnames, filenames in os.walk(top, onerror=unlisted.append):
         here = Path(directory)
         gitignore = here / ".gitignore"
         if gitignore.is_file():
@@ -56,6 +58,8 @@ def _walk(top: Path, excluded: pathspec.GitIgnoreSpec, root: Path) -> Iterator[P
                 and not _ignored(file, False, excluded, ignores, top)
             ):
                 yield file
+    for error in unlisted:
+        yield Path(error.filename)
 
 
 def _is_regular(path: Path) -> bool:

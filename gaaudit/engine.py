@@ -50,7 +50,7 @@ def check_file(path: Path, settings: Settings) -> FileReport:
     except RecursionError:
         return FileReport(shown, error=FileError(shown, "code nested too deeply to analyse"))
     except Exception as exc:  # a bug in gaaudit must not end the run for every other file
-        message = f"internal error ({type(exc).__name__}: {exc}); the file was skipped, please report this"
+        message = f"internal error ({type(exc).__name__}); the file was skipped, please report this"
         return FileReport(shown, error=FileError(shown, message))
 
 

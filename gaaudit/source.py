@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import codecs
 import io
+import os
 import threading
 import tokenize
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ def read(path: Path) -> Source:
     """Read a file's bytes; OS errors, bytes that are not text and files too large to
     analyse become a `SourceError`."""
     if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise SourceError("cannot list directory: permission denied; its files are not checked")
         raise SourceError("is a directory, not a Python file; exclude it or rename it")
     try:
         data = path.read_bytes()

@@ -297,9 +297,47 @@ def test_pipe_named_like_a_python_file_is_not_read(tmp_path, cli):
         pytest.skip("no FIFOs on this platform")
     os.mkfifo(tmp_path / "pipe.py")
     (tmp_path / "train.py").write_text(BUGGY)
-    result = gaaudit("check", ".", cwd=tmp_path, timeout=60)
+    result = gaaudit("check", ".", cwd=tmp_path, timeout=30)
     assert result.returncode == 1 and "train.py:7:12: GA001" in result.stdout
     assert "pipe.py" not in result.stdout
+
+
+def test_unlistable_directory_is_an_error_not_a_silent_skip(tmp_path, cli, monkeypatch):
+    """As root every directory can be listed: the denial is simulated."""
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "train.py").write_text(BUGGY)
+    (tmp_path / "train.py").write_text(BUGGY)
+    scandir, access = os.scandir, os.access
+
+    def denied_scandir(path="."):
+        if Path(path).name == "secret":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied_scandir)
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda path, mode, **kw: Path(path).name != "secret" and access(path, mode, **kw),
+    )
+    for command in ("check", "fix"):
+        result = cli(command, ".", cwd=tmp_path)
+        assert result.exit_code == 2, result.output
+        assert "secret:1:1: E999 cannot list directory: permission denied" in result.output
+    assert "window_tokens" in (tmp_path / "train.py").read_text()
+    assert (tmp_path / "secret" / "train.py").read_text() == BUGGY
+
+
+def test_dependency_files_that_are_pipes_or_loops_neither_hang_nor_crash(tmp_path):
+    """GA006 reads requirement and config files of the checked tree."""
+    (tmp_path / "train.py").write_text(BUGGY)
+    (tmp_path / "requirements.txt").symlink_to("requirements.txt")
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "setup.cfg")
+        os.mkfifo(tmp_path / "config.yaml")
+    result = gaaudit("check", ".", cwd=tmp_path, timeout=30)
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 1 and "train.py:7:12: GA001" in result.stdout
 
 
 def test_symlinks_loops_and_links_out_of_the_tree_are_not_followed(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import os
+import stat
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -333,8 +334,12 @@ def _suppressed(raw: str) -> bool:
 
 
 def _read(path: Path) -> bytes:
+    """A regular file's bytes; pipes, devices, links and oversized files read as empty."""
     try:
-        return path.read_bytes() if path.stat().st_size <= MAX_BYTES else b""
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
+            return b""
+        return path.read_bytes()
     except OSError:
         return b""
 
@@ -349,8 +354,20 @@ def _walk(root: Path) -> Iterator[Path]:
         )
         for name in sorted(filenames):
             path = Path(directory, name)
-            if path.suffix in CONFIGS or is_pin_file(path):
+            if (path.suffix in CONFIGS or is_pin_file(path)) and _regular(path):
                 yield path
+
+
+def _real(path: Path) -> Path:
+    """The absolute path with links resolved where they resolve (a link loop stays as it is)."""
+    return Path(os.path.realpath(path))
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
@@ -360,16 +377,16 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     `files` give the accumulation settings. A pin file is judged against the accumulation
     settings found in its own folder and below. Nothing else is read unless a bad pin exists.
     """
-    walked = sorted({p.resolve() for root in roots if root.is_dir() for p in _walk(root)})
+    walked = sorted({_real(p) for root in roots if root.is_dir() for p in _walk(root)})
     bad = {}
-    for path in {p for p in walked if is_pin_file(p)} | {p.resolve() for p in files if is_pin_file(p)}:
+    for path in {p for p in walked if is_pin_file(p)} | {_real(p) for p in files if is_pin_file(p)}:
         text = _read(path).decode("utf-8", "replace")
         found = [(pin, kind) for pin in pins(path, text) if (kind := bad_pin(pin)) and not _suppressed(pin.raw)]
         if found:
             bad[path] = found
     if not bad:
         return []
-    scanned = [p for p in walked if p.suffix in CONFIGS] + [p.resolve() for p in files if p.suffix == ".py"]
+    scanned = [p for p in walked if p.suffix in CONFIGS] + [_real(p) for p in files if p.suffix == ".py"]
     data = {path: _read(path) for path in scanned}
     base = Path(os.path.commonpath([p.parent for p in bad] + [p.parent for p in scanned]))
     accumulations = [a for path in scanned for a in _accumulations(path, data[path], base)]
