@@ -163,9 +163,9 @@ class Planner:
             return (f"{_atom(positional(call)[0])}.numel()", ""), True
         if isinstance(func, cst.Attribute) and func.attr.value in ("mean", "nanmean"):
             return (f"{_atom(func.value)}.numel()", ""), True
-        if origin.source is not None and "returned by" in origin.what:
+        if origin.from_model:
             return self._returned_count(call)
-        configured = self.auditor.tracer._loss_instance(func) or call
+        configured = self.auditor.tracer.loss_instance(func) or call
         name = (self.tree.qualified(configured.func) or "").rsplit(".", 1)[-1]
         args = positional(call)
         target = keyword(call, "target") or keyword(call, "targets") or (args[1] if len(args) > 1 else None)

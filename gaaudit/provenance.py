@@ -39,6 +39,7 @@ class Origin:
     source: cst.CSTNode | None = None
     divisions: tuple[Division, ...] = field(default=())
     via: str = ""  # ", returned by `helper()`" when it came out of a same-file function
+    from_model: bool = False  # unpacked from a model call: `logits, loss = model(x, y)`
     tree: Tree | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -149,9 +150,8 @@ class Tracer:
                 if returned and index < len(returned[0].elements):
                     return self.origin(returned[0].elements[index].value, depth + 1)
             if "loss" in name:
-                return self._mean(
-                    value, f"`{name}` returned by `{code(value.func)}(...)`, a model's mean loss"
-                )
+                what = f"`{name}` returned by `{code(value.func)}(...)`, a model's mean loss"
+                return replace(self._mean(value, what), from_model=True)
         return UNKNOWN
 
     def _subscript(self, expr: cst.Subscript, depth: int) -> Origin:
@@ -197,7 +197,7 @@ class Tracer:
             return self._sum(call, f"`{code(call)}`")
         if qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES:
             return self._reduction(call, call, f"`{qualified.rsplit('.', 1)[-1]}`")
-        constructor = self._loss_instance(func)
+        constructor = self.loss_instance(func)
         if constructor is not None:
             return self._reduction(constructor, call, f"a `{code(constructor.func)}` instance")
         helper = self._helper(call)
@@ -216,7 +216,7 @@ class Tracer:
             return Origin("elementwise", f"{what} with reduction='none'", call, tree=self.tree)
         return self._mean(call, f"{what} with the default reduction='mean'")
 
-    def _loss_instance(self, func: cst.BaseExpression) -> cst.Call | None:
+    def loss_instance(self, func: cst.BaseExpression) -> cst.Call | None:
         """The `nn.CrossEntropyLoss(...)` call a callee was bound to, if any."""
         name = dotted(func)
         if name is None:
