@@ -5,13 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from functools import cache
-from importlib import resources
 from pathlib import Path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DOCS_URL = "https://github.com/gaaudit/gaaudit#rules"
 
@@ -36,9 +30,19 @@ class Rule:
         return f"{DOCS_URL}-{self.code.lower()}"
 
 
-def _catalogue_dir() -> Path:
+def toml():
+    """The TOML parser (tomli before Python 3.11), imported when first needed: a run that
+    reads no TOML does not pay for it."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    return tomllib
+
+
+def catalogue_dir() -> Path:
     """`gaaudit/rules` in a wheel; the checkout's top-level `rules/` when run from source."""
-    shipped = Path(str(resources.files("gaaudit"))) / "rules"
+    shipped = Path(__file__).resolve().parent / "rules"
     return shipped if shipped.is_dir() else Path(__file__).resolve().parent.parent / "rules"
 
 
@@ -46,7 +50,7 @@ def _catalogue_dir() -> Path:
 def load() -> dict[str, Rule]:
     """Every rule of the catalogue, by code, in code order."""
     rules = {}
-    for path in sorted(_catalogue_dir().glob("GA*.toml")):
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    for path in sorted(catalogue_dir().glob("GA*.toml")):
+        data = toml().loads(path.read_text(encoding="utf-8"))
         rules[data["code"]] = Rule(**data)
     return rules

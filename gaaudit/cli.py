@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-import time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -12,6 +9,16 @@ from typing import Annotated, Optional
 import typer
 
 from gaaudit import __version__
+from gaaudit.checking import (
+    EXIT_CLEAN,
+    EXIT_ERROR,
+    EXIT_FINDINGS,
+    EXIT_INTERRUPTED,
+    CheckOptions,
+    UsageError,
+    settings_for,
+)
+from gaaudit.checking import use_color as _use_color
 
 app = typer.Typer(
     name="gaaudit",
@@ -21,9 +28,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
-PROGRESS_THRESHOLD = 200  # files
 
 
 class Format(str, Enum):
@@ -65,24 +69,11 @@ Globs = Annotated[Optional[list[str]], typer.Option(help="gitignore-style patter
 
 
 def _settings(paths, select, ignore, exclude, extend_exclude, min_confidence):
-    from gaaudit.config import ConfigError, load
-    from gaaudit.findings import Confidence
-
     try:
-        settings = load(paths[0] if paths else Path.cwd())
-    except ConfigError as exc:
+        level = min_confidence.value if min_confidence else None
+        return settings_for(paths, select, ignore, exclude, extend_exclude, level)
+    except UsageError as exc:
         _fail(str(exc))
-    settings = settings.override(
-        select=tuple(select) if select else None,
-        ignore=tuple(ignore) if ignore else None,
-        exclude=tuple(exclude) if exclude else None,
-        extend_exclude=(*settings.extend_exclude, *extend_exclude) if extend_exclude else None,
-        min_confidence=Confidence.parse(min_confidence.value) if min_confidence else None,
-    )
-    missing = [p for p in paths if not p.exists() and not p.is_symlink()]
-    if missing:
-        _fail(f"{missing[0]}: no such file or directory")
-    return settings
 
 
 @app.command()
@@ -101,35 +92,40 @@ def check(
     exit_zero: Annotated[bool, typer.Option(help="Exit 0 even when there are findings.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Findings only, no summary.")] = False,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes.")] = None,
+    unsafe_fixes: Annotated[
+        bool, typer.Option(help="With --format sarif: also suggest fixes marked unsafe.")
+    ] = False,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Neither read nor write the cache.")
+    ] = False,
+    cache_dir: Annotated[
+        Optional[Path], typer.Option(help="Cache directory [default: .gaaudit_cache at the project root].")
+    ] = None,
 ) -> None:
     """Report gradient-accumulation loss bugs. Exit 0: none, 1: findings, 2: errors."""
-    from gaaudit.discovery import discover
-    from gaaudit.engine import check_files
-    from gaaudit.output import CheckRun, write
+    from gaaudit.checking import check as run_check
 
-    paths = paths or [Path(".")]
-    settings = _settings(paths, select, ignore, exclude, extend_exclude, min_confidence)
-    started = time.perf_counter()
-    files = list(discover(paths, settings))
-    reports = list(_progress(check_files(files, settings, jobs), len(files), quiet))
-    if settings.enabled("GA006", ""):
-        reports += _repository_reports(files, paths, settings)
-    run = CheckRun(
-        reports=reports,
-        files_checked=len(files),
-        elapsed=time.perf_counter() - started,
+    options = CheckOptions(
+        paths=tuple(paths or ()),
+        format=format.value,
+        output=output,
+        select=tuple(select or ()),
+        ignore=tuple(ignore or ()),
+        exclude=tuple(exclude or ()),
+        extend_exclude=tuple(extend_exclude or ()),
+        min_confidence=min_confidence.value if min_confidence else None,
         statistics=statistics,
-        color=output is None and format is Format.text and _use_color(),
+        exit_zero=exit_zero,
         quiet=quiet,
+        jobs=jobs,
+        unsafe_fixes=unsafe_fixes,
+        no_cache=no_cache,
+        cache_dir=cache_dir,
     )
-    if output is None:
-        write(format.value, run, sys.stdout)
-    else:
-        with output.open("w", encoding="utf-8") as stream:
-            write(format.value, run, stream)
-    if run.errors:
-        raise typer.Exit(EXIT_ERROR)
-    raise typer.Exit(EXIT_FINDINGS if run.findings and not exit_zero else EXIT_CLEAN)
+    try:
+        raise typer.Exit(run_check(options))
+    except UsageError as exc:
+        _fail(str(exc))
 
 
 @app.command()
@@ -182,6 +178,12 @@ def fix(
         for outcome in result.outcomes:
             if outcome.applied:
                 applied += 1
+                if outcome.reason and not quiet:  # which rewrite a framework finding got
+                    typer.echo(
+                        f"{result.path}:{outcome.location}: {outcome.site.code} "
+                        f"fixed: {outcome.reason}",
+                        err=diff,
+                    )
             else:
                 skipped += 1
                 typer.echo(
@@ -205,41 +207,21 @@ def fix(
 
 
 def _held_back(path: Path, result) -> str:
-    """Why a file's fixes may not be applied under --verify ("" when every loop verified)."""
-    from gaaudit.verify import VERIFIED, Options, verify_pair
+    """Why a file's fixes may not be applied under --verify ("" when every loop verified).
+    K = 4; the rest of [tool.gaaudit.verify] applies (model factory, processes, ...)."""
+    from gaaudit.config import ConfigError
+    from gaaudit.verify import VERIFIED, VerifyError, options_for, verify_pair
 
     if path.suffix != ".py":
         return "--verify replays Python files only"
-    outcomes = verify_pair(path, result.before, result.after, None, Options(ks=(4,)))
+    try:
+        outcomes = verify_pair(path, result.before, result.after, None, options_for(path, ks=(4,)))
+    except (ConfigError, VerifyError) as exc:
+        return str(exc)
     failed = [o for o in outcomes if o.verdict != VERIFIED]
     if not outcomes:
         return "no loop could be replayed"
     return "; ".join(f"line {o.line}: {o.verdict}" for o in failed)
-
-
-def _progress(reports, total: int, quiet: bool):
-    """A progress bar on stderr for long runs in a terminal; never in CI logs or pipes."""
-    if quiet or total < PROGRESS_THRESHOLD or not sys.stderr.isatty() or os.environ.get("CI"):
-        return reports
-    from rich.console import Console
-    from rich.progress import track
-
-    return track(reports, total=total, description="checking", console=Console(stderr=True), transient=True)
-
-
-def _repository_reports(files, paths, settings):
-    """GA006 findings on dependency files, filtered like the per-file ones."""
-    from gaaudit.checks.versions import check_repository
-    from gaaudit.engine import display_path
-
-    reports = check_repository(files, [p for p in paths if p.is_dir()])
-    for report in reports:
-        relative = display_path(Path(report.path), settings.root)
-        report.findings = [
-            f for f in report.findings
-            if f.confidence >= settings.min_confidence and settings.enabled(f.code, relative)
-        ]
-    return [r for r in reports if r.findings]
 
 
 DIFF_COLOURS = (("+++", "1"), ("---", "1"), ("@@", "36"), ("+", "32"), ("-", "31"))
@@ -252,10 +234,6 @@ def _colour_diff(text: str) -> str:
         colour = next((c for prefix, c in DIFF_COLOURS if line.startswith(prefix)), None)
         lines.append(f"\x1b[{colour}m{line.rstrip(chr(10))}\x1b[0m\n" if colour else line)
     return "".join(lines)
-
-
-def _use_color() -> bool:
-    return sys.stdout.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
 
 
 @app.command()
@@ -287,41 +265,109 @@ def explain(code: Annotated[str, typer.Argument(help="A rule code, e.g. GA001.")
 
 @app.command()
 def verify(
-    target: Annotated[Optional[str], typer.Argument(help="PATH or PATH:LINE of a training script.")] = None,
-    k: Annotated[str, typer.Option("-k", help="Window sizes, comma-separated.")] = "2,4,8",
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
-    seed: Annotated[int, typer.Option(help="Seed for the model and the data.")] = 0,
-    timeout: Annotated[float, typer.Option(help="Seconds before a replay is stopped.")] = 120.0,
+    target: Annotated[
+        list[str] | None,
+        typer.Argument(help="PATH or PATH:LINE of one or more training scripts."),
+    ] = None,
+    k: Annotated[
+        str | None, typer.Option("-k", help="Window sizes, comma-separated [default: 2,4,8].")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda [default: auto].")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 [default: float32].")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for the model and the data.")] = None,
+    timeout: Annotated[
+        float | None, typer.Option(help="Seconds before a replay is stopped [default: 120].")
+    ] = None,
+    model_factory: Annotated[
+        str | None,
+        typer.Option(
+            help="module:function returning your small torch.nn.Module, used instead "
+            "of the tiny harness model."
+        ),
+    ] = None,
+    distributed: Annotated[
+        int | None,
+        typer.Option(min=1, help="Replay on N DDP processes (gloo on CPU, NCCL on CUDA)."),
+    ] = None,
     format: Annotated[Format, typer.Option("--format", "-f", help="text or json.")] = Format.text,
     demo: Annotated[bool, typer.Option(help="Run the reference experiment, no user code.")] = False,
-    plot: Annotated[Optional[Path], typer.Option(help="With --demo: draw error against K (PNG).")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="With --demo: draw error against K (PNG).")
+    ] = None,
 ) -> None:
     """Replay each accumulation loop, original and patched, against one full-batch step on a
-    tiny real model. Exit 0: every patched loop verified, 1: one is not, 2: nothing replayed."""
-    from gaaudit import verify as verifying
-
+    tiny real model. Exit 0: every patched loop verified, 1: one is not, 2: nothing replayed.
+    Defaults come from [tool.gaaudit.verify] in pyproject.toml."""
     from importlib.util import find_spec
+
+    from gaaudit import verify as verifying
+    from gaaudit.config import DEVICES, VERIFY_DTYPES, ConfigError
 
     missing = [name for name in ("torch", "transformers", "accelerate") if find_spec(name) is None]
     if missing:
         _fail(f"verify needs {', '.join(missing)}: pip install 'gaaudit[verify]'")
     if demo:
         raise typer.Exit(verifying.run_demo(format.value, plot))
-    if target is None:
+    if not target:
         _fail("give a training script: gaaudit verify PATH[:LINE] (or --demo)")
-    path_text, _, line_text = target.rpartition(":") if target.rpartition(":")[2].isdigit() else (target, "", "")
-    path = Path(path_text)
-    if not path.is_file():
-        _fail(f"{path}: no such file")
-    try:
-        ks = tuple(int(v) for v in k.split(","))
-    except ValueError:
-        _fail(f"-k {k!r}: expected comma-separated integers such as 2,4,8")
-    options = verifying.Options(ks, device, dtype, seed, timeout)
-    typer.echo(f"gaaudit: executing loops of {path} (and their patched versions) on a tiny model", err=True)
-    outcomes = verifying.verify_file(path, int(line_text) if line_text else None, options)
-    raise typer.Exit(verifying.report(outcomes, format.value, path))
+    requests = []
+    for text in target:
+        path_text, _, line_text = text.rpartition(":")
+        if not line_text.isdigit():
+            path_text, line_text = text, ""
+        if not Path(path_text).is_file():
+            _fail(f"{path_text}: no such file")
+        requests.append((Path(path_text), int(line_text) if line_text else None))
+    ks = None
+    if k is not None:
+        try:
+            ks = tuple(int(v) for v in k.split(","))
+        except ValueError:
+            ks = ()
+        if not ks or min(ks) < 1:
+            _fail(f"-k {k!r}: expected comma-separated window sizes >= 1 such as 2,4,8")
+    for option, value, allowed in (
+        ("--device", device, DEVICES),
+        ("--dtype", dtype, VERIFY_DTYPES),
+    ):
+        if value is not None and value not in allowed:
+            _fail(f"{option} {value!r}: expected one of {', '.join(allowed)}")
+    groups: list[tuple[verifying.Options, list]] = []  # consecutive files with equal options
+    for path, line in requests:
+        try:
+            options = verifying.options_for(
+                path,
+                ks=ks,
+                device=device,
+                dtype=dtype,
+                seed=seed,
+                timeout=timeout,
+                model_factory=model_factory,
+                distributed=distributed,
+            )
+        except ConfigError as exc:
+            _fail(str(exc))
+        if not groups or groups[-1][0] != options:
+            groups.append((options, []))
+        groups[-1][1].append((path, line))
+    results = []
+    for options, group in groups:
+        model = options.model_factory or "a tiny model"
+        ranks = f" on {options.distributed} DDP processes" if options.distributed else ""
+        for path, _ in group:
+            typer.echo(
+                f"gaaudit: executing loops of {path} (and their patched versions) with "
+                f"{model}{ranks}",
+                err=True,
+            )
+        try:
+            outcomes = verifying.verify_files(group, options)
+        except verifying.VerifyError as exc:
+            _fail(str(exc))
+        results += [(path, found) for (path, _), found in zip(group, outcomes)]
+    raise typer.Exit(verifying.report(results, format.value))
 
 
 @app.command()

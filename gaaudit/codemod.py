@@ -33,11 +33,14 @@ class _Apply(cst.CSTTransformer):
         body = []
         for original, updated in zip(original_body, updated_body):
             inserted = list(self.edits.before.get(original, ()))
-            if inserted and _opens_cell(updated):  # a notebook cell marker stays on top
-                inserted[0] = inserted[0].with_changes(leading_lines=updated.leading_lines)
-                updated = updated.with_changes(leading_lines=())
+            removed = self.edits.replace.get(original) is cst.RemovalSentinel.REMOVE
+            if inserted:  # blank lines and a notebook cell marker stay above what is inserted
+                lines = updated.leading_lines
+                moved = len(lines) if removed or _opens_cell(updated) else _blank_prefix(lines)
+                inserted[0] = inserted[0].with_changes(leading_lines=lines[:moved])
+                updated = updated.with_changes(leading_lines=lines[moved:])
             body.extend(inserted)
-            if self.edits.replace.get(original) is not cst.RemovalSentinel.REMOVE:
+            if not removed:
                 body.append(updated)
             body.extend(self.edits.after.get(original, ()))
         return body
@@ -47,6 +50,11 @@ class _Apply(cst.CSTTransformer):
 
     def leave_Module(self, original_node, updated_node):
         return updated_node.with_changes(body=self._splice(original_node.body, updated_node.body))
+
+
+def _blank_prefix(lines) -> int:
+    """How many of a statement's leading lines are blank before its first comment."""
+    return next((i for i, line in enumerate(lines) if line.comment is not None), len(lines))
 
 
 def _opens_cell(statement) -> bool:

@@ -3,21 +3,76 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
-from gaaudit.catalogue import tomllib
+from gaaudit.catalogue import toml
 from gaaudit.findings import Confidence
 
 DEFAULT_EXCLUDE = (
-    ".git", ".hg", ".svn", ".venv", "venv", ".env", "env", "build", "dist", "site-packages",
-    "node_modules", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox",
-    ".nox", ".eggs", "*.egg-info", ".ipynb_checkpoints", ".gaaudit_cache",
+    ".git",
+    ".hg",
+    ".svn",
+    ".venv",
+    "venv",
+    ".env",
+    "env",
+    "build",
+    "dist",
+    "site-packages",
+    "node_modules",
+    "__pycache__",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".tox",
+    ".nox",
+    ".eggs",
+    "*.egg-info",
+    ".ipynb_checkpoints",
+    ".gaaudit_cache",
+)
+
+
+# Where a pyproject.toml may define [tool.gaaudit]: files without it are not parsed.
+MENTIONS_TABLE = re.compile(
+    r"""(?:tool\s*\.\s*|^\s*|[{,]\s*)["']?gaaudit["']?\s*[.=\]]""", re.MULTILINE
 )
 
 
 class ConfigError(Exception):
     """A configuration problem, worded for the user (file, key, what to do)."""
+
+
+# `package.module:function` or `package.module:Class.method`.
+FACTORY_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+DEVICES = ("auto", "cpu", "cuda")
+VERIFY_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    """`[tool.gaaudit.verify]`: defaults for `gaaudit verify` (None where the table is silent;
+    the command line wins over both)."""
+
+    model_factory: str | None = None
+    k: tuple[int, ...] | None = None
+    device: str | None = None
+    dtype: str | None = None
+    seed: int | None = None
+    timeout: float | None = None
+    distributed: int | None = None
+
+
+def check_factory(value, where: str) -> str:
+    """`value` if it reads `module:function`, else a ConfigError that says what is expected."""
+    if not isinstance(value, str) or not FACTORY_RE.fullmatch(value):
+        raise ConfigError(
+            f"{where}: expected module:function (a function that takes no arguments and returns "
+            f"a small torch.nn.Module), e.g. 'mypkg.models:tiny_model'; got {value!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -32,6 +87,8 @@ class Settings:
     per_file_ignores: tuple[tuple[str, tuple[str, ...]], ...] = ()
     accumulation_names: frozenset[str] = frozenset()
     min_confidence: Confidence = Confidence.MEDIUM
+    verify: VerifySettings = field(default_factory=VerifySettings)
+    cache_dir: Path | None = None  # where `check` keeps its cache (default: see gaaudit.cache)
     source: Path | None = None  # the pyproject.toml read, if any
 
     def enabled(self, code: str, path: str) -> bool:
@@ -42,7 +99,8 @@ class Settings:
             return False
         pure = PurePosixPath(path)
         return not any(
-            any(code.startswith(c) for c in codes) and (pure.match(glob) or fnmatch.fnmatch(path, glob))
+            any(code.startswith(c) for c in codes)
+            and (pure.match(glob) or fnmatch.fnmatch(path, glob))
             for glob, codes in self.per_file_ignores
         )
 
@@ -59,8 +117,10 @@ def find_pyproject(start: Path) -> Path | None:
     for directory in (start, *start.parents) if start.is_dir() else start.parents:
         candidate = directory / "pyproject.toml"
         if candidate.is_file():
+            tomllib = toml()
             try:
-                data = tomllib.loads(candidate.read_text(encoding="utf-8"))
+                text = candidate.read_text(encoding="utf-8")
+                data = tomllib.loads(text) if MENTIONS_TABLE.search(text) else {}
             except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
                 raise ConfigError(f"{candidate}: cannot read TOML: {exc}") from None
             if "gaaudit" in data.get("tool", {}):
@@ -73,7 +133,7 @@ def load(start: Path) -> Settings:
     path = find_pyproject(start)
     if path is None:
         return Settings()
-    table = tomllib.loads(path.read_text(encoding="utf-8"))["tool"]["gaaudit"]
+    table = toml().loads(path.read_text(encoding="utf-8"))["tool"]["gaaudit"]
     return parse(table, path)
 
 
@@ -98,14 +158,67 @@ def parse(table: dict, path: Path) -> Settings:
                 changes["min_confidence"] = Confidence.parse(str(value))
             except ValueError as exc:
                 raise ConfigError(f"{where}: {exc}") from None
+        elif key == "verify":
+            changes["verify"] = parse_verify(value, path)
+        elif key == "cache-dir":
+            if not isinstance(value, str) or not value:
+                raise ConfigError(
+                    f"{where}: expected a folder, relative to {path.name}, got {value!r}"
+                )
+            changes["cache_dir"] = path.parent / value
         else:
-            known = "select, ignore, exclude, extend-exclude, per-file-ignores, accumulation-names, min-confidence"
+            known = (
+                "select, ignore, exclude, extend-exclude, per-file-ignores, accumulation-names, "
+                "min-confidence, verify, cache-dir"
+            )
             raise ConfigError(f"{where}: unknown key; known keys are {known}")
     for key in ("select", "ignore"):
         for code in changes.get(key, ()):
             if not code.isalnum() or not code.isupper():
-                raise ConfigError(f"{path}: [tool.gaaudit] {key}: {code!r} is not a rule code like 'GA001'")
+                raise ConfigError(
+                    f"{path}: [tool.gaaudit] {key}: {code!r} is not a rule code like 'GA001'"
+                )
     return replace(settings, **changes)
+
+
+def parse_verify(table, path: Path) -> VerifySettings:
+    """Validate `[tool.gaaudit.verify]`; every error names the file and the key."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [tool.gaaudit] verify: expected a table, got {table!r}")
+    changes: dict = {}
+    for key, value in table.items():
+        where = f"{path}: [tool.gaaudit.verify] {key}"
+        if key == "model-factory":
+            changes["model_factory"] = check_factory(value, where)
+        elif key == "k":
+            if not isinstance(value, list) or not value or not all(_count(v) for v in value):
+                raise ConfigError(f"{where}: expected a list of window sizes >= 1, got {value!r}")
+            changes["k"] = tuple(value)
+        elif key in ("device", "dtype"):
+            allowed = DEVICES if key == "device" else VERIFY_DTYPES
+            if value not in allowed:
+                raise ConfigError(f"{where}: expected one of {', '.join(allowed)}, got {value!r}")
+            changes[key] = value
+        elif key == "seed":
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            changes["seed"] = value
+        elif key == "timeout":
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{where}: expected a number of seconds > 0, got {value!r}")
+            changes["timeout"] = float(value)
+        elif key == "distributed":
+            if not _count(value):
+                raise ConfigError(f"{where}: expected a number of processes >= 1, got {value!r}")
+            changes["distributed"] = value
+        else:
+            known = "model-factory, k, device, dtype, seed, timeout, distributed"
+            raise ConfigError(f"{where}: unknown key; known keys are {known}")
+    return VerifySettings(**changes)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _strings(value, where: str) -> list[str]:

@@ -6,21 +6,25 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-
-import pathspec
+from typing import TYPE_CHECKING
 
 from gaaudit.config import Settings
+
+if TYPE_CHECKING:  # imported when a folder is walked: files named alone need no patterns
+    import pathspec
 
 SUFFIXES = (".py", ".ipynb")
 
 
 def _spec(patterns) -> pathspec.GitIgnoreSpec:
+    import pathspec
+
     return pathspec.GitIgnoreSpec.from_lines(patterns)
 
 
 def discover(paths: list[Path], settings: Settings) -> Iterator[Path]:
     """Files to check, each once. A file named explicitly is always checked."""
-    excluded = _spec([*settings.exclude, *settings.extend_exclude])
+    excluded = None
     seen: set[Path] = set()
     for path in paths:
         if not path.is_dir():
@@ -28,6 +32,7 @@ def discover(paths: list[Path], settings: Settings) -> Iterator[Path]:
                 seen.add(path)
                 yield path
             continue
+        excluded = excluded or _spec([*settings.exclude, *settings.extend_exclude])
         for found in _walk(path, excluded, settings.root):
             if found not in seen:
                 seen.add(found)
@@ -75,6 +80,8 @@ def _ignored(path: Path, is_dir: bool, excluded, ignores, top: Path) -> bool:
     relative = path.relative_to(top)
     if excluded.match_file(relative.as_posix() + suffix) or excluded.match_file(path.name + suffix):
         return True
+    if not ignores:  # no .gitignore: spare resolving `top` for every file
+        return False
     absolute = top.resolve() / relative
     for base, spec in ignores:
         try:

@@ -1,26 +1,32 @@
-"""The check pipeline for one file, and for many files in bounded worker processes."""
+"""The check pipeline for one file, and for many files through the cache and bounded workers."""
 
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
+from gaaudit import cache
 from gaaudit.config import Settings
 from gaaudit.findings import FileError, FileReport
-from gaaudit.focus import focus
-from gaaudit.notebook import load as load_notebook
 from gaaudit.source import FOCUS, Source, SourceError, parse, read
 
-# Below this many files, a worker pool costs more than it saves.
+# Below this many files to read, a worker pool costs more than it saves.
 PARALLEL_THRESHOLD = 64
+TASK_FILES, TASK_BYTES = 16, 1 << 20  # a worker's task: this many files or bytes, at most
+IN_FLIGHT = 4  # tasks queued per worker: enough to keep it busy, few enough to stay small
+
+Result = tuple[Path, FileReport, "cache.Entry | None"]
 
 
 def display_path(path: Path, root: Path | None = None) -> str:
     """A path relative to `root` (default: the current directory) when under it, with `/`."""
-    base = (root or Path.cwd()).resolve()
+    return _relative(path, (root or Path.cwd()).resolve())
+
+
+def _relative(path: Path, base: Path) -> str:
+    """`display_path` against a base already resolved."""
     try:
         return path.resolve().relative_to(base).as_posix()
     except (ValueError, OSError, RuntimeError):  # RuntimeError: a symbolic link loop
@@ -30,28 +36,65 @@ def display_path(path: Path, root: Path | None = None) -> str:
 def check_file(path: Path, settings: Settings) -> FileReport:
     """Read, prefilter, parse and audit one file; never raises for a bad file."""
     shown = display_path(path)
-    notebook = None
     try:
         source = read(path)
+    except SourceError as exc:
+        return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column))
+    return _analyse(source, settings, shown)[0]
+
+
+def check_recorded(path: Path, settings: Settings, known: cache.Entry | None) -> Result:
+    """`check_file`, and the cache entry that records its report. `known` is the file's
+    entry from an earlier run: when the file's bytes and dependencies are the same, its
+    report is reused without analysis."""
+    shown = display_path(path)
+    signed = cache.signature(path)  # before reading: a later change shows next time
+    try:
+        source = read(path)
+    except SourceError as exc:  # not recorded: reading may work next time
+        return (
+            path,
+            FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column)),
+            None,
+        )
+    content = cache.digest(source.data)
+    if known is not None and known.digest == content and cache.unchanged(known.dependencies):
+        return path, known.report(shown), replace(known, signature=signed)
+    named = cache.named_files(source.data, path.parent)  # signed before the analysis reads them
+    report, context = _analyse(source, settings, shown)
+    found = context.dependencies if context is not None else frozenset()
+    return path, report, cache.record(signed, content, report, [*named, *cache.signed(found)])
+
+
+def _analyse(source: Source, settings: Settings, shown: str):
+    """The report on a file's bytes, and the analysis context when the rules ran."""
+    path = source.path
+    notebook = None
+    try:
         if path.suffix == ".ipynb":
+            from gaaudit.notebook import load as load_notebook
+
             notebook = load_notebook(source.data)
             source = Source(path, notebook.text.encode("utf-8"))
         if not source.may_have_findings:
-            return FileReport(shown)
+            return FileReport(shown), None
+        from gaaudit.focus import focus
+
         module = parse(focus(source.data, FOCUS))
         text = source.data.decode(module.encoding)
         relative = display_path(path, settings.root)
-        findings = audit(module, text, shown, relative, settings, path.parent)[1]
-        return FileReport(shown, [notebook.relocate(f) for f in findings] if notebook else findings)
+        context, findings = audit(module, text, shown, relative, settings, path.parent)
+        findings = [notebook.relocate(f) for f in findings] if notebook else findings
+        return FileReport(shown, findings), context
     except SourceError as exc:
         if notebook is not None:
             exc = notebook.relocate_error(exc)
-        return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column))
+        return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column)), None
     except RecursionError:
-        return FileReport(shown, error=FileError(shown, "code nested too deeply to analyse"))
-    except Exception as exc:  # a bug in gaaudit must not end the run for every other file
+        return FileReport(shown, error=FileError(shown, "code nested too deeply to analyse")), None
+    except Exception as exc:  # noqa: BLE001 - a gaaudit bug must not end the run for other files
         message = f"internal error ({type(exc).__name__}); the file was skipped, please report this"
-        return FileReport(shown, error=FileError(shown, message))
+        return FileReport(shown, error=FileError(shown, message)), None
 
 
 def audit(module, text: str, shown: str, relative: str, settings: Settings, directory: Path):
@@ -75,21 +118,100 @@ def audit(module, text: str, shown: str, relative: str, settings: Settings, dire
     return context, findings
 
 
-def check_files(files: Iterable[Path], settings: Settings, jobs: int | None = None) -> Iterator[FileReport]:
-    """Reports in input order; large inputs go to at most `jobs` worker processes."""
-    files = list(files)
+def check_files(
+    files: Iterable[Path],
+    settings: Settings,
+    jobs: int | None = None,
+    store: cache.Cache | None = None,
+) -> Iterator[tuple[Path, FileReport]]:
+    """Each file with its report, as files finish (not in input order).
+
+    With a cache `store`, a file whose entry still holds is answered without being read,
+    and every other report is recorded in it. More than a handful of files to read go to
+    at most `jobs` worker processes with a bounded number of tasks in flight, so that
+    memory stays flat however large the tree.
+    """
     jobs = jobs or os.cpu_count() or 1
-    if jobs == 1 or len(files) < PARALLEL_THRESHOLD:
-        for path in files:
-            yield check_file(path, settings)
-        return
+    here = Path.cwd().resolve()
+    work: list[tuple[Path, cache.Entry | None]] = []
+    for path in files:
+        known = store.get(path) if store is not None else None
+        if known is not None and store.fresh(path, known):
+            yield path, known.report(_relative(path, here))
+        else:
+            work.append((path, known))
+    if jobs == 1 or len(work) < PARALLEL_THRESHOLD:
+        results: Iterable[Result] = _check_chunk(work, settings, store is not None)
+    else:
+        results = _in_workers(work, settings, store is not None, jobs)
+    for path, report, entry in results:
+        if store is not None:
+            store.put(path, entry)
+        yield path, report
+
+
+def _check_chunk(
+    chunk: list[tuple[Path, cache.Entry | None]], settings: Settings, recording: bool
+) -> Iterator[Result]:
+    for path, known in chunk:
+        yield (
+            check_recorded(path, settings, known)
+            if recording
+            else (path, check_file(path, settings), None)
+        )
+
+
+def _checked(chunk, settings: Settings, recording: bool) -> list[Result]:
+    """A worker's task: the results of a chunk of files."""
+    return list(_check_chunk(chunk, settings, recording))
+
+
+def _in_workers(
+    work: list[tuple[Path, cache.Entry | None]], settings: Settings, recording: bool, jobs: int
+) -> Iterator[Result]:
+    """Results from `jobs` worker processes, at most `IN_FLIGHT` tasks per worker queued."""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
     pool = ProcessPoolExecutor(max_workers=jobs, initializer=_ignore_interrupts)
+    pending: set = set()
     try:
-        yield from pool.map(check_file, files, [settings] * len(files), chunksize=16)
-    finally:  # on Ctrl-C too: drop queued work, let the workers finish their file and exit
+        for task in _tasks(work):
+            if len(pending) >= jobs * IN_FLIGHT:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    yield from future.result()
+            pending.add(pool.submit(_checked, task, settings, recording))
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                yield from future.result()
+    finally:  # on Ctrl-C too: drop queued work, let the workers finish their task and exit
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _tasks(work: list[tuple[Path, cache.Entry | None]]) -> Iterator[list]:
+    """`work` cut into tasks, largest files first: a long file started last would leave the
+    other workers idle at the end of the run."""
+    task, size = [], 0
+    for length, item in sorted(((_size(item[0]), item) for item in work), key=lambda s: -s[0]):
+        task.append(item)
+        size += length
+        if len(task) == TASK_FILES or size >= TASK_BYTES:
+            yield task
+            task, size = [], 0
+    if task:
+        yield task
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _ignore_interrupts() -> None:
     """Workers leave Ctrl-C to the main process, which stops them cleanly."""
+    import signal
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)

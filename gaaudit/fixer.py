@@ -11,35 +11,86 @@ from gaaudit.notebook import load as load_notebook
 from gaaudit.notebook import rebuild
 from gaaudit.source import Source, SourceError, parse, read
 
+# Why a GA001-GA003 finding needs no rewrite of its own: a framework fix changed its line.
+COVERED = "by the GA004/GA005 rewrite of the same code"
+
 
 def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False) -> FileFix:
     """Rewrite every reported, fixable finding of one file's bytes; raises `SourceError`."""
     from gaaudit.checks.accumulation import Auditor
-    from gaaudit.fixes import Planner
+    from gaaudit.fixes import Outcome, Planner
 
     shown = display_path(path)
     if not Source(path, data).may_have_findings:
         return FileFix(shown, data, data)
     module = parse(data)
     text = data.decode(module.encoding)
-    context, findings = audit(module, text, shown, display_path(path, settings.root), settings, path.parent)
+    context, findings = audit(
+        module, text, shown, display_path(path, settings.root), settings, path.parent
+    )
     reported = {(f.code, f.span.line, f.span.column) for f in findings}
     tree = context.tree
+    edits, outcomes = _framework_fixes(context, reported, unsafe)
+    touched = [node for node in edits.replace]
     auditor = Auditor(tree, settings.accumulation_names, path.parent)
     sites = [site for site in auditor.sites() if (site.code, *_start(tree, site.node)) in reported]
-    if not sites:
-        return FileFix(shown, data, data)
-    planner = Planner(tree, auditor, unsafe)
-    outcomes = planner.plan(sites)
+    covered = [s for s in sites if any(tree.contains(node, s.node) for node in touched)]
+    outcomes += [Outcome(s, *_start(tree, s.node), True, COVERED) for s in covered]
+    sites = [s for s in sites if s not in covered]
+    if sites:
+        planner = Planner(tree, auditor, unsafe)
+        outcomes += planner.plan(sites)
+        edits = _merged(edits, planner.edits)
+    outcomes.sort(key=lambda o: (o.line, o.column, o.site.code))
     if not any(o.applied for o in outcomes):
         return FileFix(shown, data, data, outcomes)
-    fixed = apply(module, planner.edits).bytes
+    fixed = apply(module, edits).bytes
     try:
         parse(fixed)
         compile(fixed, shown, "exec")
     except (SourceError, SyntaxError, ValueError) as exc:
-        raise SourceError(f"internal error: the fix would not parse ({exc}); file left unchanged") from None
+        raise SourceError(
+            f"internal error: the fix would not parse ({exc}); file left unchanged"
+        ) from None
     return FileFix(shown, data, fixed, outcomes)
+
+
+def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool):
+    """The edits and outcomes of the GA004 (Trainer) and GA005 (JAX) findings reported."""
+    from gaaudit.checks.optax import OptaxAudit
+    from gaaudit.checks.trainer import TrainerAudit
+    from gaaudit.fixes import Edits
+    from gaaudit.fixes_optax import OptaxPlanner
+    from gaaudit.fixes_trainer import TrainerPlanner
+
+    tree = context.tree
+    edits, outcomes = Edits(), []
+    if any(code == "GA004" for code, _, _ in reported):
+        trainer_audit = TrainerAudit(tree)
+        sites = [s for s in trainer_audit.sites() if ("GA004", *_start(tree, s.node)) in reported]
+        planner = TrainerPlanner(tree, trainer_audit, unsafe)
+        outcomes += planner.plan(sites)
+        edits = _merged(edits, planner.edits)
+    if any(code == "GA005" for code, _, _ in reported):
+        optax_audit = OptaxAudit(tree, context.accumulation_names)
+        sites = [s for s in optax_audit.sites() if ("GA005", *_start(tree, s.node)) in reported]
+        planner = OptaxPlanner(tree, optax_audit)
+        outcomes += planner.plan(sites)
+        edits = _merged(edits, planner.edits)
+    return edits, outcomes
+
+
+def _merged(first, second):
+    """Two plans' edits as one; they touch different nodes (overlaps were left to `first`)."""
+    from gaaudit.fixes import Edits
+
+    merged = Edits({**second.replace, **first.replace})
+    for table in ("before", "after"):
+        combined = getattr(merged, table)
+        for plan in (first, second):
+            for anchor, statements in getattr(plan, table).items():
+                combined.setdefault(anchor, []).extend(statements)
+    return merged
 
 
 def _start(tree, node) -> tuple[int, int]:

@@ -62,6 +62,61 @@ def _statements(source: str) -> list[cst.BaseStatement]:
     return list(cst.parse_module(source).body)
 
 
+FRAMEWORK_ONLY = {  # why a framework's own division has no mechanical rewrite, by "loss is returned"
+    False: "DeepSpeed divides inside `engine.backward` and ZeRO keeps gradients outside `param.grad`, "
+    "so they cannot be divided once after the window; read the window's micro-batches ahead, count "
+    "their valid tokens N, and pass `loss_sum * gradient_accumulation_steps / N` to `backward` "
+    "(see `gaaudit explain GA003`)",
+    True: "the framework divides the returned loss by the accumulation steps, and the window's token "
+    "count is not known where the loss is returned; read the window's micro-batches ahead, count "
+    "their valid tokens N, and return `loss_sum * k / N` (see `gaaudit explain GA003`)",
+}
+LOGGING_METHODS = ("item", "detach", "float", "cpu", "clone")
+EXITS = (cst.Continue, cst.Break, cst.Return, cst.Raise)
+
+
+@dataclass(frozen=True)
+class Weighted:
+    """`loss = loss / k` rewritten in a window: its name, `k`, the statement, whether now a sum."""
+
+    name: str
+    divisor: str
+    statement: cst.CSTNode
+    summed: bool
+
+
+def _assigns_to_itself(statement: cst.CSTNode, division: cst.CSTNode) -> bool:
+    """`loss = loss / k`: one name target, the same name divided."""
+    return (
+        isinstance(statement, cst.SimpleStatementLine)
+        and isinstance(statement.body[0], cst.Assign)
+        and statement.body[0].value is division
+        and len(statement.body[0].targets) == 1
+        and isinstance(statement.body[0].targets[0].target, cst.Name)
+        and isinstance(division, cst.BinaryOperation)
+        and code(division.left) == statement.body[0].targets[0].target.value
+    )
+
+
+def _with_sum_reduction(call: cst.Call) -> cst.Call:
+    """`F.cross_entropy(a, b)` -> `F.cross_entropy(a, b, reduction="sum")`, the call's layout kept."""
+    args = list(call.args)
+    last = args[-1]
+    if last.comma is cst.MaybeSentinel.DEFAULT:  # `(a, b)`: the new argument takes b's place before `)`
+        before_new, after_new = cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")), cst.MaybeSentinel.DEFAULT
+    else:  # `(a, b,)` laid out one per line: the new one goes on a line of its own
+        before_new, after_new = (args[-2].comma if len(args) > 1 else last.comma), last.comma
+    args[-1] = last.with_changes(comma=before_new, whitespace_after_arg=cst.SimpleWhitespace(""))
+    added = cst.Arg(
+        keyword=cst.Name("reduction"),
+        equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")),
+        value=cst.SimpleString('"sum"'),
+        comma=after_new,
+        whitespace_after_arg=last.whitespace_after_arg,
+    )
+    return call.with_changes(args=[*args, added])
+
+
 class Unfixable(Exception):
     """A finding the fixer cannot rewrite safely; the message says why."""
 
@@ -75,7 +130,9 @@ class Planner:
         self.text = tree.module.code
         self.micro = self._fresh("micro_tokens")
         self.window_total = self._fresh("window_tokens")
-        self._prepared: set[cst.CSTNode] = set()
+        self.window_loss = self._fresh("window_loss")
+        self._prepared: dict[cst.CSTNode, tuple[Site, str]] = {}  # window -> (first site, optimizer)
+        self._weighted: dict[cst.CSTNode, list[Weighted]] = {}  # window -> losses divided by K
 
     def _fresh(self, name: str) -> str:
         taken = {n.value for n in self.tree.walk(self.tree.module) if isinstance(n, cst.Name)}
@@ -96,23 +153,25 @@ class Planner:
                 self._rewrite(site, count[0])
                 outcomes.append(Outcome(site, *self._position(site), True))
             except (Unfixable, cst.ParserSyntaxError) as exc:
-                self.edits, self._prepared = saved
+                self.edits, self._prepared, self._weighted = saved
                 reason = str(exc) if isinstance(exc, Unfixable) else "gaaudit could not build a valid rewrite"
                 outcomes.append(Outcome(site, *self._position(site), False, reason))
+        for site, optimizer in self._prepared.values():
+            self._finish_window(site, optimizer)
         return outcomes
 
     def _position(self, site: Site) -> tuple[int, int]:
         span = self.tree.span(site.node)
         return span.line, span.column
 
-    def _snapshot(self) -> tuple[Edits, set[cst.CSTNode]]:
+    def _snapshot(self) -> tuple:
         """A copy to restore when a site turns out unfixable half-way through planning."""
         copy = Edits(
             dict(self.edits.replace),
             {k: list(v) for k, v in self.edits.before.items()},
             {k: list(v) for k, v in self.edits.after.items()},
         )
-        return copy, set(self._prepared)
+        return copy, dict(self._prepared), {k: list(v) for k, v in self._weighted.items()}
 
     # --- the count of valid targets in one micro-batch -------------------------------------
 
@@ -121,10 +180,15 @@ class Planner:
         origin = site.origin
         source = origin.source
         if site.kind == "framework-division" and self._accelerator(site) is None:
+            raise Unfixable(FRAMEWORK_ONLY[site.backward.call is None])
+        if site.window.kind == "pipeline":
             raise Unfixable(
-                "the framework divides by the accumulation steps internally; gaaudit has no safe "
-                "rewrite for it (see `gaaudit explain GA003`)"
+                "the pipeline schedule calls the loss function per micro-batch and the window's "
+                "token count is not known there; count the step's valid tokens N before the "
+                "schedule runs and make the loss `loss_sum / N` (see `gaaudit explain GA003`)"
             )
+        if origin.module:
+            raise Unfixable(f"the loss is computed in {origin.module}; its targets are not visible here")
         if origin.kind != "mean" or source is None:
             raise Unfixable("gaaudit could not tell what the loss averages over")
         if self.tree.scope_of(source) is not self.tree.scope_of(site.backward.call):
@@ -189,30 +253,89 @@ class Planner:
     # --- the rewrite --------------------------------------------------------------------------
 
     def _rewrite(self, site: Site, count: str) -> None:
-        """Weight the micro-batch's mean by its count, then prepare the window's one division."""
-        factor = self.micro + self._framework_factor(site)
+        """Make the micro-batch's loss its token sum, then prepare the window's one division."""
+        summed = self._summed(site)
+        factor = self._framework_factor(site)
+        if summed is None:
+            factor = self.micro + factor
+        else:
+            self.edits.replace[summed] = _with_sum_reduction(summed)
+            factor = factor.removeprefix(" * ")
         if site.kind == "loss-division":
             node = site.division.node
             anchor = self._line(node)
-            if isinstance(node, cst.AugAssign):
-                new = node.with_changes(operator=cst.MultiplyAssign(), value=cst.parse_expression(factor))
-            else:
-                new = cst.parse_expression(f"{code(node.left)} * {factor}")
-                new = new.with_changes(lpar=node.lpar, rpar=node.rpar)
+            new = self._undivided(node, anchor, factor)
+            self._note_logged_reads(site, node, anchor)
         else:
             node = site.backward.loss
             anchor = self._line(site.backward.call)
-            text = f"({code(node)})" if isinstance(node, cst.BinaryOperation) else code(node)
-            new = cst.parse_expression(f"{text} * {factor}")
-            if isinstance(self.tree.parents[node], cst.Attribute):  # `(loss * n).backward()`
+            text = code(self._applied(node))
+            text = f"({text})" if isinstance(node, cst.BinaryOperation) else text
+            new = cst.parse_expression(f"{text} * {factor}") if factor else node
+            if factor and isinstance(self.tree.parents[node], cst.Attribute):  # `(loss * n).backward()`
                 new = new.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
             if site.kind == "gradient-division":
                 self._remove(site.division.node, site.window)
-        if node not in self.edits.replace:
+        if node not in self.edits.replace and new is not node:
             self.edits.replace[node] = new
         if anchor not in self.edits.before:
             self.edits.insert_before(anchor, f"{self.micro} = {count}\n{self.window_total} += {self.micro}\n")
         self._prepare_window(site)
+
+    def _undivided(self, node: cst.CSTNode, statement: cst.CSTNode, factor: str):
+        """`loss / k` (or `loss /= k`) times `factor`; REMOVE when nothing is left of the statement."""
+        if isinstance(node, cst.AugAssign):
+            if not factor:
+                return cst.RemovalSentinel.REMOVE
+            return node.with_changes(operator=cst.MultiplyAssign(), value=cst.parse_expression(factor))
+        left = self._applied(node.left)
+        if not factor:
+            if _assigns_to_itself(statement, node):
+                self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
+                return node
+            return left.with_changes(lpar=node.lpar, rpar=node.rpar) if node.lpar else left
+        new = cst.parse_expression(f"{code(left)} * {factor}")
+        return new.with_changes(lpar=node.lpar, rpar=node.rpar)
+
+    def _applied(self, node: cst.CSTNode) -> cst.CSTNode:
+        """`node` with the replacements already planned inside it (a replacement replaces them)."""
+        original = node
+        for old, new in self.edits.replace.items():
+            if new is not cst.RemovalSentinel.REMOVE and self.tree.contains(original, old):
+                node = new if old is original else node.deep_replace(old, new)
+        return node
+
+    def _summed(self, site: Site) -> cst.Call | None:
+        """The explicit token loss to switch to reduction="sum", when nothing else reads its mean.
+
+        `F.cross_entropy(...)` / `F.nll_loss(...)` called in the loop; with a configured
+        `nn.CrossEntropyLoss` instance (shared with evaluation code) the mean is weighted instead.
+        """
+        source = site.origin.source
+        if not isinstance(source, cst.Call) or site.origin.from_model:
+            return None
+        qualified = self.tree.qualified(source.func) or ""
+        if qualified not in ("torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss"):
+            return None
+        if keyword(source, "reduction") is not None:
+            return None
+        statement = self.tree.statement_of(source)
+        used = self.tree.statement_of(site.division.node if site.kind == "loss-division" else site.backward.call)
+        if statement is used:
+            return source
+        if not (isinstance(statement, cst.Assign) and len(statement.targets) == 1):
+            return None
+        target = statement.targets[0].target
+        if not isinstance(target, cst.Name):
+            return None
+        # Later reads see a sum either way only after `loss = loss / k`; any other read needs the mean.
+        later_ok = site.kind == "loss-division" and _assigns_to_itself(self._line(used), site.division.node)
+        for node in self.tree.in_scope(self.tree.scope_of(statement)):
+            if isinstance(node, cst.Name) and node.value == target.value and node is not target:
+                inside = self.tree.contains(used, node)
+                if not inside and not (later_ok and self.tree.order[node] > self.tree.last[used]):
+                    return None
+        return source
 
     def _framework_factor(self, site: Site) -> str:
         receiver = self._accelerator(site)
@@ -243,29 +366,113 @@ class Planner:
         self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
 
     def _prepare_window(self, site: Site) -> None:
+        """Check that the window's one division has a place; `_finish_window` writes it."""
         window = site.window
         if window.anchor in self._prepared:
             return
-        self._prepared.add(window.anchor)
-        optimizer = self._optimizer(window)
-        normalize = self._normalization(site, optimizer)
-        if window.kind == "modulo":
-            self.edits.insert_before(self._line(window.loop), f"{self.window_total} = 0\n")
-            first = window.anchor.body.body[0]
-            self.edits.insert_before(first, normalize + f"{self.window_total} = 0\n")
-        elif window.kind == "micro-loop":
-            self.edits.insert_before(self._line(window.loop), f"{self.window_total} = 0\n")
-            self.edits.insert_after(self._line(window.loop), normalize)
-        elif window.kind == "accumulate":
+        if window.kind == "accumulate":
             outer = next((a for a in self.tree.ancestors(window.anchor) if isinstance(a, (cst.For, cst.While))), None)
-            receiver = self._accelerator(site)
-            if outer is None or receiver is None:
+            if outer is None or self._accelerator(site) is None:
                 raise Unfixable("the accumulate() window has no accelerator.backward in a loop")
-            self.edits.insert_before(self._line(outer), f"{self.window_total} = 0\n")
-            body = "\n".join("    " + line for line in (normalize + f"{self.window_total} = 0").splitlines())
-            self.edits.insert_after(self._line(site.backward.call), f"if {receiver}.sync_gradients:\n{body}\n")
-        else:
+        elif window.kind not in ("modulo", "micro-loop"):
             raise Unfixable("the optimizer step is not in this function; gaaudit cannot place the one division")
+        self._prepared[window.anchor] = (site, self._optimizer(window))
+
+    # --- the logged loss: the window's sum / count, not a mean of means ---------------------
+
+    def _note_logged_reads(self, site: Site, node: cst.CSTNode, statement: cst.CSTNode) -> None:
+        """Remember `loss = loss / k`: logging reads of `loss` at the step get the window's mean."""
+        if site.window.kind not in ("modulo", "micro-loop"):
+            return
+        if isinstance(node, cst.AugAssign):
+            name = node.target
+        elif _assigns_to_itself(statement, node):
+            name = statement.body[0].targets[0].target
+        else:
+            return
+        if isinstance(name, cst.Name):
+            summed = self.edits.replace.get(site.origin.source) is not None
+            weighted = Weighted(name.value, code(site.division.divisor), statement, summed)
+            self._weighted.setdefault(site.window.anchor, []).append(weighted)
+
+    def _logged_reads(self, window: Window) -> list[tuple[cst.BaseExpression, str]]:
+        """(read, replacement) for each `loss.item()`, `loss.item() * k`, `float(loss)` at the step."""
+        mean = f"({self.window_loss} / max({self.window_total}, 1))"
+        found = []
+        for weighted in self._weighted.get(window.anchor, ()):
+            for region in window.step_region:
+                for node in self.tree.walk(region, into_defs=False):
+                    if isinstance(node, cst.Name) and node.value == weighted.name:
+                        read = self._logging_read(node, weighted.divisor, mean)
+                        if read is not None:
+                            found.append(read)
+        return found
+
+    def _logging_read(self, name: cst.Name, divisor: str, mean: str):
+        """The expression around `name` that reads it for logging, and its window-mean twin."""
+        read: cst.BaseExpression = name
+        while True:  # loss.detach().float().item()
+            attribute = self.tree.parents.get(read)
+            call = self.tree.parents.get(attribute)
+            if not (
+                isinstance(attribute, cst.Attribute) and attribute.value is read
+                and attribute.attr.value in LOGGING_METHODS
+                and isinstance(call, cst.Call) and call.func is attribute and not call.args
+            ):
+                break
+            read = call
+        text = code(read)
+        if not text.startswith(name.value):
+            return None
+        rest = text[len(name.value):]
+        text = mean + rest
+        arg = self.tree.parents.get(read)
+        wrapper = self.tree.parents.get(arg)
+        if isinstance(arg, cst.Arg) and isinstance(wrapper, cst.Call) and code(wrapper.func) == "float":
+            read, text = wrapper, f"float({text if rest else mean[1:-1]})"
+        product = self.tree.parents.get(read)
+        if isinstance(product, cst.BinaryOperation) and isinstance(product.operator, cst.Multiply):
+            other = product.right if product.left is read else product.left
+            if code(other) == divisor:
+                read = product
+        return (read, text) if read is not name else None
+
+    def _finish_window(self, site: Site, optimizer: str) -> None:
+        """Start, normalise and reset the window's count (and its loss sum when a log reads it)."""
+        window, total = site.window, self.window_total
+        reads = self._logged_reads(window)
+        tracked = [total, self.window_loss] if reads else [total]
+        start = "".join(f"{name} = 0\n" for name in tracked)
+        normalize = self._normalization(site, optimizer, tracked)
+        if window.kind == "modulo":
+            self.edits.insert_before(self._line(window.loop), start)
+            body = window.anchor.body.body
+            if reads:
+                self.edits.insert_before(body[0], normalize)
+                last = body[-1]
+                if isinstance(last, cst.SimpleStatementLine) and isinstance(last.body[0], EXITS):
+                    self.edits.insert_before(last, start)
+                else:
+                    self.edits.insert_after(last, start)
+            else:
+                self.edits.insert_before(body[0], normalize + start)
+        elif window.kind == "micro-loop":
+            self.edits.insert_before(self._line(window.loop), start)
+            self.edits.insert_after(self._line(window.loop), normalize)
+        else:  # accumulate: checked in `_prepare_window`
+            outer = next(a for a in self.tree.ancestors(window.anchor) if isinstance(a, (cst.For, cst.While)))
+            receiver = self._accelerator(site)
+            self.edits.insert_before(self._line(outer), start)
+            body = "\n".join("    " + line for line in (normalize + start).splitlines())
+            self.edits.insert_after(self._line(site.backward.call), f"if {receiver}.sync_gradients:\n{body}\n")
+        if not reads:
+            return
+        for read, replacement in reads:
+            new = cst.parse_expression(replacement)
+            self.edits.replace[read] = new.with_changes(lpar=read.lpar, rpar=read.rpar)
+        for weighted in self._weighted[window.anchor]:
+            value = f"{weighted.name}.detach()" + ("" if weighted.summed else f" * {self.micro}")
+            self.edits.insert_before(weighted.statement, f"{self.window_loss} += {value}\n")
 
     def _optimizer(self, window: Window) -> str:
         regions = window.step_region if window.kind != "accumulate" else (window.anchor,)
@@ -278,19 +485,20 @@ class Planner:
             "no optimizer step is visible for this window; gaaudit cannot tell whose gradients to divide"
         )
 
-    def _normalization(self, site: Site, optimizer: str) -> str:
+    def _normalization(self, site: Site, optimizer: str, tracked: list[str]) -> str:
         """Divide the window's gradients once by its token count (gathered across processes)."""
-        total, scale = self.window_total, f"max({self.window_total}, 1)"
+        scale = f"max({self.window_total}, 1)"
         gather = ""
         receiver = self._accelerator(site)
         dist = self._distributed()
         if receiver:
-            gather = f"{total} = {receiver}.reduce({total}, reduction=\"sum\")\n"
+            gather = "".join(f"{name} = {receiver}.reduce({name}, reduction=\"sum\")\n" for name in tracked)
             scale = f"{scale} / {receiver}.num_processes"
         elif dist:
-            gather = (
-                f"{total} = torch.as_tensor({total}, device={optimizer}.param_groups[0][\"params\"][0].device)\n"
-                f"{dist}.all_reduce({total})\n"
+            device = f"{optimizer}.param_groups[0][\"params\"][0].device"
+            gather = "".join(
+                f"{name} = torch.as_tensor({name}, device={device})\n{dist}.all_reduce({name})\n"
+                for name in tracked
             )
             scale = f"{scale} / {dist}.get_world_size()"
         return (

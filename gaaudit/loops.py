@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Literal
 
 import libcst as cst
@@ -15,7 +15,15 @@ import libcst as cst
 from gaaudit.tree import LOOPS, Tree, code, dotted, keyword, last_name, positional, string_value
 
 OPTIMIZER = re.compile(r"(^|_)opt|optim")
-WindowKind = Literal["modulo", "micro-loop", "accumulate", "framework", "named"]
+WindowKind = Literal["modulo", "micro-loop", "accumulate", "framework", "pipeline", "named"]
+# torch.distributed.pipelining schedules: after the last backward of a step they divide the
+# gradients by `n_microbatches`, unless built with `scale_grads=False`.
+# fmt: off
+TORCH_SCHEDULES = frozenset({
+    "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
+    "PipelineScheduleSingle", "PipelineScheduleMulti",
+})
 
 # Default names of accumulation divisors; extend with `accumulation-names` in the config.
 ACCUMULATION_NAMES = frozenset({
@@ -23,7 +31,9 @@ ACCUMULATION_NAMES = frozenset({
     "accumulation_steps", "accum_steps", "accum_iter", "accum_iters", "grad_accum",
     "gradient_accumulation", "accumulate_grad_batches", "ga_steps", "num_accumulation_steps",
     "n_accum", "accum", "accumulate", "grad_acc_steps", "micro_steps", "num_micro_batches",
+    "n_microbatches", "num_microbatches", "n_micro_batches", "n_micro", "num_micro", "microbatches",
 })
+# fmt: on
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,17 @@ class Window:
     size: cst.BaseExpression | None  # K, when the code names it
     anchor: cst.CSTNode  # the step guard, the micro-step loop, or the `with` statement
     step_region: tuple[cst.CSTNode, ...]  # where the optimizer step (and gradient scaling) sits
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A pipeline schedule, or a DeepSpeed `PipelineModule`, and the loss function it is given."""
+
+    call: cst.Call
+    loss_fn: cst.BaseExpression
+    micro_batches: cst.BaseExpression | None  # the number of micro-batches, when the code names it
+    framework: str  # what divides, in words
+    divides: bool | None  # whether it divides by the number of micro-batches (None: cannot tell)
 
 
 def is_step(call: cst.Call) -> bool:
@@ -65,16 +86,22 @@ def backward_of(call: cst.Call) -> cst.BaseExpression | None:
     if args:
         return args[0]
     receiver = func.value
-    if isinstance(receiver, cst.Call) and isinstance(receiver.func, cst.Attribute):
-        if receiver.func.attr.value == "scale" and len(receiver.args) == 1:
-            return receiver.args[0].value
+    if (
+        isinstance(receiver, cst.Call)
+        and isinstance(receiver.func, cst.Attribute)
+        and receiver.func.attr.value == "scale"
+        and len(receiver.args) == 1
+    ):
+        return receiver.args[0].value
     return receiver
 
 
 class Structure:
     """Backward calls, steps and windows of one file, same-file helpers included."""
 
-    def __init__(self, tree: Tree, accumulation_names: frozenset[str], directory: Path = Path(".")) -> None:
+    def __init__(
+        self, tree: Tree, accumulation_names: frozenset[str], directory: Path = Path(".")
+    ) -> None:
         self.tree = tree
         self.names = ACCUMULATION_NAMES | accumulation_names
         self.directory = directory  # where config files named in the source are looked up
@@ -94,7 +121,9 @@ class Structure:
             loss = backward_of(node)
             if isinstance(loss, cst.BaseExpression):
                 params = [p.name.value for p in function.params.params]
-                root = next((n.value for n in self.tree.walk(loss) if isinstance(n, cst.Name)), None)
+                root = next(
+                    (n.value for n in self.tree.walk(loss) if isinstance(n, cst.Name)), None
+                )
                 if root in params:
                     backward[name] = params.index(root) - (params[:1] == ["self"])
         return backward, stepping
@@ -158,7 +187,9 @@ class Structure:
     def _micro_window(self, loop: cst.For | cst.While) -> Window | None:
         """A loop of backward calls whose summed gradient is used after it (a step, a `.grad`)."""
         after = tuple(self._after(loop))
-        if self._reads_grad(loop) or not any(self.steps_in(s) or self._reads_grad(s) for s in after):
+        if self._reads_grad(loop) or not any(
+            self.steps_in(s) or self._reads_grad(s) for s in after
+        ):
             return None
         size = None
         if isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call):
@@ -181,7 +212,7 @@ class Structure:
             parent = self.tree.parents[node]
             body = getattr(parent, "body", None)
             if isinstance(body, (list, tuple)) and node in body:
-                yield from body[body.index(node) + 1:]
+                yield from body[body.index(node) + 1 :]
             if isinstance(parent, (cst.FunctionDef, cst.Module) + LOOPS):
                 return
             node = parent
@@ -258,9 +289,16 @@ class Structure:
         return calls
 
     def _configured_accelerator(self) -> bool:
-        accelerators = [c for name, calls in self._constructors.items() if name.endswith("Accelerator") for c in calls]
+        accelerators = [
+            c
+            for name, calls in self._constructors.items()
+            if name.endswith("Accelerator")
+            for c in calls
+        ]
         plugins = any(name.endswith("GradientAccumulationPlugin") for name in self._constructors)
-        return plugins or any(keyword(c, "gradient_accumulation_steps") is not None for c in accelerators)
+        return plugins or any(
+            keyword(c, "gradient_accumulation_steps") is not None for c in accelerators
+        )
 
     def _deepspeed_engine(self, backward: Backward) -> bool:
         """Whether the backward's receiver was unpacked from `deepspeed.initialize(...)`."""
@@ -270,18 +308,24 @@ class Structure:
     def _deepspeed_engines(self) -> set[str]:
         engines: set[str] = set()
         for node in self.tree.assignments:
-            if isinstance(node, cst.Assign) and isinstance(node.value, cst.Call):
-                if (self.tree.qualified(node.value.func) or "").endswith("deepspeed.initialize"):
-                    for target in node.targets:
-                        elements = target.target.elements if isinstance(target.target, cst.Tuple) else ()
-                        engines |= {dotted(e.value) for e in elements} | {dotted(target.target)}
+            if not (isinstance(node, cst.Assign) and isinstance(node.value, cst.Call)):
+                continue
+            if (self.tree.qualified(node.value.func) or "").endswith("deepspeed.initialize"):
+                for target in node.targets:
+                    elements = (
+                        target.target.elements if isinstance(target.target, cst.Tuple) else ()
+                    )
+                    engines |= {dotted(e.value) for e in elements} | {dotted(target.target)}
         return engines - {None}
 
     @cached_property
     def _deepspeed_config(self) -> str | None:
         """Where the file's DeepSpeed config sets gradient_accumulation_steps above 1."""
         for node in self.tree.walk(self.tree.module):
-            if isinstance(node, cst.DictElement) and string_value(node.key) == "gradient_accumulation_steps":
+            if (
+                isinstance(node, cst.DictElement)
+                and string_value(node.key) == "gradient_accumulation_steps"
+            ):
                 value = node.value
                 if not (isinstance(value, cst.Integer) and int(value.value) <= 1):
                     return f"a config dict (line {self.tree.line(node)})"
@@ -297,18 +341,63 @@ class Structure:
     def deepspeed_accumulation(self) -> str | None:
         return self._deepspeed_config
 
+    def pipelines(self) -> Iterator[Pipeline]:
+        """Pipeline schedules given a loss function: torch.distributed.pipelining's divide the
+        gradients by `n_microbatches` (unless `scale_grads=False`); DeepSpeed's
+        PipelineEngine runs `gradient_accumulation_steps` micro-batches and divides each loss
+        by that number, like `engine.backward`."""
+        for name, calls in self._constructors.items():
+            home, _, last = name.rpartition(".")
+            for call in calls:
+                if last in TORCH_SCHEDULES and "pipelining" in home:
+                    loss_fn = keyword(call, "loss_fn") or _argument(call, 2)
+                    scale = keyword(call, "scale_grads")
+                    divides = (
+                        True if scale is None else {"True": True, "False": False}.get(code(scale))
+                    )
+                    micro = keyword(call, "n_microbatches") or _argument(call, 1)
+                    framework = f"`{last}` divides the gradients by `n_microbatches`"
+                elif last == "PipelineModule" and home.startswith("deepspeed"):
+                    loss_fn, micro, divides = (
+                        keyword(call, "loss_fn") or _argument(call, 3),
+                        None,
+                        True,
+                    )
+                    steps = self.deepspeed_accumulation()
+                    framework = "DeepSpeed's PipelineEngine divides each micro-batch's loss by " + (
+                        f"gradient_accumulation_steps ({steps})"
+                        if steps
+                        else "gradient_accumulation_steps"
+                    )
+                else:
+                    continue
+                if loss_fn is not None and code(loss_fn) != "None":
+                    yield Pipeline(call, loss_fn, micro, framework, divides)
+
     def lightning_accumulation(self) -> cst.BaseExpression | None:
         """The `accumulate_grad_batches` of a Lightning `Trainer(...)` in the file, unless 1."""
         for name, calls in self._constructors.items():
-            if name.endswith("Trainer") and ("lightning" in name or "pl." in name or name == "Trainer"):
+            if name.endswith("Trainer") and (
+                "lightning" in name or "pl." in name or name == "Trainer"
+            ):
                 for call in calls:
                     value = keyword(call, "accumulate_grad_batches")
-                    if value is not None and not (isinstance(value, cst.Integer) and value.value == "1"):
+                    if value is not None and not (
+                        isinstance(value, cst.Integer) and value.value == "1"
+                    ):
                         return value
         return None
 
     def is_accumulation_name(self, expr: cst.CSTNode) -> bool:
         return (last_name(expr) or "") in self.names
+
+
+def _argument(call: cst.Call, index: int) -> cst.BaseExpression | None:
+    """The `index`-th positional argument, when no `*args` comes before it."""
+    for arg in call.args[: index + 1]:
+        if arg.star or arg.keyword is not None:
+            return None
+    return call.args[index].value if index < len(call.args) else None
 
 
 def _json_accumulation(path: Path) -> int | str | None:

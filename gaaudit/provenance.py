@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Literal
 
 import libcst as cst
@@ -12,12 +13,14 @@ from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional, str
 Kind = Literal["mean", "sum", "elementwise", "unknown"]
 
 # torch losses whose default reduction is a mean over the elements (or valid targets).
+# fmt: off
 TORCH_LOSSES = {
     "cross_entropy", "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
     "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
     "CrossEntropyLoss", "NLLLoss", "BCELoss", "BCEWithLogitsLoss", "MSELoss", "L1Loss",
     "SmoothL1Loss", "HuberLoss", "KLDivLoss",
 }
+# fmt: on
 PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half", "bfloat16"}
 MAX_DEPTH = 16
 
@@ -41,6 +44,8 @@ class Origin:
     via: str = ""  # ", returned by `helper()`" when it came out of a same-file function
     from_model: bool = False  # unpacked from a model call: `logits, loss = model(x, y)`
     tree: Tree | None = field(default=None, compare=False, repr=False)
+    module: str = ""  # the file of another module that computes it (then `source` is None)
+    variable: str = ""  # a sign of variable valid-token counts where that module computes it
 
     @property
     def description(self) -> str:
@@ -55,11 +60,23 @@ class Origin:
 UNKNOWN = Origin("unknown", "an expression gaaudit cannot trace")
 
 
-class Tracer:
-    """Traces loss expressions back through assignments and same-file helpers."""
+def argument_for(call: cst.Call, index: int, name: str) -> cst.BaseExpression | None:
+    """The argument a call passes for its `index`-th parameter (`self` left out), `name`,
+    when it can be told."""
+    by_name = keyword(call, name)
+    if by_name is not None or any(arg.star for arg in call.args):
+        return by_name
+    args = positional(call)
+    return args[index] if index < len(args) else None
 
-    def __init__(self, tree: Tree) -> None:
+
+class Tracer:
+    """Traces loss expressions back through assignments, same-file helpers, lambdas, loss
+    classes, and (given `imports`, a `repository.Imports`) helpers of other modules."""
+
+    def __init__(self, tree: Tree, imports=None) -> None:
         self.tree = tree
+        self.imports = imports
 
     def origin(self, expr: cst.BaseExpression, depth: int = 0) -> Origin:
         if depth > MAX_DEPTH:
@@ -70,7 +87,9 @@ class Tracer:
             return self._name(expr, depth)
         if isinstance(expr, cst.Attribute):
             if expr.attr.value == "loss":
-                return self._mean(expr, f"`{code(expr)}`, the mean loss a model returns for its labels")
+                return self._mean(
+                    expr, f"`{code(expr)}`, the mean loss a model returns for its labels"
+                )
             return Origin("unknown", f"`{code(expr)}`, whose origin is not visible here")
         if isinstance(expr, cst.Subscript):
             return self._subscript(expr, depth)
@@ -132,7 +151,9 @@ class Tracer:
         value = stmt.value if isinstance(stmt, (cst.Assign, cst.AnnAssign)) else None
         if value is None:
             return UNKNOWN
-        targets = [t.target for t in stmt.targets] if isinstance(stmt, cst.Assign) else [stmt.target]
+        targets = (
+            [t.target for t in stmt.targets] if isinstance(stmt, cst.Assign) else [stmt.target]
+        )
         for target in targets:
             if isinstance(target, (cst.Tuple, cst.List)):
                 return self._unpacked(name, target, value, depth)
@@ -144,11 +165,16 @@ class Tracer:
         if isinstance(value, (cst.Tuple, cst.List)) and index < len(value.elements):
             return self.origin(value.elements[index].value, depth + 1)
         if isinstance(value, cst.Call):
-            helper = self._helper(value)
+            helper = self._helper(value.func)
             if helper is not None:
                 returned = [r for r in self.returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
                 if returned and index < len(returned[0].elements):
                     return self.origin(returned[0].elements[index].value, depth + 1)
+            imported = (
+                self.imports.origin(value.func, value, index) if self.imports is not None else None
+            )
+            if imported is not None:
+                return imported
             if "loss" in name:
                 what = f"`{name}` returned by `{code(value.func)}(...)`, a model's mean loss"
                 return replace(self._mean(value, what), from_model=True)
@@ -183,9 +209,17 @@ class Tracer:
         func = call.func
         if isinstance(func, cst.Attribute):
             method = func.attr.value
-            if method in ("mean", "nanmean") and not positional(call) and keyword(call, "dim") is None:
+            if (
+                method in ("mean", "nanmean")
+                and not positional(call)
+                and keyword(call, "dim") is None
+            ):
                 return self._mean(call, f"`{code(call)}`")
-            if method in ("sum", "nansum") and not positional(call) and keyword(call, "dim") is None:
+            if (
+                method in ("sum", "nansum")
+                and not positional(call)
+                and keyword(call, "dim") is None
+            ):
                 return self._sum(call, f"`{code(call)}`")
             if method in PASS_THROUGH or (method == "scale" and len(call.args) == 1):
                 target = func.value if method in PASS_THROUGH else call.args[0].value
@@ -200,13 +234,70 @@ class Tracer:
         constructor = self.loss_instance(func)
         if constructor is not None:
             return self._reduction(constructor, call, f"a `{code(constructor.func)}` instance")
-        helper = self._helper(call)
-        if helper is not None:
-            for returned in self.returns(helper):
-                found = self.origin(returned, depth + 1)
-                if found.kind != "unknown":
-                    return replace(found, via=f", returned by `{helper.name.value}()`")
+        for _, found in self.called(func, call, depth):
+            if found.kind != "unknown":
+                return found
         return Origin("unknown", f"`{code(func)}(...)`, a call gaaudit cannot see into")
+
+    def called(
+        self, func: cst.BaseExpression, call: cst.Call | None = None, depth: int = 0
+    ) -> list[tuple[cst.BaseExpression | None, Origin]]:
+        """What calling `func` returns when it is (or names) a lambda, an instance of a
+        same-file loss class, or a helper or loss class imported from another module: each
+        returned expression of this file (None for another module's) with its origin.
+        `call` is the call site, when there is one."""
+        helper = self._helper(func)
+        if helper is not None:
+            label = f"`{helper.name.value}()`"
+            return [(r, self._returned(r, depth, label)) for r in self.returns(helper)]
+        value = self.bound_value(func) if isinstance(func, (cst.Name, cst.Attribute)) else func
+        if isinstance(value, cst.Lambda):
+            return [(value.body, self._returned(value.body, depth, "the lambda"))]
+        if not isinstance(value, cst.Call):
+            imported = self.imports.origin(func, call) if self.imports is not None else None
+            return [(None, imported)] if imported is not None else []
+        if self._is_torch_loss(value):  # `loss_fn=nn.CrossEntropyLoss()`
+            return [(value, self._reduction(value, value, f"a `{code(value.func)}` instance"))]
+        method = self.loss_method(value.func)  # an instance: `criterion = MaskedLoss(...)`
+        if method is not None:
+            label = f"`{dotted(value.func)}.{method.name.value}()`"
+            return [(r, self._returned(r, depth, label)) for r in self.returns(method)]
+        imported = self.imports.instance_origin(value, call) if self.imports is not None else None
+        return [(None, imported)] if imported is not None else []
+
+    def _returned(self, expr: cst.BaseExpression, depth: int, by: str) -> Origin:
+        found = self.origin(expr, depth + 1)
+        return replace(found, via=f", returned by {by}") if found.kind != "unknown" else found
+
+    @cached_property
+    def _classes(self) -> dict[str, cst.ClassDef]:
+        return {s.name.value: s for s in self.tree.module.body if isinstance(s, cst.ClassDef)}
+
+    def bound_value(self, func: cst.Name | cst.Attribute) -> cst.BaseExpression | None:
+        """The lambda or call a callee name was assigned (`loss_fn = lambda ...`), else None."""
+        name = dotted(func)
+        if name is None:
+            return None
+        if "." in name:
+            values = self.tree.assigned_values.get(name, [])
+        else:
+            stmt = self.binding(name, func)
+            values = [stmt.value] if isinstance(stmt, cst.Assign) else []
+        return next((v for v in values if isinstance(v, (cst.Lambda, cst.Call))), None)
+
+    def loss_method(self, func: cst.BaseExpression) -> cst.FunctionDef | None:
+        """The `forward` (or `__call__`) of the same-file class a constructor call names."""
+        return self.method(func, "forward") or self.method(func, "__call__")
+
+    def method(self, func: cst.BaseExpression, name: str) -> cst.FunctionDef | None:
+        """A method of the same-file class a constructor call names."""
+        cls = self._classes.get(dotted(func) or "")
+        if cls is None:
+            return None
+        return next(
+            (m for m in cls.body.body if isinstance(m, cst.FunctionDef) and m.name.value == name),
+            None,
+        )
 
     def _reduction(self, configured: cst.Call, call: cst.Call, what: str) -> Origin:
         reduction = string_value(keyword(configured, "reduction"))
@@ -225,16 +316,22 @@ class Tracer:
         if not candidates:
             stmt = self.binding(name, func)
             candidates = [stmt.value] if isinstance(stmt, cst.Assign) else []
-        for value in candidates:
-            if isinstance(value, cst.Call):
-                qualified = self.tree.qualified(value.func) or ""
-                if qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES:
-                    return value
-        return None
+        return next(
+            (v for v in candidates if isinstance(v, cst.Call) and self._is_torch_loss(v)), None
+        )
 
-    def _helper(self, call: cst.Call) -> cst.FunctionDef | None:
-        name = dotted(call.func)
-        if name is None or name.count(".") > 1 or (name.count(".") == 1 and not name.startswith("self.")):
+    def _is_torch_loss(self, call: cst.Call) -> bool:
+        qualified = self.tree.qualified(call.func) or ""
+        return qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES
+
+    def _helper(self, func: cst.BaseExpression) -> cst.FunctionDef | None:
+        """The same-file function (or `self.` method) a callee names."""
+        name = dotted(func)
+        if (
+            name is None
+            or name.count(".") > 1
+            or (name.count(".") == 1 and not name.startswith("self."))
+        ):
             return None
         return self.tree.functions.get(name.rsplit(".", 1)[-1])
 

@@ -20,6 +20,14 @@ PYPROJECT_BLOCK = """
 # per-file-ignores = { "notebooks/*.ipynb" = ["GA002"] }
 # Extra names that mean "the accumulation divisor" in your code.
 # accumulation-names = ["n_micro"]
+
+# Defaults for `gaaudit verify` and `gaaudit fix --verify` (uncomment the header too).
+# [tool.gaaudit.verify]
+# A function returning a small instance of your own model, called with no arguments.
+# model-factory = "mypackage.models:tiny_model"
+# Window sizes to replay, and the number of processes for a DDP loop.
+# k = [2, 4, 8]
+# distributed = 2
 """
 
 PRE_COMMIT = f"""repos:

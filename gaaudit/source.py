@@ -14,10 +14,11 @@ from pathlib import Path
 # Byte patterns without which no rule can fire: files lacking all of them are never parsed.
 TRIGGERS = (
     b".backward(", b"accumulate_grad_batches", b"compute_loss", b"training_step", b"Trainer(",
-    b"Trainer)", b"MultiSteps", b"jax.tree", b"tree_util", b"/// script",
+    b"Trainer)", b"MultiSteps", b"jax.tree", b"tree_util", b"/// script", b"pipelining",
+    b"PipelineModule",
 )
 # Inside a file that passed, the definitions holding any of these are kept for libcst (focus.py).
-FOCUS = (*TRIGGERS, b"tree_map", b"tree.map", b"value_and_grad", b"jax.grad")
+FOCUS = (*TRIGGERS, b"tree_map", b"tree.map", b"value_and_grad", b"jax.grad", b"Schedule")
 # libcst parses dense code at about 100 kB/s and holds some 500 bytes per byte parsed:
 # larger files that could have findings are refused, so that a run stays bounded.
 MAX_BYTES = 2 * 2**20

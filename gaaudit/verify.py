@@ -8,6 +8,7 @@ crashing user loop is stopped by a timeout and cannot take gaaudit down.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import libcst as cst
 
-from gaaudit.config import Settings
+from gaaudit.config import Settings, check_factory, load
 from gaaudit.findings import Confidence
 from gaaudit.source import parse, read
 
@@ -49,26 +50,78 @@ class Outcome:
         return next((v for v in verdicts if v != VERIFIED), "not replayable: nothing ran")
 
 
+class VerifyError(Exception):
+    """The replay cannot start as asked (a bad model factory, too few GPUs); worded for the
+    user: the option, what was wrong, what to do."""
+
+
 @dataclass(frozen=True)
 class Options:
-    """How to replay: window sizes, device, dtype, seed, per-file timeout."""
+    """How to replay: window sizes, device, dtype, seed, per-file timeout; the user's model
+    factory (`module:function`, imported from `project_root`; `factory_option` says where it
+    was named) and the number of DDP processes (0: one process, no process group)."""
 
     ks: tuple[int, ...] = (2, 4, 8)
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
     timeout: float = 120.0
+    model_factory: str | None = None
+    project_root: str | None = None
+    factory_option: str = "--model-factory"
+    distributed: int = 0
 
 
-def targets(original: bytes, patched: bytes, line: int | None = None) -> list[Target]:
-    """The statements holding the file's accumulation windows (all confidences)."""
+def options_for(path: Path, **given) -> Options:
+    """Options for verifying `path`: what the command line `given` (None: not given), else
+    `[tool.gaaudit.verify]` of the nearest pyproject.toml with a [tool.gaaudit] table, else
+    the defaults. Raises ConfigError for a bad table or a malformed --model-factory."""
+    settings = load(path)
+    configured = settings.verify
+    values = {}
+    for name, key in (
+        ("ks", "k"),
+        ("device", "device"),
+        ("dtype", "dtype"),
+        ("seed", "seed"),
+        ("timeout", "timeout"),
+        ("distributed", "distributed"),
+    ):
+        value = given.get(name)
+        value = getattr(configured, key) if value is None else value
+        if value is not None:
+            values[name] = value
+    factory, option = given.get("model_factory"), "--model-factory"
+    if factory is not None:
+        check_factory(factory, option)
+        root = _project_root(path)
+    elif configured.model_factory is not None:
+        factory = configured.model_factory
+        option = f"{settings.source}: [tool.gaaudit.verify] model-factory ="
+        root = settings.source.parent
+    if factory is not None:
+        values.update(model_factory=factory, factory_option=option, project_root=str(root))
+    return Options(**values)
+
+
+def _project_root(path: Path) -> Path:
+    """The directory of the nearest pyproject.toml above `path`, else `path`'s directory."""
+    start = path.resolve().parent
+    return next((d for d in (start, *start.parents) if (d / "pyproject.toml").is_file()), start)
+
+
+def targets(
+    original: bytes, patched: bytes, line: int | None = None, directory: Path = Path(".")
+) -> list[Target]:
+    """The statements holding the file's accumulation windows (all confidences); `directory`
+    holds the file, for helpers imported from its sibling modules."""
     from gaaudit.checks.accumulation import Auditor
     from gaaudit.tree import Tree, code
 
     tree = Tree(parse(original))
     patched_lines = patched.decode("utf-8", "replace").splitlines()
     found: dict[int, Target] = {}
-    for site in Auditor(tree).sites():
+    for site in Auditor(tree, directory=directory).sites():
         statement = _replayed_statement(tree, site)
         if statement is None:
             continue
@@ -113,83 +166,230 @@ def _find(lines: list[str], header: str, occurrence: int) -> int | None:
 def verify_file(path: Path, line: int | None, options: Options) -> list[Outcome]:
     """Every loop of a file against what `gaaudit fix` (all confidences, unsafe fixes too)
     would make of it."""
+    return verify_files([(path, line)], options)[0]
+
+
+def verify_files(requests: list[tuple[Path, int | None]], options: Options) -> list[list[Outcome]]:
+    """verify_file for several (path, line) requests under the same options, replayed in one
+    child process (torch is imported once)."""
     from gaaudit.fixer import fix_source
 
-    original = read(path).data
-    patched = fix_source(original, path, Settings(min_confidence=Confidence.LOW), unsafe=True).after
-    return verify_pair(path, original, patched, line, options)
+    pairs = []
+    for path, line in requests:
+        original = read(path).data
+        patched = fix_source(
+            original, path, Settings(min_confidence=Confidence.LOW), unsafe=True
+        ).after
+        pairs.append((path, original, patched, line))
+    return verify_pairs(pairs, options)
 
 
-def verify_pair(path: Path, original: bytes, patched: bytes, line: int | None, options: Options) -> list[Outcome]:
+def verify_pair(
+    path: Path, original: bytes, patched: bytes, line: int | None, options: Options
+) -> list[Outcome]:
     """Plan statically, then replay in a child process bounded by `options.timeout`."""
-    planned = targets(original, patched, line)
-    if not planned:
-        return []
-    job = {"original": original.decode("utf-8", "replace"), "patched": patched.decode("utf-8", "replace"),
-           "targets": [asdict(t) for t in planned], "options": asdict(options), "filename": str(path)}
+    return verify_pairs([(path, original, patched, line)], options)[0]
+
+
+def verify_pairs(
+    pairs: list[tuple[Path, bytes, bytes, int | None]], options: Options
+) -> list[list[Outcome]]:
+    """verify_pair for several (path, original, patched, line) in one child process, bounded by
+    `options.timeout` for each file that has loops to replay."""
+    planned = [
+        targets(original, patched, line, path.parent) for path, original, patched, line in pairs
+    ]
+    jobs = [
+        {
+            "original": original.decode("utf-8", "replace"),
+            "patched": patched.decode("utf-8", "replace"),
+            "targets": [asdict(t) for t in found],
+            "options": asdict(options),
+            "filename": str(path),
+        }
+        for (path, original, patched, _), found in zip(pairs, planned)
+        if found
+    ]
+    if not jobs:
+        return [[] for _ in pairs]
+    timeout = options.timeout * len(jobs)
     try:
         child = subprocess.run(
-            [sys.executable, "-m", "gaaudit.verify"], input=json.dumps(job), capture_output=True,
-            text=True, timeout=options.timeout,
+            [sys.executable, "-m", "gaaudit.verify"],
+            input=json.dumps(jobs),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired:
-        return [_failed(t, f"not replayable: timed out after {options.timeout:g} s") for t in planned]
+        return [
+            [_failed(t, f"not replayable: timed out after {timeout:g} s") for t in found]
+            for found in planned
+        ]
     if child.returncode != 0:
         last = (child.stderr.strip().splitlines() or ["no output"])[-1]
-        return [_failed(t, f"not replayable: the replay process failed ({last})") for t in planned]
-    return [Outcome(**row) for row in json.loads(child.stdout)]
+        return [
+            [_failed(t, f"not replayable: the replay process failed ({last})") for t in found]
+            for found in planned
+        ]
+    answer = json.loads(child.stdout)
+    if isinstance(answer, dict):
+        raise VerifyError(answer["error"])
+    answers = iter(answer)
+    return [[Outcome(**row) for row in next(answers)] if found else [] for found in planned]
 
 
 def _failed(target: Target, verdict: str) -> Outcome:
-    return Outcome(target.line, target.header, [{"k": None, "original_error": None,
-                                                  "patched_error": None, "verdict": verdict}])
+    return Outcome(
+        target.line,
+        target.header,
+        [{"k": None, "original_error": None, "patched_error": None, "verdict": verdict}],
+    )
 
 
 def _replay(job: dict) -> list[dict]:
-    """The child's side: replay every target for every K with the harness."""
+    """The child's side for one job (see _replay_all)."""
+    return _replay_all([job])[0]
+
+
+def _replay_all(jobs: list[dict]) -> list[list[dict]]:
+    """The child's side: replay every target of every job for every K with the harness (on
+    `options.distributed` processes when set, with the user's model when given); the jobs
+    share their options, so the model factory and the processes are set up once."""
+    from gaaudit.harness.factory import load_factory, user_model
+
+    options = Options(**{k: tuple(v) if k == "ks" else v for k, v in jobs[0]["options"].items()})
+    factory = None
+    if options.model_factory is not None:
+        factory = (options.model_factory, options.project_root, options.factory_option)
+    with user_model(load_factory(*factory) if factory else None), _ranks(options, factory) as ranks:
+        return [_replay_targets(job, options, ranks) for job in jobs]
+
+
+@contextlib.contextmanager
+def _ranks(options: Options, factory):
+    """The DDP worker processes for --distributed, else None."""
+    if not options.distributed:
+        yield None
+        return
+    from gaaudit.harness.distributed import Ranks
+
+    with contextlib.closing(
+        Ranks(options.distributed, options.device, options.timeout, factory)
+    ) as ranks:
+        yield ranks
+
+
+def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
     from gaaudit.harness.replay import compare
 
-    options = Options(**{k: tuple(v) if k == "ks" else v for k, v in job["options"].items()})
     outcomes = []
     for raw in job["targets"]:
         target = Target(**{**raw, "divisors": tuple(raw["divisors"])})
         outcome = Outcome(target.line, target.header)
         for k in options.ks:
             if target.patched_line is None:
-                outcome.rows.append({"k": k, "original_error": None, "patched_error": None,
-                                     "verdict": "not replayable: the patched loop was not found"})
+                outcome.rows.append(
+                    {
+                        "k": k,
+                        "original_error": None,
+                        "patched_error": None,
+                        "verdict": "not replayable: the patched loop was not found",
+                    }
+                )
                 continue
-            result = compare(job["original"], job["patched"], target.line, target.patched_line, k,
-                             target.divisors, device=options.device, dtype=options.dtype,
-                             seed=options.seed, timeout=options.timeout)
-            outcome.rows.append({"k": k, "original_error": result.original.error,
-                                 "patched_error": result.patched.error, "verdict": result.verdict,
-                                 "original_verdict": result.original.verdict, "dtype": result.dtype})
+            lines = (
+                job["original"],
+                job["patched"],
+                target.line,
+                target.patched_line,
+                k,
+                target.divisors,
+            )
+            if ranks is None:
+                result = compare(
+                    *lines,
+                    device=options.device,
+                    dtype=options.dtype,
+                    seed=options.seed,
+                    timeout=options.timeout,
+                )
+            else:
+                from gaaudit.harness import distributed
+
+                result = distributed.compare(
+                    ranks, *lines, dtype=options.dtype, seed=options.seed, timeout=options.timeout
+                )
+            outcome.rows.append(
+                {
+                    "k": k,
+                    "original_error": result.original.error,
+                    "patched_error": result.patched.error,
+                    "verdict": _hinted(result.verdict, options),
+                    "original_verdict": result.original.verdict,
+                    "dtype": result.dtype,
+                    "processes": options.distributed or 1,
+                }
+            )
         outcomes.append(asdict(outcome))
     return outcomes
 
 
+def _hinted(verdict: str, options: Options) -> str:
+    """A loop that needs a process group says how to give it one."""
+    if not options.distributed and "process group" in verdict:
+        return f"{verdict}; replay it with --distributed 2"
+    return verdict
+
+
+def _child() -> None:
+    """`python -m gaaudit.verify`: a list of jobs on stdin, the list of their outcomes (or
+    {"error": ...}) on stdout."""
+    from gaaudit.harness.distributed import DistributedError
+    from gaaudit.harness.factory import FactoryError
+
+    try:
+        print(json.dumps(_replay_all(json.loads(sys.stdin.read()))))
+    except (FactoryError, DistributedError) as exc:
+        print(json.dumps({"error": str(exc)}))
+
+
 if __name__ == "__main__":
-    print(json.dumps(_replay(json.loads(sys.stdin.read()))))
+    _child()
 
 
-def report(outcomes: list[Outcome], fmt: str, path: Path) -> int:
-    """Print the outcomes; the exit code: 0 all verified, 1 one is not, 2 nothing replayed."""
+def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
+    """Print each file's outcomes (JSON: an object per file, a list of them for several files);
+    the exit code over all loops: 0 all verified, 1 one is not, 2 nothing replayed."""
     if fmt == "json":
-        print(json.dumps({"path": path.as_posix(), "loops": [{**asdict(o), "verdict": o.verdict} for o in outcomes]}, indent=2))
+        files = [
+            {
+                "path": path.as_posix(),
+                "loops": [{**asdict(o), "verdict": o.verdict} for o in outcomes],
+            }
+            for path, outcomes in results
+        ]
+        print(json.dumps(files[0] if len(files) == 1 else files, indent=2))
     else:
         print(f"{'line':>5}  {'K':>3}  {'original error':>14}  {'patched error':>13}  verdict")
-        for outcome in outcomes:
-            print(f"{outcome.line:>5}  {outcome.header}")
-            for row in outcome.rows:
-                print(f"{'':>5}  {row['k'] or '-':>3}  {_number(row['original_error']):>14}  "
-                      f"{_number(row['patched_error']):>13}  {row['verdict']}")
-        if not outcomes:
-            print(f"{path}: no accumulation loop to replay")
-    replayed = [o for o in outcomes if not o.verdict.startswith("not replayable")]
+        for path, outcomes in results:
+            if len(results) > 1 and outcomes:
+                print(path)
+            for outcome in outcomes:
+                print(f"{outcome.line:>5}  {outcome.header}")
+                for row in outcome.rows:
+                    print(
+                        f"{'':>5}  {row['k'] or '-':>3}  {_number(row['original_error']):>14}  "
+                        f"{_number(row['patched_error']):>13}  {row['verdict']}"
+                    )
+            if not outcomes:
+                print(f"{path}: no accumulation loop to replay")
+    everything = [o for _, outcomes in results for o in outcomes]
+    replayed = [o for o in everything if not o.verdict.startswith("not replayable")]
     if not replayed:
         return 2
-    return 0 if all(o.verdict == VERIFIED for o in outcomes) else 1
+    return 0 if all(o.verdict == VERIFIED for o in everything) else 1
 
 
 def _number(value: float | None) -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import gaaudit
+
 from gaaudit.config import load
 
 
@@ -24,15 +26,30 @@ def test_init_writes_both_files_then_refuses(tmp_path, cli):
     assert (tmp_path / ".pre-commit-config.yaml").read_text() == hooks
 
 
-def test_clean_file_check_loads_no_parser_or_frameworks(tmp_path):
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["check", "clean.py"],  # the pre-commit call: no CLI library either
+        ["check", "--format", "text", "clean.py"],
+        ["--help"],
+        ["check", "--help"],
+    ],
+)
+def test_clean_file_check_and_help_load_no_parser_or_frameworks(tmp_path, args):
     (tmp_path / "clean.py").write_text("import torch\nprint(torch.ones(2).sum())\n")
+    heavy = {"libcst", "torch", "transformers", "accelerate", "rich"}
+    if args == ["check", "clean.py"]:
+        heavy |= {"typer", "click", "pydantic", "pathspec", "packaging"}
     probe = (
-        "import sys\nfrom gaaudit.cli import main\nsys.argv = ['gaaudit', 'check', 'clean.py']\n"
+        f"import sys\nfrom gaaudit.__main__ import main\nsys.argv = ['gaaudit', *{args!r}]\n"
         "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
-        "heavy = {'libcst', 'torch', 'transformers', 'accelerate', 'rich'} & set(sys.modules)\n"
-        "print('CODE', code, 'HEAVY', sorted(heavy))\n"
+        f"heavy = {sorted(heavy)!r}\n"
+        "print('CODE', code, 'HEAVY', sorted(set(heavy) & set(sys.modules)))\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    command = [sys.executable, "-c", probe]
+    result = subprocess.run(
+        command, check=False, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert "CODE 0 HEAVY []" in result.stdout, result.stdout + result.stderr
 
 

@@ -196,3 +196,41 @@ def test_file_changed_since_read_is_not_overwritten(tmp_path):
 def test_rule_fixed_example_is_what_fix_produces(rule):
     """`fixed` is the codemod's output; a rule without a codemod leaves `bad` as it is."""
     assert fixed(rule.bad.encode(), unsafe=False).decode() == (rule.fixed or rule.bad)
+
+
+EXPLICIT = textwrap.dedent(
+    """\
+    import torch.nn.functional as F
+
+    for step, (x, y) in enumerate(loader):
+        logits = model(x)
+        loss = F.cross_entropy(
+            logits.view(-1, logits.size(-1)),
+            y.view(-1),
+        )
+        loss = loss / accum
+        loss.backward()
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+            print(f"loss {loss.item() * accum:.3f}", float(loss))
+    """
+)
+
+
+def test_explicit_token_loss_becomes_a_sum_and_the_log_the_window_mean():
+    after = fixed(EXPLICIT.encode()).decode()
+    assert '        y.view(-1),\n        reduction="sum",\n    )\n' in after
+    assert "loss = loss" not in after and "micro_tokens = (y.view(-1) != -100).sum()" in after
+    assert "window_loss += loss.detach()\n" in after
+    mean = "(window_loss / max(window_tokens, 1))"
+    assert f'print(f"loss {{{mean}.item():.3f}}", float({mean[1:-1]}))' in after
+    # the counts are reset after the step's log has read them, not before
+    assert after.index("float(") < after.rindex("window_tokens = 0") < after.rindex("window_loss = 0")
+
+
+def test_a_mean_read_elsewhere_keeps_the_mean_and_weights_it():
+    source = EXPLICIT.replace("    loss = loss / accum\n", "    seen.append(loss.item())\n    loss = loss / accum\n")
+    after = fixed(source.encode()).decode()
+    assert 'reduction="sum"' not in after
+    assert "loss = loss * micro_tokens" in after and "window_loss += loss.detach() * micro_tokens" in after

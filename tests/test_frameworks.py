@@ -64,7 +64,8 @@ def trainer(
         (trainer(params=""), [(5, "GA004", "high")]),
         (trainer(params=", **kwargs", passed=", **kwargs"), []),
         (trainer(passed=", num_items_in_batch=num_items_in_batch"), []),
-        (trainer(body="model_accepts_loss_kwargs = False"), []),
+        (trainer(body="model_accepts_loss_kwargs = False"), [(5, "GA004", "medium")]),
+        (trainer(body="loss_is_scaled_for_ga = False"), []),
         (trainer(imports="from mylib.engine import Trainer"), []),
     ],
     ids=[
@@ -75,7 +76,8 @@ def trainer(
         "old-signature",
         "kwargs-passed",
         "count-passed",
-        "opted-out",
+        "class-attribute-overwritten",
+        "scaled-for-ga-false",
         "not-transformers",
     ],
 )
@@ -151,7 +153,75 @@ def test_ga004_finding_explains_itself(tmp_path):
     assert "num_items_in_batch" in finding.message and "K times" in finding.message
     assert any("WeightedLossTrainer" in e for e in finding.evidence)
     assert any("CrossEntropyLoss" in e for e in finding.evidence)
-    assert finding.hint == catalogue.load()["GA004"].hint and not finding.fixable
+    assert finding.hint == catalogue.load()["GA004"].hint and finding.fixable
+
+
+def test_opt_out_counts_on_the_instance_after_the_base_init(tmp_path):
+    """`Trainer.__init__` assigns `model_accepts_loss_kwargs` from the model's signature: only
+    an assignment after `super().__init__()` (or in another method) opts out."""
+    source = """\
+        from transformers import Trainer
+
+        class After(Trainer):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.model_accepts_loss_kwargs = False
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return model(**inputs).loss
+
+        class Before(Trainer):
+            def __init__(self, *args, **kwargs):
+                self.model_accepts_loss_kwargs = False
+                super().__init__(*args, **kwargs)
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return model(**inputs).loss
+
+        class Attribute(Trainer):
+            model_accepts_loss_kwargs = False
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return model(**inputs).loss
+
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+                self.accelerator.backward(loss / self.args.gradient_accumulation_steps)
+                return loss.detach()
+        """
+    rows = [row for row in found(tmp_path, source) if row[1] == "GA004"]
+    assert rows == [(16, "GA004", "medium"), (22, "GA004", "medium"), (27, "GA004", "medium")]
+    path = tmp_path / "train.py"
+    finding = next(f for f in check_file(path, ALL).findings if f.span.line == 22)
+    assert any("line 20 is a class attribute" in e and "overwrites" in e for e in finding.evidence)
+
+
+def test_model_opted_out_by_its_class_and_divisions_of_an_opted_out_trainer(tmp_path):
+    source = """\
+        import torch.nn.functional as F
+        from torch import nn
+        from transformers import Trainer
+
+        class Head(nn.Module):
+            accepts_loss_kwargs = False
+
+            def forward(self, features, labels=None, **kwargs):
+                return F.cross_entropy(self.proj(features), labels), features
+
+        class Fallback(Trainer):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.model_accepts_loss_kwargs = False
+
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                loss = self.compute_loss(model, inputs)
+                self.accelerator.backward(loss / self.args.gradient_accumulation_steps)
+                return loss.detach()
+
+        def main(args):
+            Fallback(model=Head(), args=args).train()
+        """
+    assert [row for row in found(tmp_path, source) if row[1] == "GA004"] == []
 
 
 # GA005 -------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from gaaudit.harness.data import make_window
+from gaaudit.harness.data import make_window, merge_batches
 from gaaudit.harness.demo import DemoRow, plot, run_demo
 from gaaudit.harness.gradcheck import (
     RecordingOptimizer,
@@ -62,7 +62,9 @@ def test_window_has_unequal_token_counts_and_a_matching_full_batch():
     assert sum(counts) == int(count_tokens("causal", window.full))
     assert (window.micro[0]["labels"][window.micro[0]["attention_mask"] == 0] == -100).all()
     again = make_window("causal", 4, micro_batch_size=2, seed=0)
-    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(window.micro, again.micro))
+    assert all(
+        torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(window.micro, again.micro)
+    )
 
 
 @pytest.mark.parametrize("kind", ["causal", "mlm", "nanogpt", "logits"])
@@ -149,8 +151,15 @@ HF_FIXED = source("""
 
 @pytest.mark.parametrize("start", ["for step", "def train"])
 def test_hf_loop_bug_reproduced_and_fix_verified(start):
-    result = compare(HF_BUGGY, HF_FIXED, line_of(HF_BUGGY, start), line_of(HF_FIXED, start),
-                     k=4, divisor_names=["args.gradient_accumulation_steps"], device="cpu")
+    result = compare(
+        HF_BUGGY,
+        HF_FIXED,
+        line_of(HF_BUGGY, start),
+        line_of(HF_FIXED, start),
+        k=4,
+        divisor_names=["args.gradient_accumulation_steps"],
+        device="cpu",
+    )
     assert result.original.verdict == "bug reproduced", result.original
     assert result.original.error > 1e-2
     assert result.verdict == "verified", result.patched
@@ -163,8 +172,9 @@ def test_hf_loop_bug_reproduced_and_fix_verified(start):
 
 def test_replay_reports_bindings_and_gradients():
     line = line_of(HF_BUGGY, "for step")
-    result = replay(HF_BUGGY, line, k=3, divisor_names=["args.gradient_accumulation_steps"],
-                    device="cpu")
+    result = replay(
+        HF_BUGGY, line, k=3, divisor_names=["args.gradient_accumulation_steps"], device="cpu"
+    )
     assert result.ok and len(result.grads) == len(list(build_model("causal").parameters()))
     assert result.bindings["train_dataloader"] == "3 micro-batches as dict batches"
     assert result.bindings["completed_steps"].startswith("0")
@@ -236,9 +246,15 @@ NANO_FIXED = source("""
 
 
 def test_nanogpt_loop_with_prefetch_and_scaler():
-    result = compare(NANO_BUGGY, NANO_FIXED, line_of(NANO_BUGGY, "while True"),
-                     line_of(NANO_FIXED, "while True"), k=4,
-                     divisor_names=["gradient_accumulation_steps"], device="cpu")
+    result = compare(
+        NANO_BUGGY,
+        NANO_FIXED,
+        line_of(NANO_BUGGY, "while True"),
+        line_of(NANO_FIXED, "while True"),
+        k=4,
+        divisor_names=["gradient_accumulation_steps"],
+        device="cpu",
+    )
     assert result.original.verdict == "bug reproduced", result.original
     assert result.verdict == "verified", result.patched
     bindings = result.original.replay.bindings
@@ -280,9 +296,15 @@ CE_FIXED = source("""
 
 
 def test_cross_entropy_over_logits():
-    result = compare(CE_BUGGY, CE_FIXED, line_of(CE_BUGGY, "for step"),
-                     line_of(CE_FIXED, "for step"), k=4, divisor_names=["accum_steps"],
-                     device="cpu")
+    result = compare(
+        CE_BUGGY,
+        CE_FIXED,
+        line_of(CE_BUGGY, "for step"),
+        line_of(CE_FIXED, "for step"),
+        k=4,
+        divisor_names=["accum_steps"],
+        device="cpu",
+    )
     assert result.original.replay.model_kind == "logits"
     assert result.original.verdict == "bug reproduced", result.original
     assert result.verdict == "verified", result.patched
@@ -317,8 +339,9 @@ ACCELERATE_FIXED = source("""
 
 
 def test_accelerator_backward_of_loss_over_k():
-    result = compare(ACCELERATE_BUGGY, ACCELERATE_FIXED, 1, 1, k=4, divisor_names=["k"],
-                     device="cpu")
+    result = compare(
+        ACCELERATE_BUGGY, ACCELERATE_FIXED, 1, 1, k=4, divisor_names=["k"], device="cpu"
+    )
     assert result.original.verdict == "bug reproduced", result.original
     assert result.verdict == "verified", result.patched
     assert result.patched.replay.bindings["optimizer"] == "recording SGD, prepared"
@@ -353,8 +376,15 @@ ACCUMULATE_FIXED = source("""
 
 
 def test_accelerate_accumulate_divides_by_k_itself():
-    result = compare(ACCUMULATE_BUGGY, ACCUMULATE_FIXED, 1, line_of(ACCUMULATE_FIXED, "while"),
-                     k=4, divisor_names=["args.gradient_accumulation_steps"], device="cpu")
+    result = compare(
+        ACCUMULATE_BUGGY,
+        ACCUMULATE_FIXED,
+        1,
+        line_of(ACCUMULATE_FIXED, "while"),
+        k=4,
+        divisor_names=["args.gradient_accumulation_steps"],
+        device="cpu",
+    )
     assert result.original.verdict == "bug reproduced", result.original
     assert result.original.replay.captured_at == "accelerator.clip_grad_norm_"
     assert "gradient_accumulation_steps=4" in result.original.replay.bindings["accelerator"]
@@ -391,17 +421,27 @@ KIND_FIXED = source("""
 """)
 
 
-@pytest.mark.parametrize(("model_class", "shift", "kind", "dtype"), [
-    ("AutoModelForMaskedLM", "", "mlm", "float32"),
-    ("AutoModelForMaskedLM", "", "mlm", "bfloat16"),
-    ("AutoModelForSeq2SeqLM", "", "seq2seq", "float32"),
-    ("AutoModelForCausalLM", "[..., 1:]", "causal", "float16"),
-])
+@pytest.mark.parametrize(
+    ("model_class", "shift", "kind", "dtype"),
+    [
+        ("AutoModelForMaskedLM", "", "mlm", "float32"),
+        ("AutoModelForMaskedLM", "", "mlm", "bfloat16"),
+        ("AutoModelForSeq2SeqLM", "", "seq2seq", "float32"),
+        ("AutoModelForCausalLM", "[..., 1:]", "causal", "float16"),
+    ],
+)
 def test_model_kinds_and_low_precision(model_class, shift, kind, dtype):
     buggy = KIND_BUGGY.format(model_class=model_class)
     fixed = KIND_FIXED.format(model_class=model_class, shift=shift)
-    result = compare(buggy, fixed, line_of(buggy, "for step"), line_of(fixed, "for step"), k=4,
-                     dtype=dtype, device="cpu")
+    result = compare(
+        buggy,
+        fixed,
+        line_of(buggy, "for step"),
+        line_of(fixed, "for step"),
+        k=4,
+        dtype=dtype,
+        device="cpu",
+    )
     assert result.original.replay.model_kind == kind
     assert result.original.verdict == "bug reproduced", result.original
     assert result.verdict == "verified", result.patched
@@ -420,17 +460,26 @@ FILE_LOOP = source("""
 """)
 
 
-@pytest.mark.parametrize(("text", "line", "reason"), [
-    (FILE_LOOP, 3, "FileNotFoundError"),
-    ("for x in loader:\n    print(x)\n", 1, "no backward pass"),
-    ("x = 1\n", 1, "not in a loop or a function"),
-    ("for x in (:\n", 1, "cannot parse"),
-    ("for b in loader:\n    (model(**b).loss * 0).backward()\n    optimizer.step()\n", 1,
-     "zero gradients"),
-    ("for epoch in range(args.epochs):\n    for b in []:\n        optimizer.step()\n", 1,
-     "did not reach an optimizer step (a range with an unknown end ran 10000 times)"),
-    ("while True:\n    pass\n", 1, "timed out after 1 s"),
-])
+@pytest.mark.parametrize(
+    ("text", "line", "reason"),
+    [
+        (FILE_LOOP, 3, "FileNotFoundError"),
+        ("for x in loader:\n    print(x)\n", 1, "no backward pass"),
+        ("x = 1\n", 1, "not in a loop or a function"),
+        ("for x in (:\n", 1, "cannot parse"),
+        (
+            "for b in loader:\n    (model(**b).loss * 0).backward()\n    optimizer.step()\n",
+            1,
+            "zero gradients",
+        ),
+        (
+            "for epoch in range(args.epochs):\n    for b in []:\n        optimizer.step()\n",
+            1,
+            "did not reach an optimizer step (a range with an unknown end ran 10000 times)",
+        ),
+        ("while True:\n    pass\n", 1, "timed out after 1 s"),
+    ],
+)
 def test_not_replayable_with_a_reason(text, line, reason):
     result = check(text, line, k=2, device="cpu", timeout=1)
     assert result.verdict.startswith("not replayable: "), result.verdict
@@ -452,8 +501,7 @@ def test_a_loss_the_harness_does_not_model_is_not_called_a_bug():
     assert result.k1_error > 1e-3
 
 
-NANO_NO_DIVISION = NANO_BUGGY.replace("loss = loss / gradient_accumulation_steps",
-                                      "loss = loss")
+NANO_NO_DIVISION = NANO_BUGGY.replace("loss = loss / gradient_accumulation_steps", "loss = loss")
 
 
 def test_packed_data_makes_mean_over_k_exact_but_not_a_missing_division():
@@ -521,3 +569,130 @@ def test_unknown_limits_stub_ranges_cuda_calls_and_no_grad_helpers_do_not_block_
     assert result.verdict == "verified", result
     assert result.replay.bindings["cfg.accum_steps"] == "K = 4"
     assert result.replay.bindings["evaluate"] == "stub"
+
+
+@pytest.mark.parametrize("kind", ["image", "regression"])
+def test_per_sample_windows_differ_in_size_unless_packed(kind):
+    sizes = [len(b["labels"]) for b in make_window(kind, 4, micro_batch_size=2).micro]
+    assert len(set(sizes)) > 1 and sum(sizes) == 7
+    packed = make_window(kind, 4, micro_batch_size=2, packed=True)
+    assert [len(b["labels"]) for b in packed.micro] == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    ("kind", "ignore_index"), [("segment", -100), ("pair", 0), ("causal", None)]
+)
+def test_merged_micro_batches_are_the_full_batch(kind, ignore_index):
+    window = make_window(kind, 3, ignore_index=ignore_index)
+    merged = merge_batches(window.micro, window.ignore_index)
+    assert merged.keys() == window.full.keys()
+    assert all(torch.equal(merged[key], window.full[key]) for key in merged)
+    if kind == "segment":  # pixels ignored in varying numbers per image
+        counts = [int(count_tokens(kind, {"labels": lab[None]})) for lab in window.full["labels"]]
+        assert len(set(counts)) > 1 and all(0 < c < 64 for c in counts)
+
+
+IMAGE_BUGGY = source("""
+    import torch.nn.functional as F
+    from torchvision import models
+
+    for step, (images, labels) in enumerate(train_dl):
+        logits = model(images)
+        loss = F.cross_entropy(logits, labels, label_smoothing=0.1) / accum_steps
+        loss.backward()
+        if (step + 1) % accum_steps == 0:
+            optimizer.step()
+""")
+IMAGE_FIXED = source("""
+    import torch.nn.functional as F
+    from torchvision import models
+
+    total = 0
+    for step, (images, labels) in enumerate(train_dl):
+        logits = model(images)
+        n = (labels != -100).sum()
+        total += n
+        loss = F.cross_entropy(logits, labels, label_smoothing=0.1, reduction="sum")
+        loss.backward()
+        if (step + 1) % accum_steps == 0:
+            for p in model.parameters():
+                p.grad /= total
+            optimizer.step()
+""")
+
+
+def test_image_classification_with_label_smoothing_in_the_reference():
+    result = compare(
+        IMAGE_BUGGY,
+        IMAGE_FIXED,
+        line_of(IMAGE_BUGGY, "for step"),
+        line_of(IMAGE_FIXED, "for step"),
+        k=4,
+        device="cpu",
+    )
+    assert result.original.replay.model_kind == "image"
+    assert result.original.verdict == "bug reproduced", result.original
+    assert result.verdict == "verified", result.patched
+    assert result.patched.replay.bindings["total"] == "0, as assigned before the statement"
+
+
+BACKBONE_HEAD = source("""
+    def train(backbone, head, loader, accum_steps):
+        params = list(backbone.parameters()) + list(head.parameters())
+        for step, (x, y) in enumerate(loader):
+            logits = head(backbone(x))
+            loss = F.cross_entropy(logits.view(-1, V), y.view(-1)) / accum_steps
+            loss.backward()
+            if (step + 1) % accum_steps == 0:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+""")
+
+
+def test_two_models_chained_as_backbone_and_head_are_not_replayable():
+    result = check(BACKBONE_HEAD, line_of(BACKBONE_HEAD, "for step"), k=2, device="cpu")
+    assert result.verdict.startswith(
+        "not replayable: `head` is called on the output of `backbone` (a backbone and a head)"
+    ), result.verdict
+
+
+MODULE_METHOD = source("""
+    import torch
+
+    class Lit(torch.nn.Module):
+        def fit(self, loader, optimizer, accum_steps):
+            for step, batch in enumerate(loader):
+                loss = self(**batch).loss / accum_steps
+                loss.backward()
+                if (step + 1) % accum_steps == 0:
+                    optimizer.step()
+""")
+
+
+def test_a_loop_in_a_method_of_a_torch_module_says_why_it_cannot_bind_self():
+    result = check(MODULE_METHOD, line_of(MODULE_METHOD, "for step"), k=2, device="cpu")
+    assert result.verdict == (
+        "not replayable: TypeError: the loop is a method of the torch "
+        "module `Lit`; the harness cannot bind its own model to `self`"
+    )
+
+
+def test_assignments_before_the_loop_run_only_when_they_build_a_torch_module(tmp_path):
+    marker = tmp_path / "written.txt"
+    text = source(f"""
+        import torch.nn as nn
+
+        def main():
+            criterion = nn.CrossEntropyLoss()
+            log = open({str(marker)!r}, "w")
+            for step, (x, y) in enumerate(loader):
+                loss = criterion(model(x).view(-1, V), y.view(-1)) / accum_steps
+                print(step, file=log)
+                loss.backward()
+                if (step + 1) % accum_steps == 0:
+                    optimizer.step()
+    """)
+    result = check(text, line_of(text, "for step"), k=2, device="cpu")
+    assert result.verdict == "bug reproduced", result
+    assert result.replay.bindings["criterion"] == "`nn.CrossEntropyLoss()`, evaluated"
+    assert result.replay.bindings["log"] == "stub" and not marker.exists()

@@ -1,50 +1,108 @@
-"""The DDP check: two gloo processes on CPU, unequal token counts per rank."""
+"""`gaaudit verify --distributed N`: the fixer's output replayed on real gloo processes, each
+rank with its own micro-batches (unequal token counts), against the global full batch."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import json
+import textwrap
+from dataclasses import asdict
 
-import pytest
+from conftest import FIXTURES, gaaudit
 
-dist = pytest.importorskip("torch.distributed")
-if not dist.is_available():
-    pytest.skip("torch.distributed is not available", allow_module_level=True)
+from gaaudit.verify import REPRODUCED, VERIFIED, Options, _replay, targets
 
-from gaaudit.harness.distributed import ddp_check
+# Every fixture that trains under DistributedDataParallel is replayed on two processes.
+DDP_FIXTURES = sorted(
+    p
+    for p in FIXTURES.glob("ga*.py")
+    if not p.name.endswith(".fixed.py") and "DistributedDataParallel" in p.read_text()
+)
+# Those the harness cannot serve, with the reason their replay gives.
+NOT_REPLAYABLE = {
+    # reads batch["tokens"] and batch["loss_mask"]: keys the harness data does not hold
+    "ga001_ddp_masked_mean_loss_mask": "KeyError: 'tokens'",
+}
 
-
-def _tokens(batch):
-    return (batch["labels"] != -1).sum()  # nanoGPT targets are already shifted; -1 is ignored
-
-
-def sum_and_count(model, batches, optimizer, k):
-    """GA-GUIDE section 4, plain DDP: all-reduce N on every rank, scale by P / N_global."""
-    n_global = sum(_tokens(batch) for batch in batches)
-    dist.all_reduce(n_global)
-    for i, batch in enumerate(batches):
-        with model.no_sync() if i < k - 1 else nullcontext():
-            _, loss = model(batch["input_ids"], batch["labels"])
-            (loss * _tokens(batch) * dist.get_world_size() / n_global).backward()
-    optimizer.step()
+NEVER_SYNCS = """
+import torch.distributed as dist
 
 
-def mean_over_k(model, batches, optimizer, k):
-    for i, batch in enumerate(batches):
-        with model.no_sync() if i < k - 1 else nullcontext():
-            _, loss = model(batch["input_ids"], batch["labels"])
-            (loss / k).backward()
-    optimizer.step()
+def train(model, loader, optimizer, accumulation_steps):
+    for step, batch in enumerate(loader):
+        with model.no_sync():
+            loss = model(**batch).loss / accumulation_steps
+            loss.backward()
+        if (step + 1) % accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
 
 
-def never_steps(model, batches, optimizer, k):
-    for batch in batches:
-        model(batch["input_ids"], batch["labels"])[1].backward()
+def test_ddp_fixtures_are_proven_on_two_gloo_processes(tmp_path):
+    never_syncs = tmp_path / "never_syncs.py"
+    never_syncs.write_text(textwrap.dedent(NEVER_SYNCS))
+    paths = [*DDP_FIXTURES, never_syncs]
+    result = gaaudit(
+        "verify",
+        "--distributed",
+        "2",
+        "-k",
+        "2,4",
+        "--device",
+        "cpu",
+        "--format",
+        "json",
+        *map(str, paths),
+    )
+    assert "on 2 DDP processes" in result.stderr and "Traceback" not in result.stderr
+    files = {entry["path"]: entry["loops"] for entry in json.loads(result.stdout)}
+    proven = 0
+    for path in DDP_FIXTURES:
+        (loop,) = files[path.as_posix()]
+        for row in loop["rows"]:
+            assert row["processes"] == 2 and row["k"] in (2, 4), row
+            if path.stem in NOT_REPLAYABLE:
+                assert row["verdict"].startswith("not replayable: "), row
+                assert NOT_REPLAYABLE[path.stem] in row["verdict"], row
+                continue
+            assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-3, row
+            assert row["verdict"] == VERIFIED and row["patched_error"] < 1e-5, row
+        proven += path.stem not in NOT_REPLAYABLE
+    assert proven >= 1
+    (loop,) = files[never_syncs.as_posix()]
+    assert all("did not all-reduce them" in row["verdict"] for row in loop["rows"]), loop
+    assert result.returncode == 1  # one file is not verified
 
 
-def test_ddp_sum_and_count_matches_the_global_full_batch_and_mean_over_k_does_not():
-    # the nanoGPT-style model keeps transformers out of the two worker processes (faster start)
-    correct, buggy, silent = ddp_check([sum_and_count, mean_over_k, never_steps], k=2,
-                                       kind="nanogpt")
-    assert correct.reason == "" and correct.error < 1e-5
-    assert buggy.error > 1e-3
-    assert silent.error is None and "without an optimizer step" in silent.reason
+def test_rank_shards_hold_unequal_token_counts():
+    from gaaudit.harness.analysis import analyse
+    from gaaudit.harness.distributed import Ranks, _RankSession
+    from gaaudit.harness.models import count_tokens
+
+    source = (FIXTURES / "ga001_nanogpt_sft_padded.py").read_text()
+    plan = analyse(source, 81)  # a nanoGPT-style loop: no transformers to import
+    ranks = Ranks(2, "cpu")  # the processes start at the first replay only
+    session = _RankSession(ranks, plan, 2, 2, 0, "cpu", "float32", 60.0, False)
+    micro, ignore = session.window.micro, session.window.ignore_index
+    assert len(micro) == 4 and session.per_rank == 2
+    counts = [
+        int(sum(count_tokens(plan.model_kind, b, ignore) for b in micro[r * 2 : r * 2 + 2]))
+        for r in range(2)
+    ]
+    assert counts[0] != counts[1]
+
+
+def test_a_ddp_loop_replayed_in_one_process_says_how_to_replay_it():
+    original = FIXTURES / "ga001_ddp_no_sync_chunks.py"
+    patched = original.with_name("ga001_ddp_no_sync_chunks.fixed.py")
+    before, after = original.read_bytes(), patched.read_bytes()
+    job = {
+        "original": before.decode(),
+        "patched": after.decode(),
+        "targets": [asdict(t) for t in targets(before, after)],
+        "options": asdict(Options(ks=(2,), device="cpu", timeout=60)),
+        "filename": str(original),
+    }
+    ((row,),) = [outcome["rows"] for outcome in _replay(job)]
+    assert row["verdict"].startswith("not replayable: ")
+    assert row["verdict"].endswith("replay it with --distributed 2"), row

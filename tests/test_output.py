@@ -9,10 +9,14 @@ import re
 import subprocess
 import sys
 from dataclasses import fields
+from itertools import pairwise
 from pathlib import Path
 
 import jsonschema
 import pytest
+from conftest import fixture_scripts
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,11 +25,15 @@ else:  # pragma: no cover
 
 import gaaudit.output
 from gaaudit import catalogue
+from gaaudit.config import Settings
 from gaaudit.findings import Confidence, FileError, FileReport, Finding, Span
+from gaaudit.fixer import fix_source
 from gaaudit.output import CheckRun, write
+from gaaudit.output.sarif_fixes import SuggestedFix, replacements
+from gaaudit.source import decode
 
 REPO = Path(__file__).resolve().parents[1]
-FIXABLE = {"GA001", "GA002", "GA003"}
+FIXABLE = {"GA001", "GA002", "GA003", "GA004", "GA005"}
 SOURCE = """\
 for step, batch in enumerate(loader):
     outputs = model(**batch)
@@ -291,6 +299,197 @@ def test_sarif_fingerprints_count_repeated_lines(train_py, sarif_schema):
     assert first != second
 
 
+# sarif fixes
+
+UNSAFE_PAIRS = (
+    "ga001_exact_nanogpt_memmap_scaler", "ga002_nanogpt_micro_loop_no_division",
+    # GA004 opt-outs: the Trainer then divides each micro-batch's mean by K
+    "ga004_class_attribute_opt_out", "ga004_forward_kwargs_ignored_regression",
+    "ga004_sft_old_compute_loss_signature", "ga004_weighted_classification_compute_loss",
+)
+MIXED = """\
+import torch
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
+
+lm = AutoModelForCausalLM.from_pretrained("gpt2")
+for step, batch in enumerate(loader):
+    outputs = lm(**batch)  # perte moyenne « par jeton »
+    loss = outputs.loss / accum_steps
+    loss.backward()
+    if (step + 1) % accum_steps == 0:
+        optimizer.step()
+        optimizer.zero_grad()
+
+gpt = GPT(cfg)
+for it in range(max_iters):
+    for micro_step in range(accum_steps):
+        logits, loss = gpt(X, Y)
+        X, Y = get_batch("train")
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()"""
+
+
+def sarif_results(cli, tmp_path: Path, schema: dict, *args: str) -> list[dict]:
+    """`gaaudit check --format sarif` results (all confidences), validated against the schema."""
+    report = tmp_path / "out.sarif"
+    cli("check", "--format", "sarif", "--min-confidence", "low", "-o", str(report), *args)
+    return sarif_run_of(json.loads(report.read_text(encoding="utf-8")), schema)["results"]
+
+
+def sarif_run_of(log: dict, schema: dict) -> dict:
+    jsonschema.validators.validator_for(schema)(schema).validate(log)
+    (run,) = log["runs"]
+    return run
+
+
+def apply_offsets(text: str, replacements: list[dict]) -> str:
+    """Apply SARIF replacements by `charOffset`/`charLength`, last first."""
+    regions = sorted(
+        ((r["deletedRegion"], r.get("insertedContent", {}).get("text", "")) for r in replacements),
+        key=lambda pair: pair[0]["charOffset"],
+    )
+    for (region, _), (following, _) in pairwise(regions):
+        assert region["charOffset"] + region["charLength"] <= following["charOffset"], "overlap"
+    for region, inserted in reversed(regions):
+        start = region["charOffset"]
+        text = text[:start] + inserted + text[start + region["charLength"] :]
+    return text
+
+
+def apply_lines(text: str, replacements: list[dict]) -> str:
+    """Apply SARIF replacements by line and column, lines ending at CR, LF or CRLF."""
+    starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", text)]
+
+    def offset(line: int, column: int) -> int:
+        return starts[line - 1] + column - 1
+
+    edits = []
+    for replacement in replacements:
+        region = replacement["deletedRegion"]
+        start = offset(region["startLine"], region["startColumn"])
+        end = offset(region["endLine"], region["endColumn"])
+        edits.append((start, end, replacement.get("insertedContent", {}).get("text", "")))
+    for start, end, inserted in sorted(edits, reverse=True):
+        text = text[:start] + inserted + text[end:]
+    return text
+
+
+def applied(text: str, result: dict) -> str:
+    """`text` with the result's one fix applied, checking both region forms agree."""
+    ((fix,),) = [result["fixes"]]
+    (change,) = fix["artifactChanges"]
+    assert (
+        change["artifactLocation"] == result["locations"][0]["physicalLocation"]["artifactLocation"]
+    )
+    by_offsets = apply_offsets(text, change["replacements"])
+    assert apply_lines(text, change["replacements"]) == by_offsets
+    return by_offsets
+
+
+def by_file(results: list[dict]) -> dict[str, list[dict]]:
+    files: dict[str, list[dict]] = {}
+    for result in results:
+        files.setdefault(
+            result["locations"][0]["physicalLocation"]["artifactLocation"]["uri"], []
+        ).append(result)
+    return files
+
+
+def test_sarif_fixes_rebuild_every_fixed_fixture(cli, tmp_path, sarif_schema, monkeypatch):
+    monkeypatch.chdir(REPO)
+    scripts = [p.relative_to(REPO).as_posix() for p in fixture_scripts()]
+    results = by_file(sarif_results(cli, tmp_path, sarif_schema, "--unsafe-fixes", *scripts))
+    pairs = 0
+    for script in scripts:
+        fixed = script.replace(".py", ".fixed.py")
+        with_fix = [r for r in results.get(script, []) if "fixes" in r]
+        if not (REPO / fixed).exists():  # `fix` changes nothing here: no result offers a fix
+            assert not with_fix, script
+            continue
+        assert with_fix, script
+        pairs += 1
+        original = (REPO / script).read_bytes().decode("utf-8")
+        for result in with_fix:
+            assert applied(original, result) == (REPO / fixed).read_bytes().decode("utf-8"), script
+            unsafe = Path(script).stem in UNSAFE_PAIRS
+            (fix,) = result["fixes"]
+            assert fix["properties"]["applicability"] == ("unsafe" if unsafe else "safe")
+            assert ("Unsafe (" in fix["description"]["text"]) == unsafe
+            assert fix["description"]["text"].startswith(catalogue.load()[result["ruleId"]].hint)
+    assert pairs >= 20
+
+
+def test_sarif_fixes_need_unsafe_fixes_for_unsafe_ones(cli, tmp_path, sarif_schema, monkeypatch):
+    monkeypatch.chdir(REPO)
+    scripts = [f"fixtures/{name}.py" for name in (*UNSAFE_PAIRS, "ga001_hf_mlm_bert")]
+    results = by_file(sarif_results(cli, tmp_path, sarif_schema, *scripts))
+    assert all("fixes" not in r for name in scripts[:-1] for r in results[name])
+    (bert,) = results[scripts[-1]]
+    original = (REPO / scripts[-1]).read_text(encoding="utf-8")
+    assert applied(original, bert) == (REPO / "fixtures/ga001_hf_mlm_bert.fixed.py").read_text(
+        encoding="utf-8"
+    )
+
+
+def test_sarif_fixes_per_finding_with_bom_crlf_and_no_final_newline(
+    cli, tmp_path, sarif_schema, monkeypatch
+):
+    data = b"\xef\xbb\xbf" + MIXED.replace("\n", "\r\n").encode("utf-8")
+    (tmp_path / "mixed.py").write_bytes(data)
+    settings = Settings(min_confidence=Confidence.LOW)
+    safe = decode(fix_source(data, tmp_path / "mixed.py", settings).after)
+    unsafe = decode(fix_source(data, tmp_path / "mixed.py", settings, unsafe=True).after)
+    assert MIXED.replace("\n", "\r\n") not in (safe, unsafe) and safe != unsafe
+
+    monkeypatch.chdir(tmp_path)
+    ga001, ga002 = sarif_results(cli, tmp_path, sarif_schema, "mixed.py")
+    assert (ga001["ruleId"], ga002["ruleId"]) == ("GA001", "GA002") and "fixes" not in ga002
+    original = decode(data)
+    assert applied(original, ga001) == safe
+    assert ga001["fixes"][0]["description"]["text"] == catalogue.load()["GA001"].hint
+
+    ga001_all, ga002_all = sarif_results(cli, tmp_path, sarif_schema, "mixed.py", "--unsafe-fixes")
+    assert ga001_all["fixes"] == ga001["fixes"]  # a safe finding keeps its safe fix
+    assert applied(original, ga002_all) == unsafe
+    (fix,) = ga002_all["fixes"]
+    assert fix["properties"] == {"applicability": "unsafe"}
+    description = fix["description"]["text"]
+    assert "this also fixes GA001 at line 7." in description
+    assert "Unsafe (GA002 at line 18): unsafe fix (" in description
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="ab\r\né", max_size=30), st.text(alphabet="ab\r\né", max_size=30))
+def test_replacements_rebuild_any_text(before, after):
+    """Both region forms rebuild `after`, whatever the line breaks (`applied` checks both)."""
+    edits = replacements(before, after)
+    found = finding("x.py")
+    (result,) = json.loads(
+        render(
+            "sarif", [FileReport("x.py", [found])], fixes={found: SuggestedFix("d", False, edits)}
+        )
+    )["runs"][0]["results"]
+    assert (applied(before, result) if edits else before) == after
+
+
+def test_only_sarif_runs_the_fixer(tmp_path):
+    script = (
+        "import os, sys\nfrom gaaudit.cli import app\n"
+        "for fmt in ('text', 'json', 'github', 'sarif'):\n"
+        "    try:\n"
+        "        app(['check', sys.argv[1], '--format', fmt, '-o', os.devnull])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "    print(fmt, 'gaaudit.fixer' in sys.modules)\n"
+    )
+    target = REPO / "fixtures" / "ga001_hf_mlm_bert.py"
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(target)], capture_output=True, text=True, check=True
+    )
+    assert run.stdout.split("\n")[:4] == ["text False", "json False", "github False", "sarif True"]
+
+
 # github
 
 
@@ -346,4 +545,6 @@ def test_catalogue_entries_are_complete():
         for example in (rule.bad, rule.good, rule.fixed):
             ast.parse(example)
         assert rule.bad != rule.good and rule.bad != rule.fixed
-        assert bool(rule.fixed) == (rule.code in FIXABLE), "`fixed` is set exactly for rules with a codemod"
+        assert bool(rule.fixed) == (rule.code in FIXABLE), (
+            "`fixed` is set exactly for rules with a codemod"
+        )

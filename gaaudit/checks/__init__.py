@@ -17,6 +17,7 @@ from gaaudit.evidence import Evidence, scan
 from gaaudit.findings import Finding
 
 if TYPE_CHECKING:  # the repository-level GA006 pass imports this package without libcst
+    from gaaudit.repository import Dependency, Imports
     from gaaudit.tree import Tree
 
 
@@ -35,11 +36,29 @@ class Context:
         """Data-shape evidence and suppressions, tokenized only when a rule asks."""
         return scan(self.text.removeprefix("\ufeff"))
 
+    @cached_property
+    def imports(self) -> Imports:
+        """Helpers imported from other modules of the repository, summarised when a rule asks."""
+        from gaaudit.repository import Imports
+
+        return Imports(self.tree, self.directory)
+
+    @property
+    def dependencies(self) -> frozenset[Dependency]:
+        """The other files these findings depend on (see `repository.current`, `digest_of`)."""
+        imports = self.__dict__.get("imports")
+        return frozenset(imports.dependencies) if imports is not None else frozenset()
+
 
 Checker = Callable[[Context], Iterable[Finding]]
 
 # Modules exposing `findings(context)`, imported only when a file reaches analysis.
-CHECKERS = ("gaaudit.checks.accumulation", "gaaudit.checks.trainer", "gaaudit.checks.optax", "gaaudit.checks.versions")
+CHECKERS = (
+    "gaaudit.checks.accumulation",
+    "gaaudit.checks.trainer",
+    "gaaudit.checks.optax",
+    "gaaudit.checks.versions",
+)
 
 
 def run(context: Context) -> list[Finding]:

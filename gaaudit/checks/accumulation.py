@@ -12,13 +12,18 @@ import libcst as cst
 from gaaudit import catalogue
 from gaaudit.evidence import Evidence
 from gaaudit.findings import Confidence, Finding
-from gaaudit.loops import Backward, Structure, Window
-from gaaudit.provenance import Division, Origin, Tracer
+from gaaudit.loops import Backward, Pipeline, Structure, Window
+from gaaudit.provenance import Division, Origin, Tracer, argument_for
+from gaaudit.repository import Imports
 from gaaudit.tree import Tree, code, depends_on, dotted, string_value
 
 SiteKind = Literal["loss-division", "gradient-division", "no-division", "framework-division"]
-CODES = {"loss-division": "GA001", "gradient-division": "GA001", "no-division": "GA002",
-         "framework-division": "GA003"}
+CODES = {
+    "loss-division": "GA001",
+    "gradient-division": "GA001",
+    "no-division": "GA002",
+    "framework-division": "GA003",
+}
 
 
 @dataclass(frozen=True)
@@ -42,28 +47,41 @@ class Auditor:
     """Runs the accumulation rules over one parsed file."""
 
     def __init__(
-        self, tree: Tree, accumulation_names: frozenset[str] = frozenset(), directory: Path = Path(".")
+        self,
+        tree: Tree,
+        accumulation_names: frozenset[str] = frozenset(),
+        directory: Path = Path("."),
+        imports: Imports | None = None,
     ) -> None:
         self.tree = tree
         self.structure = Structure(tree, accumulation_names, directory)
-        self.tracer = Tracer(tree)
+        self.imports = imports if imports is not None else Imports(tree, directory)
+        self.tracer = Tracer(tree, self.imports)
 
     def sites(self) -> Iterator[Site]:
         """One site per reportable node, in source order."""
         seen: set[cst.CSTNode] = set()
         judged = (site for backward in self.structure.backwards() for site in self._judge(backward))
-        for site in (*judged, *self._lightning()):
-                if site.node not in seen:
-                    seen.add(site.node)
-                    yield site
+        for site in (*judged, *self._lightning(), *self._pipelines()):
+            if site.node not in seen:
+                seen.add(site.node)
+                yield site
 
     def findings(self, path: str, evidence: Evidence) -> list[Finding]:
         rules = catalogue.load()
         found = []
         for site in self.sites():
             confidence, why = evidence.confidence()
+            if site.origin.variable and confidence < Confidence.HIGH:
+                confidence, why = (
+                    Confidence.HIGH,
+                    f"the loss helper shows variable valid-token counts: {site.origin.variable}",
+                )
             if site.origin.kind == "unknown":
-                confidence, why = Confidence.LOW, "gaaudit could not tell whether the loss is a mean"
+                confidence, why = (
+                    Confidence.LOW,
+                    "gaaudit could not tell whether the loss is a mean",
+                )
             found.append(
                 Finding(
                     path=path,
@@ -87,7 +105,8 @@ class Auditor:
         origin = self.tracer.origin(backward.loss)
         if window is None:
             division = next(
-                (d for d in origin.divisions if self.structure.is_accumulation_name(d.divisor)), None
+                (d for d in origin.divisions if self.structure.is_accumulation_name(d.divisor)),
+                None,
             )
             if division is None or origin.kind not in ("mean", "unknown"):
                 return
@@ -97,29 +116,50 @@ class Auditor:
         division = next((d for d in origin.divisions if self._constant_divisor(d, window)), None)
         if division is not None:
             yield Site(
-                "loss-division", division.node, backward, window, origin, division,
-                f"Mean loss divided by the constant accumulation divisor "
-                f"`{code(division.divisor)}`: micro-batches with fewer valid tokens are over-weighted",
+                "loss-division",
+                division.node,
+                backward,
+                window,
+                origin,
+                division,
+                "Mean loss divided by the constant accumulation divisor "
+                f"`{code(division.divisor)}`: micro-batches with fewer valid tokens are "
+                "over-weighted",
             )
             return
         framework = self.structure.dividing_framework(backward, window)
         scaled = list(self._gradient_divisions(window))
         if framework is not None and not scaled:
             yield Site(
-                "framework-division", backward.call, backward, window, origin, None,
+                "framework-division",
+                backward.call,
+                backward,
+                window,
+                origin,
+                None,
                 f"Mean loss passed to a backward that divides by the accumulation steps for you "
                 f"({framework}): micro-batches with fewer valid tokens are over-weighted",
             )
             return
         for node, divisor in scaled:
             yield Site(
-                "gradient-division", node, backward, window, origin, Division(node, divisor),
+                "gradient-division",
+                node,
+                backward,
+                window,
+                origin,
+                Division(node, divisor),
                 f"Gradients divided by the constant accumulation divisor `{code(divisor)}` "
                 "after backward on per-micro-batch mean losses",
             )
         if not scaled and window.kind in ("modulo", "micro-loop"):
             yield Site(
-                "no-division", backward.call, backward, window, origin, None,
+                "no-division",
+                backward.call,
+                backward,
+                window,
+                origin,
+                None,
                 "Mean loss accumulated over micro-batches with no normalization: the gradient is "
                 "about K times too large and wrongly weighted per token",
             )
@@ -140,11 +180,97 @@ class Auditor:
                         if origin.kind == "mean":
                             window = Window("framework", None, accumulate, node, ())
                             yield Site(
-                                "framework-division", loss, Backward(None, loss), window, origin, None,
+                                "framework-division",
+                                loss,
+                                Backward(None, loss),
+                                window,
+                                origin,
+                                None,
                                 "Mean loss returned to a Lightning Trainer that divides it by "
                                 f"`accumulate_grad_batches={code(accumulate)}`: micro-batches with "
                                 "fewer valid tokens are over-weighted",
                             )
+
+    def _pipelines(self) -> Iterator[Site]:
+        """Loss functions given to a pipeline schedule that returns a per-micro-batch mean:
+        divided by the number of micro-batches (GA001), left to a schedule that divides
+        (GA003), or to one that sums the micro-batches' gradients (GA002)."""
+        for pipeline in self.structure.pipelines():
+            window = Window("pipeline", None, pipeline.micro_batches, pipeline.call, ())
+            for returned, origin in self.tracer.called(pipeline.loss_fn):
+                if origin.kind == "mean":
+                    node = returned if returned is not None else pipeline.loss_fn
+                    yield from self._pipeline_site(pipeline, window, node, origin)
+
+    def _pipeline_site(
+        self, pipeline: Pipeline, window: Window, node: cst.CSTNode, origin: Origin
+    ) -> Iterator[Site]:
+        backward = Backward(None, node)
+        division = next(
+            (d for d in origin.divisions if self._counts_micro_batches(d, pipeline)), None
+        )
+        if division is not None:
+            again = f"; {pipeline.framework} as well: K times too small" if pipeline.divides else ""
+            message = (
+                f"Mean loss divided by the number of micro-batches `{code(division.divisor)}` in "
+                "a pipeline loss function: micro-batches with fewer valid tokens are over-weighted"
+            )
+            yield Site(
+                "loss-division", division.node, backward, window, origin, division, message + again
+            )
+        elif origin.divisions or pipeline.divides is None:
+            return
+        elif pipeline.divides:
+            message = (
+                "Mean loss returned to a pipeline schedule that divides by the number of "
+                f"micro-batches ({pipeline.framework}): micro-batches with fewer valid tokens are "
+                "over-weighted"
+            )
+            yield Site("framework-division", node, backward, window, origin, None, message)
+        else:
+            message = (
+                "Mean loss returned to a pipeline schedule with `scale_grads=False`, which sums "
+                "the micro-batches' gradients: the gradient is about K times too large and "
+                "wrongly weighted per token"
+            )
+            yield Site("no-division", node, backward, window, origin, None, message)
+
+    def _counts_micro_batches(self, division: Division, pipeline: Pipeline) -> bool:
+        """A divisor that is the schedule's number of micro-batches: an accumulation name, the
+        value given to the schedule, or a loss class's `self.n` set from either."""
+        argument = self._constructor_argument(division.divisor, pipeline.loss_fn)
+        return any(
+            self.structure.is_accumulation_name(divisor)
+            or (
+                pipeline.micro_batches is not None
+                and self._same_value(divisor, pipeline.micro_batches)
+            )
+            for divisor in (division.divisor, argument)
+            if divisor is not None
+        )
+
+    def _constructor_argument(self, divisor: cst.BaseExpression, loss_fn: cst.BaseExpression):
+        """For `self.n` in a loss class's method: the argument its constructor call passed for
+        the `__init__` parameter that `self.n` was set from."""
+        name = dotted(divisor) or ""
+        if not name.startswith("self.") or name.count(".") != 1:
+            return None
+        constructor = loss_fn if isinstance(loss_fn, cst.Call) else self.tracer.bound_value(loss_fn)
+        if (
+            not isinstance(constructor, cst.Call)
+            or self.tracer.loss_method(constructor.func) is None
+        ):
+            return None
+        init = self.tracer.method(constructor.func, "__init__")
+        if init is None:
+            return None
+        parameters = [p.name.value for p in init.params.params][1:]
+        for stmt in self.tree.walk(init.body, into_defs=False):
+            if isinstance(stmt, cst.Assign) and any(dotted(t.target) == name for t in stmt.targets):
+                source = stmt.value.value if isinstance(stmt.value, cst.Name) else None
+                if source in parameters:
+                    return argument_for(constructor, parameters.index(source), source)
+        return None
 
     def _constant_divisor(self, division: Division, window: Window) -> bool:
         """A divisor that is the window size K, an accumulation name, or loop-invariant."""
@@ -162,12 +288,16 @@ class Auditor:
         return bool({code(a), self._alias(a)} & {code(b), self._alias(b)} - {""})
 
     def _alias(self, expr: cst.BaseExpression) -> str:
-        if not isinstance(expr, cst.Name):
+        if (
+            not isinstance(expr, cst.Name) or expr not in self.tree.order
+        ):  # detached: another module's
             return ""
         stmt = self.tracer.binding(expr.value, expr)
         return code(stmt.value) if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 else ""
 
-    def _gradient_divisions(self, window: Window) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:
+    def _gradient_divisions(
+        self, window: Window
+    ) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:
         """`p.grad.div_(k)`, `p.grad /= k`, `p.grad = p.grad / k` at the window's step."""
         for region in window.step_region:
             for node in self.tree.walk(region, into_defs=False):
@@ -186,6 +316,11 @@ class Auditor:
             return f"`accumulate()` context (line {line})"
         if window.kind == "framework":
             return f"the framework accumulates gradients for you (line {line})"
+        if window.kind == "pipeline":
+            schedule = f"`{code(window.anchor.func)}(...)`"
+            return (
+                f"{schedule} runs the micro-batches and accumulates their gradients (line {line})"
+            )
         return f"`{code(window.size)}` names an accumulation divisor"
 
 
@@ -204,13 +339,18 @@ def _returned_loss(returned: cst.BaseExpression) -> cst.BaseExpression:
 
 def _is_grad(node: cst.CSTNode) -> bool:
     name = dotted(node) or ""
-    return name.endswith(".grad") or name.endswith(".grad.data")
+    return name.endswith((".grad", ".grad.data"))
 
 
 def _grad_divisor(node: cst.CSTNode) -> cst.BaseExpression | None:
-    if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
-        if node.func.attr.value == "div_" and _is_grad(node.func.value) and len(node.args) == 1:
-            return node.args[0].value
+    if (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Attribute)
+        and node.func.attr.value == "div_"
+        and _is_grad(node.func.value)
+        and len(node.args) == 1
+    ):
+        return node.args[0].value
     if isinstance(node, cst.AugAssign) and isinstance(node.operator, cst.DivideAssign):
         return node.value if _is_grad(node.target) else None
     if isinstance(node, cst.Assign) and len(node.targets) == 1 and _is_grad(node.targets[0].target):
@@ -222,5 +362,5 @@ def _grad_divisor(node: cst.CSTNode) -> cst.BaseExpression | None:
 
 def findings(context) -> list[Finding]:
     """GA001/GA002 (and, in accumulate() windows, GA003) for one file."""
-    auditor = Auditor(context.tree, context.accumulation_names, context.directory)
+    auditor = Auditor(context.tree, context.accumulation_names, context.directory, context.imports)
     return auditor.findings(context.path, context.evidence)

@@ -84,11 +84,21 @@ class JaxTracer(Tracer):
 
 @dataclass(frozen=True)
 class Site:
-    """One reportable node, what GA005 says about it, and the accumulation it belongs to."""
+    """One reportable node, what GA005 says about it, and the accumulation it belongs to.
+
+    `kind` is "multisteps" (`node` is the `MultiSteps(...)` call) or "average" (`node` is the
+    `g / k` inside the lambda of `call`, a `tree_map`).
+    """
 
     node: cst.CSTNode
     message: str
     accumulation: str
+    kind: str
+    call: cst.Call
+
+    @property
+    def code(self) -> str:
+        return CODE
 
 
 class OptaxAudit:
@@ -169,6 +179,8 @@ class OptaxAudit:
                 "over-weighted",
                 f"accumulation: `{code(node.func)}` steps every {k} micro-steps "
                 f"(line {self.tree.line(node)})",
+                "multisteps",
+                node,
             )
 
     def _accumulates(self) -> bool:
@@ -210,6 +222,8 @@ class OptaxAudit:
                         "of by their valid tokens",
                         f"accumulation: `{code(node.func)}` averages the micro-gradients "
                         f"(line {self.tree.line(node)})",
+                        "average",
+                        node,
                     )
 
     def _is_tree_map(self, func: cst.BaseExpression) -> bool:
@@ -287,6 +301,7 @@ def findings(context) -> list[Finding]:
                 f"confidence {confidence}: {why}",
             ),
             hint=hint,
+            fixable=True,
         )
         for site in sites
     ]

@@ -16,16 +16,30 @@ CODE = "GA004"
 HOMES = ("transformers.", "trl.")  # where a `Trainer` class comes from
 # Tests under which a division by K is the Trainer's own fallback for models without loss kwargs.
 FALLBACK_GUARDS = {"num_items_in_batch", "model_accepts_loss_kwargs", "compute_loss_func"}
+OPT_OUT = "model_accepts_loss_kwargs"  # a Trainer attribute; `Trainer.__init__` sets it
+MODEL_OPT_OUT = "accepts_loss_kwargs"  # a model class attribute the Trainer reads
+SCALED = "loss_is_scaled_for_ga"  # a Trainer class attribute (transformers 5.x)
 
 
 @dataclass(frozen=True)
 class Site:
-    """One reportable node and what GA004 says about it."""
+    """One reportable node, what GA004 says about it, and where it sits for the fixer.
+
+    `kind` is "compute-loss", "training-step-signature", "training-step-division" or
+    "forward"; `function` is the method holding `node`, `owner` its class.
+    """
 
     node: cst.CSTNode
     message: str
     facts: tuple[str, ...]
+    kind: str
+    function: cst.FunctionDef
+    owner: cst.ClassDef
     crashes: bool = False  # a TypeError on every call, whatever the data
+
+    @property
+    def code(self) -> str:
+        return CODE
 
 
 class _Tracer(Tracer):
@@ -56,12 +70,12 @@ class TrainerAudit:
 
     def sites(self) -> Iterator[Site]:
         for name, cls in self.trainers.items():
-            methods = _methods(cls)
+            methods = methods_of(cls)
             where = f"trainer: `class {name}` subclasses a transformers Trainer (line {self.tree.line(cls)})"
             if "compute_loss" in methods:
                 yield from self._compute_loss(cls, methods["compute_loss"], where)
             if "training_step" in methods:
-                yield from self._training_step(methods["training_step"], where)
+                yield from self._training_step(cls, methods["training_step"], where)
         yield from self._models()
 
     def _is_trainer(self, expr: cst.BaseExpression) -> bool:
@@ -74,48 +88,99 @@ class TrainerAudit:
     def _compute_loss(
         self, cls: cst.ClassDef, function: cst.FunctionDef, where: str
     ) -> Iterator[Site]:
-        names, kwargs = _parameters(function)
+        names, kwargs = parameters(function)
+        overwritten = self._class_level_opt_out(cls)
+        facts = (where,) if overwritten is None else (where, overwritten)
         if "num_items_in_batch" not in names and kwargs is None:
             yield Site(
                 function.name,
                 "`compute_loss` does not accept `num_items_in_batch`: transformers >= 4.46 passes it "
                 "on every call, which raises TypeError",
-                (where, f"signature: `def compute_loss({code(function.params)})`"),
+                (*facts, f"signature: `def compute_loss({code(function.params)})`"),
+                "compute-loss",
+                function,
+                cls,
                 crashes=True,
             )
             return
-        if self._reads(function, {"num_items_in_batch", kwargs}) or self._opts_out(cls):
+        if self._reads(function, {"num_items_in_batch", kwargs}) or self.opts_out(cls):
             return
-        origin = self._returned_mean(function)
+        origin = self.returned_mean(function)
         if origin is not None:
             yield Site(
                 function.name,
                 "`compute_loss` accepts `num_items_in_batch` but never uses it while returning a mean "
                 "loss: the Trainer then skips its division by the accumulation steps, so the loss is "
                 "K times too large and still weighted per micro-batch",
-                (where, f"loss: {origin.description}"),
+                (*facts, f"loss: {origin.description}"),
+                "compute-loss",
+                function,
+                cls,
             )
 
-    def _opts_out(self, cls: cst.ClassDef) -> bool:
-        """`model_accepts_loss_kwargs = False` in the class or a same-file base."""
+    def lineage(self, cls: cst.ClassDef) -> Iterator[cst.ClassDef]:
+        """The class and its same-file Trainer bases, nearest first."""
         pending, seen = [cls], set()
         while pending:
-            current = pending.pop()
+            current = pending.pop(0)
+            if current in seen:
+                continue
             seen.add(current)
-            for node in self.tree.walk(current):
-                if (
-                    isinstance(node, cst.Assign)
-                    and code(node.value) == "False"
-                    and any(
-                        last_name(t.target) == "model_accepts_loss_kwargs" for t in node.targets
-                    )
-                ):
-                    return True
+            yield current
             bases = (self.trainers.get(dotted(base.value) or "") for base in current.bases)
-            pending.extend(b for b in bases if b is not None and b not in seen)
+            pending.extend(b for b in bases if b is not None)
+
+    def opts_out(self, cls: cst.ClassDef) -> bool:
+        """The class or a same-file base sets `self.model_accepts_loss_kwargs = False` in a method
+        (after `super().__init__()` in `__init__`), or `loss_is_scaled_for_ga = False`.
+
+        A class attribute `model_accepts_loss_kwargs = False` does not count:
+        `Trainer.__init__` assigns the instance attribute from the model's signature.
+        """
+        for current in self.lineage(cls):
+            for statement in current.body.body:
+                if isinstance(statement, cst.FunctionDef) and self._sets_false(statement):
+                    return True
+                if class_attribute(statement, SCALED) == "False":
+                    return True
         return False
 
-    def _training_step(self, function: cst.FunctionDef, where: str) -> Iterator[Site]:
+    def _sets_false(self, method: cst.FunctionDef) -> bool:
+        """`self.model_accepts_loss_kwargs = False` in `method`, after `super().__init__()` there."""
+        base_init = next((c for c in self.tree.walk(method.body) if is_super_init(c)), None)
+        after = method.name.value != "__init__" or base_init is not None
+        for node in self.tree.walk(method.body):
+            opts_out = (
+                isinstance(node, cst.Assign)
+                and code(node.value) == "False"
+                and any(
+                    isinstance(t.target, cst.Attribute) and last_name(t.target) == OPT_OUT
+                    for t in node.targets
+                )
+            )
+            if (
+                opts_out
+                and after
+                and (base_init is None or self.tree.order[base_init] < self.tree.order[node])
+            ):
+                return True
+        return False
+
+    def _class_level_opt_out(self, cls: cst.ClassDef) -> str | None:
+        """A fact about a class attribute `model_accepts_loss_kwargs = False`, which has no effect."""
+        for current in self.lineage(cls):
+            for statement in current.body.body:
+                if class_attribute(statement, OPT_OUT) == "False":
+                    return (
+                        f"opt-out: `{OPT_OUT} = False` at line {self.tree.line(statement)} is a class "
+                        "attribute, which `Trainer.__init__` overwrites; set it on the instance after "
+                        "`super().__init__()`"
+                    )
+        return None
+
+    def _training_step(
+        self, cls: cst.ClassDef, function: cst.FunctionDef, where: str
+    ) -> Iterator[Site]:
         params = function.params
         positional_count = len(params.posonly_params) + len(params.params)
         if (
@@ -128,6 +193,9 @@ class TrainerAudit:
                 "`training_step` takes no `num_items_in_batch`: transformers >= 4.46 passes it as a "
                 "third argument, which raises TypeError",
                 (where, f"signature: `def training_step({code(params)})`"),
+                "training-step-signature",
+                function,
+                cls,
                 crashes=True,
             )
         for node in self.tree.walk(function.body):
@@ -137,13 +205,16 @@ class TrainerAudit:
             value, divisor = division
             if last_name(divisor) != "gradient_accumulation_steps" or _detached(value):
                 continue
-            if self._guarded(node, function):
+            if self._guarded(node, function) or self.opts_out(cls):
                 continue
             yield Site(
                 node,
                 f"`training_step` divides the loss by `{code(divisor)}`: a per-micro-batch mean divided "
                 "by K weights micro-batches equally instead of by their valid tokens",
                 (where, f"loss: {self.tracer.origin(value).description}"),
+                "training-step-division",
+                function,
+                cls,
             )
 
     def _guarded(self, node: cst.CSTNode, function: cst.FunctionDef) -> bool:
@@ -165,12 +236,14 @@ class TrainerAudit:
                 continue
             given = keyword(node, "model") or next(iter(positional(node)), None)
             cls = self._model_class(given)
-            forward = _methods(cls).get("forward") if cls is not None else None
+            forward = methods_of(cls).get("forward") if cls is not None else None
             if forward is None or cls.name.value in seen:
                 continue
             seen.add(cls.name.value)
+            if any(class_attribute(s, MODEL_OPT_OUT) == "False" for s in cls.body.body):
+                continue
             passed = f"model: `{cls.name.value}` is trained by `{code(node.func)}` (line {self.tree.line(node)})"
-            yield from self._forward(forward, passed)
+            yield from self._forward(cls, forward, passed)
 
     def _model_class(self, expr: cst.BaseExpression | None) -> cst.ClassDef | None:
         """The same-file class an expression instantiates: `M(...)`, `M(...).to(d)`, a name bound to one."""
@@ -186,11 +259,11 @@ class TrainerAudit:
                 return None
         return None
 
-    def _forward(self, forward: cst.FunctionDef, passed: str) -> Iterator[Site]:
-        _, kwargs = _parameters(forward)
+    def _forward(self, cls: cst.ClassDef, forward: cst.FunctionDef, passed: str) -> Iterator[Site]:
+        _, kwargs = parameters(forward)
         if kwargs is not None and self._reads(forward, {"num_items_in_batch", kwargs}):
             return
-        origin = self._returned_mean(forward)
+        origin = self.returned_mean(forward)
         if origin is None:
             return
         if kwargs is None:
@@ -204,28 +277,52 @@ class TrainerAudit:
                 "loss: the Trainer passes the count and skips its own division, so the loss is "
                 "K times too large"
             )
-        yield Site(forward.name, message, (passed, f"loss: {origin.description}"))
+        yield Site(
+            forward.name, message, (passed, f"loss: {origin.description}"), "forward", forward, cls
+        )
 
     def _reads(self, function: cst.FunctionDef, names: set[str | None]) -> bool:
         return any(
             isinstance(n, cst.Name) and n.value in names for n in self.tree.walk(function.body)
         )
 
-    def _returned_mean(self, function: cst.FunctionDef) -> Origin | None:
+    def returned_mean(self, function: cst.FunctionDef) -> Origin | None:
         """The first returned loss that traces to a mean, looking through tuples, dicts and outputs."""
         for returned in self.tracer.returns(function):
-            for expr in _loss_parts(returned):
+            for expr in loss_parts(returned):
                 origin = self.tracer.origin(expr)
                 if origin.kind == "mean":
                     return origin
         return None
 
 
-def _methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+def methods_of(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
     return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
 
 
-def _parameters(function: cst.FunctionDef) -> tuple[set[str], str | None]:
+def class_attribute(statement: cst.CSTNode, name: str) -> str | None:
+    """The value's code of a class-body statement `name = value`, else None."""
+    if isinstance(statement, cst.SimpleStatementLine):
+        for small in statement.body:
+            if isinstance(small, cst.Assign) and any(
+                isinstance(t.target, cst.Name) and t.target.value == name for t in small.targets
+            ):
+                return code(small.value)
+    return None
+
+
+def is_super_init(node: cst.CSTNode) -> bool:
+    """`super().__init__(...)`."""
+    return (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Attribute)
+        and node.func.attr.value == "__init__"
+        and isinstance(node.func.value, cst.Call)
+        and dotted(node.func.value.func) == "super"
+    )
+
+
+def parameters(function: cst.FunctionDef) -> tuple[set[str], str | None]:
     """Named parameters, and the name of `**kwargs` if any."""
     params = function.params
     names = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
@@ -233,13 +330,13 @@ def _parameters(function: cst.FunctionDef) -> tuple[set[str], str | None]:
     return names, kwargs
 
 
-def _loss_parts(expr: cst.BaseExpression) -> Iterator[cst.BaseExpression]:
+def loss_parts(expr: cst.BaseExpression) -> Iterator[cst.BaseExpression]:
     """`(loss, outputs) if flag else loss`, `loss, logits`, `{"loss": loss}`, `Output(loss=loss)`."""
     if isinstance(expr, cst.IfExp):
-        yield from _loss_parts(expr.body)
-        yield from _loss_parts(expr.orelse)
+        yield from loss_parts(expr.body)
+        yield from loss_parts(expr.orelse)
     elif isinstance(expr, (cst.Tuple, cst.List)) and expr.elements:
-        yield from _loss_parts(expr.elements[0].value)
+        yield from loss_parts(expr.elements[0].value)
     elif isinstance(expr, cst.Dict):
         for element in expr.elements:
             if isinstance(element, cst.DictElement) and string_value(element.key) == "loss":
@@ -290,6 +387,7 @@ def findings(context) -> list[Finding]:
                 confidence=confidence,
                 evidence=(*site.facts, f"confidence {confidence}: {why}"),
                 hint=hint,
+                fixable=True,
             )
         )
     return found

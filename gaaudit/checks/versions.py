@@ -11,15 +11,12 @@ from __future__ import annotations
 import ast
 import fnmatch
 import os
-import stat
 import re
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
+from typing import TYPE_CHECKING
 
 from gaaudit import catalogue
 from gaaudit.config import DEFAULT_EXCLUDE
@@ -27,9 +24,13 @@ from gaaudit.engine import display_path
 from gaaudit.evidence import SUPPRESSION
 from gaaudit.findings import Confidence, FileReport, Finding, Span
 
+if TYPE_CHECKING:  # packaging is imported where pins are judged: most runs find none
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
 CODE = "GA006"
-FIXED = Version("4.46.2")
-EARLY = Version("4.46.0")
+FIXED = "4.46.2"
+EARLY = "4.46.0"
 FLAGS = {"--gradient_accumulation_steps", "--gradient-accumulation-steps"}
 CONFIGS = {".yaml", ".yml", ".json", ".toml", ".cfg", ".ini", ".sh"}
 MAX_BYTES = 1 << 20
@@ -80,16 +81,20 @@ class Pin:
 def verdict(specifier: SpecifierSet) -> str | None:
     """Whether a specifier admits only releases without the fix: `old` when the newest it
     admits predates 4.46, `early` when that is 4.46.0 or 4.46.1, None otherwise."""
+    from packaging.version import Version
+
     declared = [v for v in (_version(s.version) for s in specifier) if v is not None]
     probes = [*map(Version, PROBES), *declared]
     probes += [Version(f"{v.major}.{v.minor}.{v.micro + 1}") for v in declared]
     admitted = [v for v in probes if specifier.contains(v, prereleases=True)]
-    if not admitted or max(admitted) >= FIXED:
+    if not admitted or max(admitted) >= Version(FIXED):
         return None
-    return "early" if max(admitted) >= EARLY else "old"
+    return "early" if max(admitted) >= Version(EARLY) else "old"
 
 
 def _version(text: str) -> Version | None:
+    from packaging.version import InvalidVersion, Version
+
     try:
         return Version(text)
     except InvalidVersion:
@@ -98,6 +103,8 @@ def _version(text: str) -> Version | None:
 
 def bad_pin(pin: Pin) -> str | None:
     """The verdict on a pin that names transformers with a version specifier."""
+    from packaging.requirements import InvalidRequirement, Requirement  # only where pins are
+
     try:
         requirement = Requirement(pin.requirement)
     except InvalidRequirement:

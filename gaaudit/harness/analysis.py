@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import ast
 import builtins
-import contextlib
+import dataclasses
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-Chain = tuple[str, ...]
+from gaaudit.harness.surroundings import (
+    Chain,
+    Derived,
+    Owner,
+    assignments_before,
+    constants,
+    enclosing_owner,
+    framework_base,
+    methods_called,
+)
+
 LOOPS = (ast.For, ast.While)
 DEFS = (ast.FunctionDef,)
 ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip"}
@@ -22,16 +32,31 @@ SCHEDULER_RE = re.compile(r"sched", re.IGNORECASE)
 DATA_RE = re.compile(r"batch|loader|data|(^|_)iter(ator)?($|_)", re.IGNORECASE)
 DIVISOR_RE = re.compile(r"accum", re.IGNORECASE)
 NOT_DIVISOR_RE = re.compile(r"loss|token|count|item|sum|total", re.IGNORECASE)
-# `ignore_index=-1` in the source: the value its loss ignores (used for nanogpt / logits kinds).
+MICRO_SIZE_RE = re.compile(r"micro_?(batch_?)?(size|bs)$|^mbs$", re.IGNORECASE)
+# `ignore_index=-1` (or a module constant) in the source: the value its loss ignores (used for
+# the plain-torch kinds); `label_smoothing=0.1`: part of the image kinds' reference loss.
 IGNORE_RE = re.compile(r"ignore_index\s*=\s*(-?\d+)")
+IGNORE_NAME_RE = re.compile(r"ignore_index\s*=\s*([A-Za-z_]\w*)")
+SMOOTHING_RE = re.compile(r"label_smoothing\s*=\s*(\d*\.?\d+)")
 # Model classes, strongest evidence first; then weaker hints (collators, argument names).
 KIND_HINTS = (
     ("causal", re.compile(r"ForCausalLM|LMHeadModel|CausalLM\b")),
-    ("seq2seq", re.compile(r"Seq2SeqLM|ForConditionalGeneration|\bT5Model|\bM?Bart|Pegasus"
-                           r"|MarianMT|EncoderDecoderModel")),
-    ("mlm", re.compile(r"MaskedLM")),
+    (
+        "seq2seq",
+        re.compile(
+            r"Seq2SeqLM|ForConditionalGeneration|\bT5Model|\bM?Bart|Pegasus"
+            r"|MarianMT|EncoderDecoderModel"
+        ),
+    ),
+    ("mlm", re.compile(r"MaskedLM|ForTokenClassification")),
     ("seq2seq", re.compile(r"decoder_input_ids|\bT5")),
     ("mlm", re.compile(r"mlm_probability|mlm=True")),
+)
+# A plain model called as `model(x)`: what its data look like, from the source's hints.
+NET_HINTS = (
+    ("segment", re.compile(r"[Ss]egment|UNet|DeepLab|\bm?IoU\b|\bmiou\b")),
+    ("image", re.compile(r"torchvision|\btimm\b|ImageFolder|pixel_values|\bimages?\b")),
+    ("regression", re.compile(r"MSELoss|mse_loss|L1Loss|l1_loss|HuberLoss|\*\*\s*2\b")),
 )
 
 
@@ -43,7 +68,11 @@ class NotReplayable(Exception):
 class Plan:
     """What replay needs to run one statement. `free` holds the names the statement and its
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
-    binds there (model, optimizer, data, divisor, accelerator, fabric, scaler, device)."""
+    binds there (model, optimizer, data, data-call, divisor, micro-size, width, accelerator,
+    fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into micro-batches
+    itself, so it is served the whole window at once. `owner`: the class whose method holds
+    the statement. `derived`: assignments before the statement to evaluate. `stages`: two
+    models chained as encoder and decoder."""
 
     target: ast.stmt
     imports: list[ast.stmt]
@@ -58,6 +87,11 @@ class Plan:
     ignore_index: int | None = None
     data_arity: int = 0
     uses_accumulate: bool = False
+    splits_batch: bool = False
+    label_smoothing: float = 0.0
+    owner: Owner | None = None
+    derived: list[Derived] = field(default_factory=list)
+    stages: tuple[Chain, Chain] | None = None
 
 
 def chain_of(node: ast.AST) -> Chain | None:
@@ -209,27 +243,35 @@ def _initial_values(tree: ast.Module, target: ast.stmt, free: list[str]) -> dict
     """Literal values the source assigns to the statement's free names before it, at module
     level or in the functions enclosing it (`num_items = 0`); 0 for other names the statement
     only augments (`total += n`)."""
-    enclosing = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
-                 and n.lineno < target.lineno <= n.end_lineno]
+    enclosing = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.lineno < target.lineno <= n.end_lineno
+    ]
     nodes = list(_module_level(tree.body)) + [s for f in enclosing for s in ast.walk(f)]
-    found = {}
-    for node in sorted(nodes, key=lambda n: getattr(n, "lineno", 0)):
-        if not isinstance(node, ast.Assign) or node.lineno >= target.lineno:
-            continue
-        for name in [t.id for t in node.targets if isinstance(t, ast.Name) and t.id in free]:
-            with contextlib.suppress(ValueError, TypeError, SyntaxError, MemoryError,
-                                     RecursionError):
-                found[name] = ast.literal_eval(node.value)
-    augmented = {n.target.id for n in ast.walk(target)
-                 if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)}
+    before = sorted(
+        (n for n in nodes if isinstance(n, ast.Assign) and n.lineno < target.lineno),
+        key=lambda n: n.lineno,
+    )
+    found = {name: value for name, value in constants(before).items() if name in free}
+    augmented = {
+        n.target.id
+        for n in ast.walk(target)
+        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)
+    }
     return {**dict.fromkeys(augmented & set(free), 0), **found}
 
 
 def _imports(tree: ast.Module, target: ast.stmt) -> list[ast.stmt]:
     inside = {id(n) for n in ast.walk(target)}
-    found = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-             and id(n) not in inside and not getattr(n, "level", 0)
-             and getattr(n, "module", "") != "__future__"]
+    found = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        and id(n) not in inside
+        and not getattr(n, "level", 0)
+        and getattr(n, "module", "") != "__future__"
+    ]
     return sorted(found, key=lambda n: n.lineno)
 
 
@@ -244,10 +286,16 @@ class _Usage:
     assigned: dict = field(default_factory=lambda: defaultdict(list))
     result_attrs: set = field(default_factory=set)
     aliases: list = field(default_factory=list)
+    generators: list = field(default_factory=list)
 
     def add(self, nodes: list[ast.stmt]) -> None:
-        parents = {child: parent for node in nodes for parent in ast.walk(node)
-                   for child in ast.iter_child_nodes(parent)}
+        parents = {
+            child: parent
+            for node in nodes
+            for parent in ast.walk(node)
+            for child in ast.iter_child_nodes(parent)
+        }
+        self.generators = []
         for root in nodes:
             for node in ast.walk(root):
                 chain = chain_of(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
@@ -259,19 +307,41 @@ class _Usage:
                     self._iterated(node.iter, node.target)
                 elif _reads_output(node):
                     self.result_attrs.add(chain_of(node.value))
-                elif isinstance(node, ast.Assign) and chain_of(node.value) \
-                        and isinstance(node.targets[0], ast.Name):
+                elif (
+                    isinstance(node, ast.Assign)
+                    and chain_of(node.value)
+                    and isinstance(node.targets[0], ast.Name)
+                ):
                     self.aliases.append((node.targets[0].id, chain_of(node.value)))
+        bound = {
+            n.id
+            for root in nodes
+            for n in ast.walk(root)
+            if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
+        }
+        for func, call, arity in self.generators:  # `for src, tgt in batches(pairs, bsz):`
+            if not {n.id for n in ast.walk(call) if isinstance(n, ast.Name)} & bound:
+                self.evidence[func].add("iterated-call")
+                if arity:
+                    self.arity.setdefault(func, arity)
         for alias, chain in self.aliases:  # `active = train_loader; for batch in active:`
             self.evidence[chain] |= self.evidence.get((alias,), set()) & {"iterated", "next"}
             if (alias,) in self.arity:
                 self.arity.setdefault(chain, self.arity[(alias,)])
 
     def _call(self, call: ast.Call, parents: dict) -> None:
-        func = chain_of(call.func)
+        func, args = chain_of(call.func), [chain_of(a) for a in call.args]
+        if (
+            isinstance(call.func, ast.Attribute)
+            and call.func.attr in ("view", "reshape")
+            and len(args) > 1
+            and args[-1]
+            and _is_minus_one(call.args[0])
+        ):
+            self.evidence[args[-1]].add("width")  # `logits.view(-1, V)`: V is the output width
         if func is None:
             return
-        args, parent = [chain_of(a) for a in call.args], parents.get(call)
+        parent = parents.get(call)
         self.evidence[func].add("called")
         self.calls[func].append((call, parent))
         if func in (("next",), ("iter",)) and args and args[0]:
@@ -309,8 +379,12 @@ class _Usage:
     def _iterated(self, iterable: ast.expr, target: ast.expr) -> None:
         """`for ... in enumerate(tqdm(loader))` and the like: `loader` is iterated."""
         sources = [iterable]
-        while sources and isinstance(sources[0], ast.Call) and sources[0].args \
-                and (chain_of(sources[0].func) or ("",))[-1] in ITER_WRAPPERS:
+        while (
+            sources
+            and isinstance(sources[0], ast.Call)
+            and sources[0].args
+            and (chain_of(sources[0].func) or ("",))[-1] in ITER_WRAPPERS
+        ):
             call = sources.pop(0)
             wrapper = chain_of(call.func)[-1]
             if wrapper == "enumerate" and isinstance(target, ast.Tuple) and len(target.elts) == 2:
@@ -318,18 +392,33 @@ class _Usage:
             sources[:0] = call.args if wrapper == "zip" else call.args[:1]
         for source in sources:
             chain = chain_of(source)
+            if isinstance(source, ast.Call) and chain_of(source.func):
+                arity = len(target.elts) if isinstance(target, (ast.Tuple, ast.List)) else 0
+                self.generators.append((chain_of(source.func), source, arity))
             if chain:
                 self.evidence[chain].add("iterated")
                 if isinstance(target, (ast.Tuple, ast.List)):
                     self.arity.setdefault(chain, len(target.elts))
 
 
+def _is_minus_one(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and node.operand.value == 1
+    )
+
+
 def _reads_output(node) -> bool:
     """`x.loss`, `x.logits`, `x["loss"]` or `x[0]`: reading a model output."""
     if isinstance(node, ast.Attribute):
         return node.attr in ("loss", "logits")
-    return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+    return (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Constant)
         and node.slice.value in ("loss", "logits", 0)
+    )
 
 
 def _call_shape(usage: _Usage, chain: Chain) -> str | None:
@@ -341,8 +430,11 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
             shapes.add("hf")
         elif len(call.args) == 2 or "targets" in keywords:
             shapes.add("nanogpt")
-        elif _reads_output(parent) or (isinstance(parent, ast.Assign) and len(parent.targets) == 1
-                                       and chain_of(parent.targets[0]) in usage.result_attrs):
+        elif _reads_output(parent) or (
+            isinstance(parent, ast.Assign)
+            and len(parent.targets) == 1
+            and chain_of(parent.targets[0]) in usage.result_attrs
+        ):
             shapes.add("hf")
         else:
             shapes.add("logits")
@@ -353,22 +445,32 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
 
 
 def _harness_made(chain: Chain, role: str | None, usage: _Usage) -> bool:
-    """Whether a module-level function is replaced rather than run: a model, or a data source
-    that is iterated or called like `get_batch('train')` (`split_batch(batch, n)` runs)."""
-    return role == "model" or role == "data" and (
-        bool(usage.evidence[chain] & {"iterated", "next"}) or _string_call(usage, chain))
+    """Whether a module-level function is replaced rather than run: a model, a generator of
+    batches (`for x, y in batches(pairs, bsz)`), or a data source that is iterated or called
+    like `get_batch('train')` (`split_batch(batch, n)` runs)."""
+    return (
+        role in ("model", "data-call")
+        or role == "data"
+        and (bool(usage.evidence[chain] & {"iterated", "next"}) or _string_call(usage, chain))
+    )
 
 
 def _string_call(usage: _Usage, chain: Chain) -> bool:
-    return any(isinstance(a, ast.Constant) and isinstance(a.value, str)
-               for call, _ in usage.calls.get(chain, []) for a in call.args)
+    return any(
+        isinstance(a, ast.Constant) and isinstance(a.value, str)
+        for call, _ in usage.calls.get(chain, [])
+        for a in call.args
+    )
 
 
 def _no_grad(node: ast.stmt) -> bool:
     """A helper under `@torch.no_grad()` or `@torch.inference_mode()` cannot change a gradient;
     it stays a stub (it usually evaluates on data the harness does not serve)."""
-    return any((chain_of(d.func if isinstance(d, ast.Call) else d) or ("",))[-1]
-               in ("no_grad", "inference_mode") for d in getattr(node, "decorator_list", []))
+    return any(
+        (chain_of(d.func if isinstance(d, ast.Call) else d) or ("",))[-1]
+        in ("no_grad", "inference_mode")
+        for d in getattr(node, "decorator_list", [])
+    )
 
 
 def _is_divisor(chain: Chain, divisor_names) -> bool:
@@ -384,6 +486,10 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
     called = "called" in ev
     if not called and _is_divisor(chain, divisor_names):
         return "divisor"
+    if not called and MICRO_SIZE_RE.search(last):
+        return "micro-size"
+    if not called and "width" in ev:
+        return "width"
     if "accumulate" in ev or (not called and "accelerator" in last.lower()):
         return "accelerator"
     if not called and "fabric" in last.lower():
@@ -392,6 +498,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "scaler"
     if chain[0] in helpers and len(chain) == 1:
         return None
+    if "iterated-call" in ev:
+        return "data-call"
     shape = _call_shape(usage, chain)
     model_like = "model-method" in ev or (shape and (MODEL_RE.search(last) or shape == "hf"))
     if model_like and not (shape == "logits" and DATA_RE.search(last)):
@@ -420,7 +528,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
     defs.pop(getattr(target, "name", None), None)
     is_def = isinstance(target, ast.FunctionDef)
     scan = FreeNames()
-    for stmt in (target.body if is_def else [target]):
+    for stmt in target.body if is_def else [target]:
         scan.visit(stmt)
     free = list(scan.free)
     params, optional = None, set()
@@ -428,55 +536,225 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         args = target.args
         positional = args.posonlyargs + args.args
         params = [a.arg for a in positional + args.kwonlyargs]
-        optional = {a.arg for a in positional[len(positional) - len(args.defaults):]}
+        optional = {a.arg for a in positional[len(positional) - len(args.defaults) :]}
         optional |= {a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None}
+    owner = enclosing_owner(tree, target)
+    base = framework_base(tree, owner) if owner else None
+    if base:
+        raise NotReplayable(
+            f"the statement is in a method of `{owner.node.name}`, a subclass of `{base[0]}` from "
+            f"{base[1]}: the loss, the accumulation and the optimizer step run inside {base[1]}, "
+            "which statement replay does not reproduce"
+        )
     usage, helpers, pending = _Usage(), [], [target]
     while pending:
         usage.add(pending)
         wanted = [n for n in free if n in defs and defs[n] not in helpers]
-        pending = [defs[n] for n in wanted if not _no_grad(defs[n]) and not _harness_made(
-            (n,), _role((n,), usage, divisor_names, set()), usage)]
+        pending = [
+            defs[n]
+            for n in wanted
+            if not _no_grad(defs[n])
+            and not _harness_made((n,), _role((n,), usage, divisor_names, set()), usage)
+        ]
         helpers += pending
         for helper in pending:
             inner = FreeNames()
             inner.visit(helper)
             free += [n for n in inner.free if n not in free]
+    methods = methods_called(owner, [target, *helpers]) if owner else []
+    usage.add(methods)
+    for method in methods:
+        inner = FreeNames()
+        inner.visit(method)
+        free += [n for n in inner.free if n not in free]
     helper_names = {h.name for h in helpers}
     free = [n for n in free if n not in helper_names]
-    roots = set(free) | set(params or ())
-    roles = {}
+    derived = assignments_before(tree, target, free, owner)
+    usage.add([d.statement for d in derived])
+    own = (
+        {(owner.instance, m.name) for m in owner.node.body if isinstance(m, ast.FunctionDef)}
+        if owner
+        else set()
+    )
+    roles = _roles(usage, free, params or [], own, divisor_names, helper_names)
+    module_constants = constants(list(_module_level(tree.body)))
+    imported = {
+        (a.asname or a.name).split(".")[0] for node in _imports(tree, target) for a in node.names
+    }
+    derived = _evaluable(derived, roles, imported, module_constants, owner)
+    for item in derived:
+        roles.pop(item.chain, None)
+    data = [c for c, r in roles.items() if r in ("data", "data-call") and c[0] not in imported]
+    models = [c for c, r in roles.items() if r == "model"]
+    stages = _stages(usage, models)
+    shapes = {_call_shape(usage, c) for c in models}
+    kind = model_kind or ("pair" if stages else _kind(source, shapes))
+    prefetch = {
+        c: usage.assigned[c]
+        for c in data
+        if usage.assigned.get(c) and all(len(n) == 1 and n[0] in free for n in usage.assigned[c])
+    }
+    arities = {usage.arity[c] for c in data if c in usage.arity}
+    arity = max(arities) if arities else (2 if kind == "nanogpt" else 0)
+    if arity not in (0, 2):
+        raise NotReplayable(
+            f"the loop unpacks {arity} values from each batch; the harness "
+            "serves dict batches or (input_ids, labels) pairs"
+        )
+    return Plan(
+        target=target,
+        imports=_imports(tree, target),
+        helpers=helpers,
+        free=free,
+        params=params,
+        optional=optional,
+        roles=roles,
+        prefetch=prefetch,
+        initial=_initial_values(tree, target, free),
+        model_kind=kind,
+        ignore_index=_ignore_index(source, module_constants, kind),
+        data_arity=arity,
+        uses_accumulate=any(
+            "accumulate" in usage.evidence.get(c, ())
+            for c, r in roles.items()
+            if r == "accelerator"
+        ),
+        splits_batch=_splits_batch(target, data),
+        label_smoothing=_smoothing(source),
+        owner=owner,
+        derived=derived,
+        stages=stages,
+    )
+
+
+def _roles(
+    usage: _Usage, free: list[str], params: list[str], own: set, divisor_names, helper_names: set
+) -> dict[Chain, str]:
+    """The role of each free name or attribute chain (the shortest chain with one wins); the
+    owner's own methods (`self._forward`) and builtins have none."""
+    roots, roles = set(free) | set(params), {}
     for chain in sorted(usage.chains | set(usage.evidence), key=len):
-        if chain[0] not in roots or any(chain[:i] in roles for i in range(1, len(chain))):
+        if (
+            chain[0] not in roots
+            or any(chain[:i] in roles for i in range(1, len(chain)))
+            or chain[:2] in own
+        ):
             continue
-        if len(chain) == 1 and chain[0] in vars(builtins) and chain[0] not in (params or ()):
+        if len(chain) == 1 and chain[0] in vars(builtins) and chain[0] not in params:
             continue
         role = _role(chain, usage, divisor_names, helper_names)
         if role:
             roles[chain] = role
-    data = [c for c, r in roles.items() if r == "data"]
+    return roles
+
+
+def _ignore_index(source: str, module_constants: dict, kind: str) -> int | None:
+    """The value the source's loss ignores: `ignore_index=-1`, or `ignore_index=PAD` with a
+    module constant `PAD`; -100 for nanoGPT-style code that mentions it; else None."""
+    found = IGNORE_RE.search(source)
+    if found:
+        return int(found.group(1))
+    named = IGNORE_NAME_RE.search(source)
+    value = module_constants.get(named.group(1)) if named else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return -100 if kind == "nanogpt" and re.search(r"-100\b", source) else None
+
+
+def _smoothing(source: str) -> float:
+    found = SMOOTHING_RE.search(source)
+    return float(found.group(1)) if found else 0.0
+
+
+def _evaluable(
+    derived: list[Derived], roles: dict, imported: set, module_constants: dict, owner: Owner | None
+) -> list[Derived]:
+    """The assignments replay may evaluate: to a name with no role (or a data role, where the
+    value is computed from a model: `params = list(enc.parameters())`), reading only imports,
+    builtins, module constants and names the harness binds."""
+    known = (
+        imported
+        | set(vars(builtins))
+        | set(module_constants)
+        | {c[0] for c in roles if len(c) == 1}
+        | ({owner.instance} if owner else set())
+    )
     models = [c for c, r in roles.items() if r == "model"]
-    shapes = {_call_shape(usage, c) for c in models}
-    kind = model_kind or _kind(source, shapes)
-    ignore = IGNORE_RE.search(source)
-    ignore_index = int(ignore.group(1)) if ignore else (
-        -100 if kind == "nanogpt" and re.search(r"-100\b", source) else None)
-    prefetch = {c: usage.assigned[c] for c in data if usage.assigned.get(c)
-                and all(len(n) == 1 and n[0] in free for n in usage.assigned[c])}
-    arities = {usage.arity[c] for c in data if c in usage.arity}
-    arity = max(arities) if arities else (2 if kind == "nanogpt" else 0)
-    if arity not in (0, 2):
-        raise NotReplayable(f"the loop unpacks {arity} values from each batch; the harness "
-                            "serves dict batches or (input_ids, labels) pairs")
-    return Plan(target=target, imports=_imports(tree, target), helpers=helpers, free=free,
-                params=params, optional=optional, roles=roles, prefetch=prefetch,
-                initial=_initial_values(tree, target, free), model_kind=kind,
-                ignore_index=ignore_index, data_arity=arity,
-                uses_accumulate=any("accumulate" in usage.evidence.get(c, ())
-                                    for c, r in roles.items() if r == "accelerator"))
+    kept = []
+    for item in derived:
+        names = {n.id for n in ast.walk(item.value) if isinstance(n, ast.Name)}
+        chains = [chain_of(n) for n in ast.walk(item.value) if isinstance(n, ast.Attribute)]
+        reads_model = any(
+            c[: len(m)] == m for c in chains + [(n,) for n in names] if c for m in models
+        )
+        role = roles.get(item.chain)
+        if names <= known and (role is None or role == "data" and reads_model):
+            kept.append(dataclasses.replace(item, reads_model=reads_model))
+    return kept
+
+
+def _stages(usage: _Usage, models: list[Chain]) -> tuple[Chain, Chain] | None:
+    """Two models, the second called with what the first returned: (encoder, decoder)."""
+    for first in models:
+        results = {
+            n.id
+            for _, parent in usage.calls.get(first, [])
+            if isinstance(parent, ast.Assign)
+            for target in parent.targets
+            for n in ast.walk(target)
+            if isinstance(n, ast.Name)
+        }
+        for second in (m for m in models if m != first):
+            for call, _ in usage.calls.get(second, []):
+                fed = [
+                    i
+                    for i, arg in enumerate(call.args)
+                    if any(
+                        isinstance(n, ast.Name)
+                        and n.id in results
+                        or isinstance(n, ast.Call)
+                        and chain_of(n.func) == first
+                        for n in ast.walk(arg)
+                    )
+                ]
+                if fed[:1] == [0]:
+                    raise NotReplayable(
+                        f"`{'.'.join(second)}` is called on the output of `{'.'.join(first)}` "
+                        "(a backbone and a head); the harness chains two models only as an "
+                        "encoder and a decoder that takes the target sequence first"
+                    )
+                if fed:
+                    return first, second
+    return None
+
+
+def _splits_batch(target: ast.stmt, data: list[Chain]) -> bool:
+    """A `for` over the data whose backward calls sit in an inner loop that reads no data
+    source: the loop cuts each loader batch into micro-batches itself."""
+
+    def reads_data(node: ast.AST) -> bool:
+        return any(
+            c[: len(d)] == d
+            for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute)) and (c := chain_of(n))
+            for d in data
+        )
+
+    if not isinstance(target, ast.For) or not reads_data(target.iter):
+        return False
+    return any(
+        inner is not target
+        and isinstance(inner, LOOPS)
+        and not reads_data(inner)
+        and any(isinstance(n, ast.Attribute) and n.attr == "backward" for n in ast.walk(inner))
+        for inner in ast.walk(target)
+    )
 
 
 def _kind(source: str, shapes: set) -> str:
     """The tiny model to bind: from how the model is called, then from the source's hints."""
     if "hf" in shapes or not shapes - {None}:
         return next((kind for kind, hint in KIND_HINTS if hint.search(source)), "causal")
-    return "nanogpt" if "nanogpt" in shapes else "logits"
+    if "nanogpt" in shapes:
+        return "nanogpt"
+    return next((kind for kind, hint in NET_HINTS if hint.search(source)), "logits")

@@ -2,39 +2,53 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
-from gaaudit.harness.models import VOCAB, ignore_value
+from gaaudit.harness.models import ignore_value, vocab_size
+from gaaudit.harness.nets import NET_KINDS, SIZED_KINDS, net_record
 
-MASK_ID = 1  # the [MASK] token of the tiny MLM; real tokens are drawn from 2..VOCAB-1
+MASK_ID = 1  # the [MASK] token of the tiny MLM; real tokens are drawn from 2..vocab_size()-1
 
 
 @dataclass(frozen=True)
 class Window:
-    """K micro-batches (`micro`) and the same sequences as one batch (`full`); padded labels
-    hold `ignore_index`."""
+    """K micro-batches (`micro`) and the same samples as one batch (`full`); padded labels
+    hold `ignore_index`. `label_smoothing` belongs to the reference loss of the image kinds."""
 
     kind: str
     micro: list[dict[str, torch.Tensor]]
     full: dict[str, torch.Tensor]
     ignore_index: int
+    label_smoothing: float = 0.0
 
     def to(self, device) -> Window:
         move = lambda b: {name: t.to(device) for name, t in b.items()}
-        return Window(self.kind, [move(b) for b in self.micro], move(self.full), self.ignore_index)
+        return dataclasses.replace(self, micro=[move(b) for b in self.micro], full=move(self.full))
 
 
-def make_records(kind: str, n: int, seed: int = 0, min_len: int = 4, max_len: int = 32) -> list:
-    """`n` unpadded samples for `kind`: dicts of 1-D `input_ids` and `labels` tensors."""
+def make_records(
+    kind: str,
+    n: int,
+    seed: int = 0,
+    min_len: int = 4,
+    max_len: int = 32,
+    ignore_index: int | None = None,
+) -> list:
+    """`n` unpadded samples for `kind`: dicts of `input_ids` (token ids, an image or features)
+    and `labels` tensors."""
     gen = torch.Generator().manual_seed(seed)
     length = lambda: int(torch.randint(min_len, max_len + 1, (), generator=gen))
-    tokens = lambda m: torch.randint(2, VOCAB, (m,), generator=gen)
+    tokens = lambda m: torch.randint(2, vocab_size(), (m,), generator=gen)
     records = []
     for _ in range(n):
-        if kind in ("nanogpt", "logits"):
+        if kind in NET_KINDS:
+            records.append(net_record(kind, gen, length, tokens, ignore_value(kind, ignore_index)))
+        elif kind in ("nanogpt", "logits"):
             seq = tokens(length() + 1)
             records.append({"input_ids": seq[:-1], "labels": seq[1:]})
         elif kind == "seq2seq":
@@ -52,16 +66,23 @@ def make_records(kind: str, n: int, seed: int = 0, min_len: int = 4, max_len: in
 
 
 def collate(kind: str, records: list, ignore_index: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-pad `records` into one batch: pad id 0, labels padded with the ignored value."""
+    """Right-pad `records` into one batch: pad id 0, labels padded with the ignored value;
+    fixed-shape samples (images, features) are stacked."""
+    if kind in NET_KINDS and kind != "pair":
+        return {key: torch.stack([r[key] for r in records]) for key in ("input_ids", "labels")}
+
     def pad(key, value):
         width = max(len(r[key]) for r in records)
-        return torch.stack([torch.cat([r[key], r[key].new_full((width - len(r[key]),), value)])
-                            for r in records])
+        return torch.stack(
+            [torch.cat([r[key], r[key].new_full((width - len(r[key]),), value)]) for r in records]
+        )
 
     batch = {"input_ids": pad("input_ids", 0)}
-    if kind != "nanogpt":
+    if kind not in ("nanogpt", "pair"):
         lengths = torch.tensor([len(r["input_ids"]) for r in records])
-        batch["attention_mask"] = (torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]).long()
+        batch["attention_mask"] = (
+            torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
+        ).long()
     batch["labels"] = pad("labels", ignore_value(kind, ignore_index))
     return batch
 
@@ -72,14 +93,48 @@ def split_window(kind: str, records: list, k: int, ignore_index: int | None = No
         raise ValueError(f"cannot split {len(records)} samples into {k} micro-batches")
     bounds = [round(i * len(records) / k) for i in range(k + 1)]
     micro = [collate(kind, records[a:b], ignore_index) for a, b in itertools.pairwise(bounds)]
-    return Window(kind, micro, collate(kind, records, ignore_index),
-                  ignore_value(kind, ignore_index))
+    return Window(
+        kind, micro, collate(kind, records, ignore_index), ignore_value(kind, ignore_index)
+    )
 
 
-def make_window(kind: str, k: int, micro_batch_size: int = 2, seed: int = 0, min_len: int = 4,
-                max_len: int = 32, ignore_index: int | None = None, packed: bool = False) -> Window:
+def merge_batches(batches: list[dict], ignore_index: int) -> dict[str, torch.Tensor]:
+    """Micro-batches as one batch (the inverse of split_window): sequences right-padded to the
+    widest, labels with `ignore_index`, everything else with 0."""
+    merged = {}
+    for key in batches[0]:
+        tensors = [b[key] for b in batches]
+        if tensors[0].dim() == 2:
+            width = max(t.shape[1] for t in tensors)
+            fill = ignore_index if key == "labels" else 0
+            tensors = [F.pad(t, (0, width - t.shape[1]), value=fill) for t in tensors]
+        merged[key] = torch.cat(tensors)
+    return merged
+
+
+def make_window(
+    kind: str,
+    k: int,
+    micro_batch_size: int = 2,
+    seed: int = 0,
+    min_len: int = 4,
+    max_len: int = 32,
+    ignore_index: int | None = None,
+    packed: bool = False,
+    label_smoothing: float = 0.0,
+) -> Window:
     """A window of `k` micro-batches of `micro_batch_size` random-length samples each; with
-    `packed`, every sample is `max_len` long (fixed-length blocks: nothing is padded)."""
-    records = make_records(kind, k * micro_batch_size, seed, max_len if packed else min_len,
-                           max_len)
-    return split_window(kind, records, k, ignore_index)
+    `packed`, every sample is `max_len` long (fixed-length blocks: nothing is padded). For
+    SIZED_KINDS the window is one sample short unless `packed`, so that its micro-batches (and
+    any K chunks of the whole window) differ in size, as the last batch of an epoch does."""
+    short = kind in SIZED_KINDS and not packed and k > 1 and micro_batch_size > 1
+    records = make_records(
+        kind,
+        k * micro_batch_size - short,
+        seed,
+        max_len if packed else min_len,
+        max_len,
+        ignore_index,
+    )
+    window = split_window(kind, records, k, ignore_index)
+    return dataclasses.replace(window, label_smoothing=label_smoothing)

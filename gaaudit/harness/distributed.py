@@ -1,73 +1,45 @@
-"""DDP check: run a loop function on 2 CPU processes (gloo) with unequal token counts per rank
-and compare the all-reduced gradient with one full batch of every rank's data."""
+"""Statement replay on N processes (`gaaudit verify --distributed N`): the loop runs on every
+rank, its model wrapped in DistributedDataParallel (gloo on CPU, NCCL with one GPU per rank),
+each rank with its own K micro-batches of one global window of K * N (so the ranks hold
+unequal token counts); the all-reduced gradient at the optimizer step is compared with one
+full batch of the whole window, through replay.compare."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
+import queue
 import socket
-import tempfile
+import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import replace
+from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 
-from gaaudit.harness.data import collate, make_records, split_window
-from gaaudit.harness.gradcheck import (
-    RecordingOptimizer,
-    StepReached,
-    deterministic,
-    full_batch_grads,
-    relative_error,
-)
-from gaaudit.harness.models import build_model, count_tokens
+from gaaudit.harness.factory import load_factory, user_model
+from gaaudit.harness.gradcheck import relative_error
+from gaaudit.harness.replay import Comparison, Replay, _execute, _Session
+from gaaudit.harness.replay import compare as compare_replays
 
-# loop(model, batches, optimizer, k): `model` is wrapped in DistributedDataParallel, `batches`
-# are this rank's k micro-batches (dicts), `optimizer.step()` ends the run.
-Loop = Callable[[torch.nn.Module, list, torch.optim.Optimizer, int], None]
+STARTUP = 120.0  # seconds a fresh rank may take to import torch and join the group
+REPLICA_TOLERANCE = 1e-6  # ranks whose gradients differ more did not all-reduce them
 
 
-@dataclass(frozen=True)
-class DDPResult:
-    """One loop: the relative error of rank 0's gradient at its step, or why there is none."""
-
-    error: float | None
-    reason: str = ""
+class DistributedError(Exception):
+    """`--distributed` cannot run as asked; the message says what to do."""
 
 
-def _rank_records(kind: str, k: int, world_size: int, micro_batch_size: int, seed: int):
-    """All samples, sorted by length so that the ranks see very different token counts."""
-    records = make_records(kind, k * world_size * micro_batch_size, seed)
-    records.sort(key=lambda r: len(r["input_ids"]))
-    size = k * micro_batch_size
-    return records, [records[r * size:(r + 1) * size] for r in range(world_size)]
-
-
-def _worker(rank, world_size, loops, kind, k, micro_batch_size, seed, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        _, shards = _rank_records(kind, k, world_size, micro_batch_size, seed)
-        batches = split_window(kind, shards[rank], k).micro
-        for index, loop in enumerate(loops):
-            with deterministic(seed, torch.device("cpu")):
-                model = torch.nn.parallel.DistributedDataParallel(build_model(kind, seed))
-                optimizer = RecordingOptimizer(model.parameters())
-                try:
-                    loop(model, batches, optimizer, k)
-                    outcome = "the loop returned without an optimizer step"
-                except StepReached:
-                    outcome = optimizer.grads
-                except Exception as exc:  # noqa: BLE001 - reported to the caller
-                    outcome = f"{type(exc).__name__}: {exc}"
-            if rank == 0:
-                torch.save(outcome, Path(out_dir) / f"{index}.pt")
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # results are saved; skip the seconds-long teardown of a torch interpreter
+def _ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    if device.type != "cuda":
+        return DistributedDataParallel(model, find_unused_parameters=True)
+    ids = [torch.cuda.current_device() if device.index is None else device.index]
+    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
 
 
 def _free_port() -> int:
@@ -76,40 +48,277 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ddp_check(loops: Sequence[Loop], *, k: int = 2, world_size: int = 2,
-              micro_batch_size: int = 2, kind: str = "causal", seed: int = 0,
-              timeout: float = 120.0) -> list[DDPResult]:
-    """Run each loop (a picklable top-level function, see Loop) on `world_size` gloo processes
-    and compare rank 0's gradient at its optimizer step with the global full batch."""
-    records, shards = _rank_records(kind, k, world_size, micro_batch_size, seed)
-    counts = [int(count_tokens(kind, collate(kind, shard))) for shard in shards]
-    if len(set(counts)) == 1:
-        raise ValueError(f"every rank holds {counts[0]} tokens; use another seed")
-    with deterministic(seed, torch.device("cpu")):
-        full = split_window(kind, records, 1)
-        reference = full_batch_grads(build_model(kind, seed), full)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    with tempfile.TemporaryDirectory() as out_dir:
+def _serve(rank, world_size, backend, address, inbox, outbox, timeout, factory) -> None:
+    """A rank: join the group, then replay each job that arrives with this rank's shard."""
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks meet on the loopback device
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{address}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        model = load_factory(*factory) if factory else None
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as this rank's failure
+        outbox.put(
+            (rank, pickle.dumps(f"rank {rank} could not start: {type(exc).__name__}: {exc}"))
+        )
+        outbox.close()
+        outbox.join_thread()  # deliver the message before leaving
+        os._exit(1)
+    with user_model(model):
+        while (message := inbox.get()) is not None:
+            plan, filename, shard, k, ignore_index, seed, dtype, limit = pickle.loads(message)
+            shard = [{name: t.to(device) for name, t in batch.items()} for batch in shard]
+            try:
+                result = _execute(
+                    plan,
+                    filename,
+                    shard,
+                    k,
+                    ignore_index,
+                    seed,
+                    device,
+                    dtype,
+                    limit,
+                    wrap=partial(_ddp, device=device),
+                )
+            except Exception as exc:  # noqa: BLE001 - DDP itself failed (e.g. a collective)
+                result = Replay(None, f"{type(exc).__name__}: {exc}")
+            if result.grads is not None:
+                result = replace(result, grads=[g.cpu() for g in result.grads])
+            outbox.put((rank, pickle.dumps(result)))
+    dist.destroy_process_group()
+    os._exit(0)  # skip the seconds-long teardown of a torch interpreter
+
+
+class Ranks:
+    """`world_size` worker processes in one process group, kept for a whole verify run; they
+    are restarted after a replay that may have left them out of step (a rank did not answer,
+    or the ranks failed differently). `device`: `auto` (CUDA with NCCL when there is one GPU
+    per rank, else CPU with gloo), `cpu` or `cuda`. `factory`: load_factory's arguments, for
+    the user's model. The processes start at the first replay; close() stops them."""
+
+    def __init__(
+        self,
+        world_size: int,
+        device: str = "auto",
+        timeout: float = 60.0,
+        factory: tuple[str, str, str] | None = None,
+    ):
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device == "auto":
+            device = "cuda" if gpus >= world_size else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and gpus < world_size:
+            raise DistributedError(
+                f"--distributed {world_size} --device cuda needs one GPU per process and this "
+                f"machine has {gpus}: use --device cpu (gloo) or fewer processes"
+            )
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.world_size, self.timeout, self.factory = world_size, timeout, factory
+        self._workers: list = []
+        self._inboxes: list = []
+        self._outbox = None
+
+    def _start(self) -> None:
+        context = mp.get_context("spawn")
+        address = f"127.0.0.1:{_free_port()}"
+        self._outbox = context.Queue()
+        self._inboxes = [context.Queue() for _ in range(self.world_size)]
+        self._workers = [
+            context.Process(
+                target=_serve,
+                daemon=True,
+                args=(
+                    rank,
+                    self.world_size,
+                    self.backend,
+                    address,
+                    self._inboxes[rank],
+                    self._outbox,
+                    self.timeout,
+                    self.factory,
+                ),
+            )
+            for rank in range(self.world_size)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force)."""
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for worker in (w for w in self._workers if w.pid is not None):
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join()
+        self._workers, self._inboxes = [], []
+
+    def run(
+        self,
+        plan,
+        filename: str,
+        micro: list,
+        k: int,
+        ignore_index: int,
+        seed: int,
+        dtype: torch.dtype,
+        timeout: float,
+    ) -> Replay:
+        """Replay `plan` on every rank, rank r with micro-batches r*k .. r*k+k-1 of `micro`;
+        rank 0's result when every rank stepped with the same gradients."""
+        fresh = not self._workers
+        if fresh:
+            try:
+                self._start()
+            except Exception as exc:  # noqa: BLE001 - e.g. no way to start processes here
+                self.close()
+                return Replay(None, f"could not start {self.world_size} processes ({exc})")
+        settings = (k, ignore_index, seed, dtype, timeout)
         try:
-            context = mp.spawn(_worker, nprocs=world_size, join=False, args=(
-                world_size, list(loops), kind, k, micro_batch_size, seed, out_dir))
-            deadline = time.monotonic() + timeout
-            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    for process in context.processes:
-                        process.terminate()
-                    return [DDPResult(None, f"timed out after {timeout:g} s")] * len(loops)
-        except mp.ProcessRaisedException as exc:
-            return [DDPResult(None, f"a rank failed: {exc}")] * len(loops)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-        outcomes = [torch.load(Path(out_dir) / f"{i}.pt") for i in range(len(loops))]
-    return [DDPResult(None, o) if isinstance(o, str) else DDPResult(relative_error(o, reference))
-            for o in outcomes]
+            jobs = [
+                pickle.dumps((plan, filename, self._shard(micro, rank, k), *settings))
+                for rank in range(self.world_size)
+            ]
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            return Replay(None, f"the replay plan cannot be sent to the processes ({exc})")
+        for inbox, job in zip(self._inboxes, jobs):
+            inbox.put(job)
+        result, in_step = self._merge(
+            self._collect(timeout + (STARTUP if fresh else 10.0)), timeout
+        )
+        if not in_step:
+            self.close()
+        return result
+
+    @staticmethod
+    def _shard(micro: list, rank: int, k: int) -> list:
+        """Rank `rank`'s micro-batches, on the CPU for the trip."""
+        return [{n: t.cpu() for n, t in b.items()} for b in micro[rank * k : (rank + 1) * k]]
+
+    def _collect(self, seconds: float) -> dict:
+        deadline, replies = time.monotonic() + seconds, {}
+        while len(replies) < self.world_size and time.monotonic() < deadline:
+            try:
+                rank, payload = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                if any(not w.is_alive() and r not in replies for r, w in enumerate(self._workers)):
+                    break
+                continue
+            replies[rank] = pickle.loads(payload)
+        return replies
+
+    def _merge(self, replies: dict, timeout: float) -> tuple[Replay, bool]:
+        """The run's result, and whether the ranks are still in step: every rank answered, so
+        each collective one rank made was matched by the others, and the failures (if any)
+        are the same everywhere."""
+        missing = [rank for rank in range(self.world_size) if rank not in replies]
+        if missing:
+            return Replay(None, f"rank {missing[0]} did not finish within {timeout:g} s"), False
+        started = [reply for reply in replies.values() if isinstance(reply, str)]
+        if started:
+            return Replay(None, started[0]), False
+        failed = {rank: reply.reason for rank, reply in replies.items() if not reply.ok}
+        if len(failed) == self.world_size and len(set(failed.values())) == 1:
+            return replies[0], True
+        if failed:
+            rank = min(failed)
+            return replace(replies[rank], reason=f"{failed[rank]} (rank {rank})"), False
+        for rank in range(1, self.world_size):
+            difference = relative_error(replies[rank].grads, replies[0].grads)
+            if difference > REPLICA_TOLERANCE:
+                return Replay(
+                    None,
+                    f"rank {rank} stepped with gradients {difference:.1e} away "
+                    "from rank 0's: the loop did not all-reduce them (every "
+                    "micro-batch under no_sync?)",
+                ), True
+        return replies[0], True
+
+
+@contextlib.contextmanager
+def _alone(backend: str):
+    """A one-process group in this process (for the whole-window replay)."""
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _RankSession(_Session):
+    """A _Session whose window holds K micro-batches per rank (`k` counts them all) and whose
+    K-micro-batch replays run on `ranks`; the whole-window replay runs here, on one rank."""
+
+    def __init__(
+        self, ranks: Ranks, plan, k, micro_batch_size, seed, device, dtype, timeout, packed
+    ):
+        super().__init__(
+            plan, k * ranks.world_size, micro_batch_size, seed, device, dtype, timeout, packed
+        )
+        self.ranks, self.per_rank = ranks, k
+
+    def replay(self, plan, filename: str, whole: bool = False) -> Replay:
+        if not whole:
+            return self.ranks.run(
+                plan,
+                filename,
+                self.window.micro,
+                self.per_rank,
+                self.window.ignore_index,
+                self.seed,
+                self.dtype,
+                self.timeout,
+            )
+        with _alone(self.ranks.backend):
+            return _execute(
+                plan,
+                filename,
+                [self.window.full],
+                1,
+                self.window.ignore_index,
+                self.seed,
+                self.device,
+                self.dtype,
+                self.timeout,
+                wrap=partial(_ddp, device=self.device),
+            )
+
+
+def compare(
+    ranks: Ranks,
+    original_source: str,
+    patched_source: str,
+    loop_line_original: int,
+    loop_line_patched: int,
+    k: int = 4,
+    divisor_names=(),
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    timeout: float = 60.0,
+) -> Comparison:
+    """replay.compare with each replay on `ranks`: K micro-batches per rank against the full
+    batch of all ranks' data."""
+    return compare_replays(
+        original_source,
+        patched_source,
+        loop_line_original,
+        loop_line_patched,
+        k,
+        divisor_names,
+        seed=seed,
+        device=str(ranks.device),
+        dtype=dtype,
+        timeout=timeout,
+        make_session=partial(_RankSession, ranks),
+    )

@@ -12,8 +12,14 @@ import torch
 from gaaudit.harness.data import Window
 from gaaudit.harness.models import mean_token_loss
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 # A correct loop stays below these relative errors. In fp32 the error is measured against the
 # full batch; under bf16/fp16 autocast against the loop's own one-micro-batch replay in the same
 # precision, whose distance to the fp32 full batch must stay below AGREEMENT (measured: up to
@@ -73,14 +79,20 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 
 def snapshot(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
     """fp32 copies of the parameters' gradients (zeros where a gradient is missing)."""
-    return [p.grad.detach().float().clone() if p.grad is not None
-            else torch.zeros_like(p, dtype=torch.float32) for p in params]
+    return [
+        p.grad.detach().float().clone()
+        if p.grad is not None
+        else torch.zeros_like(p, dtype=torch.float32)
+        for p in params
+    ]
 
 
 def full_batch_grads(model: torch.nn.Module, window: Window) -> list[torch.Tensor]:
     """The reference: one backward on the mean loss over all valid tokens of the whole window."""
     model.zero_grad(set_to_none=True)
-    mean_token_loss(window.kind, model, window.full, window.ignore_index).backward()
+    mean_token_loss(
+        window.kind, model, window.full, window.ignore_index, window.label_smoothing
+    ).backward()
     grads = snapshot(model.parameters())
     model.zero_grad(set_to_none=True)
     return grads

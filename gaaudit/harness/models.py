@@ -1,4 +1,5 @@
-"""Tiny, deterministic models built from configs (no downloads), dropout off."""
+"""Tiny, deterministic models built from configs (no downloads), dropout off; or the user's
+own model while factory.user_model() is active."""
 
 from __future__ import annotations
 
@@ -6,19 +7,22 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gaaudit.harness import factory
+from gaaudit.harness.nets import NET_KINDS, build_net, net_count, net_loss
+
 VOCAB = 256
 MAX_POSITIONS = 128
-KINDS = ("causal", "seq2seq", "mlm", "nanogpt", "logits")
+KINDS = ("causal", "seq2seq", "mlm", "nanogpt", "logits", *NET_KINDS)
 
-# The value each kind's loss ignores in `labels`.
-# The default value each kind's loss ignores in `labels`; HF models always use -100, the other
-# two take another value (`ignore_index`) where the loop under test uses one.
-IGNORE_INDEX = {"causal": -100, "seq2seq": -100, "mlm": -100, "nanogpt": -1, "logits": -100}
+# The default value each kind's loss ignores in `labels`; HF models always use -100, the
+# plain-torch kinds take another value (`ignore_index`) where the loop under test uses one.
+IGNORE_INDEX = {"causal": -100, "seq2seq": -100, "mlm": -100, "nanogpt": -1, "logits": -100,
+                **dict.fromkeys(NET_KINDS, -100)}
 
 
 def ignore_value(kind: str, ignore_index: int | None = None) -> int:
     """The label value `kind` ignores: `ignore_index` where the kind allows another one."""
-    if ignore_index is None or kind not in ("nanogpt", "logits"):
+    if ignore_index is None or kind in ("causal", "seq2seq", "mlm", "regression"):
         return IGNORE_INDEX[kind]
     return ignore_index
 
@@ -87,24 +91,38 @@ def _hf_model(kind: str) -> nn.Module:
         max_position_embeddings=MAX_POSITIONS, **ids))
 
 
+def vocab_size() -> int:
+    """Token ids the harness draws lie in 2 .. vocab_size() - 1: below the user's model's
+    vocabulary (see factory) where it shows one, else below VOCAB."""
+    user = factory.current()
+    return VOCAB if user is None or user.vocab_size is None else user.vocab_size
+
+
 def build_model(kind: str = "causal", seed: int = 0, ignore_index: int | None = None) -> nn.Module:
     """A fresh tiny model of `kind` (see KINDS) with weights fixed by `seed`, in eval mode:
-    GPT-2 (causal), T5 (seq2seq), BERT (mlm), TinyGPT (nanogpt), TinyTokenModel (logits)."""
+    GPT-2 (causal), T5 (seq2seq), BERT (mlm), TinyGPT (nanogpt), TinyTokenModel (logits); the
+    user's model instead while factory.user_model() is active."""
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
     torch.manual_seed(seed)
+    if factory.current() is not None:
+        return factory.current().build()
     if kind == "nanogpt":
         model = TinyGPT(ignore_index=ignore_value(kind, ignore_index))
     elif kind == "logits":
         model = TinyTokenModel()
+    elif kind in NET_KINDS:
+        model = build_net(kind, VOCAB)
     else:
         model = _hf_model(kind)
     return model.eval()
 
 
-def mean_token_loss(kind: str, model: nn.Module, batch: dict,
-                    ignore_index: int | None = None) -> torch.Tensor:
+def mean_token_loss(kind: str, model: nn.Module, batch: dict, ignore_index: int | None = None,
+                    label_smoothing: float = 0.0) -> torch.Tensor:
     """The loss the harness takes as truth: the mean over every valid token of `batch`."""
+    if kind in NET_KINDS:
+        return net_loss(kind, model, batch, ignore_value(kind, ignore_index), label_smoothing)
     if kind == "nanogpt":
         return model(batch["input_ids"], batch["labels"])[1]
     if kind == "logits":
@@ -116,5 +134,7 @@ def mean_token_loss(kind: str, model: nn.Module, batch: dict,
 
 def count_tokens(kind: str, batch: dict, ignore_index: int | None = None) -> torch.Tensor:
     """The number of valid (counted) tokens of `batch`; HF causal LMs shift labels inside."""
+    if kind in NET_KINDS:
+        return net_count(kind, batch, ignore_value(kind, ignore_index))
     labels = batch["labels"][..., 1:] if kind == "causal" else batch["labels"]
     return (labels != ignore_value(kind, ignore_index)).sum()

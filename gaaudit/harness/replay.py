@@ -22,6 +22,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gaaudit.harness.analysis import NotReplayable, Plan, analyse
+from gaaudit.harness.bindings import Objects
 from gaaudit.harness.data import make_window
 from gaaudit.harness.gradcheck import (
     AGREEMENT,
@@ -39,9 +40,7 @@ from gaaudit.harness.gradcheck import (
 )
 from gaaudit.harness.models import build_model
 from gaaudit.harness.stubs import (
-    DataSource,
     Exhausted,
-    Fabric,
     Progress,
     Stub,
     progress_module,
@@ -49,8 +48,18 @@ from gaaudit.harness.stubs import (
     trange,
 )
 
-TRACKERS = ("wandb", "mlflow", "comet_ml", "neptune", "tensorboardX", "swanlab", "aim",
-            "clearml", "trackio", "torch.utils.tensorboard")
+TRACKERS = (
+    "wandb",
+    "mlflow",
+    "comet_ml",
+    "neptune",
+    "tensorboardX",
+    "swanlab",
+    "aim",
+    "clearml",
+    "trackio",
+    "torch.utils.tensorboard",
+)
 CLIPPERS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")
 
 
@@ -106,14 +115,20 @@ class _TimedOut(BaseException):
 class _Session:
     """Shared settings, data and reference gradients for the replays of one check."""
 
-    def __init__(self, plan: Plan | str, k, micro_batch_size, seed, device, dtype, timeout,
-                 packed):
+    def __init__(self, plan: Plan | str, k, micro_batch_size, seed, device, dtype, timeout, packed):
         self.kind = getattr(plan, "model_kind", "causal")
         self.k, self.seed, self.timeout = k, seed, timeout
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
         self.tolerance = TOLERANCE[self.dtype]
-        self.window = make_window(self.kind, k, micro_batch_size, seed, packed=packed,
-                                  ignore_index=getattr(plan, "ignore_index", None))
+        self.window = make_window(
+            self.kind,
+            k,
+            micro_batch_size,
+            seed,
+            packed=packed,
+            ignore_index=getattr(plan, "ignore_index", None),
+            label_smoothing=getattr(plan, "label_smoothing", 0.0),
+        )
         self.window = self.window.to(self.device)
         with deterministic(seed, self.device):
             model = build_model(self.kind, seed, self.window.ignore_index).to(self.device)
@@ -122,8 +137,17 @@ class _Session:
     def replay(self, plan: Plan, filename: str, whole: bool = False) -> Replay:
         """Replay `plan` on the window, or on the whole window as one micro-batch."""
         batches, k = ([self.window.full], 1) if whole else (self.window.micro, self.k)
-        return _execute(plan, filename, batches, k, self.window.ignore_index, self.seed,
-                        self.device, self.dtype, self.timeout)
+        return _execute(
+            plan,
+            filename,
+            batches,
+            k,
+            self.window.ignore_index,
+            self.seed,
+            self.device,
+            self.dtype,
+            self.timeout,
+        )
 
     def check(self, plan: Plan | str, filename: str) -> Check:
         """The verdict on one loop (see Check). fp32: the K-micro-batch gradient against the
@@ -143,17 +167,27 @@ class _Session:
         k1_error = relative_error(whole.grads, self.reference) if whole.ok else None
         if k1_error is None or k1_error >= AGREEMENT[self.dtype]:
             detail = whole.reason or f"error {k1_error:.1e}"
-            return Check("not replayable: with the whole window as one micro-batch the loop "
-                         f"does not match the full batch either ({detail}); its loss is not "
-                         "the token mean the harness models", error, k1_error, result)
+            return Check(
+                "not replayable: with the whole window as one micro-batch the loop "
+                f"does not match the full batch either ({detail}); its loss is not "
+                "the token mean the harness models",
+                error,
+                k1_error,
+                result,
+            )
         if not exact:
             error = relative_error(result.grads, whole.grads)
         if error < self.tolerance:
             return Check("verified", error, k1_error, result)
         if error > bug_threshold(self.dtype):
             return Check("bug reproduced", error, k1_error, result)
-        return Check(f"inconclusive: error {error:.1e} is above the tolerance "
-                     f"{self.tolerance:.0e} but within numerical noise", error, k1_error, result)
+        return Check(
+            f"inconclusive: error {error:.1e} is above the tolerance "
+            f"{self.tolerance:.0e} but within numerical noise",
+            error,
+            k1_error,
+            result,
+        )
 
 
 def _plan(source: str, line: int, divisor_names, model_kind, ignore_index) -> Plan | str:
@@ -169,75 +203,160 @@ def _plan(source: str, line: int, divisor_names, model_kind, ignore_index) -> Pl
         return f"the harness could not analyse the statement ({type(exc).__name__}: {exc})"
 
 
-def replay(source: str, line: int, *, k: int = 4, divisor_names=(), model_kind: str | None = None,
-           ignore_index: int | None = None, micro_batch_size: int = 2, seed: int = 0,
-           device: str = "auto", dtype: str = "float32", timeout: float = 60.0,
-           packed: bool = False, filename: str = "<replay>") -> Replay:
+def replay(
+    source: str,
+    line: int,
+    *,
+    k: int = 4,
+    divisor_names=(),
+    model_kind: str | None = None,
+    ignore_index: int | None = None,
+    micro_batch_size: int = 2,
+    seed: int = 0,
+    device: str = "auto",
+    dtype: str = "float32",
+    timeout: float = 60.0,
+    packed: bool = False,
+    filename: str = "<replay>",
+) -> Replay:
     """Replay the loop or function at `line` of `source` on one window of `k` micro-batches
     (see compare for the options)."""
     plan = _plan(source, line, divisor_names, model_kind, ignore_index)
     if isinstance(plan, str):
         return Replay(None, plan)
-    window = make_window(plan.model_kind, k, micro_batch_size, seed, packed=packed,
-                         ignore_index=plan.ignore_index)
+    window = make_window(
+        plan.model_kind, k, micro_batch_size, seed, packed=packed, ignore_index=plan.ignore_index
+    )
     device = resolve_device(device)
-    return _execute(plan, filename, window.to(device).micro, k, window.ignore_index, seed,
-                    device, resolve_dtype(dtype), timeout)
+    return _execute(
+        plan,
+        filename,
+        window.to(device).micro,
+        k,
+        window.ignore_index,
+        seed,
+        device,
+        resolve_dtype(dtype),
+        timeout,
+    )
 
 
-def check(source: str, line: int, *, k: int = 4, divisor_names=(), model_kind: str | None = None,
-          ignore_index: int | None = None, micro_batch_size: int = 2, seed: int = 0,
-          device: str = "auto", dtype: str = "float32", timeout: float = 60.0,
-          packed: bool = False) -> Check:
+def check(
+    source: str,
+    line: int,
+    *,
+    k: int = 4,
+    divisor_names=(),
+    model_kind: str | None = None,
+    ignore_index: int | None = None,
+    micro_batch_size: int = 2,
+    seed: int = 0,
+    device: str = "auto",
+    dtype: str = "float32",
+    timeout: float = 60.0,
+    packed: bool = False,
+) -> Check:
     """Replay one loop and judge its gradient against the full batch (see compare)."""
     plan = _plan(source, line, divisor_names, model_kind, ignore_index)
     session = _Session(plan, k, micro_batch_size, seed, device, dtype, timeout, packed)
     return session.check(plan, "<loop>")
 
 
-def compare(original_source: str, patched_source: str, loop_line_original: int,
-            loop_line_patched: int, k: int = 4, divisor_names=(), *,
-            model_kind: str | None = None, ignore_index: int | None = None,
-            micro_batch_size: int = 2, seed: int = 0, device: str = "auto",
-            dtype: str = "float32", timeout: float = 60.0, packed: bool = False) -> Comparison:
+def compare(
+    original_source: str,
+    patched_source: str,
+    loop_line_original: int,
+    loop_line_patched: int,
+    k: int = 4,
+    divisor_names=(),
+    *,
+    model_kind: str | None = None,
+    ignore_index: int | None = None,
+    micro_batch_size: int = 2,
+    seed: int = 0,
+    device: str = "auto",
+    dtype: str = "float32",
+    timeout: float = 60.0,
+    packed: bool = False,
+    make_session=None,
+) -> Comparison:
     """Replay a loop before and after a fix on the same model, data and full-batch reference.
 
     `divisor_names`: the names or dotted chains that hold K (names containing `accum` are
     taken too). `model_kind` / `ignore_index`: override what the source suggests (see
     models.KINDS). `packed`: fixed-length samples with no padding, where mean/K is exact.
     `timeout`: seconds per replay. `device`: `auto`, `cpu` or `cuda`; `dtype`: float32,
-    bfloat16 or float16 (autocast)."""
-    original = _plan(original_source, loop_line_original, divisor_names, model_kind,
-                     ignore_index)
+    bfloat16 or float16 (autocast). `make_session`: a _Session subclass (distributed.py runs
+    the replays on several ranks)."""
+    original = _plan(original_source, loop_line_original, divisor_names, model_kind, ignore_index)
     patched = _plan(patched_source, loop_line_patched, divisor_names, model_kind, ignore_index)
     planned = [p for p in (original, patched) if isinstance(p, Plan)]
     for plan in planned[1:]:
         plan.model_kind, plan.ignore_index = planned[0].model_kind, planned[0].ignore_index
-    session = _Session(planned[0] if planned else "", k, micro_batch_size, seed, device, dtype,
-                       timeout, packed)
-    return Comparison(session.check(original, "<original>"), session.check(patched, "<patched>"),
-                      k, str(session.dtype).removeprefix("torch."), session.tolerance)
+    session = (make_session or _Session)(
+        planned[0] if planned else "", k, micro_batch_size, seed, device, dtype, timeout, packed
+    )
+    return Comparison(
+        session.check(original, "<original>"),
+        session.check(patched, "<patched>"),
+        k,
+        str(session.dtype).removeprefix("torch."),
+        session.tolerance,
+    )
 
 
-def _execute(plan: Plan, filename: str, batches: list, k: int, ignore_index: int, seed: int,
-             device: torch.device, dtype: torch.dtype, timeout: float) -> Replay:
-    """Run the planned statement once; never raises for what the user's code does."""
+def _execute(
+    plan: Plan,
+    filename: str,
+    batches: list,
+    k: int,
+    ignore_index: int,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    timeout: float,
+    wrap=None,
+) -> Replay:
+    """Run the planned statement once; never raises for what the user's code does. `wrap`
+    (e.g. DistributedDataParallel) is applied to the fresh model."""
     output, bindings = io.StringIO(), {}
     grads, where, reason = None, "", ""
-    with deterministic(seed, device), contextlib.redirect_stdout(output), \
-            contextlib.redirect_stderr(output), warnings.catch_warnings():
+    with (
+        deterministic(seed, device),
+        contextlib.redirect_stdout(output),
+        contextlib.redirect_stderr(output),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         kind = plan.model_kind
         model = build_model(kind, seed, ignore_index).to(device)
-        model.no_sync = contextlib.nullcontext  # DDP's, for one process: nothing to skip
+        if wrap is None:
+            model.no_sync = contextlib.nullcontext  # DDP's, for one process: nothing to skip
+        else:
+            model = wrap(model)
         optimizer = RecordingOptimizer(model.parameters())
         try:
             namespace = _namespace(plan, filename)
-            objects = _Objects(plan, kind, batches, k, model, optimizer, device, dtype,
-                               namespace, bindings)
+            objects = Objects(
+                plan,
+                batches,
+                k,
+                model,
+                optimizer,
+                device=device,
+                dtype=dtype,
+                ignore_index=ignore_index,
+                namespace=namespace,
+                bindings=bindings,
+                filename=filename,
+            )
             function, kwargs = _callable(plan, filename, namespace, objects)
-            with _capturing(optimizer, namespace), _staying_on(device), autocast(device, dtype), \
-                    _time_limit(timeout):
+            with (
+                _capturing(optimizer, namespace),
+                _staying_on(device),
+                autocast(device, dtype),
+                _time_limit(timeout),
+            ):
                 result = function(**kwargs)
                 if inspect.isgenerator(result):
                     for _ in result:
@@ -255,11 +374,22 @@ def _execute(plan: Plan, filename: str, batches: list, k: int, ignore_index: int
             if objects.scaler is not None and objects.scaler.is_enabled():
                 grads = [g / objects.scaler.get_scale() for g in grads]
     if grads is not None and not any(g.any() for g in grads):
-        grads, reason = None, ("the optimizer stepped with zero gradients"
-                               if where != "end of statement"
-                               else "no backward pass and no optimizer step was reached")
-    return Replay(grads, reason, where if grads is not None else "", bindings, plan.model_kind,
-                  output.getvalue()[-4000:])
+        grads, reason = (
+            None,
+            (
+                "the optimizer stepped with zero gradients"
+                if where != "end of statement"
+                else "no backward pass and no optimizer step was reached"
+            ),
+        )
+    return Replay(
+        grads,
+        reason,
+        where if grads is not None else "",
+        bindings,
+        plan.model_kind,
+        output.getvalue()[-4000:],
+    )
 
 
 def _namespace(plan: Plan, filename: str) -> dict:
@@ -272,8 +402,11 @@ def _namespace(plan: Plan, filename: str) -> dict:
         except (Exception, SystemExit):  # noqa: BLE001, S112 - a failing import is skipped
             continue
     for name, value in list(namespace.items()):
-        module = value.__name__ if isinstance(value, types.ModuleType) \
+        module = (
+            value.__name__
+            if isinstance(value, types.ModuleType)
             else getattr(value, "__module__", None) or ""
+        )
         if any(module == t or module.startswith(t + ".") for t in TRACKERS):
             namespace[name] = Stub(name)
         elif isinstance(value, types.ModuleType) and module.split(".")[0] == "tqdm":
@@ -288,94 +421,7 @@ def _namespace(plan: Plan, filename: str) -> dict:
     return namespace
 
 
-class _Objects:
-    """The harness objects bound to the statement's free names, by role; `bindings` receives
-    a description of each."""
-
-    def __init__(self, plan, kind, batches, k, model, optimizer, device, dtype, namespace,
-                 bindings):
-        from accelerate import Accelerator
-        from accelerate.state import AcceleratorState, GradientState
-        from transformers import BatchEncoding
-
-        self.plan, self.bindings, self.values = plan, bindings, {}
-        roles = {c: r for c, r in plan.roles.items()
-                 if not isinstance(namespace.get(c[0]), types.ModuleType)}
-        self.accelerator = self.scaler = None
-        self.optimizer, text = optimizer, "recording SGD"
-        steps = k if plan.uses_accumulate else 1
-        if "accelerator" in roles.values():
-            AcceleratorState._reset_state(True)
-            GradientState._reset_state()
-            self.accelerator = Accelerator(cpu=device.type == "cpu",
-                                           gradient_accumulation_steps=steps)
-            self.optimizer, text = self.accelerator.prepare(optimizer), f"{text}, prepared"
-
-            def clip(*args, **kwargs):
-                self.accelerator.unscale_gradients()
-                optimizer.record("accelerator.clip_grad_norm_")
-
-            self.accelerator.clip_grad_norm_ = self.accelerator.clip_grad_value_ = clip
-        fabric = Fabric("fabric", {"clip_gradients": lambda *args, **kwargs: optimizer.record(
-            "fabric.clip_gradients")})
-        if "scaler" in roles.values():
-            enabled = dtype == torch.float16 and device.type == "cuda"
-            self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
-        if plan.data_arity:
-            items = [(b["input_ids"], b["labels"]) for b in batches]
-        else:
-            items = [BatchEncoding(dict(b)) for b in batches]
-        described = {
-            "model": (model, f"tiny {kind} model"),
-            "optimizer": (self.optimizer, text),
-            "accelerator": (self.accelerator, f"Accelerator(gradient_accumulation_steps={steps})"),
-            "scaler": (self.scaler, f"GradScaler(enabled={getattr(self.scaler, '_enabled', 0)})"),
-            "fabric": (fabric, "single-process Fabric stand-in"),
-            "divisor": (k, f"K = {k}"),
-            "device": (str(device), str(device)),
-        }
-        for chain, role in roles.items():
-            if role == "data":
-                self._bind_data(chain, items, namespace)
-            else:
-                self._bind(chain, *described[role], namespace)
-        for name, value in plan.initial.items():
-            if name not in self.values and name not in namespace:
-                self.values[name] = value
-                self.bindings[name] = f"{value!r}, as assigned before the statement"
-        params = [p for p in plan.params or [] if p not in plan.optional]
-        for name in plan.free + params:
-            if name in plan.optional:
-                continue
-            if name not in self.values and (name in params or (
-                    name not in namespace and name not in vars(builtins))):
-                self.values[name] = Stub(name)
-                self.bindings.setdefault(name, "stub")
-
-    def _bind_data(self, chain, items, namespace) -> None:
-        prefetched = self.plan.prefetch.get(chain, [])
-        source = DataSource(".".join(chain), items, start=1 if prefetched else 0)
-        shape = "(input_ids, labels) tuples" if self.plan.data_arity else "dict batches"
-        self._bind(chain, source, f"{len(items)} micro-batches as {shape}", namespace)
-        for index, (name,) in enumerate(prefetched):
-            self.values[name] = items[0] if len(prefetched) == 1 else items[0][index]
-            self.bindings[name] = "the first micro-batch (prefetched)"
-
-    def _bind(self, chain, value, text: str, namespace) -> None:
-        root = chain[0]
-        if len(chain) == 1:
-            self.values[root] = value
-        elif root in namespace or not isinstance(self.values.setdefault(root, Stub(root)), Stub):
-            return
-        else:
-            holder = self.values[root]
-            for name in chain[1:-1]:
-                holder = getattr(holder, name)
-            setattr(holder, chain[-1], value)
-        self.bindings[".".join(chain)] = text
-
-
-def _callable(plan: Plan, filename: str, namespace: dict, objects: _Objects):
+def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
     """The statement as a function of its free names (a loop is wrapped in one; a function
     target is defined without its decorators), and the keyword arguments to call it with."""
     values = objects.values
@@ -397,8 +443,7 @@ def _callable(plan: Plan, filename: str, namespace: dict, objects: _Objects):
 def _capturing(optimizer: RecordingOptimizer, namespace: dict):
     """Capture the gradients at any optimizer's step and at gradient clipping (before the clip
     changes them), for the duration of the replay."""
-    hook = register_optimizer_step_pre_hook(
-        lambda *args: optimizer.record("optimizer.step"))
+    hook = register_optimizer_step_pre_hook(lambda *args: optimizer.record("optimizer.step"))
     modules = (torch.nn.utils, torch.nn.utils.clip_grad)
     saved = [(m, n, getattr(m, n)) for m in modules for n in CLIPPERS if hasattr(m, n)]
     originals = {id(f): n for _, n, f in saved}

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import tokenize
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import import_module
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from gaaudit.findings import FileError, FileReport, Finding
+
+if TYPE_CHECKING:  # computing fixes costs a fix run: only `check --format sarif` imports it
+    from gaaudit.output.sarif_fixes import SuggestedFix
 
 FORMATS = ("text", "json", "sarif", "github")
 
@@ -23,6 +26,7 @@ class CheckRun:
     statistics: bool = False
     color: bool = False
     quiet: bool = False
+    fixes: dict[Finding, SuggestedFix] = field(default_factory=dict)  # SARIF only
 
     @property
     def findings(self) -> list[Finding]:

@@ -6,12 +6,15 @@ import hashlib
 import json
 from collections import Counter
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 from urllib.parse import quote
 
 from gaaudit import __version__, catalogue
 from gaaudit.findings import Confidence, FileError, Finding
 from gaaudit.output import CheckRun, source_lines
+
+if TYPE_CHECKING:
+    from gaaudit.output.sarif_fixes import Replacement, SuggestedFix
 
 SCHEMA_URI = (
     "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
@@ -46,7 +49,9 @@ def write(run: CheckRun, out: TextIO) -> None:
                 ],
                 "columnKind": "unicodeCodePoints",
                 "results": [
-                    _result(finding, index[finding.code], artifact, fingerprint)
+                    _result(
+                        finding, index[finding.code], artifact, fingerprint, run.fixes.get(finding)
+                    )
                     for finding, artifact, fingerprint in _fingerprinted(run.findings)
                 ],
             }
@@ -73,7 +78,9 @@ def _rule(rule: catalogue.Rule) -> dict:
     }
 
 
-def _result(finding: Finding, rule_index: int, artifact: dict, fingerprint: str) -> dict:
+def _result(
+    finding: Finding, rule_index: int, artifact: dict, fingerprint: str, fix: SuggestedFix | None
+) -> dict:
     span = finding.span
     region = {
         "startLine": span.line,
@@ -81,7 +88,7 @@ def _result(finding: Finding, rule_index: int, artifact: dict, fingerprint: str)
         "endLine": span.end_line,
         "endColumn": span.end_column,
     }
-    return {
+    result = {
         "ruleId": finding.code,
         "ruleIndex": rule_index,
         "level": LEVEL[finding.confidence],
@@ -94,6 +101,39 @@ def _result(finding: Finding, rule_index: int, artifact: dict, fingerprint: str)
             **({"cell": finding.cell} if finding.cell is not None else {}),
         },
     }
+    if fix is not None:
+        result["fixes"] = [_fix(fix, artifact)]
+    return result
+
+
+def _fix(fix: SuggestedFix, artifact: dict) -> dict:
+    """One fix changing one file; `applicability` says safe or unsafe, as ruff does."""
+    return {
+        "description": {"text": fix.description},
+        "artifactChanges": [
+            {
+                "artifactLocation": artifact,
+                "replacements": [_replacement(r) for r in fix.replacements],
+            }
+        ],
+        "properties": {"applicability": "unsafe" if fix.unsafe else "safe"},
+    }
+
+
+def _replacement(replacement: Replacement) -> dict:
+    """The deleted region both as lines and columns and as a character offset and length
+    (code points, as `columnKind` says, counted after any byte-order mark)."""
+    (start_line, start_column), (end_line, end_column) = replacement.start, replacement.end
+    region = {
+        "startLine": start_line,
+        "startColumn": start_column,
+        "endLine": end_line,
+        "endColumn": end_column,
+        "charOffset": replacement.offset,
+        "charLength": replacement.length,
+    }
+    inserted = {"insertedContent": {"text": replacement.text}} if replacement.text else {}
+    return {"deletedRegion": region, **inserted}
 
 
 def _notification(error: FileError) -> dict:

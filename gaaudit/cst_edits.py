@@ -1,0 +1,78 @@
+"""libcst building blocks of the framework rewrites (`fixes_trainer`, `fixes_optax`): one more
+argument or parameter with the call's or signature's layout kept, and a node's statement."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from gaaudit.fixes import Edits, Unfixable
+from gaaudit.tree import Tree
+
+NO_SPACE = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
+
+
+def with_argument(call: cst.Call, name: str | None, value: str) -> cst.Call:
+    """`call` with one more argument, `name=value` or positional `value`; an existing `name=`
+    is replaced. A one-per-line layout with a trailing comma stays one per line."""
+    args = list(call.args)
+    if name is not None:
+        for i, arg in enumerate(args):
+            if arg.keyword is not None and arg.keyword.value == name:
+                args[i] = arg.with_changes(value=cst.parse_expression(value))
+                return call.with_changes(args=args)
+    added = cst.Arg(
+        cst.parse_expression(value),
+        keyword=cst.Name(name) if name else None,
+        equal=NO_SPACE if name else cst.MaybeSentinel.DEFAULT,
+    )
+    return call.with_changes(args=_appended(args, added))
+
+
+def with_parameter(params: cst.Parameters, name: str, default: str | None = None) -> cst.Parameters:
+    """`params` plus `name` (`name=default` when given): the last positional parameter, or a
+    keyword-only one after `*args`. A one-per-line layout stays one per line."""
+    new = cst.Param(cst.Name(name))
+    if default is not None:
+        new = new.with_changes(default=cst.parse_expression(default), equal=NO_SPACE)
+    field = "kwonly_params" if isinstance(params.star_arg, cst.Param) else "params"
+    return params.with_changes(**{field: _appended(list(getattr(params, field)), new)})
+
+
+def _appended(items: list, new):
+    """`items + [new]`, commas arranged: after a trailing comma the new item takes the last
+    one's comma (and its line break before the closing bracket)."""
+    if items and isinstance(items[-1].comma, cst.Comma):
+        before = (
+            items[-2].comma if len(items) > 1 and isinstance(items[-2].comma, cst.Comma) else None
+        )
+        new = new.with_changes(comma=items[-1].comma)
+        items[-1] = items[-1].with_changes(
+            comma=before or cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        )
+    elif items:
+        items[-1] = items[-1].with_changes(
+            comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        )
+    return [*items, new]
+
+
+def statement_line(tree: Tree, node: cst.CSTNode) -> cst.CSTNode:
+    """The statement holding `node` that sits directly in a block."""
+    for candidate in (node, *tree.ancestors(node)):
+        parent = tree.parents.get(candidate)
+        if isinstance(parent, (cst.IndentedBlock, cst.Module)):
+            return candidate
+        if isinstance(parent, cst.SimpleStatementSuite):
+            raise Unfixable(
+                "the statement shares a line with its block header; put it on its own line"
+            )
+    raise Unfixable("cannot find the statement to rewrite")
+
+
+def copy_edits(edits: Edits) -> Edits:
+    """A copy to restore when a finding turns out unfixable half-way through planning."""
+    return Edits(
+        dict(edits.replace),
+        {k: list(v) for k, v in edits.before.items()},
+        {k: list(v) for k, v in edits.after.items()},
+    )

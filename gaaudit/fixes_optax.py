@@ -1,0 +1,626 @@
+"""GA005 rewrites: sum and count for JAX accumulation (GA-GUIDE section 4).
+
+The loss function's masked mean `S / count` becomes its sum `S`, and the window is divided
+once by the total count of its micro-batches, read from their data:
+
+- a hand-written average (`tree_map(lambda g: g / k, grads)`) after a Python loop: the loss
+  returns its sum, the loop adds up each micro-batch's count, and `k` becomes that total;
+- the same after a `lax.scan` over stacked micro-batches: the total is counted over the stack;
+- `optax.MultiSteps`: its inner optimizer sees the summed gradient only, so the window count
+  must be known first. The loop reads each window of K micro-batches ahead and counts it (as
+  the HF Trainer does), the loss divides its sum by that count, and MultiSteps sums the
+  micro-gradients (`use_grad_mean=False`).
+
+A fix is offered only where the loss function, its mask and the window's data are visible.
+"""
+
+from __future__ import annotations
+
+import builtins
+from dataclasses import dataclass
+
+import libcst as cst
+
+from gaaudit.checks.optax import GRADS, JAX_HOMES, OptaxAudit, Site
+from gaaudit.cst_edits import copy_edits, statement_line, with_argument, with_parameter
+from gaaudit.fixes import Edits, Outcome, Unfixable
+from gaaudit.tree import DEFS, Tree, code, depends_on, dotted, keyword, positional
+
+BUILTINS = set(dir(builtins))
+
+
+@dataclass(frozen=True)
+class MaskedMean:
+    """A loss function's masked mean: the expression, its sum, its count (in the function's
+    parameters, locals inlined)."""
+
+    function: cst.FunctionDef
+    node: cst.BaseExpression
+    summed: cst.BaseExpression
+    count: cst.BaseExpression
+
+
+class OptaxPlanner:
+    """Turns the GA005 sites of one file into edits (see `fixes.Edits`)."""
+
+    def __init__(self, tree: Tree, audit: OptaxAudit) -> None:
+        self.tree, self.audit = tree, audit
+        self.tracer = audit.tracer
+        self.edits = Edits()
+        taken = {n.value for n in tree.walk(tree.module) if isinstance(n, cst.Name)}
+        self.weight = _fresh("window_weight", taken)
+        self.window = _fresh("window", taken)
+        self._counted: set[cst.CSTNode] = set()  # accumulations that already count their window
+
+    def plan(self, sites: list[Site]) -> list[Outcome]:
+        outcomes = []
+        for site in sites:
+            saved = (copy_edits(self.edits), set(self._counted))
+            span = self.tree.span(site.node)
+            try:
+                chosen = self._fix(site)
+                outcomes.append(Outcome(site, span.line, span.column, True, chosen))
+            except (Unfixable, cst.ParserSyntaxError) as exc:
+                self.edits, self._counted = saved
+                reason = (
+                    str(exc)
+                    if isinstance(exc, Unfixable)
+                    else "gaaudit could not build a valid rewrite"
+                )
+                outcomes.append(Outcome(site, span.line, span.column, False, reason))
+        return outcomes
+
+    def _fix(self, site: Site) -> str:
+        mean = self._masked_mean()
+        (call,) = self._invocations(mean.function)
+        if site.kind == "multisteps":
+            return self._multisteps(site, mean, call)
+        body = self.tree.enclosing_function(call)
+        scan = self._scan_of(body) if body is not None else None
+        if scan is not None:
+            return self._scan_average(site, mean, call, body, scan)
+        return self._loop_average(site, mean, call)
+
+    # --- the loss ------------------------------------------------------------------------------
+
+    def _masked_mean(self) -> MaskedMean:
+        origin, function = self.audit.loss
+        source = origin.source
+        if origin.kind != "mean" or not isinstance(function, cst.FunctionDef) or source is None:
+            raise Unfixable("gaaudit could not find the mean that the loss function returns")
+        jnp = self._jnp()
+        mask = keyword(source, "where") if isinstance(source, cst.Call) else None
+        if isinstance(source, cst.BinaryOperation) and isinstance(source.operator, cst.Divide):
+            summed, count = source.left, self._inline(_unclamped(source.right), function)
+        elif mask is not None and positional(source):
+            summed = cst.parse_expression(
+                f"{jnp}.sum({code(positional(source)[0])}, where={code(mask)})"
+            )
+            count = cst.Call(
+                cst.parse_expression(f"{jnp}.sum"), [cst.Arg(self._inline(mask, function))]
+            )
+        else:
+            raise Unfixable(
+                "the loss is a plain mean with no mask: gaaudit cannot tell what each micro-batch "
+                "counts (with equal micro-batch shapes the average is exact)"
+            )
+        returns = self.tracer.returns(function)
+        if len(returns) != 1 or self._resolve(returns[0], function) is not source:
+            raise Unfixable(
+                "the loss function returns more than its masked mean (auxiliary outputs)"
+            )
+        return MaskedMean(function, source, summed, count)
+
+    def _resolve(self, expr: cst.BaseExpression, function: cst.FunctionDef) -> cst.BaseExpression:
+        """`loss` -> the value of its one binding in `function`."""
+        if isinstance(expr, cst.Name):
+            stmt = self.tracer.binding(expr.value, expr)
+            if isinstance(stmt, cst.Assign) and self.tree.scope_of(stmt) is function:
+                return stmt.value
+        return expr
+
+    def _inline(
+        self, expr: cst.BaseExpression, function: cst.FunctionDef, depth: int = 0
+    ) -> cst.BaseExpression:
+        """`expr` with the function's locals replaced by their (single) values."""
+        if depth > 8:
+            raise Unfixable("the loss's count goes through too many assignments")
+        values: dict[str, cst.BaseExpression] = {}
+        for node in self.tree.walk(expr):
+            if (
+                not isinstance(node, cst.Name)
+                or node.value in values
+                or self._is_attribute_name(node)
+            ):
+                continue
+            stmt = self.tracer.binding(node.value, node)
+            if (
+                stmt is None
+                or isinstance(stmt, cst.Param)
+                or self.tree.scope_of(stmt) is not function
+            ):
+                continue
+            single = isinstance(stmt, cst.Assign) and len(stmt.targets) == 1
+            if not (single and isinstance(stmt.targets[0].target, cst.Name)):
+                raise Unfixable(
+                    f"the loss's count reads `{node.value}`, which gaaudit cannot follow"
+                )
+            if len(self.tree.bindings(function).get(node.value, ())) != 1:
+                raise Unfixable(
+                    f"the loss's count reads `{node.value}`, which is assigned more than once"
+                )
+            values[node.value] = self._inline(stmt.value, function, depth + 1)
+        return _renamed(expr, values)
+
+    def _is_attribute_name(self, node: cst.Name) -> bool:
+        parent = self.tree.parents.get(node)
+        return (isinstance(parent, cst.Attribute) and parent.attr is node) or (
+            isinstance(parent, cst.Arg) and parent.keyword is node
+        )
+
+    def _invocations(self, function: cst.FunctionDef) -> list[cst.Call]:
+        """The calls that evaluate the gradient of `function`: `value_and_grad(f)(...)`, or
+        `grad_fn(...)` after `grad_fn = jax.jit(jax.value_and_grad(f))`."""
+        name = function.name.value
+        transforms, found = [], []
+        for call in self.tree.calls:
+            qualified = self.tree.qualified(call.func) or ""
+            if (
+                qualified.split(".")[0] in JAX_HOMES
+                and qualified.rsplit(".", 1)[-1] in GRADS
+                and positional(call)
+                and dotted(positional(call)[0]) == name
+            ):
+                if keyword(call, "has_aux") is not None:
+                    raise Unfixable("the loss function already returns auxiliary data")
+                transforms.append(call)
+                found.extend(self._called(call))
+        uses = [
+            n
+            for n in self.tree.walk(self.tree.module)
+            if isinstance(n, cst.Name) and n.value == name
+        ]
+        if len(uses) != 1 + len(transforms):
+            raise Unfixable(
+                f"`{name}` is also used outside its gradient; making it a sum would change that use"
+            )
+        if len(found) != 1:
+            raise Unfixable(
+                "the loss gradient is evaluated in more than one place (or in none gaaudit can follow)"
+            )
+        return found
+
+    def _called(self, transform: cst.Call) -> list[cst.Call]:
+        parent = self.tree.parents.get(transform)
+        if isinstance(parent, cst.Call) and parent.func is transform:
+            return [parent]
+        holder: cst.CSTNode = transform
+        if isinstance(parent, cst.Arg) and (dotted(self.tree.parents[parent].func) or "").endswith(
+            "jit"
+        ):
+            holder = self.tree.parents[parent]
+        statement = self.tree.parents.get(holder)
+        if not (
+            isinstance(statement, cst.Assign)
+            and len(statement.targets) == 1
+            and isinstance(statement.targets[0].target, cst.Name)
+        ):
+            raise Unfixable("gaaudit cannot follow where the gradient function is called")
+        bound = statement.targets[0].target.value
+        return [
+            c
+            for c in self.tree.calls
+            if isinstance(c.func, cst.Name)
+            and c.func.value == bound
+            and self.tracer.binding(bound, c.func) is statement
+        ]
+
+    def _arguments(
+        self, function: cst.FunctionDef, call: cst.Call
+    ) -> dict[str, cst.BaseExpression]:
+        if any(a.star for a in call.args):
+            raise Unfixable(
+                "the loss is called with `*args`/`**kwargs`; gaaudit cannot map its parameters"
+            )
+        names = [p.name.value for p in (*function.params.posonly_params, *function.params.params)]
+        values = dict(zip(names, positional(call)))
+        values.update({a.keyword.value: a.value for a in call.args if a.keyword is not None})
+        return values
+
+    def _count_at(
+        self, count: cst.BaseExpression, function: cst.FunctionDef, call: cst.Call
+    ) -> cst.BaseExpression:
+        """The count with the function's parameters replaced by the call's arguments."""
+        values = self._arguments(function, call)
+        parameters = {
+            p.name.value for p in (*function.params.posonly_params, *function.params.params)
+        }
+        needed = {n.value for n in _names(count)} & parameters
+        for name in needed:
+            if name not in values:
+                raise Unfixable(f"the call does not pass `{name}`, which the loss's count reads")
+            if not _pure(values[name]):
+                raise Unfixable(
+                    f"`{code(values[name])}` (passed as `{name}`) is not a plain expression to count on"
+                )
+        return _renamed(count, {n: values[n] for n in needed})
+
+    def _sum_loss(self, mean: MaskedMean, divisor: str | None = None) -> None:
+        """The loss's masked mean becomes its sum (over `divisor` when given)."""
+        summed = mean.summed
+        if divisor is not None:
+            summed = cst.BinaryOperation(_atom(summed), cst.Divide(), cst.Name(divisor))
+        self.edits.replace[mean.node] = summed.with_changes(
+            lpar=mean.node.lpar, rpar=mean.node.rpar
+        )
+
+    # --- hand-written averages -----------------------------------------------------------------
+
+    def _loop_average(self, site: Site, mean: MaskedMean, call: cst.Call) -> str:
+        loop = next((a for a in self.tree.ancestors(call) if isinstance(a, (cst.For, *DEFS))), None)
+        if not isinstance(loop, cst.For):
+            raise Unfixable(
+                "the micro-steps are not a Python loop or a `lax.scan` gaaudit can follow (e.g. a "
+                "`lax.fori_loop`); sum the micro-gradients and the mask counts, and divide once"
+            )
+        scope = self.tree.scope_of(loop)
+        if (
+            self.tree.scope_of(site.call) is not scope
+            or self.tree.order[site.call] < self.tree.last[loop]
+        ):
+            raise Unfixable(
+                "the average is not taken after the loop that accumulates the micro-gradients"
+            )
+        count = self._count_at(mean.count, mean.function, call)
+        self._sum_loss(mean)
+        if loop not in self._counted:
+            self._counted.add(loop)
+            self.edits.insert_before(statement_line(self.tree, loop), f"{self.weight} = 0.0\n")
+            self.edits.insert_after(
+                statement_line(self.tree, call), f"{self.weight} += {code(count)}\n"
+            )
+        self._divide_by_weight(site, scope, loop)
+        return (
+            "the loss returns its masked sum, the loop adds up the mask counts, and the summed "
+            "micro-gradients are divided once by their total"
+        )
+
+    def _scan_of(self, body: cst.FunctionDef) -> cst.Call | None:
+        """The `lax.scan(body, init, xs)` call that runs `body` over the micro-batches."""
+        for call in self.tree.calls:
+            runs = (self.tree.qualified(call.func) or "").endswith("lax.scan") and positional(call)
+            if runs and dotted(positional(call)[0]) == body.name.value:
+                return call
+        return None
+
+    def _scan_average(
+        self, site: Site, mean: MaskedMean, call: cst.Call, body: cst.FunctionDef, scan: cst.Call
+    ) -> str:
+        args = positional(scan)
+        xs = keyword(scan, "xs") or (args[2] if len(args) > 2 else None)
+        params = body.params.params
+        if xs is None or not _pure(xs) or len(params) != 2:
+            raise Unfixable(
+                "gaaudit cannot tell which stacked micro-batches the `lax.scan` runs over"
+            )
+        micro = params[1].name.value
+        count = self._count_at(mean.count, mean.function, call)
+        if {n.value for n in _names(count)} - {micro} - self._global_names():
+            raise Unfixable("the loss's count reads more than the scanned micro-batch")
+        if not _stackable(count):
+            raise Unfixable(
+                "the loss's count is not a sum over elementwise data (it slices or reshapes the "
+                "micro-batch), so gaaudit cannot count the whole stack at once"
+            )
+        scope = self.tree.scope_of(scan)
+        statement = statement_line(self.tree, scan)
+        if (
+            self.tree.scope_of(site.call) is not scope
+            or self.tree.order[site.call] < self.tree.last[statement]
+        ):
+            raise Unfixable(
+                "the average is not taken after the `lax.scan` that accumulates the micro-gradients"
+            )
+        self._sum_loss(mean)
+        if scan not in self._counted:
+            self._counted.add(scan)
+            total = _renamed(count, {micro: xs})
+            self.edits.insert_after(statement, f"{self.weight} = {code(total)}\n")
+        self._divide_by_weight(site, scope, statement)
+        return (
+            "the loss returns its masked sum, and the scanned micro-gradients are divided once by "
+            "the mask count of the whole stack"
+        )
+
+    def _divide_by_weight(self, site: Site, scope: cst.CSTNode, accumulation: cst.CSTNode) -> None:
+        """`g / k` -> `g / max(total, 1)`, and so every later division by `k` of something the
+        accumulation computed (the window's logged loss)."""
+        steps = code(site.node.right)
+        divisor = cst.parse_expression(f"{self._jnp()}.maximum({self.weight}, 1)")
+        self.edits.replace[site.node.right] = divisor
+        accumulated = self.tree.assigned_in(accumulation)
+        body = scope if isinstance(scope, cst.Module) else scope.body
+        for node in self.tree.walk(body, into_defs=False):
+            if (
+                isinstance(node, cst.BinaryOperation)
+                and isinstance(node.operator, cst.Divide)
+                and code(node.right) == steps
+                and self.tree.order[node] > self.tree.last[accumulation]
+                and depends_on(node.left, accumulated)
+            ):
+                self.edits.replace[node.right] = divisor
+
+    # --- optax.MultiSteps ----------------------------------------------------------------------
+
+    def _multisteps(self, site: Site, mean: MaskedMean, call: cst.Call) -> str:
+        step = self.tree.enclosing_function(call)
+        if step is None:
+            raise Unfixable("the loss gradient is not taken inside a step function")
+        uses = [c for c in self.tree.calls if dotted(c.func) == step.name.value]
+        if len(uses) != 1:
+            raise Unfixable(
+                f"`{step.name.value}` is called in {len(uses)} places; gaaudit needs the one loop"
+            )
+        (step_call,) = uses
+        loop = self.tree.parents.get(self.tree.parents.get(statement_line(self.tree, step_call)))
+        if not (isinstance(loop, cst.For) and loop.orelse is None and loop.asynchronous is None):
+            raise Unfixable(
+                f"`{step.name.value}(...)` is not called directly in a `for` loop over the micro-batches"
+            )
+        if any(isinstance(n, cst.Break) for n in _loop_level(loop.body)):
+            raise Unfixable(
+                "the loop breaks out early; reading windows ahead would change what it trains"
+            )
+        for function in (mean.function, step):
+            params = function.params
+            if (
+                params.star_arg is not cst.MaybeSentinel.DEFAULT
+                or params.star_kwarg is not None
+                or any(p.default is not None for p in params.params)
+            ):
+                raise Unfixable(
+                    f"`{function.name.value}` has defaults or `*args`; gaaudit adds a parameter only to plain signatures"
+                )
+        steps = self._steps_at(site.node, loop)
+        count = self._count_at(self._count_at(mean.count, mean.function, call), step, step_call)
+        visible = self._visible(loop)
+        unknown = {n.value for n in _names(count)} - visible - self._global_names()
+        if unknown:
+            raise Unfixable(
+                f"the loss's count reads {', '.join(sorted(unknown))}, not visible in the loop"
+            )
+        self.edits.replace[site.node] = with_argument(site.node, "use_grad_mean", "False")
+        if loop not in self._counted:  # another MultiSteps of the same loop already did this
+            self._counted.add(loop)
+            weight = self.weight
+            self._sum_loss(mean, weight)
+            self.edits.replace[mean.function.params] = with_parameter(mean.function.params, weight)
+            self.edits.replace[step.params] = with_parameter(step.params, weight)
+            self.edits.replace[call] = with_argument(call, weight, weight)
+            self.edits.replace[step_call] = with_argument(step_call, weight, weight)
+            self._read_ahead(loop, steps, count)
+        return (
+            "the loop reads each window of micro-batches ahead and counts its mask, the loss divides "
+            "its masked sum by that count, and MultiSteps sums (`use_grad_mean=False`); an "
+            "incomplete last window is not trained"
+        )
+
+    def _steps_at(self, multisteps: cst.Call, loop: cst.For) -> str:
+        """The accumulation steps of `MultiSteps(...)` as an expression valid at `loop`."""
+        args = positional(multisteps)
+        every = keyword(multisteps, "every_k_schedule") or (args[1] if len(args) > 1 else None)
+        if isinstance(every, cst.Integer):
+            return code(every)
+        if not isinstance(every, (cst.Name, cst.Attribute)) or dotted(every) in self.tree.functions:
+            raise Unfixable(
+                "the accumulation steps are not a plain value gaaudit can use in the loop"
+            )
+        holder = self.tree.scope_of(multisteps)
+        loop_scope = self.tree.scope_of(loop)
+        root = dotted(every).split(".")[0]
+        if holder is loop_scope or holder is self.tree.module:
+            if root in self._visible(loop) | self._global_names():
+                return code(every)
+        elif isinstance(every, cst.Name) and isinstance(holder, cst.FunctionDef):
+            calls = [c for c in self.tree.calls if dotted(c.func) == holder.name.value]
+            names = [p.name.value for p in holder.params.params]
+            if (
+                len(calls) == 1
+                and self.tree.scope_of(calls[0]) is loop_scope
+                and every.value in names
+            ):
+                given = keyword(calls[0], every.value)
+                index = names.index(every.value)
+                if given is None and index < len(positional(calls[0])):
+                    given = positional(calls[0])[index]
+                if given is not None and _pure(given):
+                    return code(given)
+        raise Unfixable("gaaudit cannot tell the accumulation steps where the training loop runs")
+
+    def _read_ahead(self, loop: cst.For, steps: str, count: cst.BaseExpression) -> None:
+        """`for x in xs: body` -> windows of `steps` items, counted, then `body` for each."""
+        target = code(loop.target)
+        item = f"({target})" if isinstance(loop.target, cst.Tuple) else target
+        window, weight, jnp = self.window, self.weight, self._jnp()
+        template = cst.parse_module(
+            f"for _ in _:\n"
+            f"    {window}.append({item})\n"
+            f"    if len({window}) < {steps}:\n"
+            f"        continue\n"
+            f"    {weight} = {jnp}.maximum(sum({code(count)} for {target} in {window}), 1)\n"
+            f"    for _ in {window}:\n"
+            f"        pass\n"
+            f"    {window} = []\n"
+        ).body[0]
+        inner = template.body.body[3].with_changes(
+            target=loop.target, body=loop.body.visit(_Replace(self.edits.replace))
+        )
+        body = [*template.body.body[:3], inner, template.body.body[4]]
+        self.edits.replace[loop] = loop.with_changes(body=template.body.with_changes(body=body))
+        self.edits.insert_before(statement_line(self.tree, loop), f"{window} = []\n")
+
+    def _visible(self, loop: cst.For) -> set[str]:
+        """Names the loop's body may read: its target, and its function's parameters and locals."""
+        scope = self.tree.scope_of(loop)
+        names = {n.value for n in _names(loop.target)}
+        if isinstance(scope, cst.FunctionDef):
+            names |= {p.name.value for p in (*scope.params.params, *scope.params.kwonly_params)}
+            names |= set(self.tree.bindings(scope))
+        return names
+
+    def _global_names(self) -> set[str]:
+        return (
+            set(self.tree.bindings(self.tree.module))
+            | set(self.tree.imports)
+            | set(self.tree.functions)
+            | BUILTINS
+        )
+
+    def _jnp(self) -> str:
+        for local, full in self.tree.imports.items():
+            if full == "jax.numpy":
+                return local
+        if "jax" in self.tree.imports:
+            return "jax.numpy"
+        raise Unfixable("`jax.numpy` is not imported in this file")
+
+
+class _Rename(cst.CSTTransformer):
+    """Replaces variable names (not attribute or keyword names) by expressions."""
+
+    def __init__(self, values: dict[str, cst.BaseExpression]) -> None:
+        self.values = values
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        return False
+
+    def leave_Attribute(
+        self, original_node: cst.Attribute, updated_node: cst.Attribute
+    ) -> cst.Attribute:
+        return updated_node.with_changes(value=updated_node.value.visit(self))
+
+    def visit_Arg(self, node: cst.Arg) -> bool:
+        return False
+
+    def leave_Arg(self, original_node: cst.Arg, updated_node: cst.Arg) -> cst.Arg:
+        return updated_node.with_changes(value=updated_node.value.visit(self))
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
+        value = self.values.get(updated_node.value)
+        return _atom(value) if value is not None else updated_node
+
+
+class _Replace(cst.CSTTransformer):
+    """Applies node-keyed replacements inside a subtree that is itself being replaced."""
+
+    def __init__(self, replacements: dict[cst.CSTNode, cst.CSTNode]) -> None:
+        self.replacements = replacements
+
+    def on_leave(self, original_node, updated_node):
+        return self.replacements.get(original_node, updated_node)
+
+
+def _renamed(expr: cst.BaseExpression, values: dict[str, cst.BaseExpression]) -> cst.BaseExpression:
+    return expr.visit(_Rename(values)) if values else expr
+
+
+def _names(expr: cst.CSTNode) -> list[cst.Name]:
+    """Variable names an expression reads (attribute and keyword names left out)."""
+    found = []
+
+    class Collect(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Arg(self, node: cst.Arg) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            found.append(node)
+
+    expr.visit(Collect())
+    return found
+
+
+def _atom(expr: cst.BaseExpression) -> cst.BaseExpression:
+    if (
+        isinstance(expr, (cst.Name, cst.Attribute, cst.Call, cst.Subscript, cst.Integer, cst.Float))
+        or expr.lpar
+    ):
+        return expr
+    return expr.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+
+
+def _unclamped(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """`jnp.maximum(n, 1.0)` / `max(n, 1)` -> `n`: the count, without the guard against zero."""
+    if (
+        isinstance(expr, cst.Call)
+        and len(expr.args) == 2
+        and (code(expr.func).endswith("maximum") or code(expr.func) == "max")
+    ):
+        numbers = [a.value for a in expr.args if isinstance(a.value, (cst.Integer, cst.Float))]
+        others = [a.value for a in expr.args if not isinstance(a.value, (cst.Integer, cst.Float))]
+        if len(numbers) == 1 and len(others) == 1:
+            return others[0]
+    return expr
+
+
+def _pure(expr: cst.BaseExpression) -> bool:
+    """A plain data expression: names, attributes and subscripts by constants."""
+    if isinstance(expr, (cst.Name, cst.Attribute)):
+        return dotted(expr) is not None
+    if isinstance(expr, cst.Subscript):
+        return _pure(expr.value) and all(
+            isinstance(e.slice, cst.Index)
+            and isinstance(e.slice.value, (cst.SimpleString, cst.Integer))
+            for e in expr.slice
+        )
+    return False
+
+
+def _stackable(count: cst.BaseExpression) -> bool:
+    """`jnp.sum(E)` / `E.sum()` over elementwise data: counting the stack of micro-batches at
+    once gives the sum of their counts."""
+    if not isinstance(count, cst.Call) or keyword(count, "axis") is not None:
+        return False
+    if isinstance(count.func, cst.Attribute) and count.func.attr.value == "sum" and not count.args:
+        data = count.func.value
+    elif code(count.func).endswith(".sum") and len(count.args) == 1:
+        data = count.args[0].value
+    else:
+        return False
+    for node in _walk(data):
+        if isinstance(node, cst.Slice) or (
+            isinstance(node, cst.Call)
+            and not (isinstance(node.func, cst.Attribute) and node.func.attr.value == "astype")
+        ):
+            return False
+    return True
+
+
+def _walk(node: cst.CSTNode):
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        stack.extend(current.children)
+
+
+def _loop_level(block: cst.CSTNode):
+    """Nodes of a loop body, not entering nested loops or definitions."""
+    stack = list(block.children)
+    while stack:
+        current = stack.pop()
+        yield current
+        if not isinstance(current, (cst.For, cst.While, *DEFS)):
+            stack.extend(current.children)
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    candidate, suffix = name, 1
+    while candidate in taken:
+        suffix += 1
+        candidate = f"{name}_{suffix}"
+    return candidate

@@ -1,0 +1,557 @@
+"""GA004 rewrites: make a Trainer override use `num_items_in_batch`, or opt out of it.
+
+transformers >= 4.46 counts the valid labels of the whole accumulation window
+(`num_items_in_batch`) and, when the model accepts loss kwargs, expects the loss to be the
+micro-batch's token sum divided by that count; it then skips its own division by K. Each
+finding gets one of these, the first that applies (GA-GUIDE sections 2, 4 and 7):
+
+- a token sum: an explicit `F.cross_entropy` / `nn.CrossEntropyLoss` loss on the labels
+  becomes `reduction="sum"` divided by `num_items_in_batch` (the mean as before without it);
+- a hand-over: `model(**inputs)` whose `.loss` is returned gets the count, as the stock
+  `compute_loss` passes it;
+- an opt-out where the loss cannot be a sum: `self.model_accepts_loss_kwargs = False` after
+  `super().__init__()` (a class attribute would be overwritten by `Trainer.__init__`), or
+  `accepts_loss_kwargs = False` on a model class; the Trainer then divides the mean by K;
+- in `training_step`: the count is accepted and handed to `compute_loss`, and a division by
+  `gradient_accumulation_steps` of that window-normalised loss (a double division) is removed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import libcst as cst
+
+from gaaudit.checks.trainer import (
+    MODEL_OPT_OUT,
+    OPT_OUT,
+    Site,
+    TrainerAudit,
+    class_attribute,
+    is_super_init,
+    loss_parts,
+    methods_of,
+    parameters,
+)
+from gaaudit.cst_edits import copy_edits, statement_line, with_argument, with_parameter
+from gaaudit.fixes import Edits, Outcome, Unfixable
+from gaaudit.tree import Tree, code, dotted, keyword, positional, string_value
+
+COUNT = "num_items_in_batch"
+TOKEN_LOSSES = {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}
+SHAPERS = {"view", "reshape", "flatten", "contiguous", "long"}  # keep which targets count
+PASS_THROUGH = {"mean", "float", "to", "clone", "contiguous", "squeeze"}
+CAUSAL = re.compile(r"ForCausalLM|LMHeadModel|CausalLM|SFTTrainer")
+UNSHIFTED = re.compile(
+    r"Seq2SeqLM|ForConditionalGeneration|MaskedLM|Classification|EncoderDecoderModel"
+)
+MEAN_OVER_K = (
+    "the Trainer then divides each micro-batch's mean by the accumulation steps, exact only when "
+    "every micro-batch holds the same number of valid targets"
+)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The rewrite a finding got, and why it is unsafe ("" when it is safe)."""
+
+    what: str
+    caveat: str = ""
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """An explicit token loss that can become a sum: the call, its configuration, its targets."""
+
+    call: cst.Call
+    configured: cst.Call  # the call itself, or the `nn.CrossEntropyLoss(...)` it was bound to
+    targets: cst.BaseExpression
+    caveat: str  # why it may not match the Trainer's count; "" when it does
+
+
+class TrainerPlanner:
+    """Turns the GA004 sites of one file into edits (see `fixes.Edits`)."""
+
+    def __init__(self, tree: Tree, audit: TrainerAudit, unsafe: bool = False) -> None:
+        self.tree, self.audit, self.unsafe = tree, audit, unsafe
+        self.text = tree.module.code
+        self.edits = Edits()
+
+    def plan(self, sites: list[Site]) -> list[Outcome]:
+        outcomes = []
+        for site in sites:
+            saved = copy_edits(self.edits)
+            line, column = self.tree.span(site.node).line, self.tree.span(site.node).column
+            try:
+                choice = self._fix(site)
+                if choice.caveat and not self.unsafe:
+                    raise Unfixable(
+                        f"unsafe fix ({choice.what}; {choice.caveat}); apply with --unsafe-fixes"
+                    )
+                outcomes.append(Outcome(site, line, column, True, choice.what))
+            except (Unfixable, cst.ParserSyntaxError) as exc:
+                self.edits = saved
+                reason = (
+                    str(exc)
+                    if isinstance(exc, Unfixable)
+                    else "gaaudit could not build a valid rewrite"
+                )
+                outcomes.append(Outcome(site, line, column, False, reason))
+        return outcomes
+
+    def _fix(self, site: Site) -> Choice:
+        """Plan one site."""
+        if site.kind == "compute-loss":
+            return self._compute_loss(site)
+        if site.kind == "training-step-signature":
+            self._accept(site.function)
+            for call in self._super_calls(site.function, "training_step"):
+                if len(positional(call)) == 2 and keyword(call, COUNT) is None:
+                    self._add_argument(call, COUNT, keyword_name=None)
+            return Choice("`training_step` accepts `num_items_in_batch` and passes it on")
+        if site.kind == "training-step-division":
+            return self._training_step_division(site)
+        return self._forward(site)
+
+    # --- compute_loss -------------------------------------------------------------------------
+
+    def _compute_loss(self, site: Site) -> Choice:
+        function = site.function
+        self._accept(function)
+        returned = self._returned(function)
+        loss = self._token_loss(returned, function, in_trainer=True)
+        if isinstance(loss, TokenLoss):
+            self._sum(loss)
+            return Choice(
+                f"`compute_loss` sums its `{_name(loss.configured)}` and divides by "
+                "`num_items_in_batch`, or by its own count when the Trainer passes none",
+                loss.caveat,
+            )
+        spread = self._model_spread(returned, function)
+        if spread is not None:
+            statement, inputs = spread
+            self.edits.insert_before(
+                statement,
+                f'if {COUNT} is not None:\n    {inputs} = {{**{inputs}, "{COUNT}": {COUNT}}}\n',
+            )
+            return Choice(
+                "`compute_loss` hands `num_items_in_batch` to the model, as the stock one does"
+            )
+        self._opt_out(site.owner)
+        return Choice(
+            f"the loss cannot be made a token sum ({loss}): `self.{OPT_OUT} = False` is set after "
+            "`super().__init__()`",
+            MEAN_OVER_K,
+        )
+
+    def _returned(self, function: cst.FunctionDef) -> cst.CSTNode | None:
+        """The one expression every returned loss resolves to, through plain name bindings."""
+        found = None
+        for value in self.audit.tracer.returns(function):
+            for part in loss_parts(value):
+                resolved = self._resolve(part)
+                if found is not None and resolved is not found:
+                    return None
+                found = resolved
+        return found
+
+    def _resolve(self, expr: cst.BaseExpression, hops: int = 8) -> cst.BaseExpression:
+        """`loss` -> the value of its `loss = value` binding, repeatedly."""
+        while hops and isinstance(expr, cst.Name):
+            hops -= 1
+            stmt = self.audit.tracer.binding(expr.value, expr)
+            if not (isinstance(stmt, cst.Assign) and len(stmt.targets) == 1):
+                break
+            if not isinstance(stmt.targets[0].target, cst.Name):
+                break
+            expr = stmt.value
+        return expr
+
+    def _token_loss(
+        self, expr: cst.CSTNode | None, function: cst.FunctionDef, in_trainer: bool
+    ) -> TokenLoss | str:
+        """The token loss `expr` is, or why it is not one gaaudit can sum."""
+        if not isinstance(expr, cst.Call):
+            return "it is not one explicit token loss" if expr is not None else "its returns differ"
+        configured = self._configured(expr, function)
+        if configured is None:
+            return f"`{code(expr.func)}` is not a cross-entropy or NLL loss made here"
+        reduction = string_value(keyword(configured, "reduction"))
+        if keyword(configured, "weight") is not None or (
+            configured is expr and len(positional(expr)) > 2
+        ):
+            return "it weights its classes, so its mean divides by the summed weights, not a count"
+        if keyword(configured, "reduction") is not None and reduction != "mean":
+            return "its reduction is not a plain mean"
+        args = positional(expr)
+        targets = keyword(expr, "target") or (args[1] if len(args) > 1 else None)
+        if targets is None or not _pure(targets):
+            return "its targets are not a plain tensor expression"
+        ignore = keyword(configured, "ignore_index")
+        caveat = ""
+        if ignore is not None and code(ignore) != "-100":
+            caveat = f"the Trainer counts labels != -100 but this loss ignores `{code(ignore)}`"
+        root, shifted = self._labels(targets, function, in_trainer)
+        if not caveat and not root:
+            caveat = "its targets do not visibly come from the batch's `labels`, which the Trainer counts"
+        elif not caveat and in_trainer and shifted != self._causal():
+            caveat = (
+                "cannot tell whether the Trainer counts the same positions (`labels[..., 1:]` for a "
+                "causal LM, `labels` otherwise)"
+            )
+        elif not caveat and not in_trainer and shifted:
+            caveat = "the Trainer counts every label of a custom model, but this loss shifts them"
+        return TokenLoss(expr, configured, targets, caveat)
+
+    def _configured(self, call: cst.Call, function: cst.FunctionDef) -> cst.Call | None:
+        """The call itself for `F.cross_entropy(...)`; the constructor for a local loss instance."""
+        qualified = self.tree.qualified(call.func) or ""
+        if qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TOKEN_LOSSES:
+            return call
+        if not isinstance(call.func, cst.Name):
+            return None
+        stmt = self.audit.tracer.binding(call.func.value, call)
+        if not (isinstance(stmt, cst.Assign) and isinstance(stmt.value, cst.Call)):
+            return None
+        if self.tree.scope_of(stmt) is not function:
+            return None
+        constructor = stmt.value
+        qualified = self.tree.qualified(constructor.func) or ""
+        if not (qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TOKEN_LOSSES):
+            return None
+        uses = [
+            n
+            for n in self.tree.walk(function.body)
+            if isinstance(n, cst.Name) and n.value == call.func.value
+        ]
+        return constructor if len(uses) == 2 else None  # bound once, called once
+
+    def _labels(
+        self, targets: cst.BaseExpression, function: cst.FunctionDef, in_trainer: bool
+    ) -> tuple[bool, bool]:
+        """Whether the targets are the batch's labels, and whether they were shifted (`[:, 1:]`)."""
+        shifted, expr = False, targets
+        for _ in range(12):
+            if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+                expr = expr.func.value
+            elif isinstance(expr, cst.Subscript):
+                shifted = shifted or _drops_first(expr)
+                expr = expr.value
+            elif isinstance(expr, cst.Name):
+                stmt = self.audit.tracer.binding(expr.value, expr)
+                if isinstance(stmt, cst.Param):
+                    return (not in_trainer and expr.value == "labels"), shifted
+                if not (isinstance(stmt, cst.Assign) and len(stmt.targets) == 1):
+                    return False, shifted
+                if in_trainer and _reads_labels(stmt.value, parameters_in_order(function)[2:3]):
+                    return True, shifted
+                expr = stmt.value
+            else:
+                return in_trainer and _reads_labels(
+                    expr, parameters_in_order(function)[2:3]
+                ), shifted
+        return False, shifted
+
+    def _causal(self) -> bool:
+        return bool(CAUSAL.search(self.text)) and not UNSHIFTED.search(self.text)
+
+    def _sum(self, loss: TokenLoss) -> None:
+        """`loss_fn(x, y)` -> `loss_fn(x, y) / (n if n is not None else (y != -100).sum())`, the
+        loss summed; the count is the Trainer's when it passes one."""
+        ignore = keyword(loss.configured, "ignore_index")
+        fallback = (
+            f"({code(loss.targets)} != {code(ignore) if ignore is not None else '-100'}).sum()"
+        )
+        summed = with_argument(loss.configured, "reduction", '"sum"')
+        if loss.configured is loss.call:
+            call = summed
+        else:
+            self.edits.replace[loss.configured] = summed
+            call = loss.call
+        statement = statement_line(self.tree, loss.call)
+        assign = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) else None
+        if (
+            isinstance(assign, cst.Assign)
+            and assign.value is loss.call
+            and len(assign.targets) == 1
+        ):
+            name = code(assign.targets[0].target)  # `loss = f(...)`: count and divide below it
+            if call is not loss.call:
+                self.edits.replace[loss.call] = call
+            self.edits.insert_after(
+                statement,
+                f"if {COUNT} is None:\n    {COUNT} = {fallback}\n{name} = {name} / {COUNT}\n",
+            )
+            return
+        divided = cst.BinaryOperation(
+            left=call.with_changes(lpar=(), rpar=()),
+            operator=cst.Divide(),
+            right=cst.parse_expression(f"({COUNT} if {COUNT} is not None else {fallback})"),
+        )
+        parent = self.tree.parents.get(loss.call)
+        if not isinstance(parent, (cst.Assign, cst.Return, cst.Arg, cst.Element, cst.DictElement)):
+            divided = divided.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        self.edits.replace[loss.call] = divided
+
+    def _model_spread(
+        self, returned: cst.CSTNode | None, function: cst.FunctionDef
+    ) -> tuple[cst.CSTNode, str] | None:
+        """(the statement, `inputs`) for a returned `model(**inputs).loss` (or `["loss"]`, `[0]`)."""
+        if isinstance(returned, cst.Attribute) and returned.attr.value == "loss":
+            outputs = returned.value
+        elif isinstance(returned, cst.Subscript) and len(returned.slice) == 1:
+            key = returned.slice[0].slice
+            index = key.value if isinstance(key, cst.Index) else None
+            if string_value(index) != "loss" and not (
+                isinstance(index, cst.Integer) and index.value == "0"
+            ):
+                return None
+            outputs = returned.value
+        else:
+            return None
+        call = self._resolve(outputs)
+        names = parameters_in_order(function)
+        if not (isinstance(call, cst.Call) and len(names) > 1 and dotted(call.func) == names[1]):
+            return None
+        spread = [a.value for a in call.args if a.star == "**"]
+        if (
+            len(spread) != 1
+            or not isinstance(spread[0], cst.Name)
+            or keyword(call, COUNT) is not None
+        ):
+            return None
+        return statement_line(self.tree, call), spread[0].value
+
+    def _opt_out(self, owner: cst.ClassDef) -> None:
+        """`self.model_accepts_loss_kwargs = False` after `super().__init__()`, in a new
+        `__init__` if the class has none; a class attribute of that name is removed."""
+        for statement in owner.body.body:
+            if class_attribute(statement, OPT_OUT) is not None and len(statement.body) == 1:
+                self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
+        line = f"self.{OPT_OUT} = False  # the loss is a per-micro-batch mean\n"
+        init = methods_of(owner).get("__init__")
+        if init is None:
+            body = list(owner.body.body)
+            first = next((i for i, s in enumerate(body) if isinstance(s, cst.FunctionDef)), None)
+            if first is None:
+                raise Unfixable("the Trainer class defines no method to place `__init__` before")
+            source = (
+                "def __init__(self, *args, **kwargs):\n    super().__init__(*args, **kwargs)\n    "
+                + line
+            )
+            (new,) = cst.parse_module(source).body
+            if first == 0:
+                self.edits.before.setdefault(body[0], []).append(new)
+            else:  # after what precedes the first method, which keeps its blank line above
+                blank = cst.EmptyLine(indent=False)
+                self.edits.after.setdefault(body[first - 1], []).append(
+                    new.with_changes(leading_lines=[blank])
+                )
+            return
+        call = next((c for c in self.tree.walk(init.body) if is_super_init(c)), None)
+        if call is None:
+            raise Unfixable(
+                "`__init__` does not call `super().__init__()`; set the opt-out after it"
+            )
+        self.edits.insert_after(statement_line(self.tree, call), line)
+
+    # --- training_step ------------------------------------------------------------------------
+
+    def _training_step_division(self, site: Site) -> Choice:
+        function = site.function
+        division = site.node
+        value = division.left if isinstance(division, cst.BinaryOperation) else division.target
+        call = self._compute_loss_call(value)
+        if call is None:
+            raise Unfixable(
+                "the divided loss does not come from `self.compute_loss(...)` in this method; gaaudit "
+                "cannot hand it the window's token count"
+            )
+        self._accept(function)
+        if keyword(call, COUNT) is None and len(positional(call)) < 4:
+            self._add_argument(call, COUNT, keyword_name=COUNT)
+        self._undivide(division)
+        return Choice(
+            "`compute_loss` gets `num_items_in_batch`, so its loss is already normalised over the "
+            "window; the second division by the accumulation steps is removed",
+            self._override_ignores_count(site.owner),
+        )
+
+    def _compute_loss_call(self, expr: cst.BaseExpression) -> cst.Call | None:
+        """The `self.compute_loss(...)` / `super().compute_loss(...)` call a value comes from."""
+        for _ in range(12):
+            if isinstance(expr, cst.Name):
+                stmt = self.audit.tracer.binding(expr.value, expr)
+                if not isinstance(stmt, cst.Assign) or len(stmt.targets) != 1:
+                    return None
+                expr = stmt.value
+            elif isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+                if expr.func.attr.value == "compute_loss" and (
+                    dotted(expr.func.value) == "self" or _is_super(expr.func.value)
+                ):
+                    return expr
+                if expr.func.attr.value not in PASS_THROUGH:
+                    return None
+                expr = expr.func.value
+            else:
+                return None
+        return None
+
+    def _override_ignores_count(self, owner: cst.ClassDef) -> str:
+        for cls in self.audit.lineage(owner):
+            override = methods_of(cls).get("compute_loss")
+            if override is not None:
+                _, kwargs = parameters(override)
+                read = {n.value for n in self.tree.walk(override.body) if isinstance(n, cst.Name)}
+                if read & {COUNT, kwargs}:
+                    return ""
+                return f"`{cls.name.value}.compute_loss` does not use `num_items_in_batch`"
+        return ""
+
+    def _undivide(self, division: cst.CSTNode) -> None:
+        """Drop `loss = loss / k` or `loss /= k` (and an `if` left empty); `f(loss / k)` -> `f(loss)`."""
+        statement = statement_line(self.tree, division)
+        if isinstance(statement, cst.SimpleStatementLine) and len(statement.body) > 1:
+            raise Unfixable("the division shares its line with other statements; split the line")
+        small = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) else None
+        drops = isinstance(division, cst.AugAssign) or (
+            isinstance(small, cst.Assign)
+            and small.value is division
+            and len(small.targets) == 1
+            and code(small.targets[0].target) == code(division.left)
+        )
+        if not drops:
+            self.edits.replace[division] = division.left.with_changes(
+                lpar=division.lpar, rpar=division.rpar
+            )
+            return
+        while True:
+            block = self.tree.parents[statement]
+            owner = self.tree.parents.get(block)
+            if not (isinstance(owner, cst.If) and owner.orelse is None and len(block.body) == 1):
+                break
+            statement = owner
+        self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
+
+    # --- a model's forward ----------------------------------------------------------------------
+
+    def _forward(self, site: Site) -> Choice:
+        forward, model = site.function, site.owner
+        returned = self._returned(forward)
+        loss = self._token_loss(returned, forward, in_trainer=False)
+        _, kwargs = parameters(forward)
+        if isinstance(loss, TokenLoss):
+            self._accept(forward, var_keyword=True)
+            self._sum(loss)
+            return Choice(
+                f"`forward` takes the Trainer's loss kwargs, sums its `{_name(loss.configured)}` and "
+                "divides by `num_items_in_batch`",
+                loss.caveat,
+            )
+        if kwargs is None:
+            raise Unfixable(
+                f"the model's loss cannot be made a token sum ({loss}); without `**kwargs` the Trainer "
+                "already divides its mean by the accumulation steps"
+            )
+        first = model.body.body[0]
+        line = f"{MODEL_OPT_OUT} = False  # forward returns a per-batch mean loss\n"
+        if _is_docstring(first):
+            self.edits.insert_after(first, line)
+        else:
+            self.edits.insert_before(first, line)
+        return Choice(
+            f"the loss cannot be made a token sum ({loss}): `{MODEL_OPT_OUT} = False` is set on "
+            f"`{model.name.value}`",
+            MEAN_OVER_K,
+        )
+
+    # --- shared edits ---------------------------------------------------------------------------
+
+    def _accept(self, function: cst.FunctionDef, var_keyword: bool = False) -> None:
+        """Give `function` a `num_items_in_batch=None` parameter (and `**kwargs` when asked)."""
+        names, kwargs = parameters(function)
+        current = self.edits.replace.get(function.params, function.params)
+        if COUNT not in names and COUNT not in {p.name.value for p in _all_params(current)}:
+            current = with_parameter(current, COUNT, "None")
+        if var_keyword and kwargs is None and current.star_kwarg is None:
+            current = current.with_changes(star_kwarg=cst.Param(cst.Name("kwargs"), star="**"))
+        if current is not function.params:
+            self.edits.replace[function.params] = current
+
+    def _add_argument(self, call: cst.Call, value: str, keyword_name: str | None) -> None:
+        current = self.edits.replace.get(call, call)
+        self.edits.replace[call] = with_argument(current, keyword_name, value)
+
+    def _super_calls(self, function: cst.FunctionDef, method: str) -> list[cst.Call]:
+        return [
+            n
+            for n in self.tree.walk(function.body)
+            if isinstance(n, cst.Call)
+            and isinstance(n.func, cst.Attribute)
+            and n.func.attr.value == method
+            and _is_super(n.func.value)
+        ]
+
+
+def parameters_in_order(function: cst.FunctionDef) -> list[str]:
+    params = function.params
+    return [p.name.value for p in (*params.posonly_params, *params.params)]
+
+
+def _all_params(params: cst.Parameters) -> list[cst.Param]:
+    return [*params.posonly_params, *params.params, *params.kwonly_params]
+
+
+def _pure(expr: cst.BaseExpression) -> bool:
+    """A tensor expression safe to evaluate twice: names, attributes, subscripts, reshapes."""
+    if isinstance(expr, (cst.Name, cst.Attribute)):
+        return dotted(expr) is not None
+    if isinstance(expr, cst.Subscript):
+        return _pure(expr.value)
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+        return expr.func.attr.value in SHAPERS and _pure(expr.func.value)
+    return False
+
+
+def _drops_first(subscript: cst.Subscript) -> bool:
+    """`x[:, 1:]` or `x[..., 1:]`: a causal shift of the targets."""
+    last = subscript.slice[-1].slice
+    return (
+        isinstance(last, cst.Slice)
+        and code(last.lower or cst.Name("None")) == "1"
+        and last.upper is None
+    )
+
+
+def _reads_labels(expr: cst.BaseExpression, inputs: list[str]) -> bool:
+    """`inputs.pop("labels")`, `inputs["labels"]` or `inputs.get("labels")`."""
+    if not inputs:
+        return False
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+        return (
+            expr.func.attr.value in ("pop", "get")
+            and dotted(expr.func.value) == inputs[0]
+            and bool(expr.args)
+            and string_value(expr.args[0].value) == "labels"
+        )
+    if isinstance(expr, cst.Subscript) and dotted(expr.value) == inputs[0] and len(expr.slice) == 1:
+        key = expr.slice[0].slice
+        return isinstance(key, cst.Index) and string_value(key.value) == "labels"
+    return False
+
+
+def _is_super(expr: cst.BaseExpression) -> bool:
+    return isinstance(expr, cst.Call) and dotted(expr.func) == "super"
+
+
+def _is_docstring(statement: cst.CSTNode) -> bool:
+    return (
+        isinstance(statement, cst.SimpleStatementLine)
+        and isinstance(statement.body[0], cst.Expr)
+        and isinstance(statement.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
+def _name(call: cst.Call) -> str:
+    return code(call.func).rsplit(".", 1)[-1]

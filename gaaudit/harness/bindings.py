@@ -1,0 +1,228 @@
+"""The harness objects bound to a replayed statement's free names, by role: the tiny model (or
+its two stages), the recording optimizer, the data, K, accelerate and GradScaler, the
+instance of the class whose method holds the loop, and the assignments evaluated before it."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import math
+import types
+
+import torch
+
+from gaaudit.harness.analysis import Plan, chain_of
+from gaaudit.harness.data import merge_batches
+from gaaudit.harness.models import vocab_size
+from gaaudit.harness.nets import output_width
+from gaaudit.harness.stubs import DataSource, Fabric, Stub
+from gaaudit.harness.surroundings import literal
+
+
+class Objects:
+    """`values` maps the statement's free names to what they are bound to; `bindings`
+    receives a description of each. Raises (for replay to report) where the code around the
+    statement cannot be reproduced."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        batches: list,
+        k: int,
+        model,
+        optimizer,
+        *,
+        device,
+        dtype,
+        ignore_index: int,
+        namespace: dict,
+        bindings: dict,
+        filename: str,
+    ):
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+        from transformers import BatchEncoding
+
+        self.plan, self.bindings, self.values, self.filename = plan, bindings, {}, filename
+        roles = {
+            c: r
+            for c, r in plan.roles.items()
+            if not isinstance(namespace.get(c[0]), types.ModuleType)
+        }
+        if plan.owner is not None:
+            self._instance(namespace)
+        self.accelerator = self.scaler = None
+        self.optimizer, text = optimizer, "recording SGD"
+        steps = k if plan.uses_accumulate else 1
+        if "accelerator" in roles.values():
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            self.accelerator = Accelerator(
+                cpu=device.type == "cpu", gradient_accumulation_steps=steps
+            )
+            self.optimizer, text = self.accelerator.prepare(optimizer), f"{text}, prepared"
+
+            def clip(*args, **kwargs):
+                self.accelerator.unscale_gradients()
+                optimizer.record("accelerator.clip_grad_norm_")
+
+            self.accelerator.clip_grad_norm_ = self.accelerator.clip_grad_value_ = clip
+        fabric = Fabric(
+            "fabric",
+            {"clip_gradients": lambda *args, **kwargs: optimizer.record("fabric.clip_gradients")},
+        )
+        if "scaler" in roles.values():
+            enabled = dtype == torch.float16 and device.type == "cuda"
+            self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
+        samples = sum(len(b["labels"]) for b in batches)
+        if plan.splits_batch:
+            batches = [merge_batches(batches, ignore_index)]
+        if plan.data_arity:
+            items = [(b["input_ids"], b["labels"]) for b in batches]
+        else:
+            items = [BatchEncoding(dict(b)) for b in batches]
+        width = output_width(plan.model_kind, vocab_size())
+        size = math.ceil(samples / k)
+        described = {
+            "model": (model, f"tiny {plan.model_kind} model"),
+            "optimizer": (self.optimizer, text),
+            "accelerator": (self.accelerator, f"Accelerator(gradient_accumulation_steps={steps})"),
+            "scaler": (self.scaler, f"GradScaler(enabled={getattr(self.scaler, '_enabled', 0)})"),
+            "fabric": (fabric, "single-process Fabric stand-in"),
+            "divisor": (k, f"K = {k}"),
+            "micro-size": (size, f"{size} samples: a batch of {samples} makes {k} micro-batches"),
+            "width": (width, f"{width}, the model's output width"),
+            "device": (str(device), str(device)),
+        }
+        stages = self._stages(model)
+        for chain, role in roles.items():
+            if role in ("data", "data-call"):
+                self._bind_data(chain, role, items, namespace)
+            elif chain in stages:
+                part = "encoder" if chain == self.plan.stages[0] else "decoder"
+                self._bind(
+                    chain, stages[chain], f"the {part} of the tiny encoder-decoder pair", namespace
+                )
+            else:
+                self._bind(chain, *described[role], namespace)
+        for name, value in plan.initial.items():
+            if name not in self.values and name not in namespace:
+                self.values[name] = value
+                self.bindings[name] = f"{value!r}, as assigned before the statement"
+        self._derive(namespace)
+        params = [p for p in plan.params or [] if p not in plan.optional]
+        for name in plan.free + params:
+            if name in plan.optional:
+                continue
+            if name not in self.values and (
+                name in params or (name not in namespace and name not in vars(builtins))
+            ):
+                self.values[name] = Stub(name)
+                self.bindings.setdefault(name, "stub")
+
+    def _instance(self, namespace: dict) -> None:
+        """An instance of the class that owns the statement, made without running its
+        `__init__`: its methods are the user's, unknown attributes read as stubs."""
+        owner = self.plan.owner
+        exec(compile(ast.Module([owner.node], []), self.filename, "exec"), namespace)  # noqa: S102
+        cls = namespace[owner.node.name]
+        if issubclass(cls, torch.nn.Module):
+            raise TypeError(
+                f"the loop is a method of the torch module `{cls.__name__}`; the "
+                f"harness cannot bind its own model to `{owner.instance}`"
+            )
+        stand_in = type(cls.__name__, (cls,), {"__getattr__": _stub_attribute})
+        self.values[owner.instance] = object.__new__(stand_in)
+        self.bindings[owner.instance] = (
+            f"a {cls.__name__} made without __init__ (its methods "
+            "run; unknown attributes are stubs)"
+        )
+
+    def _stages(self, model) -> dict:
+        """The encoder and decoder of the tiny pair, for a loop that calls two models."""
+        if self.plan.stages is None:
+            return {}
+        base = getattr(model, "module", model)
+        if not hasattr(base, "encoder") or not hasattr(base, "decoder"):
+            raise TypeError(
+                "the loop chains two models; the harness serves them as the encoder "
+                "and decoder of its own pair, which the supplied model does not have"
+            )
+        return dict(zip(self.plan.stages, (base.encoder, base.decoder)))
+
+    def _derive(self, namespace: dict) -> None:
+        """Evaluate the assignments before the statement that are literals, read a harness
+        model (`params = list(enc.parameters())`) or build a torch module such as a loss
+        (`criterion = nn.CrossEntropyLoss()`); what fails to evaluate stays a stub."""
+        scope = {**namespace, **self.values}
+        for item in self.plan.derived:
+            ok, value = literal(item.value)
+            if not ok and (item.reads_model or _builds_torch_module(item.value, scope)):
+                try:
+                    code = compile(ast.Expression(item.value), self.filename, "eval")
+                    value = eval(code, scope)
+                    ok = True
+                except Exception:  # noqa: BLE001, S112 - the name stays a stub
+                    continue
+            if ok:
+                self._bind(item.chain, value, f"`{ast.unparse(item.value)}`, evaluated", namespace)
+                if len(item.chain) == 1:
+                    scope[item.chain[0]] = value
+
+    def _bind_data(self, chain, role: str, items: list, namespace: dict) -> None:
+        prefetched = self.plan.prefetch.get(chain, [])
+        source = DataSource(".".join(chain), items, start=1 if prefetched else 0)
+        shape = "(input_ids, labels) tuples" if self.plan.data_arity else "dict batches"
+        text = f"{len(items)} micro-batches as {shape}"
+        if self.plan.splits_batch:
+            text = f"the whole window as one batch of {shape[:-1]} (the loop splits it)"
+        if role == "data-call":
+            self._bind(
+                chain, lambda *args, **kwargs: source, f"a function returning {text}", namespace
+            )
+        else:
+            self._bind(chain, source, text, namespace)
+        for index, (name,) in enumerate(prefetched):
+            self.values[name] = items[0] if len(prefetched) == 1 else items[0][index]
+            self.bindings[name] = "the first micro-batch (prefetched)"
+
+    def _bind(self, chain, value, text: str, namespace: dict) -> None:
+        root = chain[0]
+        owner = self.plan.owner
+        if len(chain) == 1:
+            self.values[root] = value
+        elif root in namespace or not (
+            isinstance(self.values.setdefault(root, Stub(root)), Stub)
+            or owner is not None
+            and root == owner.instance
+        ):
+            return
+        else:
+            holder = self.values[root]
+            for name in chain[1:-1]:
+                holder = getattr(holder, name)
+            setattr(holder, chain[-1], value)
+        self.bindings[".".join(chain)] = text
+
+
+def _stub_attribute(self, name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    value = Stub(f"{type(self).__name__}.{name}")
+    object.__setattr__(self, name, value)
+    return value
+
+
+def _builds_torch_module(node: ast.expr, scope: dict) -> bool:
+    """`nn.CrossEntropyLoss(...)`: a call of a torch.nn.Module class defined by torch itself."""
+    chain = chain_of(node.func) if isinstance(node, ast.Call) else None
+    if chain is None or chain[0] not in scope:
+        return False
+    value = scope[chain[0]]
+    for name in chain[1:]:
+        value = getattr(value, name, None)
+    return (
+        isinstance(value, type)
+        and issubclass(value, torch.nn.Module)
+        and value.__module__.startswith("torch.")
+    )

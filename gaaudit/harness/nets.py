@@ -1,0 +1,159 @@
+"""Tiny plain-torch models, samples and reference losses for the kinds that are not language
+models: image classification (`image`), per-pixel segmentation (`segment`), regression
+(`regression`) and an encoder-decoder called as two models (`pair`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+NET_KINDS = ("image", "segment", "regression", "pair")
+# Kinds with one target per sample and no ignored value: the valid count of a micro-batch is
+# its number of samples, so the harness makes the micro-batches differ in size.
+SIZED_KINDS = ("image", "regression")
+CLASSES = 10
+IMAGE_SHAPE = (3, 8, 8)
+FEATURES, TARGETS = 6, 3
+WIDTH = 16
+
+
+class TinyImageClassifier(nn.Module):
+    """`forward(images (B, 3, H, W)) -> logits (B, CLASSES)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(IMAGE_SHAPE[0], WIDTH, 3, padding=1)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, images):
+        return self.head(F.relu(self.conv(images)).mean(dim=(2, 3)))
+
+
+class TinySegmenter(nn.Module):
+    """`forward(images (B, 3, H, W)) -> per-pixel logits (B, CLASSES, H, W)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(IMAGE_SHAPE[0], WIDTH, 3, padding=1)
+        self.classify = nn.Conv2d(WIDTH, CLASSES, 1)
+
+    def forward(self, images):
+        return self.classify(F.relu(self.conv(images)))
+
+
+class TinyRegressor(nn.Module):
+    """`forward(x (B, FEATURES)) -> predictions (B, TARGETS)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, TARGETS))
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+class TinyEncoder(nn.Module):
+    """`forward(src (B, S)) -> (outputs (B, S, W), state (B, W))`; pad id 0 is masked out, so
+    that the result does not depend on how wide the batch is padded."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, WIDTH)
+
+    def forward(self, src):
+        mask = (src != 0).unsqueeze(-1)
+        outputs = self.embed(src.clamp_min(0)) * mask
+        return outputs, outputs.sum(1) / mask.sum(1).clamp_min(1)
+
+
+class TinyDecoder(nn.Module):
+    """`forward(target_in (B, T), *encoder_results) -> log-probabilities (B, T, vocab)`,
+    conditioned on the encoder's state (its last 2-D tensor). Position-wise, so padding does
+    not change the other positions; negative ids (an ignore value used as padding) read as 0."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, WIDTH)
+        self.out = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, vocab))
+
+    def forward(self, target_in, *encoder_results):
+        flat = [t for r in encoder_results for t in (r if isinstance(r, tuple) else (r,))]
+        states = [t for t in flat if isinstance(t, torch.Tensor) and t.dim() == 2]
+        hidden = self.embed(target_in.clamp_min(0))
+        if states:
+            hidden = hidden + states[-1].unsqueeze(1)
+        return F.log_softmax(self.out(hidden), dim=-1)
+
+
+class TinyPair(nn.Module):
+    """An encoder and a decoder that a loop calls as two models: `dec(tgt[:, :-1], *enc(src))`,
+    scored against `tgt[:, 1:]`."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.encoder, self.decoder = TinyEncoder(vocab), TinyDecoder(vocab)
+
+    def forward(self, src, target):
+        return self.decoder(target[:, :-1], *self.encoder(src))
+
+
+def build_net(kind: str, vocab: int) -> nn.Module:
+    """A fresh model of one of NET_KINDS (seed the generator first)."""
+    if kind == "image":
+        return TinyImageClassifier()
+    if kind == "segment":
+        return TinySegmenter()
+    if kind == "regression":
+        return TinyRegressor()
+    return TinyPair(vocab)
+
+
+def output_width(kind: str, vocab: int) -> int:
+    """The size of the model's last output dimension (classes, targets or vocabulary)."""
+    return {"image": CLASSES, "segment": CLASSES, "regression": TARGETS}.get(kind, vocab)
+
+
+def net_loss(
+    kind: str, model: nn.Module, batch: dict, ignore_index: int, label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """The mean loss over every counted target of `batch` (see net_count)."""
+    inputs, labels = batch["input_ids"], batch["labels"]
+    if kind == "regression":
+        return F.mse_loss(model(inputs).float(), labels)
+    if kind == "pair":
+        log_probs = model(inputs, labels)
+        return F.nll_loss(
+            log_probs.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=ignore_index
+        )
+    return F.cross_entropy(
+        model(inputs).float(), labels, ignore_index=ignore_index, label_smoothing=label_smoothing
+    )
+
+
+def net_count(kind: str, batch: dict, ignore_index: int) -> torch.Tensor:
+    """The number of counted targets: every regression target, the targets of the pair after
+    the first position, else the labels that are not `ignore_index`."""
+    labels = batch["labels"]
+    if kind == "regression":
+        return torch.tensor(labels.numel())
+    return ((labels[:, 1:] if kind == "pair" else labels) != ignore_index).sum()
+
+
+def net_record(kind: str, gen: torch.Generator, length, tokens, ignore_index: int) -> dict:
+    """One sample: `length()` draws a sequence length, `tokens(n)` n token ids."""
+    if kind == "regression":
+        return {
+            "input_ids": torch.randn(FEATURES, generator=gen),
+            "labels": torch.randn(TARGETS, generator=gen),
+        }
+    if kind == "pair":
+        return {"input_ids": tokens(length()), "labels": tokens(length() + 1)}
+    image = torch.randn(IMAGE_SHAPE, generator=gen)
+    if kind == "image":
+        return {"input_ids": image, "labels": torch.randint(CLASSES, (), generator=gen)}
+    pixels = torch.randint(CLASSES, IMAGE_SHAPE[1:], generator=gen)
+    kept = float(torch.empty(()).uniform_(0.2, 1.0, generator=gen))
+    void = torch.rand(IMAGE_SHAPE[1:], generator=gen) > kept
+    void.view(-1)[0] = False  # at least one counted pixel
+    return {"input_ids": image, "labels": pixels.masked_fill(void, ignore_index)}

@@ -1,0 +1,182 @@
+"""What the code around a replayed statement provides: the class whose method holds it, the
+methods it calls on its instance, module-level constants, and the assignments to its free
+names that run before it (`criterion = nn.CrossEntropyLoss()`, `params = list(...)`)."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+from dataclasses import dataclass
+
+Chain = tuple[str, ...]
+# Packages whose classes run the loss, the accumulation and the optimizer step themselves.
+FRAMEWORKS = ("transformers", "trl", "lightning", "pytorch_lightning")
+LITERAL_ERRORS = (ValueError, TypeError, SyntaxError, MemoryError, RecursionError)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The module-level class whose method holds the statement, and the name its instance
+    goes by there (`self`)."""
+
+    node: ast.ClassDef
+    instance: str
+
+
+@dataclass(frozen=True)
+class Derived:
+    """An assignment to a free name (or an attribute of the instance, in `__init__`) that runs
+    before the statement; replay evaluates `value` where its names are all known.
+    `reads_model`: the value is computed from a model the harness binds."""
+
+    chain: Chain
+    value: ast.expr
+    statement: ast.stmt
+    reads_model: bool = False
+
+
+def literal(node: ast.expr) -> tuple[bool, object]:
+    """(True, value) for a literal expression, else (False, None)."""
+    with contextlib.suppress(*LITERAL_ERRORS):
+        return True, ast.literal_eval(node)
+    return False, None
+
+
+def constants(body: list[ast.stmt]) -> dict[str, object]:
+    """Literal values assigned to names in `body`, tuples unpacked (`PAD, BOS = 0, 1`); the
+    last assignment wins."""
+    found = {}
+    for node in body:
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = [(target, node.value)]
+            if (
+                isinstance(target, (ast.Tuple, ast.List))
+                and isinstance(node.value, ast.Tuple)
+                and len(target.elts) == len(node.value.elts)
+            ):
+                pairs = list(zip(target.elts, node.value.elts))
+            for name, value in pairs:
+                ok, result = literal(value)
+                if isinstance(name, ast.Name) and ok:
+                    found[name.id] = result
+    return found
+
+
+def enclosing_owner(tree: ast.Module, target: ast.stmt) -> Owner | None:
+    """The module-level class one of whose methods is or encloses `target`."""
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for method in node.body:
+            if (
+                isinstance(method, ast.FunctionDef)
+                and method.args.args
+                and method.lineno <= target.lineno <= method.end_lineno
+                and not _static(method)
+            ):
+                return Owner(node, method.args.args[0].arg)
+    return None
+
+
+def _static(method: ast.FunctionDef) -> bool:
+    return any(
+        isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod")
+        for d in method.decorator_list
+    )
+
+
+def framework_base(tree: ast.Module, owner: Owner) -> tuple[str, str] | None:
+    """A base class of the owner imported from one of FRAMEWORKS: (its name, the package)."""
+    origins = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            origins.update({a.asname or a.name: node.module.split(".")[0] for a in node.names})
+        elif isinstance(node, ast.Import):
+            origins.update(
+                {(a.asname or a.name).split(".")[0]: a.name.split(".")[0] for a in node.names}
+            )
+    for base in owner.node.bases:
+        root = base
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(root, ast.Name) and origins.get(root.id) in FRAMEWORKS:
+            return ast.unparse(base), origins[root.id]
+    return None
+
+
+def methods_called(owner: Owner, nodes: list[ast.AST]) -> list[ast.FunctionDef]:
+    """The owner's methods that `nodes` call on the instance (`self._forward(batch)`), and
+    those they call in turn."""
+    methods = {m.name: m for m in owner.node.body if isinstance(m, ast.FunctionDef)}
+    found: list[ast.FunctionDef] = []
+    pending = list(nodes)
+    while pending:
+        node = pending.pop()
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            func = call.func
+            if (
+                isinstance(func, ast.Attribute)
+                and isinstance(func.value, ast.Name)
+                and func.value.id == owner.instance
+                and func.attr in methods
+                and methods[func.attr] not in found
+            ):
+                found.append(methods[func.attr])
+                pending.append(methods[func.attr])
+    return found
+
+
+def assignments_before(
+    tree: ast.Module, target: ast.stmt, free: list[str], owner: Owner | None
+) -> list[Derived]:
+    """The last non-literal assignment before `target` to each of its free names, in the
+    functions that enclose it (literals are Plan.initial); with an owner, the last
+    `self.attr = ...` of its `__init__`, literal or not."""
+    enclosing = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.lineno < target.lineno <= n.end_lineno
+    ]
+    found: dict[Chain, Derived] = {}
+    statements = sorted(
+        (
+            s
+            for f in enclosing
+            for s in ast.walk(f)
+            if isinstance(s, ast.Assign) and s.lineno < target.lineno
+        ),
+        key=lambda s: s.lineno,
+    )
+    for statement in statements:
+        for target_node in statement.targets:
+            if isinstance(target_node, ast.Name) and target_node.id in free:
+                found.pop((target_node.id,), None)
+                if not literal(statement.value)[0]:
+                    found[(target_node.id,)] = Derived(
+                        (target_node.id,), statement.value, statement
+                    )
+    init = (
+        next(
+            (m for m in owner.node.body if isinstance(m, ast.FunctionDef) and m.name == "__init__"),
+            None,
+        )
+        if owner
+        else None
+    )
+    for statement in (
+        sorted((s for s in ast.walk(init) if isinstance(s, ast.Assign)), key=lambda s: s.lineno)
+        if init
+        else ()
+    ):
+        for node in statement.targets:
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == owner.instance
+            ):
+                chain = (owner.instance, node.attr)
+                found.pop(chain, None)
+                found[chain] = Derived(chain, statement.value, statement)
+    return list(found.values())

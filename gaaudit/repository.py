@@ -1,0 +1,429 @@
+"""Loss helpers defined in other modules of the repository, summarised on demand.
+
+A training script often takes its loss from a helper of its own package
+(`from .losses import masked_lm_loss`). When the tracer meets a call to an imported
+name, the module is located next to the file (relative imports) or under the folders
+holding its package or project (absolute ones), parsed with only that helper kept (see
+`focus`), and the helper's return value is summarised: a mean, a sum, elementwise or
+unknown, with its description and the divisions on its way. Nothing is imported or run.
+Summaries, not trees, are kept, once per process and module content: each worker of a
+run builds each summary it needs once.
+
+Every file read (or looked for) on the way is recorded as a `Dependency` of the file
+being checked: its findings stay current as long as those files are unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import libcst as cst
+
+from gaaudit.evidence import scan
+from gaaudit.focus import focus
+from gaaudit.provenance import Division, Kind, Origin, Tracer, argument_for
+from gaaudit.source import SourceError, parse
+from gaaudit.tree import Tree, code, dotted
+
+# Third-party packages, never part of the repository being checked.
+# fmt: off
+EXTERNAL = frozenset({
+    "torch", "transformers", "accelerate", "deepspeed", "lightning", "pytorch_lightning", "jax",
+    "optax", "flax", "numpy", "datasets", "peft", "trl", "megatron", "tensorflow",
+})
+# fmt: on
+PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
+INSTALLED = ("site-packages", "dist-packages")
+MAX_HOPS = 4  # a helper calling an imported helper calling ...: modules followed at most
+LOSS_METHODS = ("forward", "__call__")
+LOSS_METHOD_DEFS = tuple(f"def {m}(".encode() for m in LOSS_METHODS)  # kept by `focus`
+
+
+@dataclass(frozen=True, order=True)
+class Dependency:
+    """A file findings depend on, and the sha256 of its bytes then ("" when it was absent)."""
+
+    path: str
+    digest: str
+
+
+def digest_of(dependencies: Iterable[Dependency]) -> str:
+    """One digest for a set of dependencies (for a cache key)."""
+    text = "\n".join(f"{d.path}\0{d.digest}" for d in sorted(set(dependencies)))
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def current(dependencies: Iterable[Dependency]) -> bool:
+    """Whether every dependency still holds the bytes (or the absence) it was read with."""
+    return all(file_digest(Path(d.path)) == d.digest for d in dependencies)
+
+
+_DIGESTS: dict[str, tuple[tuple[int, int, int], str]] = {}
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a regular file's bytes, "" when there is none; a file is re-read only when
+    its size, modification time or inode changed."""
+    try:
+        status = path.stat()
+    except (OSError, ValueError):
+        return ""
+    if not path.is_file():
+        return ""
+    key = (status.st_mtime_ns, status.st_size, status.st_ino)
+    known = _DIGESTS.get(str(path))
+    if known is not None and known[0] == key:
+        return known[1]
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return ""
+    _DIGESTS[str(path)] = (key, digest)
+    return digest
+
+
+@dataclass(frozen=True)
+class Returned:
+    """One value a helper returns, as a loss."""
+
+    kind: Kind
+    what: str
+    line: int | None  # where the loss is made in the helper's module
+    via: str
+    divisors: tuple[tuple[str, int | None], ...]  # each divisor's code, and which parameter it is
+    variable: str  # a sign of variable valid-token counts where a further module computes it
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a function, or a loss class's `forward`, of another module returns."""
+
+    path: Path
+    name: str  # `masked_lm_loss`, or `MaskedLoss.forward`
+    is_class: bool
+    value: Returned | None  # the first return value that is a loss
+    items: tuple[Returned, ...]  # the elements of a returned tuple
+    parameters: tuple[str, ...]  # in call order, `self` left out
+    variable: str  # a sign of variable valid-token counts in the helper's code, and where
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A name imported from a module: `from ..pkg.losses import masked_lm_loss`."""
+
+    level: int  # the dots of a relative import
+    module: str  # dotted, below the level; "" for the package itself
+    name: str  # "" when the local name is the module itself (`import pkg.losses as L`)
+
+    @property
+    def spelled(self) -> str:
+        return "." * self.level + self.module
+
+
+class Repository:
+    """Helper summaries by module content, kept for the life of the process."""
+
+    def __init__(self) -> None:
+        self._summaries: dict[
+            tuple[str, str, str], tuple[Summary | None, frozenset[Dependency]]
+        ] = {}
+        self._visiting: set[tuple[str, str]] = set()
+
+    def locate(self, directory: Path, reference: Reference, seen: set[Dependency]) -> Path | None:
+        """The file of the module a file in `directory` imports, when it is in the repository."""
+        parts = [p for p in reference.module.split(".") if p]
+        if reference.level:
+            base = directory
+            for _ in range(reference.level - 1):
+                base = base.parent
+            bases = [base]
+        elif parts and parts[0] not in EXTERNAL:
+            bases = _roots(directory, parts[0])
+        else:
+            return None
+        for base in bases:
+            target = base.joinpath(*parts)
+            candidates = (
+                (target.with_suffix(".py"), target / "__init__.py")
+                if parts
+                else (target / "__init__.py",)
+            )
+            for candidate in candidates:
+                digest = file_digest(candidate)
+                seen.add(Dependency(str(candidate), digest))
+                if digest:
+                    return candidate
+        return None
+
+    def summary(
+        self, path: Path, name: str, seen: set[Dependency], hops: int = 0
+    ) -> Summary | None:
+        """What `name`, defined in (or re-exported by) the module at `path`, returns; the
+        files read for it are added to `seen`."""
+        key = (str(path), file_digest(path), name)
+        if key not in self._summaries:
+            pending = (str(path), name)
+            if hops > MAX_HOPS or pending in self._visiting:  # too far, or an import cycle
+                return None
+            self._visiting.add(pending)
+            try:
+                self._summaries[key] = self._summarise(path, name, hops)
+            finally:
+                self._visiting.discard(pending)
+        found, dependencies = self._summaries[key]
+        seen |= dependencies
+        return found
+
+    def _summarise(
+        self, path: Path, name: str, hops: int
+    ) -> tuple[Summary | None, frozenset[Dependency]]:
+        imports = Imports(None, path.parent, self, hops + 1)
+        imports.dependencies.add(Dependency(str(path), file_digest(path)))
+        try:
+            wanted = (b"def " + name.encode() + b"(", b"class " + name.encode(), *LOSS_METHOD_DEFS)
+            tree = Tree(parse(focus(path.read_bytes(), wanted)))
+        except (OSError, SourceError, RecursionError, UnicodeEncodeError):
+            return None, frozenset(imports.dependencies)
+        imports.tree = tree
+        definition = _top_level(tree, name)
+        if definition is None:  # perhaps re-exported: `from .impl import masked_lm_loss`
+            reference = imports.reference(cst.Name(name))
+            found = imports.summary(reference) if reference is not None else None
+            return found, frozenset(imports.dependencies)
+        is_class = isinstance(definition, cst.ClassDef)
+        function = _loss_method(definition) if is_class else definition
+        if function is None:
+            return None, frozenset(imports.dependencies)
+        tracer = Tracer(tree, imports)
+        parameters = tuple(p.name.value for p in function.params.params if p.name.value != "self")
+        values = tracer.returns(function)
+        returned = [_returned(tracer, value, parameters) for value in values]
+        tuples = [v for v in values if isinstance(v, (cst.Tuple, cst.List))]
+        items = (
+            tuple(_returned(tracer, e.value, parameters) for e in tuples[0].elements)
+            if tuples
+            else ()
+        )
+        label = f"{name}.{function.name.value}" if is_class else name
+        value = next((r for r in returned if r.kind != "unknown"), None)
+        variable = _variable_sign(tree, function, label, path) or (value.variable if value else "")
+        summary = Summary(path, label, is_class, value, items, parameters, variable)
+        return summary, frozenset(imports.dependencies)
+
+
+def _roots(directory: Path, top: str) -> list[Path]:
+    """Folders an absolute import may start from: the one holding the file's own top-level
+    package (for that package only), then the file's folder and its parents up to the
+    project root (a folder with `.git`, `pyproject.toml`, `setup.py` or `setup.cfg`), each
+    also with its `src/`. Installed packages are never entered."""
+    roots: list[Path] = []
+    package = directory
+    while (package / "__init__.py").is_file() and package.parent != package:
+        package = package.parent
+    if package != directory and directory.relative_to(package).parts[0] == top:
+        roots.append(package)
+    for folder in (directory, *directory.parents):
+        if folder.name in INSTALLED:
+            break
+        roots += [folder, folder / "src"]
+        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+            break
+    return list(dict.fromkeys(roots))
+
+
+def _top_level(tree: Tree, name: str) -> cst.FunctionDef | cst.ClassDef | None:
+    for statement in tree.module.body:
+        if isinstance(statement, (cst.FunctionDef, cst.ClassDef)) and statement.name.value == name:
+            return statement
+    return None
+
+
+def _loss_method(cls: cst.ClassDef) -> cst.FunctionDef | None:
+    """The `forward` (or `__call__`) of a loss class."""
+    methods = {m.name.value: m for m in cls.body.body if isinstance(m, cst.FunctionDef)}
+    return next((methods[n] for n in LOSS_METHODS if n in methods), None)
+
+
+def _returned(tracer: Tracer, expr: cst.BaseExpression, parameters: tuple[str, ...]) -> Returned:
+    origin = tracer.origin(expr)
+    line = tracer.tree.line(origin.source) if origin.source is not None and origin.tree else None
+    divisors = tuple(
+        (
+            code(d.divisor),
+            parameters.index(d.divisor.value) if _names_parameter(d.divisor, parameters) else None,
+        )
+        for d in origin.divisions
+    )
+    return Returned(origin.kind, origin.what, line, origin.via, divisors, origin.variable)
+
+
+def _names_parameter(expr: cst.BaseExpression, parameters: tuple[str, ...]) -> bool:
+    return isinstance(expr, cst.Name) and expr.value in parameters
+
+
+def _variable_sign(tree: Tree, function: cst.FunctionDef, label: str, path: Path) -> str:
+    """The first sign of variable valid-token counts in the helper's own code, if any."""
+    found = scan(tree.module.code_for_node(function)).variable
+    if found is None:
+        return ""
+    return f"{found[1]} in `{label}()` ({shown(path)} line {tree.line(function)})"
+
+
+def shown(path: Path) -> str:
+    """A path relative to the current directory when under it, with `/`."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except (ValueError, OSError, RuntimeError):
+        return path.as_posix()
+
+
+SHARED = Repository()
+
+
+class Imports:
+    """The names one file imports from other modules of its repository, resolved on demand.
+
+    `dependencies` collects every file read (or looked for) while resolving them.
+    """
+
+    def __init__(
+        self, tree: Tree | None, directory: Path, repository: Repository = SHARED, hops: int = 0
+    ) -> None:
+        self.tree = tree
+        self.directory = Path(os.path.abspath(directory))  # relative folders have no parents
+        self.repository = repository
+        self.hops = hops
+        self.dependencies: set[Dependency] = set()
+        self._bindings: dict[str, Reference] | None = None
+
+    @property
+    def bindings(self) -> dict[str, Reference]:
+        """Local name -> what it imports (the last import of a name wins)."""
+        if self._bindings is None:
+            self._bindings = {}
+            for statement in _import_statements(self.tree.module):
+                self._bindings.update(_bound(statement))
+        return self._bindings
+
+    def reference(self, func: cst.BaseExpression) -> Reference | None:
+        """What a callee names when it was imported: `helper`, `L.helper`, `pkg.losses.helper`."""
+        name = dotted(func)
+        if name is None:
+            return None
+        head, *rest = name.split(".")
+        bound = self.bindings.get(head)
+        if bound is None or (not rest and not bound.name):
+            return None
+        if not rest:
+            return bound
+        module = ".".join(p for p in (bound.module, bound.name, *rest[:-1]) if p)
+        return Reference(bound.level, module, rest[-1])
+
+    def summary(self, reference: Reference) -> Summary | None:
+        """The summary of an imported function or class, when its module is in the repository."""
+        path = self.repository.locate(self.directory, reference, self.dependencies)
+        if path is None:
+            return None
+        return self.repository.summary(path, reference.name, self.dependencies, self.hops)
+
+    def origin(
+        self, func: cst.BaseExpression, call: cst.Call | None = None, index: int | None = None
+    ) -> Origin | None:
+        """What calling an imported function returns (element `index` of a returned tuple);
+        `call`, when there is one, tells which arguments the helper divides by."""
+        reference = self.reference(func)
+        found = self.summary(reference) if reference is not None else None
+        if found is None or found.is_class:
+            return None
+        if index is None:
+            return self._origin(found.value, found, reference, func, call)
+        returned = found.items[index] if index < len(found.items) else None
+        return self._origin(returned, found, reference, func, call)
+
+    def instance_origin(self, constructor: cst.Call, call: cst.Call | None) -> Origin | None:
+        """What calling an instance of an imported loss class returns (its `forward`)."""
+        reference = self.reference(constructor.func)
+        found = self.summary(reference) if reference is not None else None
+        if found is None or not found.is_class:
+            return None
+        return self._origin(found.value, found, reference, constructor, call)
+
+    def _origin(
+        self, returned: Returned | None, found: Summary, reference: Reference, func, call
+    ) -> Origin | None:
+        if returned is None or returned.kind == "unknown":
+            return None
+        where = f" ({shown(found.path)} line {returned.line})" if returned.line else ""
+        return Origin(
+            returned.kind,
+            f"{returned.what}{where}{returned.via}",
+            divisions=tuple(_division(d, found, func, call) for d in returned.divisors),
+            via=f", returned by `{found.name}()` imported from `{reference.spelled}`",
+            module=shown(found.path),
+            variable=found.variable,
+        )
+
+
+def _division(
+    divisor: tuple[str, int | None], found: Summary, func, call: cst.Call | None
+) -> Division:
+    """A division inside the helper, seen from this file (at the call, else at the callee):
+    by the argument passed when it divides by a parameter, else by the helper's own
+    expression, detached from this file."""
+    text, parameter = divisor
+    node = call if call is not None else func
+    if call is not None and parameter is not None:
+        argument = argument_for(call, parameter, found.parameters[parameter])
+        if argument is not None:
+            return Division(node, argument)
+    return Division(node, cst.parse_expression(text))
+
+
+def _bound(statement: cst.Import | cst.ImportFrom) -> Iterator[tuple[str, Reference]]:
+    """The local names an import statement binds, and what each refers to."""
+    if isinstance(statement, cst.Import):
+        for alias in statement.names:
+            full = dotted(alias.name) or ""
+            if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+                yield alias.asname.name.value, Reference(0, full, "")
+            else:
+                yield full.split(".")[0], Reference(0, full.split(".")[0], "")
+        return
+    if isinstance(statement.names, cst.ImportStar):
+        return
+    level = len(statement.relative)
+    module = dotted(statement.module) if statement.module is not None else ""
+    if module is None:
+        return
+    for alias in statement.names:
+        imported = dotted(alias.name)
+        local = alias.asname.name if alias.asname is not None else alias.name
+        if imported and isinstance(local, cst.Name):
+            yield local.value, Reference(level, module, imported)
+
+
+SUITES = (cst.IndentedBlock, cst.SimpleStatementSuite, cst.SimpleStatementLine)
+CLAUSES = (
+    cst.BaseCompoundStatement,
+    cst.Else,
+    cst.Finally,
+    cst.ExceptHandler,
+    cst.ExceptStarHandler,
+)
+
+
+def _import_statements(module: cst.Module) -> Iterator[cst.Import | cst.ImportFrom]:
+    """Import statements in document order, at any depth of statements (never in expressions)."""
+    stack: list[cst.CSTNode] = list(reversed(module.body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (cst.Import, cst.ImportFrom)):
+            yield node
+        elif isinstance(node, SUITES):
+            stack.extend(reversed(node.body))
+        elif isinstance(node, CLAUSES):
+            stack.extend(reversed([c for c in node.children if isinstance(c, SUITES + CLAUSES)]))

@@ -1,0 +1,517 @@
+"""Losses from other modules of the repository, and pipeline schedules' loss functions."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, gaaudit
+
+from gaaudit.checks import Context, run
+from gaaudit.config import Settings
+from gaaudit.engine import check_file
+from gaaudit.findings import Confidence
+from gaaudit.fixer import fix_source
+from gaaudit.repository import Dependency, current, digest_of, file_digest
+from gaaudit.source import parse
+from gaaudit.tree import Tree
+
+ALL = Settings(min_confidence=Confidence.LOW)
+PACKAGES = sorted(p for p in FIXTURES.glob("*_xmod_*") if p.is_dir())
+
+LOSSES = """\
+    import torch.nn.functional as F
+
+
+    def masked_lm_loss(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    """
+TRAIN = """\
+    {imports}
+
+
+    def train(model, loader, optimizer, k):
+        for step, batch in enumerate(loader):
+            logits = model(batch["input_ids"]).logits
+            loss = {call}(logits, batch["labels"])
+            (loss / k).backward()
+            if (step + 1) % k == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    """
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def rows(report) -> list[tuple[int, str, str]]:
+    return [(f.span.line, f.code, str(f.confidence)) for f in report.findings]
+
+
+def expected_rows(folder: Path) -> list[tuple[str, int, str, str]]:
+    found = []
+    for line in (folder / "expected.txt").read_text().splitlines():
+        if line.strip():
+            file, number, code, confidence = line.split()
+            found.append((file, int(number), code, confidence))
+    return found
+
+
+# The repository fixtures -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("folder", PACKAGES, ids=lambda p: p.name)
+def test_package_fixtures_are_exact_per_file_and_per_directory(folder, cli):
+    per_file = [
+        (path.relative_to(folder).as_posix(), line, code, confidence)
+        for path in sorted(folder.rglob("*.py"))
+        for line, code, confidence in rows(check_file(path, ALL))
+    ]
+    assert per_file == expected_rows(folder)
+    result = cli(
+        "check", ".", "--no-cache", "--min-confidence", "low", "--format", "json", cwd=folder
+    )
+    found = json.loads(result.output)["findings"]
+    assert [(f["path"], f["line"], f["code"], f["confidence"]) for f in found] == expected_rows(
+        folder
+    )
+
+
+def test_package_fixtures_are_varied():
+    buggy = [f for f in PACKAGES if expected_rows(f)]
+    assert len(buggy) >= 3 and len(PACKAGES) - len(buggy) >= 2
+    assert {code for f in buggy for _, _, code, _ in expected_rows(f)} == {
+        "GA001",
+        "GA002",
+        "GA003",
+    }
+
+
+def test_correct_packages_are_clean_because_the_helper_was_read(tmp_path):
+    """Without its helper module, the correct package's loss is unknown (or guessed from its
+    name) and reported."""
+    for folder in (p for p in PACKAGES if not expected_rows(p)):
+        copy = tmp_path / folder.name
+        write(copy, {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*.py")})
+        helpers = [
+            p
+            for p in copy.rglob("*.py")
+            if "def " in p.read_text() and ".backward(" not in p.read_text()
+        ]
+        for helper in helpers:
+            helper.unlink()
+        reported = [f for p in copy.rglob("*.py") for f in check_file(p, ALL).findings]
+        assert reported, folder.name
+
+
+# Import spellings and helper shapes --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "files, train, imports, call",
+    [
+        (
+            {"pkg/__init__.py": "", "pkg/losses.py": LOSSES},
+            "pkg/train.py",
+            "from .losses import masked_lm_loss",
+            "masked_lm_loss",
+        ),
+        (
+            {"pkg/losses.py": LOSSES},
+            "pkg/train.py",
+            "from . import losses",
+            "losses.masked_lm_loss",
+        ),
+        (
+            {"pkg/__init__.py": "", "pkg/losses.py": LOSSES},
+            "pkg/train.py",
+            "import pkg.losses as L",
+            "L.masked_lm_loss",
+        ),
+        (
+            {"pkg/__init__.py": "", "pkg/losses.py": LOSSES},
+            "pkg/train.py",
+            "import pkg.losses",
+            "pkg.losses.masked_lm_loss",
+        ),
+        (
+            {"pkg/__init__.py": "", "pkg/losses.py": LOSSES},
+            "scripts/train.py",
+            "from pkg.losses import masked_lm_loss as mlm",
+            "mlm",
+        ),
+        (
+            {
+                "src/pkg/__init__.py": "from .impl.losses import masked_lm_loss\n",
+                "src/pkg/impl/__init__.py": "",
+                "src/pkg/impl/losses.py": LOSSES,
+                "pyproject.toml": "",
+            },
+            "tools/train.py",
+            "from pkg import masked_lm_loss",
+            "masked_lm_loss",
+        ),
+        (
+            {"a/b/__init__.py": "", "a/__init__.py": "", "a/losses.py": LOSSES},
+            "a/b/train.py",
+            "from ..losses import masked_lm_loss",
+            "masked_lm_loss",
+        ),
+    ],
+    ids=[
+        "relative",
+        "from-dot-import-module",
+        "import-as",
+        "import-dotted",
+        "absolute-from-sibling-folder",
+        "src-layout-reexport",
+        "two-dots",
+    ],
+)
+def test_import_spellings_resolve_to_the_helper(tmp_path, files, train, imports, call):
+    write(tmp_path, {**files, train: TRAIN.format(imports=imports, call=call)})
+    (finding,) = check_file(tmp_path / train, ALL).findings
+    assert (finding.code, finding.confidence) == ("GA001", Confidence.HIGH)
+    assert "losses.py line 5), returned by `masked_lm_loss()` imported from" in finding.evidence[0]
+    assert (
+        "the loss helper shows variable valid-token counts: `ignore_index`" in finding.evidence[2]
+    )
+
+
+def test_helper_dividing_by_its_argument_is_reported_at_the_call(tmp_path):
+    write(
+        tmp_path,
+        {
+            "utils.py": """\
+            def compute_loss(model, batch, steps):
+                return model(**batch).loss / steps
+            """,
+            "train.py": """\
+            from utils import compute_loss
+
+            for step, batch in enumerate(loader):
+                loss = compute_loss(model, batch, args.gradient_accumulation_steps)
+                loss.backward()
+                if (step + 1) % args.gradient_accumulation_steps == 0:
+                    optimizer.step()
+            """,
+        },
+    )
+    (finding,) = check_file(tmp_path / "train.py", ALL).findings
+    assert (finding.code, finding.span.line, finding.span.column) == ("GA001", 4, 12)
+    assert "`args.gradient_accumulation_steps`" in finding.message
+
+
+def test_tuple_returning_helper_and_loss_class(tmp_path):
+    write(
+        tmp_path,
+        {
+            "objectives.py": """\
+            import torch
+            from torch import nn
+
+
+            def loss_and_logs(logits, labels):
+                loss = nn.functional.nll_loss(logits, labels)
+                return loss, {"loss": loss.item()}
+
+
+            class TokenLoss(nn.Module):
+                def forward(self, logits, labels):
+                    return torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+            """,
+            "train.py": """\
+            from objectives import TokenLoss, loss_and_logs
+
+            criterion = TokenLoss()
+            for step, (x, y) in enumerate(loader):
+                loss, logs = loss_and_logs(model(x), y)
+                (loss / accum_steps).backward()
+                summed = criterion(model(x), y)
+                summed.backward()
+                if (step + 1) % accum_steps == 0:
+                    optimizer.step()
+            """,
+        },
+    )
+    (finding,) = check_file(tmp_path / "train.py", ALL).findings
+    assert (finding.code, finding.span.line, finding.confidence) == ("GA001", 6, Confidence.MEDIUM)
+    assert "`nll_loss` with the default reduction='mean'" in finding.evidence[0]
+
+
+@pytest.mark.parametrize(
+    "imports",
+    ["from helpers_absent import masked_lm_loss", "from torch.nn.functional import masked_lm_loss"],
+)
+def test_modules_outside_the_repository_stay_unknown(tmp_path, imports):
+    write(tmp_path, {"train.py": TRAIN.format(imports=imports, call="masked_lm_loss")})
+    (finding,) = check_file(tmp_path / "train.py", ALL).findings
+    assert (
+        finding.confidence is Confidence.LOW
+        and "a call gaaudit cannot see into" in finding.evidence[0]
+    )
+
+
+def test_helper_calling_a_helper_of_a_third_module(tmp_path):
+    write(
+        tmp_path,
+        {
+            "core/__init__.py": "",
+            "core/base.py": LOSSES,
+            "core/wrappers.py": """\
+                from .base import masked_lm_loss
+
+
+                def training_loss(logits, labels):
+                    return masked_lm_loss(logits, labels)
+                """,
+            "train.py": TRAIN.format(
+                imports="from core.wrappers import training_loss", call="training_loss"
+            ),
+        },
+    )
+    (finding,) = check_file(tmp_path / "train.py", ALL).findings
+    assert finding.confidence is Confidence.HIGH
+    assert finding.evidence[0].endswith(
+        "returned by `masked_lm_loss()` imported from `.base`, "
+        "returned by `training_loss()` imported from `core.wrappers`"
+    )
+
+
+def test_import_cycles_end(tmp_path):
+    write(
+        tmp_path,
+        {
+            "a.py": "from b import f\n\ndef g(x):\n    return f(x)\n",
+            "b.py": "from a import g\n\ndef f(x):\n    return g(x)\n",
+            "train.py": TRAIN.format(imports="from a import g", call="g"),
+        },
+    )
+    (finding,) = check_file(tmp_path / "train.py", ALL).findings
+    assert finding.confidence is Confidence.LOW
+
+
+def test_a_changed_helper_changes_the_findings_in_the_same_process(tmp_path):
+    write(
+        tmp_path,
+        {
+            "losses.py": LOSSES,
+            "train.py": TRAIN.format(
+                imports="from losses import masked_lm_loss", call="masked_lm_loss"
+            ),
+        },
+    )
+    assert rows(check_file(tmp_path / "train.py", ALL)) == [(8, "GA001", "high")]
+    summed = LOSSES.replace("ignore_index=-100)", 'ignore_index=-100, reduction="sum")')
+    write(tmp_path, {"losses.py": summed})
+    assert rows(check_file(tmp_path / "train.py", ALL)) == []
+
+
+# What a file's findings depend on (for the cache) ------------------------------------------
+
+
+def context_of(path: Path) -> Context:
+    data = path.read_bytes()
+    context = Context(Tree(parse(data)), path.name, data.decode(), frozenset(), path.parent)
+    run(context)
+    return context
+
+
+def test_dependencies_name_the_modules_read_and_looked_for(tmp_path):
+    write(
+        tmp_path,
+        {
+            "pkg/losses.py": LOSSES,
+            "pkg/train.py": TRAIN.format(
+                imports="from .losses import masked_lm_loss", call="masked_lm_loss"
+            )
+            + TRAIN.format(imports="from .later import masked_lm_loss as later", call="later"),
+        },
+    )
+    dependencies = context_of(tmp_path / "pkg/train.py").dependencies
+    losses, later = tmp_path / "pkg/losses.py", tmp_path / "pkg/later.py"
+    assert Dependency(str(losses), file_digest(losses)) in dependencies
+    assert Dependency(str(later), "") in dependencies  # looked for: creating it changes findings
+    assert current(dependencies)
+    before = digest_of(dependencies)
+    later.write_text(textwrap.dedent(LOSSES))
+    assert not current(dependencies)
+    assert digest_of(context_of(tmp_path / "pkg/train.py").dependencies) != before
+
+
+def test_a_file_without_imported_losses_has_no_dependencies(tmp_path):
+    write(
+        tmp_path,
+        {
+            "train.py": TRAIN.format(
+                imports="import torch.nn.functional as F", call="F.cross_entropy"
+            )
+        },
+    )
+    assert context_of(tmp_path / "train.py").dependencies == frozenset()
+
+
+# Runs: single file, worker pool, never importing the helper --------------------------------
+
+
+def test_relative_paths_from_inside_a_package(tmp_path, monkeypatch):
+    write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "losses.py": LOSSES,
+            "sub/__init__.py": "",
+            "sub/train.py": TRAIN.format(
+                imports="from ..losses import masked_lm_loss", call="masked_lm_loss"
+            ),
+        },
+    )
+    monkeypatch.chdir(tmp_path / "sub")
+    assert rows(check_file(Path("train.py"), ALL)) == [(8, "GA001", "high")]
+
+
+def test_single_file_check_from_another_directory(tmp_path):
+    write(
+        tmp_path,
+        {
+            "pkg/losses.py": LOSSES,
+            "pkg/train.py": TRAIN.format(
+                imports="from .losses import masked_lm_loss", call="masked_lm_loss"
+            ),
+        },
+    )
+    result = gaaudit("check", "--no-cache", "pkg/train.py", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "pkg/train.py:8:10: GA001 [high]" in result.stdout
+    assert (
+        "(pkg/losses.py line 5), returned by `masked_lm_loss()` imported from `.losses`"
+        in result.stdout
+    )
+
+
+def test_worker_pool_sees_through_imports_like_one_process(tmp_path, cli):
+    scripts = {
+        f"train_{i:02d}.py": TRAIN.format(
+            imports="from losses import masked_lm_loss", call="masked_lm_loss"
+        )
+        for i in range(70)
+    }
+    write(tmp_path, {"losses.py": LOSSES, **scripts})
+
+    def findings(jobs: str):
+        result = cli("check", ".", "--no-cache", "--format", "json", "--jobs", jobs, cwd=tmp_path)
+        return sorted(
+            (f["path"], f["line"], f["confidence"]) for f in json.loads(result.output)["findings"]
+        )
+
+    pooled = findings("2")
+    assert pooled == findings("1")
+    assert pooled == [(name, 8, "high") for name in sorted(scripts)]
+
+
+def test_check_neither_runs_nor_imports_the_helper_module(tmp_path):
+    sentinel = tmp_path / "ran"
+    write(
+        tmp_path,
+        {
+            "losses.py": f"open({str(sentinel)!r}, 'w').close()\nimport torch\n"
+            + textwrap.dedent(LOSSES),
+            "train.py": TRAIN.format(
+                imports="from losses import masked_lm_loss", call="masked_lm_loss"
+            ),
+        },
+    )
+    probe = (
+        "import sys; from gaaudit.cli import main\n"
+        "sys.argv = ['gaaudit', 'check', '--no-cache', 'train.py']\n"
+        "try:\n main()\nexcept SystemExit: pass\n"
+        "assert not {'torch','losses'} & set(sys.modules), sorted(sys.modules)"
+    )
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "GA001 [high]" in result.stdout and not sentinel.exists()
+
+
+def test_fix_leaves_a_loss_from_another_module_alone_and_says_so(tmp_path):
+    folder = FIXTURES / "ga001_xmod_relative_helper"
+    train = folder / "sft/train.py"
+    result = fix_source(train.read_bytes(), train, ALL, unsafe=True)
+    assert not result.changed
+    (outcome,) = result.outcomes
+    assert not outcome.applied and outcome.reason
+
+
+# Pipeline schedules ------------------------------------------------------------------------
+
+SCHEDULE = """\
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    n_micro = 8
+    schedule = ScheduleGPipe(stage, n_micro, loss_fn={loss_fn}{extra})
+    """
+
+
+@pytest.mark.parametrize(
+    "loss_fn, extra, expected",
+    [
+        ("lambda o, t: F.cross_entropy(o, t) / n_micro", "", [(6, "GA001")]),
+        ("lambda o, t: F.cross_entropy(o, t) / n_micro", ", scale_grads=flag", [(6, "GA001")]),
+        ("lambda o, t: F.cross_entropy(o, t) / temperature", "", []),
+        ("lambda o, t: F.cross_entropy(o, t)", ", scale_grads=flag", []),
+        ("lambda o, t: F.cross_entropy(o, t)", ", scale_grads=True", [(6, "GA003")]),
+        ("lambda o, t: F.cross_entropy(o, t)", ", scale_grads=False", [(6, "GA002")]),
+        ("nn.CrossEntropyLoss()", "", [(6, "GA003")]),
+        ('nn.CrossEntropyLoss(reduction="sum")', "", []),
+        ("None", "", []),
+    ],
+)
+def test_schedule_loss_functions(tmp_path, loss_fn, extra, expected):
+    (tmp_path / "pp.py").write_text(textwrap.dedent(SCHEDULE.format(loss_fn=loss_fn, extra=extra)))
+    assert [(f.span.line, f.code) for f in check_file(tmp_path / "pp.py", ALL).findings] == expected
+
+
+def test_schedule_division_message_says_whether_the_schedule_divides_again(tmp_path):
+    (tmp_path / "pp.py").write_text(
+        textwrap.dedent(
+            SCHEDULE.format(loss_fn="lambda o, t: F.cross_entropy(o, t) / n_micro", extra="")
+        )
+    )
+    (finding,) = check_file(tmp_path / "pp.py", ALL).findings
+    assert "`ScheduleGPipe` divides the gradients by `n_microbatches` as well" in finding.message
+    assert "`ScheduleGPipe(...)` runs the micro-batches" in finding.evidence[1]
+
+
+def test_deepspeed_pipeline_names_its_configured_micro_batches(tmp_path):
+    (tmp_path / "ds.py").write_text(
+        textwrap.dedent("""\
+        import deepspeed
+        from deepspeed.pipe import PipelineModule
+        from torch import nn
+
+        config = {"train_batch_size": 64, "gradient_accumulation_steps": 16}
+        net = PipelineModule(layers, num_stages=4, loss_fn=nn.CrossEntropyLoss(ignore_index=-100))
+        engine, *_ = deepspeed.initialize(model=net, config=config)
+        """)
+    )
+    (finding,) = check_file(tmp_path / "ds.py", ALL).findings
+    assert (finding.code, finding.span.line, finding.confidence) == ("GA003", 6, Confidence.HIGH)
+    assert "gradient_accumulation_steps (a config dict (line 5))" in finding.message

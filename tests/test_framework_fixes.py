@@ -1,0 +1,231 @@
+"""`gaaudit fix` on GA004 (Trainer overrides) and GA005 (JAX accumulation): which rewrite each
+finding gets, when it is unsafe or refused and why. The rewrites are proven at runtime in
+tests/test_trainer_fix_runtime.py and tests/test_optax_fix_runtime.py."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, ROOT
+
+from gaaudit.config import Settings
+from gaaudit.engine import check_file
+from gaaudit.findings import Confidence
+from gaaudit.fixer import fix_source
+
+ALL = Settings(min_confidence=Confidence.LOW)
+
+
+def fix(source: str, unsafe: bool = True):
+    """(fixed text, [(line, code, applied, reason)]) of a dedented source."""
+    result = fix_source(textwrap.dedent(source).encode(), Path("train.py"), ALL, unsafe)
+    return result.after.decode(), [
+        (o.line, o.site.code, o.applied, o.reason) for o in result.outcomes
+    ]
+
+
+def clean(text: str, tmp_path: Path) -> bool:
+    path = tmp_path / "fixed.py"
+    path.write_text(text)
+    return check_file(path, ALL).findings == []
+
+
+SFT = """\
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, Trainer
+
+    class SFT(Trainer):
+        def compute_loss(
+            self,
+            model,
+            inputs,
+            return_outputs=False,
+        ):
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits[:, :-1]
+            return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(){ignore})
+    """
+
+
+def test_token_sum_keeps_a_one_per_line_signature(tmp_path):
+    text, outcomes = fix(SFT.format(ignore=""), unsafe=False)
+    assert "        return_outputs=False,\n        num_items_in_batch=None,\n    ):" in text
+    assert 'reduction="sum") / (num_items_in_batch if num_items_in_batch is not None else' in text
+    assert "(labels[:, 1:].flatten() != -100).sum())" in text
+    ((line, code, applied, reason),) = outcomes
+    assert (line, code, applied) == (5, "GA004", True) and "sums its `cross_entropy`" in reason
+    assert clean(text, tmp_path)
+
+
+def test_another_ignore_value_than_the_trainers_count_is_unsafe():
+    text, outcomes = fix(SFT.format(ignore=", ignore_index=0"), unsafe=False)
+    ((_, _, applied, reason),) = outcomes
+    assert not applied and "apply with --unsafe-fixes" in reason
+    assert "the Trainer counts labels != -100 but this loss ignores `0`" in reason
+    assert text == textwrap.dedent(SFT.format(ignore=", ignore_index=0"))
+
+
+def test_training_step_signature_and_super_call():
+    text, outcomes = fix(
+        """\
+        from transformers import Trainer
+
+        class Counting(Trainer):
+            def training_step(self, model, inputs):
+                self.seen = getattr(self, "seen", 0) + 1
+                return super().training_step(model, inputs)
+        """
+    )
+    assert "def training_step(self, model, inputs, num_items_in_batch=None):" in text
+    assert "return super().training_step(model, inputs, num_items_in_batch)" in text
+    assert outcomes == [
+        (4, "GA004", True, "`training_step` accepts `num_items_in_batch` and passes it on")
+    ]
+
+
+def test_division_of_a_loss_computed_elsewhere_is_refused():
+    source = """\
+        from transformers import Trainer
+
+        class Manual(Trainer):
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                loss = model(**inputs).loss
+                loss = loss / self.args.gradient_accumulation_steps
+                self.accelerator.backward(loss)
+                return loss.detach()
+        """
+    text, outcomes = fix(source)
+    assert text == textwrap.dedent(source)
+    assert [(line, code, applied) for line, code, applied, _ in outcomes] == [
+        (6, "GA001", False),
+        (6, "GA004", False),
+    ]
+    assert "does not come from `self.compute_loss(...)`" in outcomes[1][3]
+
+
+def test_forward_with_one_token_loss_takes_the_loss_kwargs(tmp_path):
+    source = """\
+        import torch.nn.functional as F
+        from torch import nn
+        from transformers import Trainer
+
+        class Tagger(nn.Module):
+            def forward(self, features, labels=None):
+                logits = self.proj(features)
+                loss = F.cross_entropy(logits.view(-1, 9), labels.view(-1))
+                return {"loss": loss, "logits": logits}
+
+        def main(args):
+            Trainer(model=Tagger(), args=args).train()
+        """
+    text, outcomes = fix(source, unsafe=False)
+    assert "def forward(self, features, labels=None, num_items_in_batch=None, **kwargs):" in text
+    assert "num_items_in_batch = (labels.view(-1) != -100).sum()" in text
+    assert outcomes[0][2] and "takes the Trainer's loss kwargs" in outcomes[0][3]
+    assert clean(text, tmp_path)
+
+
+def test_forward_with_two_loss_terms_is_refused_with_a_reason():
+    path = FIXTURES / "ga004_custom_module_forward_ner.py"
+    result = fix_source(path.read_bytes(), path, ALL, unsafe=True)
+    ((outcome),) = result.outcomes
+    assert not outcome.applied and not result.changed
+    assert "cannot be made a token sum" in outcome.reason
+    assert "the Trainer already divides its mean by the accumulation steps" in outcome.reason
+
+
+def test_opt_out_is_unsafe_and_says_why(cli, tmp_path):
+    target = tmp_path / "train.py"
+    target.write_bytes((FIXTURES / "ga004_weighted_classification_compute_loss.py").read_bytes())
+    result = cli("fix", str(target))
+    assert result.exit_code == 1
+    assert (
+        "GA004 not fixed: unsafe fix (the loss cannot be made a token sum (it weights its classes"
+        in result.output
+    )
+    assert (
+        "exact only when every micro-batch holds the same number of valid targets" in result.output
+    )
+    result = cli("fix", str(target), "--unsafe-fixes")
+    assert result.exit_code == 0
+    assert "GA004 fixed: the loss cannot be made a token sum" in result.output
+    fixed = FIXTURES / "ga004_weighted_classification_compute_loss.fixed.py"
+    assert target.read_bytes() == fixed.read_bytes()
+
+
+def test_a_division_fixed_by_ga004_is_not_rewritten_again_by_ga001():
+    path = FIXTURES / "ga004_training_step_double_division.py"
+    result = fix_source(path.read_bytes(), path, ALL)
+    outcomes = [(o.line, o.site.code, o.applied) for o in result.outcomes]
+    assert outcomes == [(34, "GA001", True), (34, "GA004", True)]
+    assert "GA004/GA005 rewrite" in result.outcomes[0].reason
+
+
+OPTAX = """\
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def loss_fn(params, batch):
+        losses = per_token(params, batch)
+        return {loss}
+
+    def step(params, state, batch, tx):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    def train(params, batches, k):
+        tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=k)
+        state = tx.init(params)
+        for batch in batches:
+            params, state, loss = step(params, state, batch, tx)
+        {after}
+        return params
+    """
+
+
+@pytest.mark.parametrize(
+    "loss, after, reason",
+    [
+        ("losses.mean()", "", "the loss is a plain mean with no mask"),
+        ('jnp.mean(losses, where=batch["valid"]), losses', "", "returns more than its masked mean"),
+        (
+            'jnp.mean(losses, where=batch["valid"])',
+            "step(params, state, batch, tx)",
+            "called in 2 places",
+        ),
+    ],
+    ids=["no-mask", "auxiliary-output", "two-step-calls"],
+)
+def test_multisteps_fix_is_refused_with_a_reason(loss, after, reason):
+    source = OPTAX.format(loss=loss, after=after)
+    text, outcomes = fix(source)
+    assert text == textwrap.dedent(source)
+    ((_, code, applied, why),) = outcomes
+    assert code == "GA005" and not applied and reason in why
+
+
+def test_multisteps_where_mean_reads_windows_ahead(tmp_path):
+    text, outcomes = fix(
+        OPTAX.format(loss='jnp.mean(losses, where=batch["valid"])', after=""), unsafe=False
+    )
+    assert 'return jnp.sum(losses, where=batch["valid"]) / window_weight' in text
+    assert (
+        'window_weight = jnp.maximum(sum(jnp.sum(batch["valid"]) for batch in window), 1)' in text
+    )
+    assert "every_k_schedule=k, use_grad_mean=False)" in text
+    assert outcomes[0][2] and "an incomplete last window is not trained" in outcomes[0][3]
+    assert clean(text, tmp_path)
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    command = next(
+        line for line in readme.splitlines() if "pip install -e" in line and "pytest" in line
+    )
+    assert "[verify,test,jax]" in command
+    ci_command = command.split("&& ", 2)[2]  # after making and activating the virtualenv
+    assert ci_command in (ROOT / ".ci" / "run").read_text()

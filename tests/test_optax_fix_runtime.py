@@ -1,0 +1,175 @@
+"""GA005 fixes proven with real jax and optax on CPU (issue 5; `pip install 'gaaudit[jax]'`).
+
+The code of a fixture pair and of the catalogue's example, as written and as `gaaudit fix`
+rewrote it, runs one accumulation window of masked, variable-length micro-batches on a tiny
+model; the gradient it applies is compared with the gradient of the masked token mean over
+the whole window at once. The optimizer that receives the accumulated gradient is plain SGD
+with rate 1, so the applied gradient is the parameters' change.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+
+import pytest
+from conftest import FIXTURES
+
+from gaaudit import catalogue
+
+jax = pytest.importorskip("jax", reason="jax is an optional extra: pip install 'gaaudit[jax]'")
+optax = pytest.importorskip(
+    "optax", reason="optax is an optional extra: pip install 'gaaudit[jax]'"
+)
+jnp = jax.numpy
+
+VOCAB, WIDTH, ROWS, LENGTH = 11, 8, 2, 12
+EMBED = jax.random.normal(jax.random.PRNGKey(0), (VOCAB, WIDTH))
+
+
+def initial_params() -> dict:
+    """A linear head over fixed token embeddings; small, so that the change of the parameters
+    keeps the gradient's precision."""
+    w, b = jax.random.split(jax.random.PRNGKey(1))
+    return {
+        "w": 0.01 * jax.random.normal(w, (WIDTH, VOCAB)),
+        "b": 0.01 * jax.random.normal(b, (VOCAB,)),
+    }
+
+
+def logits_of(params: dict, input_ids) -> jax.Array:
+    return EMBED[input_ids] @ params["w"] + params["b"]
+
+
+def micro_batches(count: int, seed: int = 2) -> list[dict]:
+    """Token rows with a prompt and padding masked out; lengths differ between micro-batches."""
+    key = jax.random.PRNGKey(seed)
+    batches = []
+    for _ in range(count):
+        key, ids, lengths, prompts = jax.random.split(key, 4)
+        input_ids = jax.random.randint(ids, (ROWS, LENGTH), 0, VOCAB)
+        length = jax.random.randint(lengths, (ROWS, 1), 2, LENGTH + 1)
+        prompt = jax.random.randint(prompts, (ROWS, 1), 0, 2)
+        position = jnp.arange(LENGTH)[None, :]
+        mask = ((position < length) & (position >= prompt)).astype(jnp.float32)
+        batches.append(
+            {"input_ids": input_ids, "labels": jnp.roll(input_ids, -1, axis=1), "loss_mask": mask}
+        )
+    return batches
+
+
+def window_gradient(batches: list[dict], key: str = "loss_mask") -> dict:
+    """The gradient of the masked token mean over every micro-batch at once."""
+    whole = {name: jnp.concatenate([b[name] for b in batches]) for name in batches[0]}
+
+    def loss(params):
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            logits_of(params, whole["input_ids"]), whole["labels"]
+        )
+        return jnp.sum(losses * whole[key]) / jnp.sum(whole[key])
+
+    return jax.grad(loss)(initial_params())
+
+
+def applied(before: dict, after: dict) -> dict:
+    return jax.tree.map(lambda a, b: a - b, before, after)
+
+
+def relative_error(got: dict, want: dict) -> float:
+    difference = jnp.concatenate(
+        [jnp.ravel(g - w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+    )
+    return float(
+        jnp.linalg.norm(difference)
+        / jnp.linalg.norm(jnp.concatenate([jnp.ravel(w) for w in jax.tree.leaves(want)]))
+    )
+
+
+def definitions(source: str, filename: str) -> dict:
+    """A module's definitions and assignments run in a namespace (the imports this environment
+    lacks are left out; `if __name__ == "__main__"` is not run)."""
+    namespace: dict = {"__name__": "fixture"}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.If):
+            continue
+        try:
+            exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
+        except ImportError:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                raise
+    return namespace
+
+
+@pytest.mark.parametrize("version", ["bad", "fixed"])
+def test_multisteps_catalogue_example(version):
+    """`optax.MultiSteps` over a masked mean: the rule's example as written and as fixed."""
+    rule = catalogue.load()["GA005"]
+    namespace = definitions(getattr(rule, version), f"GA005.{version}")
+    sgd = types.SimpleNamespace(
+        **{**vars(optax), "adamw": lambda learning_rate, **_: optax.sgd(1.0)}
+    )
+    namespace["optax"] = sgd  # the inner optimizer applies the accumulated gradient as it is
+    batches = micro_batches(4)
+    params = namespace["train"](initial_params(), logits_of, batches, accum_steps=4)
+    error = relative_error(applied(initial_params(), params), window_gradient(batches))
+    assert (error < 1e-5) if version == "fixed" else (error > 1e-3), error
+
+
+class TinySeq2Seq:
+    """A decoder-only stand-in with the Flax T5 call signature the fixture uses."""
+
+    def _shift_right(self, labels):
+        return jnp.concatenate([jnp.zeros_like(labels[:, :1]), labels[:, :-1]], axis=1)
+
+    def __call__(self, input_ids, attention_mask, decoder_input_ids, params, train):
+        context = (EMBED[input_ids] * attention_mask[..., None]).mean(axis=1, keepdims=True)
+        return types.SimpleNamespace(
+            logits=logits_of(params, decoder_input_ids) + context @ params["w"]
+        )
+
+
+@pytest.mark.parametrize("suffix", [".py", ".fixed.py"])
+def test_python_loop_average(suffix):
+    """`tree_map(lambda g: g / accum_steps, grads)` after a Python loop over micro-batches."""
+    path = FIXTURES / f"ga005_tree_map_python_loop{suffix}"
+    namespace = definitions(path.read_text(), str(path))
+    batches = []
+    for batch in micro_batches(namespace["accum_steps"]):
+        batches.append(
+            {
+                "input_ids": batch["input_ids"],
+                "attention_mask": jnp.ones_like(batch["input_ids"]),
+                "labels": batch["labels"],
+                "decoder_attention_mask": batch["loss_mask"],
+            }
+        )
+    model = TinySeq2Seq()
+    grads, _ = namespace["accumulate_gradients"](initial_params(), model, batches)
+    whole = {name: jnp.concatenate([b[name] for b in batches]) for name in batches[0]}
+    original = definitions((FIXTURES / "ga005_tree_map_python_loop.py").read_text(), "original")
+    reference = jax.grad(original["loss_fn"])(initial_params(), model, whole)
+    error = relative_error(grads, reference)
+    assert (error < 1e-5) if suffix == ".fixed.py" else (error > 1e-3), error
+
+
+@pytest.mark.parametrize("suffix", [".py", ".fixed.py"])
+def test_lax_scan_average(suffix):
+    """A `lax.scan` over stacked micro-batches with a `where=` masked mean."""
+    path = FIXTURES / f"ga005_lax_scan_accumulate{suffix}"
+    namespace = definitions(path.read_text(), str(path))
+    batches = micro_batches(namespace["num_micro_batches"])
+    stacked = {
+        "input_ids": jnp.stack([b["input_ids"] for b in batches]),
+        "labels": jnp.stack([b["labels"] for b in batches]),
+        "selected": jnp.stack([b["loss_mask"] for b in batches]),
+    }
+
+    def apply_fn(input_ids, params, train):
+        return types.SimpleNamespace(logits=logits_of(params, input_ids))
+
+    optimizer = optax.sgd(1.0)
+    params, _, _ = namespace["train_step"](
+        initial_params(), optimizer.init(initial_params()), stacked, apply_fn, optimizer
+    )
+    error = relative_error(applied(initial_params(), params), window_gradient(batches))
+    assert (error < 1e-5) if suffix == ".fixed.py" else (error > 1e-3), error

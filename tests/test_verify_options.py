@@ -1,0 +1,313 @@
+"""`gaaudit verify --model-factory` and `[tool.gaaudit.verify]`: the user's own model in place
+of the harness model, and verify's defaults from pyproject.toml."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import gaaudit
+from torch import nn
+
+from gaaudit.config import ConfigError, VerifySettings, load
+from gaaudit.harness.factory import FactoryError, load_factory, user_model
+from gaaudit.harness.models import build_model, vocab_size
+from gaaudit.verify import REPRODUCED, VERIFIED, options_for
+
+TINY_LM = '''
+from pathlib import Path
+
+from torch import nn
+
+
+class TinyLM(nn.Module):
+    """Returns logits; no config, so the vocabulary comes from the embedding."""
+
+    def __init__(self, vocab=50, width=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.GRU(width, width, batch_first=True)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        hidden, _ = self.mix(self.embed(ids))
+        return self.head(self.drop(hidden))
+
+
+def build():
+    with (Path(__file__).parent / "calls.txt").open("a") as log:
+        log.write("built\\n")
+    return TinyLM()
+'''
+
+LOGITS_LOOP = """
+import torch.nn.functional as F
+
+
+def train(model, loader, optimizer, accumulation_steps):
+    model.train()
+    for step, (ids, targets) in enumerate(loader):
+        logits = model(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        (loss / accumulation_steps).backward()
+        if (step + 1) % accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+TINY_LLAMA = """
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama():
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0))
+"""
+
+DDP_SFT = """
+import os
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
+
+
+def train(model, loader, optimizer, accumulation_steps):
+    model.train()
+    for step, batch in enumerate(loader):
+        sync = (step + 1) % accumulation_steps == 0
+        with nullcontext() if sync else model.no_sync():
+            loss = model(**batch).loss / accumulation_steps
+            loss.backward()
+        if sync:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def main():
+    dist.init_process_group("nccl")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    model = AutoModelForCausalLM.from_pretrained("my-org/my-llama").cuda()
+    model = DistributedDataParallel(model, device_ids=[local_rank])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    train(model, build_loader(DataCollatorForSeq2Seq), optimizer, 8)
+"""
+
+
+def project(root: Path, files: dict[str, str], verify_table: str = "") -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text))
+    if verify_table:
+        (root / "pyproject.toml").write_text(
+            f"[project]\nname = 'demo'\n\n[tool.gaaudit.verify]\n{textwrap.dedent(verify_table)}"
+        )
+    return root
+
+
+def rows_of(stdout: str) -> list[dict]:
+    (loop,) = json.loads(stdout)["loops"]
+    return loop["rows"]
+
+
+def test_model_factory_from_the_command_line_drives_a_custom_lm(tmp_path):
+    root = project(tmp_path / "proj", {"tinylm.py": TINY_LM, "train.py": LOGITS_LOOP})
+    (root / "pyproject.toml").write_text("[project]\nname = 'demo'\n")  # the import root
+    result = gaaudit(
+        "verify",
+        str(root / "train.py"),
+        "--model-factory",
+        "tinylm:build",
+        "-k",
+        "2,4",
+        "--device",
+        "cpu",
+        "--format",
+        "json",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "with tinylm:build" in result.stderr
+    for row in rows_of(result.stdout):
+        assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-3, row
+        assert row["verdict"] == VERIFIED and row["patched_error"] < 1e-5, row
+    # built by the factory (2 checks, then the reference and the replays); token ids < 50
+    assert len((root / "calls.txt").read_text().splitlines()) > 4
+
+
+def test_pyproject_verify_table_sets_factory_processes_and_k(tmp_path):
+    root = project(
+        tmp_path / "proj",
+        {"zoo.py": TINY_LLAMA, "src/train.py": DDP_SFT},
+        """
+        model-factory = "zoo:tiny_llama"
+        distributed = 2
+        k = [2]
+        device = "cpu"
+    """,
+    )
+    result = gaaudit("verify", str(root / "src" / "train.py"), "--format", "json", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "with zoo:tiny_llama on 2 DDP processes" in result.stderr
+    (row,) = rows_of(result.stdout)
+    assert row["k"] == 2 and row["processes"] == 2
+    assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-3, row
+    assert row["verdict"] == VERIFIED and row["patched_error"] < 1e-5, row
+
+
+def test_a_factory_that_cannot_load_stops_verify_and_holds_back_fix_verify(tmp_path):
+    root = project(tmp_path, {"train.py": LOGITS_LOOP}, 'model-factory = "missing_models:build"\n')
+    result = gaaudit("verify", "train.py", "-k", "2", cwd=root)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    message = result.stderr.splitlines()[-1]
+    assert "pyproject.toml: [tool.gaaudit.verify] model-factory = missing_models:build" in message
+    assert "cannot import 'missing_models'" in message and "project root" in message
+    fixed = gaaudit("fix", "--verify", "train.py", cwd=root)
+    assert "train.py: fixes held back:" in fixed.stdout and "missing_models" in fixed.stdout
+    assert (root / "train.py").read_text() == textwrap.dedent(LOGITS_LOOP)
+
+
+def test_malformed_factory_and_bad_values_are_usage_errors(tmp_path, cli):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(LOGITS_LOOP))
+    for args, words in (
+        (["--model-factory", "models"], ["--model-factory", "module:function", "'models'"]),
+        (["-k", "2,x"], ["-k", "window sizes"]),
+        (["--dtype", "fp64"], ["--dtype", "float32"]),
+    ):
+        result = cli("verify", str(script), *args)
+        assert result.exit_code == 2 and all(w in result.output for w in words), result.output
+
+
+@pytest.mark.parametrize(
+    "table, words",
+    [
+        ('k = "2,4"', ["[tool.gaaudit.verify] k", "list of window sizes"]),
+        ("k = [0]", ["[tool.gaaudit.verify] k"]),
+        ('device = "tpu"', ["device", "auto, cpu, cuda"]),
+        ('dtype = "fp8"', ["dtype", "float32, bfloat16, float16"]),
+        ("timeout = -1", ["timeout", "seconds > 0"]),
+        ("distributed = true", ["distributed", "number of processes"]),
+        ('model-factory = "a.b"', ["model-factory", "module:function"]),
+        ("colour = 1", ["colour", "unknown key", "model-factory"]),
+    ],
+)
+def test_bad_verify_table_names_the_file_and_key(tmp_path, table, words):
+    (tmp_path / "pyproject.toml").write_text(f"[tool.gaaudit.verify]\n{table}\n")
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path)
+    assert str(tmp_path / "pyproject.toml") in str(caught.value)
+    assert all(w in str(caught.value) for w in words), caught.value
+
+
+def test_command_line_wins_over_the_table_which_wins_over_defaults(tmp_path):
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.gaaudit.verify]\nk = [3]\ndtype = "bfloat16"\nseed = 7\nmodel-factory = "m:f"\n'
+    )
+    (tmp_path / "sub").mkdir()
+    script = tmp_path / "sub" / "train.py"
+    script.write_text("")
+    assert load(tmp_path).verify == VerifySettings(
+        model_factory="m:f", k=(3,), dtype="bfloat16", seed=7
+    )
+    options = options_for(script, ks=(2,), seed=None, model_factory=None)
+    assert (options.ks, options.dtype, options.seed, options.device) == (
+        (2,),
+        "bfloat16",
+        7,
+        "auto",
+    )
+    assert options.model_factory == "m:f" and options.project_root == str(tmp_path)
+    assert "[tool.gaaudit.verify] model-factory" in options.factory_option
+    given = options_for(script, model_factory="pkg.models:Builder.tiny")
+    assert (
+        given.model_factory == "pkg.models:Builder.tiny"
+        and given.factory_option == "--model-factory"
+    )
+
+
+FACTORIES = """
+import random
+
+import torch
+from torch import nn
+
+NOT_CALLABLE = 3
+
+
+def needs_arguments(width):
+    return nn.Linear(width, width)
+
+
+def returns_config():
+    return {"vocab_size": 10}
+
+
+def unseeded():
+    layer = nn.Linear(2, 2)
+    with torch.no_grad():
+        layer.weight.fill_(random.random())
+    return layer
+
+
+class Vocab(nn.Module):
+    vocab_size = 17
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.3)
+
+
+def with_vocab():
+    return Vocab()
+"""
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    """A module of factories, importable while the test runs."""
+    (tmp_path / "factories_under_test.py").write_text(textwrap.dedent(FACTORIES))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "factories_under_test", raising=False)
+    yield str(tmp_path)
+    sys.modules.pop("factories_under_test", None)
+
+
+@pytest.mark.parametrize(
+    "target, words",
+    [
+        ("no_such_module:build", ["cannot import 'no_such_module'", "ModuleNotFoundError"]),
+        ("factories_under_test:missing", ["has no attribute 'missing'"]),
+        ("factories_under_test:NOT_CALLABLE", ["is a int, not callable"]),
+        ("factories_under_test:needs_arguments", ["no arguments failed", "TypeError"]),
+        ("factories_under_test:returns_config", ["returned a dict, not a torch.nn.Module"]),
+        ("factories_under_test:unseeded", ["different weights"]),
+    ],
+)
+def test_factory_errors_name_the_option_and_what_to_do(factories, target, words):
+    with pytest.raises(FactoryError) as caught:
+        load_factory(target, factories, "--model-factory")
+    assert str(caught.value).startswith(f"--model-factory {target}: ")
+    assert all(w in str(caught.value) for w in words), caught.value
+
+
+def test_a_loaded_factory_replaces_the_model_kept_in_eval_without_dropout(factories):
+    model = load_factory("factories_under_test:with_vocab", factories)
+    assert model.vocab_size == 17
+    with user_model(model):
+        built = build_model("causal", seed=3)
+        assert type(built).__name__ == "Vocab" and vocab_size() == 17
+        built.train()
+        assert not built.training and built.drop.p == 0.0
+        assert torch.equal(build_model("causal", seed=3).linear.weight, built.linear.weight)
+    assert isinstance(build_model("nanogpt"), nn.Module) and vocab_size() == 256
