@@ -15,9 +15,11 @@ importing them). Every tool runs N times on the same files; the tables show medi
   pre-commit hook makes them: two clean scripts and a buggy one of about 500 lines;
 - the step time of a training loop before and after `gaaudit fix` (`step_overhead.py`).
 
-Peak RSS is that of the largest process of a run (os.wait4). TorchFix and Fixit pin libcst
-and click versions of their own: install them into a separate virtualenv and put its `bin`
-on PATH. This is a script that prints figures, not a test.
+Peak RSS is that of the largest process of a run (os.wait4). Python may write bytecode
+(PYTHONDONTWRITEBYTECODE is dropped), as `pip install` compiles it for an installed gaaudit;
+the untimed first runs write it. TorchFix and Fixit pin libcst and click versions of their
+own: install them into a separate virtualenv and put its `bin` on PATH. This is a script
+that prints figures, not a test.
 """
 
 from __future__ import annotations
@@ -305,6 +307,7 @@ def main() -> None:
     parser.add_argument("--skip-torchfix", action="store_true", help="do not time TorchFix")
     parser.add_argument("--skip-step", action="store_true", help="do not time the training loop")
     args = parser.parse_args()
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
     corpus = [p.resolve() for p in args.corpus] if args.corpus else default_corpus()
     files = python_files(corpus)
@@ -319,7 +322,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         from step_overhead import run as step_run
 
-        step = step_run(None, rounds=20, windows=4, k=4)
+        step = step_run(None, rounds=30, windows=8, k=4)
     load_after = os.getloadavg()
 
     print(f"corpus: {', '.join(map(str, corpus))}")

@@ -7,8 +7,8 @@ fixer into sum-and-count: one token count per micro-batch, a multiplication of t
 it, and one division of the gradients per window. Both loops train copies of the tiny GPT-2
 of `gaaudit.harness` on the same padded micro-batches with AdamW. Rounds alternate between
 them, so that drift of the machine's speed hits both alike, and each round compares the
-two; on the CPU torch runs one thread, so that other jobs on a shared machine disturb the
-timing less. Prints the median time per window of each, and the median and quartiles of
+two. On the CPU torch runs one thread and the time is that thread's CPU time, so that other
+jobs on a shared machine disturb the figures less; on a GPU it is wall time. Prints the median time per window of each, and the median and quartiles of
 the patched loop's extra time per round. Needs `pip install 'gaaudit[verify]'`.
 """
 
@@ -75,18 +75,20 @@ def measure(device: str, rounds: int, windows: int, k: int) -> dict[str, list[fl
         batches += (
             make_window("causal", k, micro_batch_size=8, seed=seed, max_len=64).to(device).micro
         )
+    clock = time.perf_counter
     if device == "cpu":
         torch.set_num_threads(1)
+        clock = time.thread_time
     times: dict[str, list[float]] = {name: [] for name in trains}
     for number in range(WARM_UP + rounds):
         order = list(trains) if number % 2 else list(reversed(trains))
         for name in order:
             synchronize(device)
-            started = time.perf_counter()
+            started = clock()
             trains[name](models[name], batches, optimizers[name], k)
             synchronize(device)
             if number >= WARM_UP:
-                times[name].append((time.perf_counter() - started) / windows)
+                times[name].append((clock() - started) / windows)
     return times
 
 
@@ -122,9 +124,9 @@ def main() -> None:
         "--device", action="append", help="cpu, cuda [default: cpu, and cuda if any]"
     )
     parser.add_argument(
-        "--rounds", type=int, default=20, help="timed rounds per loop [default: 20]"
+        "--rounds", type=int, default=30, help="timed rounds per loop [default: 30]"
     )
-    parser.add_argument("--windows", type=int, default=4, help="windows per round [default: 4]")
+    parser.add_argument("--windows", type=int, default=8, help="windows per round [default: 8]")
     parser.add_argument("-k", type=int, default=4, help="micro-batches per window [default: 4]")
     args = parser.parse_args()
     print("\n".join(run(args.device, args.rounds, args.windows, args.k)))

@@ -55,7 +55,11 @@ class Outcome:
 def _atom(expr: cst.BaseExpression) -> str:
     """An expression's code, parenthesised unless it already binds tighter than `.attr`."""
     text = code(expr)
-    return text if isinstance(expr, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) else f"({text})"
+    return (
+        text
+        if isinstance(expr, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
+        else f"({text})"
+    )
 
 
 def _statements(source: str) -> list[cst.BaseStatement]:
@@ -71,6 +75,8 @@ FRAMEWORK_ONLY = {  # why a framework's own division has no mechanical rewrite, 
     "count is not known where the loss is returned; read the window's micro-batches ahead, count "
     "their valid tokens N, and return `loss_sum * k / N` (see `gaaudit explain GA003`)",
 }
+SUMMABLE = ("torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss")
+SUMMABLE_MODULES = ("CrossEntropyLoss", "NLLLoss")
 LOGGING_METHODS = ("item", "detach", "float", "cpu", "clone")
 EXITS = (cst.Continue, cst.Break, cst.Return, cst.Raise)
 
@@ -101,9 +107,24 @@ def _assigns_to_itself(statement: cst.CSTNode, division: cst.CSTNode) -> bool:
 def _with_sum_reduction(call: cst.Call) -> cst.Call:
     """`F.cross_entropy(a, b)` -> `F.cross_entropy(a, b, reduction="sum")`, the call's layout kept."""
     args = list(call.args)
+    if not args:
+        return call.with_changes(
+            args=[
+                cst.Arg(
+                    keyword=cst.Name("reduction"),
+                    value=cst.SimpleString('"sum"'),
+                    equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")),
+                )
+            ]
+        )
     last = args[-1]
-    if last.comma is cst.MaybeSentinel.DEFAULT:  # `(a, b)`: the new argument takes b's place before `)`
-        before_new, after_new = cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")), cst.MaybeSentinel.DEFAULT
+    if (
+        last.comma is cst.MaybeSentinel.DEFAULT
+    ):  # `(a, b)`: the new argument takes b's place before `)`
+        before_new, after_new = (
+            cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
+            cst.MaybeSentinel.DEFAULT,
+        )
     else:  # `(a, b,)` laid out one per line: the new one goes on a line of its own
         before_new, after_new = (args[-2].comma if len(args) > 1 else last.comma), last.comma
     args[-1] = last.with_changes(comma=before_new, whitespace_after_arg=cst.SimpleWhitespace(""))
@@ -131,7 +152,9 @@ class Planner:
         self.micro = self._fresh("micro_tokens")
         self.window_total = self._fresh("window_tokens")
         self.window_loss = self._fresh("window_loss")
-        self._prepared: dict[cst.CSTNode, tuple[Site, str]] = {}  # window -> (first site, optimizer)
+        self._prepared: dict[
+            cst.CSTNode, tuple[Site, str]
+        ] = {}  # window -> (first site, optimizer)
         self._weighted: dict[cst.CSTNode, list[Weighted]] = {}  # window -> losses divided by K
 
     def _fresh(self, name: str) -> str:
@@ -154,7 +177,11 @@ class Planner:
                 outcomes.append(Outcome(site, *self._position(site), True))
             except (Unfixable, cst.ParserSyntaxError) as exc:
                 self.edits, self._prepared, self._weighted = saved
-                reason = str(exc) if isinstance(exc, Unfixable) else "gaaudit could not build a valid rewrite"
+                reason = (
+                    str(exc)
+                    if isinstance(exc, Unfixable)
+                    else "gaaudit could not build a valid rewrite"
+                )
                 outcomes.append(Outcome(site, *self._position(site), False, reason))
         for site, optimizer in self._prepared.values():
             self._finish_window(site, optimizer)
@@ -188,11 +215,15 @@ class Planner:
                 "schedule runs and make the loss `loss_sum / N` (see `gaaudit explain GA003`)"
             )
         if origin.module:
-            raise Unfixable(f"the loss is computed in {origin.module}; its targets are not visible here")
+            raise Unfixable(
+                f"the loss is computed in {origin.module}; its targets are not visible here"
+            )
         if origin.kind != "mean" or source is None:
             raise Unfixable("gaaudit could not tell what the loss averages over")
         if self.tree.scope_of(source) is not self.tree.scope_of(site.backward.call):
-            raise Unfixable("the loss is computed in another function; its targets are not visible here")
+            raise Unfixable(
+                "the loss is computed in another function; its targets are not visible here"
+            )
         if isinstance(source, (cst.Attribute, cst.Subscript)):
             return self._model_count(source), True
         if isinstance(source, cst.BinaryOperation):
@@ -232,23 +263,42 @@ class Planner:
         configured = self.auditor.tracer.loss_instance(func) or call
         name = (self.tree.qualified(configured.func) or "").rsplit(".", 1)[-1]
         args = positional(call)
-        target = keyword(call, "target") or keyword(call, "targets") or (args[1] if len(args) > 1 else None)
+        target = (
+            keyword(call, "target")
+            or keyword(call, "targets")
+            or (args[1] if len(args) > 1 else None)
+        )
         if target is None:
             raise Unfixable("the target tensor of the loss is not visible")
         if name not in TOKEN_LOSSES:
             return (f"{_atom(target)}.numel()", ""), True
+        if keyword(configured, "weight") is not None or (
+            configured is not call and keyword(call, "weight")
+        ):
+            raise Unfixable(
+                "the loss has class weights: its mean divides by the targets' summed weights"
+            )
         ignore = keyword(configured, "ignore_index")
         return (f"({code(target)} != {code(ignore) if ignore else '-100'}).sum()", ""), True
 
     def _returned_count(self, call: cst.Call) -> tuple[tuple[str, str], bool]:
         args = positional(call)
-        target = keyword(call, "targets") or keyword(call, "labels") or (args[1] if len(args) > 1 else None)
+        target = (
+            keyword(call, "targets")
+            or keyword(call, "labels")
+            or (args[1] if len(args) > 1 else None)
+        )
         if target is None:
             raise Unfixable("the targets passed to the model are not visible")
-        ignore = re.search(r"ignore_index\s*=\s*(-?\d+)", self.text) or re.search(r"(-100)\b", self.text)
+        ignore = re.search(r"ignore_index\s*=\s*(-?\d+)", self.text) or re.search(
+            r"(-100)\b", self.text
+        )
         if ignore:
             return (f"({code(target)} != {ignore.group(1)}).sum()", ""), True
-        return (f"{_atom(target)}.numel()", "assumes every target counts: no ignore_index is visible"), False
+        return (
+            f"{_atom(target)}.numel()",
+            "assumes every target counts: no ignore_index is visible",
+        ), False
 
     # --- the rewrite --------------------------------------------------------------------------
 
@@ -265,21 +315,25 @@ class Planner:
             node = site.division.node
             anchor = self._line(node)
             new = self._undivided(node, anchor, factor)
-            self._note_logged_reads(site, node, anchor)
+            self._note_logged_reads(site, node, anchor, summed is not None)
         else:
             node = site.backward.loss
             anchor = self._line(site.backward.call)
             text = code(self._applied(node))
             text = f"({text})" if isinstance(node, cst.BinaryOperation) else text
             new = cst.parse_expression(f"{text} * {factor}") if factor else node
-            if factor and isinstance(self.tree.parents[node], cst.Attribute):  # `(loss * n).backward()`
+            if factor and isinstance(
+                self.tree.parents[node], cst.Attribute
+            ):  # `(loss * n).backward()`
                 new = new.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
             if site.kind == "gradient-division":
                 self._remove(site.division.node, site.window)
         if node not in self.edits.replace and new is not node:
             self.edits.replace[node] = new
         if anchor not in self.edits.before:
-            self.edits.insert_before(anchor, f"{self.micro} = {count}\n{self.window_total} += {self.micro}\n")
+            self.edits.insert_before(
+                anchor, f"{self.micro} = {count}\n{self.window_total} += {self.micro}\n"
+            )
         self._prepare_window(site)
 
     def _undivided(self, node: cst.CSTNode, statement: cst.CSTNode, factor: str):
@@ -287,7 +341,9 @@ class Planner:
         if isinstance(node, cst.AugAssign):
             if not factor:
                 return cst.RemovalSentinel.REMOVE
-            return node.with_changes(operator=cst.MultiplyAssign(), value=cst.parse_expression(factor))
+            return node.with_changes(
+                operator=cst.MultiplyAssign(), value=cst.parse_expression(factor)
+            )
         left = self._applied(node.left)
         if not factor:
             if _assigns_to_itself(statement, node):
@@ -306,50 +362,95 @@ class Planner:
         return node
 
     def _summed(self, site: Site) -> cst.Call | None:
-        """The explicit token loss to switch to reduction="sum", when nothing else reads its mean.
-
-        `F.cross_entropy(...)` / `F.nll_loss(...)` called in the loop; with a configured
-        `nn.CrossEntropyLoss` instance (shared with evaluation code) the mean is weighted instead.
-        """
+        """The call to give reduction="sum" (the loss, or the loss module's constructor), when
+        nothing else reads the mean: `F.cross_entropy(...)`/`F.nll_loss(...)` in the loop, or an
+        `nn.CrossEntropyLoss` instance called only here (one shared with evaluation stays a mean,
+        weighted by its count)."""
         source = site.origin.source
         if not isinstance(source, cst.Call) or site.origin.from_model:
             return None
         qualified = self.tree.qualified(source.func) or ""
-        if qualified not in ("torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss"):
+        configured = source
+        if qualified not in SUMMABLE:
+            configured = self.auditor.tracer.loss_instance(source.func)
+            if configured is None or not self._called_once(source.func):
+                return None
+            if (self.tree.qualified(configured.func) or "").rsplit(".", 1)[
+                -1
+            ] not in SUMMABLE_MODULES:
+                return None
+        if keyword(configured, "reduction") is not None:
             return None
-        if keyword(source, "reduction") is not None:
+        if self._mean_read_elsewhere(site, source):
             return None
+        return configured
+
+    def _called_once(self, func: cst.BaseExpression) -> bool:
+        """Whether the loss module is used at this call only (its binding aside)."""
+        name = code(func)
+        uses = [
+            n
+            for n in self.tree.walk(self.tree.module)
+            if isinstance(n, (cst.Name, cst.Attribute))
+            and code(n) == name
+            and not isinstance(self.tree.parents.get(n), cst.Attribute)
+        ]
+        bound = [
+            t.target
+            for a in self.tree.walk(self.tree.module)
+            if isinstance(a, cst.Assign)
+            for t in a.targets
+        ]
+        return len([n for n in uses if not any(n is b for b in bound)]) == 1
+
+    def _mean_read_elsewhere(self, site: Site, source: cst.Call) -> bool:
+        """Whether code other than the division (or backward) reads the loss `source` computes."""
         statement = self.tree.statement_of(source)
-        used = self.tree.statement_of(site.division.node if site.kind == "loss-division" else site.backward.call)
+        used = self.tree.statement_of(
+            site.division.node if site.kind == "loss-division" else site.backward.call
+        )
         if statement is used:
-            return source
+            return False
         if not (isinstance(statement, cst.Assign) and len(statement.targets) == 1):
-            return None
+            return True
         target = statement.targets[0].target
         if not isinstance(target, cst.Name):
-            return None
+            return True
         # Later reads see a sum either way only after `loss = loss / k`; any other read needs the mean.
-        later_ok = site.kind == "loss-division" and _assigns_to_itself(self._line(used), site.division.node)
+        later_ok = site.kind == "loss-division" and _assigns_to_itself(
+            self._line(used), site.division.node
+        )
         for node in self.tree.in_scope(self.tree.scope_of(statement)):
             if isinstance(node, cst.Name) and node.value == target.value and node is not target:
                 inside = self.tree.contains(used, node)
                 if not inside and not (later_ok and self.tree.order[node] > self.tree.last[used]):
-                    return None
-        return source
+                    return True
+        return False
 
     def _framework_factor(self, site: Site) -> str:
         receiver = self._accelerator(site)
-        if receiver and (site.window.kind == "accumulate" or "gradient_accumulation_steps=" in self.text):
+        if receiver and (
+            site.window.kind == "accumulate" or "gradient_accumulation_steps=" in self.text
+        ):
             return f" * {receiver}.gradient_accumulation_steps"
         return ""
 
     def _accelerator(self, site: Site) -> str | None:
+        """The `accelerator` of `accelerator.backward(loss)`, else None."""
+        return self._backward_owner(site, "accelerator")
+
+    def _backward_owner(self, site: Site, kind: str) -> str | None:
+        """The receiver of `<kind>.backward(loss)` (an Accelerator or a Fabric), else None."""
         if site.backward.call is None:
             return None
         func = site.backward.call.func
-        if isinstance(func, cst.Attribute) and func.attr.value == "backward" and positional(site.backward.call):
+        if (
+            isinstance(func, cst.Attribute)
+            and func.attr.value == "backward"
+            and positional(site.backward.call)
+        ):
             name = dotted(func.value) or ""
-            return name if "accelerator" in name.lower() else None
+            return name if kind in name.lower() else None
         return None
 
     def _remove(self, node: cst.CSTNode, window: Window) -> None:
@@ -371,16 +472,27 @@ class Planner:
         if window.anchor in self._prepared:
             return
         if window.kind == "accumulate":
-            outer = next((a for a in self.tree.ancestors(window.anchor) if isinstance(a, (cst.For, cst.While))), None)
+            outer = next(
+                (
+                    a
+                    for a in self.tree.ancestors(window.anchor)
+                    if isinstance(a, (cst.For, cst.While))
+                ),
+                None,
+            )
             if outer is None or self._accelerator(site) is None:
                 raise Unfixable("the accumulate() window has no accelerator.backward in a loop")
         elif window.kind not in ("modulo", "micro-loop"):
-            raise Unfixable("the optimizer step is not in this function; gaaudit cannot place the one division")
+            raise Unfixable(
+                "the optimizer step is not in this function; gaaudit cannot place the one division"
+            )
         self._prepared[window.anchor] = (site, self._optimizer(window))
 
     # --- the logged loss: the window's sum / count, not a mean of means ---------------------
 
-    def _note_logged_reads(self, site: Site, node: cst.CSTNode, statement: cst.CSTNode) -> None:
+    def _note_logged_reads(
+        self, site: Site, node: cst.CSTNode, statement: cst.CSTNode, summed: bool
+    ) -> None:
         """Remember `loss = loss / k`: logging reads of `loss` at the step get the window's mean."""
         if site.window.kind not in ("modulo", "micro-loop"):
             return
@@ -391,22 +503,37 @@ class Planner:
         else:
             return
         if isinstance(name, cst.Name):
-            summed = self.edits.replace.get(site.origin.source) is not None
             weighted = Weighted(name.value, code(site.division.divisor), statement, summed)
             self._weighted.setdefault(site.window.anchor, []).append(weighted)
 
-    def _logged_reads(self, window: Window) -> list[tuple[cst.BaseExpression, str]]:
-        """(read, replacement) for each `loss.item()`, `loss.item() * k`, `float(loss)` at the step."""
-        mean = f"({self.window_loss} / max({self.window_total}, 1))"
-        found = []
+    def _logged_reads(self, window: Window) -> tuple[list, list]:
+        """(read, replacement) pairs for logging reads of a loss that was divided by K: at the
+        step, the window's mean; in the micro-step after the rewrite, the micro-batch's mean."""
+        at_step, in_micro_step = [], []
+        window_mean = f"({self.window_loss} / max({self.window_total}, 1))"
         for weighted in self._weighted.get(window.anchor, ()):
-            for region in window.step_region:
-                for node in self.tree.walk(region, into_defs=False):
-                    if isinstance(node, cst.Name) and node.value == weighted.name:
-                        read = self._logging_read(node, weighted.divisor, mean)
-                        if read is not None:
-                            found.append(read)
-        return found
+            micro_mean = f"({weighted.name} / max({self.micro}, 1))"
+            after = self.tree.last[weighted.statement]
+            for node in self.tree.walk(window.loop, into_defs=False):
+                if not (isinstance(node, cst.Name) and node.value == weighted.name):
+                    continue
+                stepping = any(self.tree.contains(region, node) for region in window.step_region)
+                if stepping:
+                    read = self._logging_read(node, weighted.divisor, window_mean)
+                elif self.tree.order[node] > after:
+                    read = self._logging_read(node, weighted.divisor, micro_mean)
+                else:
+                    read = None
+                if read is not None:
+                    (at_step if stepping else in_micro_step).append(read)
+            if window.kind == "micro-loop":
+                for region in window.step_region:
+                    for node in self.tree.walk(region, into_defs=False):
+                        if isinstance(node, cst.Name) and node.value == weighted.name:
+                            read = self._logging_read(node, weighted.divisor, window_mean)
+                            if read is not None:
+                                at_step.append(read)
+        return at_step, in_micro_step
 
     def _logging_read(self, name: cst.Name, divisor: str, mean: str):
         """The expression around `name` that reads it for logging, and its window-mean twin."""
@@ -415,20 +542,27 @@ class Planner:
             attribute = self.tree.parents.get(read)
             call = self.tree.parents.get(attribute)
             if not (
-                isinstance(attribute, cst.Attribute) and attribute.value is read
+                isinstance(attribute, cst.Attribute)
+                and attribute.value is read
                 and attribute.attr.value in LOGGING_METHODS
-                and isinstance(call, cst.Call) and call.func is attribute and not call.args
+                and isinstance(call, cst.Call)
+                and call.func is attribute
+                and not call.args
             ):
                 break
             read = call
         text = code(read)
         if not text.startswith(name.value):
             return None
-        rest = text[len(name.value):]
+        rest = text[len(name.value) :]
         text = mean + rest
         arg = self.tree.parents.get(read)
         wrapper = self.tree.parents.get(arg)
-        if isinstance(arg, cst.Arg) and isinstance(wrapper, cst.Call) and code(wrapper.func) == "float":
+        if (
+            isinstance(arg, cst.Arg)
+            and isinstance(wrapper, cst.Call)
+            and code(wrapper.func) == "float"
+        ):
             read, text = wrapper, f"float({text if rest else mean[1:-1]})"
         product = self.tree.parents.get(read)
         if isinstance(product, cst.BinaryOperation) and isinstance(product.operator, cst.Multiply):
@@ -440,7 +574,7 @@ class Planner:
     def _finish_window(self, site: Site, optimizer: str) -> None:
         """Start, normalise and reset the window's count (and its loss sum when a log reads it)."""
         window, total = site.window, self.window_total
-        reads = self._logged_reads(window)
+        reads, micro_reads = self._logged_reads(window)
         tracked = [total, self.window_loss] if reads else [total]
         start = "".join(f"{name} = 0\n" for name in tracked)
         normalize = self._normalization(site, optimizer, tracked)
@@ -460,11 +594,19 @@ class Planner:
             self.edits.insert_before(self._line(window.loop), start)
             self.edits.insert_after(self._line(window.loop), normalize)
         else:  # accumulate: checked in `_prepare_window`
-            outer = next(a for a in self.tree.ancestors(window.anchor) if isinstance(a, (cst.For, cst.While)))
+            outer = next(
+                a for a in self.tree.ancestors(window.anchor) if isinstance(a, (cst.For, cst.While))
+            )
             receiver = self._accelerator(site)
             self.edits.insert_before(self._line(outer), start)
             body = "\n".join("    " + line for line in (normalize + start).splitlines())
-            self.edits.insert_after(self._line(site.backward.call), f"if {receiver}.sync_gradients:\n{body}\n")
+            self.edits.insert_after(
+                self._line(site.backward.call), f"if {receiver}.sync_gradients:\n{body}\n"
+            )
+        for read, replacement in micro_reads:
+            self.edits.replace[read] = cst.parse_expression(replacement).with_changes(
+                lpar=read.lpar, rpar=read.rpar
+            )
         if not reads:
             return
         for read, replacement in reads:
@@ -490,12 +632,20 @@ class Planner:
         scale = f"max({self.window_total}, 1)"
         gather = ""
         receiver = self._accelerator(site)
+        fabric = self._backward_owner(site, "fabric")
         dist = self._distributed()
-        if receiver:
-            gather = "".join(f"{name} = {receiver}.reduce({name}, reduction=\"sum\")\n" for name in tracked)
+        if fabric:  # Fabric averages gradients over its processes, like DDP
+            gather = "".join(
+                f'{name} = {fabric}.all_reduce({name}, reduce_op="sum")\n' for name in tracked
+            )
+            scale = f"{scale} / {fabric}.world_size"
+        elif receiver:
+            gather = "".join(
+                f'{name} = {receiver}.reduce({name}, reduction="sum")\n' for name in tracked
+            )
             scale = f"{scale} / {receiver}.num_processes"
         elif dist:
-            device = f"{optimizer}.param_groups[0][\"params\"][0].device"
+            device = f'{optimizer}.param_groups[0]["params"][0].device'
             gather = "".join(
                 f"{name} = torch.as_tensor({name}, device={device})\n{dist}.all_reduce({name})\n"
                 for name in tracked
@@ -504,7 +654,7 @@ class Planner:
         return (
             gather
             + f"for group in {optimizer}.param_groups:\n"
-            + "    for param in group[\"params\"]:\n"
+            + '    for param in group["params"]:\n'
             + "        if param.grad is not None:\n"
             + f"            param.grad.div_({scale})\n"
         )
@@ -525,5 +675,7 @@ class Planner:
             if isinstance(parent, (cst.IndentedBlock, cst.Module)):
                 return candidate
             if isinstance(parent, cst.SimpleStatementSuite):
-                raise Unfixable("the statement shares a line with its block header; put it on its own line")
+                raise Unfixable(
+                    "the statement shares a line with its block header; put it on its own line"
+                )
         raise Unfixable("cannot find the statement to rewrite")

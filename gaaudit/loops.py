@@ -34,6 +34,7 @@ ACCUMULATION_NAMES = frozenset({
     "n_microbatches", "num_microbatches", "n_micro_batches", "n_micro", "num_micro", "microbatches",
 })
 # fmt: on
+DEEPSPEED_ACCUMULATION = "gradient_accumulation_steps"  # the DeepSpeed config key
 
 
 @dataclass(frozen=True)
@@ -322,13 +323,9 @@ class Structure:
     def _deepspeed_config(self) -> str | None:
         """Where the file's DeepSpeed config sets gradient_accumulation_steps above 1."""
         for node in self.tree.walk(self.tree.module):
-            if (
-                isinstance(node, cst.DictElement)
-                and string_value(node.key) == "gradient_accumulation_steps"
-            ):
-                value = node.value
-                if not (isinstance(value, cst.Integer) and int(value.value) <= 1):
-                    return f"a config dict (line {self.tree.line(node)})"
+            value = _config_accumulation(node)
+            if value is not None and not (isinstance(value, cst.Integer) and int(value.value) <= 1):
+                return f"a config dict (line {self.tree.line(node)})"
             if isinstance(node, cst.SimpleString) and (string_value(node) or "").endswith(".json"):
                 steps = _json_accumulation(self.directory / string_value(node))
                 if steps:
@@ -374,18 +371,24 @@ class Structure:
                 if loss_fn is not None and code(loss_fn) != "None":
                     yield Pipeline(call, loss_fn, micro, framework, divides)
 
-    def lightning_accumulation(self) -> cst.BaseExpression | None:
-        """The `accumulate_grad_batches` of a Lightning `Trainer(...)` in the file, unless 1."""
+    def lightning_accumulation(self) -> tuple[cst.BaseExpression, str] | None:
+        """The accumulation factor of a Lightning `Trainer(accumulate_grad_batches=k)` or of a
+        `GradientAccumulationScheduler(scheduling={epoch: k})` in the file, unless always 1,
+        with how the code sets it."""
         for name, calls in self._constructors.items():
-            if name.endswith("Trainer") and (
+            if name.endswith("GradientAccumulationScheduler"):
+                factors = [keyword(c, "scheduling") or _argument(c, 0) for c in calls]
+                label = "`GradientAccumulationScheduler(scheduling={})`"
+            elif name.endswith("Trainer") and (
                 "lightning" in name or "pl." in name or name == "Trainer"
             ):
-                for call in calls:
-                    value = keyword(call, "accumulate_grad_batches")
-                    if value is not None and not (
-                        isinstance(value, cst.Integer) and value.value == "1"
-                    ):
-                        return value
+                factors = [keyword(c, "accumulate_grad_batches") for c in calls]
+                label = "`accumulate_grad_batches={}`"
+            else:
+                continue
+            for factor in factors:
+                if factor is not None and _accumulates(factor):
+                    return factor, label.format(code(factor))
         return None
 
     def is_accumulation_name(self, expr: cst.CSTNode) -> bool:
@@ -398,6 +401,26 @@ def _argument(call: cst.Call, index: int) -> cst.BaseExpression | None:
         if arg.star or arg.keyword is not None:
             return None
     return call.args[index].value if index < len(call.args) else None
+
+
+def _accumulates(factor: cst.BaseExpression) -> bool:
+    """Whether an accumulation factor (or a `{epoch: factor}` schedule) can be above 1."""
+    factors = [e.value for e in factor.elements] if isinstance(factor, cst.Dict) else [factor]
+    return not all(isinstance(f, cst.Integer) and int(f.value) <= 1 for f in factors)
+
+
+def _config_accumulation(node: cst.CSTNode) -> cst.BaseExpression | None:
+    """The value a config dict gives gradient_accumulation_steps: `{"gradient_accumulation_steps":
+    k}` or `config["gradient_accumulation_steps"] = k`."""
+    if isinstance(node, cst.DictElement):
+        return node.value if string_value(node.key) == DEEPSPEED_ACCUMULATION else None
+    if isinstance(node, cst.Assign):
+        for target in node.targets:
+            key = target.target.slice if isinstance(target.target, cst.Subscript) else ()
+            index = key[0].slice if len(key) == 1 else None
+            if isinstance(index, cst.Index) and string_value(index.value) == DEEPSPEED_ACCUMULATION:
+                return node.value
+    return None
 
 
 def _json_accumulation(path: Path) -> int | str | None:

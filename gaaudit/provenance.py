@@ -23,6 +23,7 @@ TORCH_LOSSES = {
 # fmt: on
 PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half", "bfloat16"}
 MAX_DEPTH = 16
+GUARDS = {"clamp", "clamp_min", "clamp_", "clamp_min_", "float", "double", "to", "item", "detach"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,23 @@ class Origin:
 
 
 UNKNOWN = Origin("unknown", "an expression gaaudit cannot trace")
+
+
+def _unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
+    """A count without its guard against zero or its cast: `n` for `n.clamp(min=1)`,
+    `max(n, 1)`, `n.float()`."""
+    while isinstance(count, cst.Call):
+        func, args = count.func, positional(count)
+        if isinstance(func, cst.Attribute) and func.attr.value in GUARDS:
+            count = func.value
+        elif dotted(func) in ("max", "torch.clamp", "torch.clamp_min") and args:
+            bounds = [a for a in args if not isinstance(a, (cst.Integer, cst.Float))]
+            if len(bounds) != 1:
+                return count
+            count = bounds[0]
+        else:
+            return count
+    return count
 
 
 def argument_for(call: cst.Call, index: int, name: str) -> cst.BaseExpression | None:
@@ -128,7 +146,8 @@ class Tracer:
 
         loop = next((a for a in self.tree.ancestors(expr) if isinstance(a, LOOPS)), None)
         if loop is None:
-            return not isinstance(divisor, (cst.Name, cst.Attribute, cst.Integer, cst.Float))
+            count = _unguarded(divisor)
+            return not isinstance(count, (cst.Name, cst.Attribute, cst.Integer, cst.Float))
         return depends_on(divisor, self.tree.assigned_in(loop))
 
     def _name(self, expr: cst.Name, depth: int) -> Origin:

@@ -154,12 +154,20 @@ def _replayed_statement(tree, site) -> cst.CSTNode | None:
     return scope if isinstance(scope, cst.FunctionDef) else None
 
 
+def _same_header(text: str, header: str) -> bool:
+    """A line that opens the same statement; a `def` matches by name (a fix may add a parameter)."""
+    text = text.strip()
+    if header.startswith(("def ", "async def ")):
+        return text.startswith(header.split("(", 1)[0] + "(")
+    return text == header
+
+
 def _occurrence(lines: list[str], header: str, line: int) -> int:
-    return sum(1 for text in lines[: line - 1] if text.strip() == header)
+    return sum(1 for text in lines[: line - 1] if _same_header(text, header))
 
 
 def _find(lines: list[str], header: str, occurrence: int) -> int | None:
-    matches = [i for i, text in enumerate(lines, 1) if text.strip() == header]
+    matches = [i for i, text in enumerate(lines, 1) if _same_header(text, header)]
     return matches[occurrence] if occurrence < len(matches) else None
 
 

@@ -114,6 +114,21 @@ def test_changed_dependency_is_analysed_again(project, capsys, analyses):
     assert not any(f["code"] == "GA003" for f in report["findings"])
 
 
+def test_changed_helper_module_is_a_dependency(tmp_path, monkeypatch, capsys, analyses):
+    """A loss helper imported from another module of the repository (cross-module provenance)."""
+    monkeypatch.setattr(cache, "RACY_NS", 0)
+    shutil.copytree(FIXTURES / "ga001_xmod_relative_helper", tmp_path / "repo")
+    monkeypatch.chdir(tmp_path / "repo")
+    before = run(capsys)
+    assert [f["path"] for f in before[1]["findings"]] == ["sft/train.py"]
+    losses = tmp_path / "repo" / "sft" / "losses.py"
+    losses.write_text(losses.read_text().replace("ignore_index=IGNORE_INDEX,", 'reduction="sum",'))
+    analyses.clear()
+    after = run(capsys)
+    assert "sft/train.py" in analyses
+    assert after == run(capsys, no_cache=True) != before
+
+
 def test_changed_settings_or_version_analyse_again(project, capsys, analyses, monkeypatch):
     run(capsys, min_confidence="high")
     analyses.clear()

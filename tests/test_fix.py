@@ -63,7 +63,9 @@ def test_pair_is_exact_compiles_is_clean_and_idempotent(pair: Path):
     assert b"gaaudit" not in after
 
 
-@pytest.mark.parametrize("script", [s for s in fixture_scripts() if not expected(s)], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "script", [s for s in fixture_scripts() if not expected(s)], ids=lambda p: p.stem
+)
 def test_clean_files_are_byte_identical(script: Path):
     assert fixed(script.read_bytes()) == script.read_bytes()
 
@@ -71,7 +73,7 @@ def test_clean_files_are_byte_identical(script: Path):
 def test_rewrite_keeps_comments_and_divides_before_the_step():
     after = fixed(BUGGY.encode()).decode()
     assert "# forward" in after
-    assert "micro_tokens = (batch[\"labels\"][..., 1:] != -100).sum()" in after
+    assert 'micro_tokens = (batch["labels"][..., 1:] != -100).sum()' in after
     assert "loss = outputs.loss * micro_tokens" in after
     assert after.index("param.grad.div_(max(window_tokens, 1))") < after.index("optimizer.step()")
     assert after.index("window_tokens = 0") < after.index("for step, batch")
@@ -121,7 +123,10 @@ def test_unfixable_finding_says_why_with_its_position(tmp_path, cli):
     (tmp_path / script.name).write_bytes(script.read_bytes())
     result = cli("fix", ".", cwd=tmp_path)
     assert result.exit_code == 1
-    assert f"{script.name}:75:20: GA001 not fixed: the loss is computed in another function" in result.output
+    assert (
+        f"{script.name}:75:20: GA001 not fixed: the loss is computed in another function"
+        in result.output
+    )
     assert "Fixed 0 findings in 0 files; 1 not fixed." in result.output
 
 
@@ -226,11 +231,41 @@ def test_explicit_token_loss_becomes_a_sum_and_the_log_the_window_mean():
     mean = "(window_loss / max(window_tokens, 1))"
     assert f'print(f"loss {{{mean}.item():.3f}}", float({mean[1:-1]}))' in after
     # the counts are reset after the step's log has read them, not before
-    assert after.index("float(") < after.rindex("window_tokens = 0") < after.rindex("window_loss = 0")
+    assert (
+        after.index("float(") < after.rindex("window_tokens = 0") < after.rindex("window_loss = 0")
+    )
 
 
 def test_a_mean_read_elsewhere_keeps_the_mean_and_weights_it():
-    source = EXPLICIT.replace("    loss = loss / accum\n", "    seen.append(loss.item())\n    loss = loss / accum\n")
+    source = EXPLICIT.replace(
+        "    loss = loss / accum\n", "    seen.append(loss.item())\n    loss = loss / accum\n"
+    )
     after = fixed(source.encode()).decode()
     assert 'reduction="sum"' not in after
-    assert "loss = loss * micro_tokens" in after and "window_loss += loss.detach() * micro_tokens" in after
+    assert (
+        "loss = loss * micro_tokens" in after
+        and "window_loss += loss.detach() * micro_tokens" in after
+    )
+
+
+def test_a_loss_module_called_once_is_built_with_a_sum_and_a_weighted_one_refused():
+    source = EXPLICIT.replace(
+        "import torch.nn.functional as F\n",
+        "import torch.nn as nn\n\ncriterion = nn.CrossEntropyLoss()\n",
+    )
+    source = source.replace("loss = F.cross_entropy(", "loss = criterion(")
+    after = fixed(source.encode()).decode()
+    assert 'criterion = nn.CrossEntropyLoss(reduction="sum")' in after
+    weighted = source.replace("nn.CrossEntropyLoss()", "nn.CrossEntropyLoss(weight=w)")
+    report = fix_source(weighted.encode(), Path("x.py"), ALL, True)
+    assert report.after == weighted.encode()
+    assert "class weights" in report.outcomes[0].reason
+
+
+def test_a_log_between_the_steps_reports_the_micro_batch_mean():
+    source = EXPLICIT.replace(
+        "    loss.backward()\n",
+        "    loss.backward()\n    if step % 100 == 0:\n        print(loss.item() * accum)\n",
+    )
+    after = fixed(source.encode()).decode()
+    assert "print((loss / max(micro_tokens, 1)).item())" in after

@@ -38,7 +38,10 @@ NOT_REPLAYABLE = {
         "not replayable: the statement is in a method of `NoisyEmbeddingTrainer`",
         ("a subclass of `Trainer` from transformers", "statement replay does not reproduce"),
     ),
-    "ga004_training_step_fgm_seq2seq": (None, ("the patched loop was not found",)),
+    "ga004_training_step_fgm_seq2seq": (
+        "not replayable: the statement is in a method of `AdversarialTrainer`",
+        ("a subclass of `Seq2SeqTrainer` from transformers", "statement replay does not reproduce"),
+    ),
 }
 
 

@@ -165,10 +165,13 @@ class Auditor:
             )
 
     def _lightning(self) -> Iterator[Site]:
-        """`training_step` returning a mean loss under `Trainer(accumulate_grad_batches=k)`."""
-        accumulate = self.structure.lightning_accumulation()
-        if accumulate is None:
+        """`training_step` returning a mean loss under `Trainer(accumulate_grad_batches=k)` or a
+        `GradientAccumulationScheduler`."""
+        accumulation = self.structure.lightning_accumulation()
+        if accumulation is None:
             return
+        factor, setting = accumulation
+        size = None if isinstance(factor, cst.Dict) else factor  # a schedule: K varies by epoch
         for cls in self.tree.walk(self.tree.module):
             if not (isinstance(cls, cst.ClassDef) and _is_lightning_module(cls)):
                 continue
@@ -178,7 +181,7 @@ class Auditor:
                         loss = _returned_loss(returned)
                         origin = self.tracer.origin(loss)
                         if origin.kind == "mean":
-                            window = Window("framework", None, accumulate, node, ())
+                            window = Window("framework", None, size, node, ())
                             yield Site(
                                 "framework-division",
                                 loss,
@@ -187,8 +190,8 @@ class Auditor:
                                 origin,
                                 None,
                                 "Mean loss returned to a Lightning Trainer that divides it by "
-                                f"`accumulate_grad_batches={code(accumulate)}`: micro-batches with "
-                                "fewer valid tokens are over-weighted",
+                                f"its accumulation factor ({setting}): micro-batches with fewer "
+                                "valid tokens are over-weighted",
                             )
 
     def _pipelines(self) -> Iterator[Site]:

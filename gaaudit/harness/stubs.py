@@ -189,10 +189,16 @@ class DataSource(Stub):
 
 class Fabric(Stub):
     """A Lightning Fabric stand-in for one process: `backward` is `loss.backward()` (Fabric
-    does not divide by K), `no_backward_sync` does nothing; everything else is inert."""
+    does not divide by K), `no_backward_sync` does nothing, `all_reduce` over one process returns its input; everything
+    else is inert."""
 
     def backward(self, tensor, *args, **kwargs) -> None:
         tensor.backward(*args)
 
     def no_backward_sync(self, *args, **kwargs):
         return contextlib.nullcontext()
+
+    world_size = 1
+
+    def all_reduce(self, data, *args, **kwargs):
+        return data  # one process: the sum over processes is the value itself
