@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import types
 
+import numpy as np
 import pytest
 from conftest import FIXTURES
 
@@ -24,7 +25,11 @@ optax = pytest.importorskip(
 jnp = jax.numpy
 
 VOCAB, WIDTH, ROWS, LENGTH = 11, 8, 2, 12
-EMBED = jax.random.normal(jax.random.PRNGKey(0), (VOCAB, WIDTH))
+
+
+# Fixed token embeddings, made with NumPy: JAX starts its threads on its first computation, and
+# the suite's process pools fork before these tests run (conftest.py orders them last).
+EMBED = np.random.default_rng(0).normal(size=(VOCAB, WIDTH)).astype(np.float32)
 
 
 def initial_params() -> dict:
@@ -38,7 +43,7 @@ def initial_params() -> dict:
 
 
 def logits_of(params: dict, input_ids) -> jax.Array:
-    return EMBED[input_ids] @ params["w"] + params["b"]
+    return jnp.asarray(EMBED)[input_ids] @ params["w"] + params["b"]
 
 
 def micro_batches(count: int, seed: int = 2) -> list[dict]:
@@ -122,7 +127,7 @@ class TinySeq2Seq:
         return jnp.concatenate([jnp.zeros_like(labels[:, :1]), labels[:, :-1]], axis=1)
 
     def __call__(self, input_ids, attention_mask, decoder_input_ids, params, train):
-        context = (EMBED[input_ids] * attention_mask[..., None]).mean(axis=1, keepdims=True)
+        context = (jnp.asarray(EMBED)[input_ids] * attention_mask[..., None]).mean(axis=1, keepdims=True)
         return types.SimpleNamespace(
             logits=logits_of(params, decoder_input_ids) + context @ params["w"]
         )
