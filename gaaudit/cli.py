@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -63,9 +63,9 @@ def _root(
     """Find, fix and prove the gradient-accumulation loss bug in training code."""
 
 
-Paths = Annotated[Optional[list[Path]], typer.Argument(help="Files or directories [default: .]")]
-Codes = Annotated[Optional[list[str]], typer.Option(help="Rule codes or prefixes (repeatable).")]
-Globs = Annotated[Optional[list[str]], typer.Option(help="gitignore-style patterns (repeatable).")]
+Paths = Annotated[list[Path] | None, typer.Argument(help="Files or directories [default: .]")]
+Codes = Annotated[list[str] | None, typer.Option(help="Rule codes or prefixes (repeatable).")]
+Globs = Annotated[list[str] | None, typer.Option(help="gitignore-style patterns (repeatable).")]
 
 
 def _settings(paths, select, ignore, exclude, extend_exclude, min_confidence):
@@ -80,18 +80,24 @@ def _settings(paths, select, ignore, exclude, extend_exclude, min_confidence):
 def check(
     paths: Paths = None,
     format: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.text,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to FILE.")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write the report to FILE.")
+    ] = None,
     select: Codes = None,
     ignore: Codes = None,
     exclude: Globs = None,
     extend_exclude: Globs = None,
     min_confidence: Annotated[
-        Optional[Level], typer.Option(help="Lowest confidence to report [default: medium].")
+        Level | None, typer.Option(help="Lowest confidence to report [default: medium].")
     ] = None,
     statistics: Annotated[bool, typer.Option(help="Count findings per rule.")] = False,
     exit_zero: Annotated[bool, typer.Option(help="Exit 0 even when there are findings.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Findings only, no summary.")] = False,
-    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes.")] = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Findings only, no summary.")
+    ] = False,
+    jobs: Annotated[
+        int | None, typer.Option("--jobs", "-j", min=1, help="Worker processes.")
+    ] = None,
     unsafe_fixes: Annotated[
         bool, typer.Option(help="With --format sarif: also suggest fixes marked unsafe.")
     ] = False,
@@ -99,7 +105,8 @@ def check(
         bool, typer.Option("--no-cache", help="Neither read nor write the cache.")
     ] = False,
     cache_dir: Annotated[
-        Optional[Path], typer.Option(help="Cache directory [default: .gaaudit_cache at the project root].")
+        Path | None,
+        typer.Option(help="Cache directory [default: .gaaudit_cache at the project root]."),
     ] = None,
 ) -> None:
     """Report gradient-accumulation loss bugs. Exit 0: none, 1: findings, 2: errors."""
@@ -131,18 +138,21 @@ def check(
 @app.command()
 def fix(
     paths: Paths = None,
-    diff: Annotated[bool, typer.Option("--diff", help="Print a unified diff; write nothing.")] = False,
+    diff: Annotated[
+        bool, typer.Option("--diff", help="Print a unified diff; write nothing.")
+    ] = False,
     unsafe_fixes: Annotated[bool, typer.Option(help="Also apply fixes marked unsafe.")] = False,
     select: Codes = None,
     ignore: Codes = None,
     exclude: Globs = None,
     extend_exclude: Globs = None,
     min_confidence: Annotated[
-        Optional[Level], typer.Option(help="Lowest confidence to fix [default: medium].")
+        Level | None, typer.Option(help="Lowest confidence to fix [default: medium].")
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
     verify: Annotated[
-        bool, typer.Option("--verify", help="Apply a file's fixes only when their replay is verified.")
+        bool,
+        typer.Option("--verify", help="Apply a file's fixes only when their replay is verified."),
     ] = False,
 ) -> None:
     """Rewrite findings to sum-and-count. Exit 0: nothing left, 1: findings remain (or, with
@@ -168,11 +178,15 @@ def fix(
         except (SourceError, WriteError) as exc:
             errors += 1
             line = f":{exc.line}:{exc.column}" if isinstance(exc, SourceError) else ""
-            typer.echo(f"{path.as_posix()}{line}: E999 {exc.message if isinstance(exc, SourceError) else exc}")
+            typer.echo(
+                f"{path.as_posix()}{line}: E999 {exc.message if isinstance(exc, SourceError) else exc}"
+            )
             continue
-        except Exception as exc:  # a gaaudit bug: leave this file untouched, go on with the rest
+        except Exception as exc:  # noqa: BLE001 - a gaaudit bug: leave this file, go on with the rest
             errors += 1
-            typer.echo(f"{path.as_posix()}: E999 internal error ({type(exc).__name__}); file left unchanged, please report this")
+            typer.echo(
+                f"{path.as_posix()}: E999 internal error ({type(exc).__name__}); file left unchanged, please report this"
+            )
             continue
         changed += result.changed
         for outcome in result.outcomes:
@@ -193,7 +207,9 @@ def fix(
                 )
         if diff and result.changed:
             coloured = _use_color()
-            typer.echo(_colour_diff(result.diff()) if coloured else result.diff(), nl=False, color=coloured)
+            typer.echo(
+                _colour_diff(result.diff()) if coloured else result.diff(), nl=False, color=coloured
+            )
     if not quiet:
         verb = "Would fix" if diff else "Fixed"
         typer.echo(

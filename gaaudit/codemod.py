@@ -113,7 +113,9 @@ def write_atomic(path: Path, data: bytes, expected: bytes) -> None:
             raise WriteError("file changed while gaaudit was fixing it; run again")
         if not info.st_mode & 0o222 or not os.access(path, os.W_OK):
             raise WriteError("file is not writable")
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".gaaudit", dir=path.parent)
+        handle, temporary = tempfile.mkstemp(
+            prefix=f".{path.name}.", suffix=".gaaudit", dir=path.parent
+        )
     except OSError as exc:
         raise WriteError(f"cannot write: {exc.strerror or exc}") from None
     try:

@@ -52,7 +52,8 @@ def _walk(top: Path, excluded: pathspec.GitIgnoreSpec, root: Path) -> Iterator[P
         if gitignore.is_file():
             ignores.append((resolved / here.relative_to(top), _read_gitignore(gitignore)))
         dirnames[:] = sorted(
-            d for d in dirnames
+            d
+            for d in dirnames
             if not (here / d).is_symlink() and not _ignored(here / d, True, excluded, ignores, top)
         )
         for name in sorted(filenames):

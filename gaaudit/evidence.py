@@ -11,9 +11,16 @@ from gaaudit.findings import Confidence
 
 # Names that show valid-token counts varying between micro-batches.
 VARIABLE = {
-    "ignore_index", "DataCollatorForSeq2Seq", "DataCollatorForLanguageModeling",
-    "DataCollatorWithPadding", "DataCollatorForTokenClassification", "pad_sequence",
-    "attention_mask", "loss_mask", "label_pad_token_id", "mlm_probability",
+    "ignore_index",
+    "DataCollatorForSeq2Seq",
+    "DataCollatorForLanguageModeling",
+    "DataCollatorWithPadding",
+    "DataCollatorForTokenClassification",
+    "pad_sequence",
+    "attention_mask",
+    "loss_mask",
+    "label_pad_token_id",
+    "mlm_probability",
 }
 # Names that show fixed-length, packed data, where mean/K is exact.
 FIXED = {"memmap", "group_texts", "block_size"}
@@ -34,7 +41,10 @@ class Evidence:
     def confidence(self) -> tuple[Confidence, str]:
         if self.variable is not None:
             line, what = self.variable
-            return Confidence.HIGH, f"the file shows variable valid-token counts: {what} (line {line})"
+            return (
+                Confidence.HIGH,
+                f"the file shows variable valid-token counts: {what} (line {line})",
+            )
         if self.fixed is not None:
             line, what = self.fixed
             return Confidence.LOW, (
@@ -85,22 +95,36 @@ def _inspect(found: Evidence, token: tokenize.TokenInfo, previous: list) -> None
 
 
 def _variable_sign(token: tokenize.TokenInfo, previous: list) -> str | None:
-    if token.type == tokenize.NUMBER and token.string == "100" and previous[-1:] and previous[-1].string == "-":
+    if (
+        token.type == tokenize.NUMBER
+        and token.string == "100"
+        and previous[-1:]
+        and previous[-1].string == "-"
+    ):
         return "labels padded with -100"
     if token.type == tokenize.NAME and token.string in VARIABLE:
         return f"`{token.string}`"
     if token.type == tokenize.STRING and token.string.strip("\"'rbf") in VARIABLE:
         return f"`{token.string}`"
-    if token.type == tokenize.OP and token.string == "=" and previous[-1:]:
-        if previous[-1].string == "padding":
-            return "a `padding=` argument"
+    if (
+        token.type == tokenize.OP
+        and token.string == "="
+        and previous[-1:]
+        and previous[-1].string == "padding"
+    ):
+        return "a `padding=` argument"
     return None
 
 
 def _fixed_sign(token: tokenize.TokenInfo, previous: list) -> str | None:
     if token.type == tokenize.NAME and (token.string in FIXED or "packed" in token.string.lower()):
         return f"`{token.string}`"
-    if token.type == tokenize.NAME and token.string == "True" and len(previous) == 2:
-        if previous[0].string == "drop_last" and previous[1].string == "=":
-            return "`drop_last=True`"
+    if (
+        token.type == tokenize.NAME
+        and token.string == "True"
+        and len(previous) == 2
+        and previous[0].string == "drop_last"
+        and previous[1].string == "="
+    ):
+        return "`drop_last=True`"
     return None

@@ -75,6 +75,12 @@ FRAMEWORK_ONLY = {  # why a framework's own division has no mechanical rewrite, 
     "count is not known where the loss is returned; read the window's micro-batches ahead, count "
     "their valid tokens N, and return `loss_sum * k / N` (see `gaaudit explain GA003`)",
 }
+ACROSS_CALLS = (
+    "the window spans calls of `{function}` (as in Lightning manual optimisation), so its token "
+    "count must outlive each call: keep the window's valid-token count on `self` (add each "
+    "micro-batch's count and pass `loss * count` to backward), divide the gradients once by it "
+    "before `{optimizer}.step()`, then reset it (see `gaaudit explain {code}`)"
+)
 SUMMABLE = ("torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss")
 SUMMABLE_MODULES = ("CrossEntropyLoss", "NLLLoss")
 LOGGING_METHODS = ("item", "detach", "float", "cpu", "clone")
@@ -208,6 +214,12 @@ class Planner:
         source = origin.source
         if site.kind == "framework-division" and self._accelerator(site) is None:
             raise Unfixable(FRAMEWORK_ONLY[site.backward.call is None])
+        if site.window.kind == "calls":
+            function = self.tree.scope_of(site.window.anchor).name.value
+            optimizer = self._optimizer(site.window)
+            raise Unfixable(
+                ACROSS_CALLS.format(function=function, optimizer=optimizer, code=site.code)
+            )
         if site.window.kind == "pipeline":
             raise Unfixable(
                 "the pipeline schedule calls the loss function per micro-batch and the window's "
@@ -580,7 +592,7 @@ class Planner:
         normalize = self._normalization(site, optimizer, tracked)
         if window.kind == "modulo":
             self.edits.insert_before(self._line(window.loop), start)
-            body = window.anchor.body.body
+            body = window.step_region if window.skips else window.anchor.body.body
             if reads:
                 self.edits.insert_before(body[0], normalize)
                 last = body[-1]

@@ -41,7 +41,9 @@ def focus(data: bytes, triggers: tuple[bytes, ...]) -> bytes:
             blank.update(range(max(start, 3), end + 1))  # lines 1-2 may hold an encoding cookie
     if not blank:
         return data
-    return b"".join(_blank(line) if number in blank else line for number, line in enumerate(lines, 1))
+    return b"".join(
+        _blank(line) if number in blank else line for number, line in enumerate(lines, 1)
+    )
 
 
 def _units(tree: ast.Module) -> dict[Definition, ast.ClassDef | None]:
@@ -71,7 +73,9 @@ def _has_trigger(lines: list[bytes], node: Definition, triggers: tuple[bytes, ..
 def _own_names(unit: Definition) -> set[str]:
     """Names a function mentions; for a class, those outside its methods (judged on their own)."""
     if isinstance(unit, ast.ClassDef):
-        return _names([*unit.bases, *unit.keywords, *(n for n in unit.body if not isinstance(n, DEFINITIONS))])
+        return _names(
+            [*unit.bases, *unit.keywords, *(n for n in unit.body if not isinstance(n, DEFINITIONS))]
+        )
     return _names([unit])
 
 

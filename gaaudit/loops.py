@@ -15,7 +15,10 @@ import libcst as cst
 from gaaudit.tree import LOOPS, Tree, code, dotted, keyword, last_name, positional, string_value
 
 OPTIMIZER = re.compile(r"(^|_)opt|optim")
-WindowKind = Literal["modulo", "micro-loop", "accumulate", "framework", "pipeline", "named"]
+BACKWARDS = ("backward", "manual_backward")
+WindowKind = Literal[
+    "modulo", "micro-loop", "accumulate", "framework", "pipeline", "calls", "named"
+]
 # torch.distributed.pipelining schedules: after the last backward of a step they divide the
 # gradients by `n_microbatches`, unless built with `scale_grads=False`.
 # fmt: off
@@ -53,7 +56,14 @@ class Window:
     loop: cst.For | cst.While | None
     size: cst.BaseExpression | None  # K, when the code names it
     anchor: cst.CSTNode  # the step guard, the micro-step loop, or the `with` statement
-    step_region: tuple[cst.CSTNode, ...]  # where the optimizer step (and gradient scaling) sits
+    # where the optimizer step (and gradient scaling) sits: the guard itself, or the statements
+    # after an `if <a % k>: continue` guard
+    step_region: tuple[cst.CSTNode, ...]
+
+    @property
+    def skips(self) -> bool:
+        """Whether the step follows a guard that skips to the next micro-step until K is reached."""
+        return self.kind == "modulo" and self.step_region != (self.anchor,)
 
 
 @dataclass(frozen=True)
@@ -79,9 +89,9 @@ def is_step(call: cst.Call) -> bool:
 
 
 def backward_of(call: cst.Call) -> cst.BaseExpression | None:
-    """The loss a `backward` call differentiates, else None."""
+    """The loss a `backward` (or Lightning `manual_backward`) call differentiates, else None."""
     func = call.func
-    if not (isinstance(func, cst.Attribute) and func.attr.value == "backward"):
+    if not (isinstance(func, cst.Attribute) and func.attr.value in BACKWARDS):
         return None
     args = positional(call)
     if args:
@@ -168,7 +178,7 @@ class Structure:
         loop = next((a for a in ancestors if isinstance(a, LOOPS)), None)
         if loop is not None:
             if self.steps_in(loop):
-                found = self._modulo_window(loop)
+                found = self._modulo_window(loop, backward.call)
             elif not self._zeroes_gradients(loop):
                 found = self._micro_window(loop)
             else:
@@ -177,6 +187,9 @@ class Structure:
                 return found
         if accumulate is not None:
             return Window("accumulate", loop, None, accumulate, (accumulate,))
+        helpers, _ = self._helpers  # a helper's window is judged where it is called
+        if loop is None and isinstance(scope, cst.FunctionDef) and scope.name.value not in helpers:
+            return self._calls_window(scope)
         return None
 
     def _zeroes_gradients(self, loop: cst.CSTNode) -> bool:
@@ -218,15 +231,69 @@ class Structure:
                 return
             node = parent
 
-    def _modulo_window(self, loop: cst.For | cst.While) -> Window | None:
+    def _modulo_window(self, loop: cst.For | cst.While, backward: cst.Call) -> Window | None:
+        """A step under `if <a % k>:`, or after `if <a % k>: continue` that follows the backward."""
         for step in self.steps_in(loop):
-            for guard in self.tree.ancestors(step):
-                if guard is loop:
-                    break
-                if isinstance(guard, cst.If):
+            guarded = self._guard(step, loop)
+            if guarded is not None:
+                guard, modulo = guarded
+                return Window("modulo", loop, modulo.right, guard, (guard,))
+            skipping = self._skipping_guard(step, loop)
+            if skipping is not None and self.tree.order[backward] < self.tree.order[skipping[0]]:
+                guard, modulo, after = skipping
+                return Window("modulo", loop, modulo.right, guard, after)
+        return None
+
+    def _calls_window(self, function: cst.FunctionDef) -> Window | None:
+        """A function that calls backward and steps under `if <a % k>:` (Lightning's manual
+        optimisation in `training_step`): its window spans K calls, unless every call zeroes
+        that optimizer's gradients."""
+        cleared = {
+            _optimizer_of(n)
+            for n in self.tree.walk(function, into_defs=False)
+            if isinstance(n, cst.Call)
+            and last_name(n.func) == "zero_grad"
+            and self._guard(n, function, modulo=False) is None
+        }
+        for step in self.steps_in(function):
+            guarded = self._guard(step, function)
+            if guarded is not None and not cleared & {None, _optimizer_of(step)}:
+                guard, modulo = guarded
+                return Window("calls", None, modulo.right, guard, (guard,))
+        return None
+
+    def _guard(
+        self, call: cst.Call, region: cst.CSTNode, modulo: bool = True
+    ) -> tuple[cst.If, cst.BinaryOperation | None] | None:
+        """The `if` inside `region` that holds the call and tests `a % k` (any `if` when not
+        `modulo`)."""
+        for guard in self.tree.ancestors(call):
+            if guard is region:
+                return None
+            if isinstance(guard, cst.If):
+                found = self._modulo(guard.test)
+                if found is not None or not modulo:
+                    return guard, found
+        return None
+
+    def _skipping_guard(
+        self, step: cst.Call, loop: cst.For | cst.While
+    ) -> tuple[cst.If, cst.BinaryOperation, tuple[cst.BaseStatement, ...]] | None:
+        """An earlier `if <a % k>: continue` in a block of the loop that holds the step, with the
+        statements after it."""
+        for node in (step, *self.tree.ancestors(step)):
+            if node is loop or isinstance(node, LOOPS):
+                return None
+            body = getattr(self.tree.parents.get(node), "body", None)
+            if not (isinstance(body, (list, tuple)) and node in body):
+                continue
+            position = body.index(node)
+            for index in range(position - 1, -1, -1):
+                guard = body[index]
+                if isinstance(guard, cst.If) and _skips(guard):
                     modulo = self._modulo(guard.test)
                     if modulo is not None:
-                        return Window("modulo", loop, modulo.right, guard, (guard,))
+                        return guard, modulo, tuple(body[index + 1 :])
         return None
 
     def _modulo(self, test: cst.BaseExpression) -> cst.BinaryOperation | None:
@@ -393,6 +460,25 @@ class Structure:
 
     def is_accumulation_name(self, expr: cst.CSTNode) -> bool:
         return (last_name(expr) or "") in self.names
+
+
+def _optimizer_of(call: cst.Call) -> str | None:
+    """The optimizer of `opt.step()`, `scaler.step(opt)` or `opt.zero_grad()`; None for a call
+    that may clear every optimizer's gradients (`model.zero_grad()`, a helper)."""
+    args = positional(call)
+    if is_step(call) and args:
+        return dotted(args[0])
+    receiver = call.func.value if isinstance(call.func, cst.Attribute) else None
+    name = dotted(receiver) if receiver is not None else None
+    return name if name and OPTIMIZER.search(last_name(receiver).lower()) else None
+
+
+def _skips(guard: cst.If) -> bool:
+    """`if ...: continue`, with no `else`."""
+    last = guard.body.body[-1] if guard.body.body else None
+    if isinstance(last, cst.SimpleStatementLine):
+        last = last.body[-1]
+    return guard.orelse is None and isinstance(last, cst.Continue)
 
 
 def _argument(call: cst.Call, index: int) -> cst.BaseExpression | None:

@@ -42,7 +42,10 @@ class Notebook:
         end_line = end_line if end_cell == cell else line
         evidence = tuple(LINE.sub(self._cell_line, text) for text in finding.evidence)
         return replace(
-            finding, cell=cell, span=Span(line, span.column, end_line, span.end_column), evidence=evidence
+            finding,
+            cell=cell,
+            span=Span(line, span.column, end_line, span.end_column),
+            evidence=evidence,
         )
 
     def _cell_line(self, match: re.Match) -> str:
@@ -103,17 +106,19 @@ def rebuild(notebook: Notebook, fixed: str, raw: bytes) -> bytes:
     for line in fixed.removesuffix("\n").split("\n"):
         stripped = line.strip()
         if stripped.startswith(MARKER):
-            current = int(stripped[len(MARKER):])
+            current = int(stripped[len(MARKER) :])
             sources[current] = []
         elif current is not None:
             if stripped.startswith(PLACEHOLDER):
-                line = notebook.magics[int(stripped[len(PLACEHOLDER):])]
+                line = notebook.magics[int(stripped[len(PLACEHOLDER) :])]
             sources[current].append(line)
     data = json.loads(raw)
     for number, cell in enumerate(data["cells"], 1):
         text = "\n".join(sources.get(number, ()))
         if number in sources and text != _source(cell):
-            cell["source"] = text.splitlines(keepends=True) if isinstance(cell.get("source"), list) else text
+            cell["source"] = (
+                text.splitlines(keepends=True) if isinstance(cell.get("source"), list) else text
+            )
     return (json.dumps(data, indent=_indent(raw), ensure_ascii=False) + "\n").encode("utf-8")
 
 

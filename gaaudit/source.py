@@ -13,8 +13,17 @@ from pathlib import Path
 
 # Byte patterns without which no rule can fire: files lacking all of them are never parsed.
 TRIGGERS = (
-    b".backward(", b"accumulate_grad_batches", b"compute_loss", b"training_step", b"Trainer(",
-    b"Trainer)", b"MultiSteps", b"jax.tree", b"tree_util", b"/// script", b"pipelining",
+    b".backward(",
+    b"accumulate_grad_batches",
+    b"compute_loss",
+    b"training_step",
+    b"Trainer(",
+    b"Trainer)",
+    b"MultiSteps",
+    b"jax.tree",
+    b"tree_util",
+    b"/// script",
+    b"pipelining",
     b"PipelineModule",
 )
 # Inside a file that passed, the definitions holding any of these are kept for libcst (focus.py).
@@ -123,7 +132,8 @@ def parse(data: bytes):
         if depth > MAX_DEPTH:
             raise SourceError(
                 f"code nested too deeply to analyse (about {depth} levels; at most {MAX_DEPTH})",
-                getattr(node, "lineno", 1), getattr(node, "col_offset", 0) + 1,
+                getattr(node, "lineno", 1),
+                getattr(node, "col_offset", 0) + 1,
             )
     try:
         module = _on_large_stack(cst.parse_module, data)

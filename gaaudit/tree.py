@@ -55,9 +55,7 @@ def reads(node: cst.CSTNode) -> set[str]:
 
 def depends_on(node: cst.CSTNode, bound: set[str]) -> bool:
     """Whether an expression reads any of the `bound` chains (or something inside one)."""
-    return any(
-        chain == b or chain.startswith(b + ".") for chain in reads(node) for b in bound
-    )
+    return any(chain == b or chain.startswith(b + ".") for chain in reads(node) for b in bound)
 
 
 DEFS = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
@@ -174,7 +172,11 @@ class Tree:
         indexer = _Index(module)
         self.parents, self.children = indexer.parents, indexer.children
         self.order, self.last = indexer.order, indexer.last
-        self.calls, self.assignments, self._scopes = indexer.calls, indexer.assignments, indexer.scopes
+        self.calls, self.assignments, self._scopes = (
+            indexer.calls,
+            indexer.assignments,
+            indexer.scopes,
+        )
         self._functions, self._imports = indexer.functions, indexer.imports
         self._bindings: dict[cst.CSTNode, dict[str, list[cst.CSTNode]]] = {}
 
@@ -188,7 +190,11 @@ class Tree:
             table: dict[str, list[cst.CSTNode]] = {}
             for node in self.assignments:
                 if self._scopes[node] is scope:
-                    targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+                    targets = (
+                        [t.target for t in node.targets]
+                        if isinstance(node, cst.Assign)
+                        else [node.target]
+                    )
                     for name in set().union(*(_target_names(t) for t in targets)):
                         table.setdefault(name, []).append(node)
             self._bindings[scope] = table
@@ -291,9 +297,7 @@ class Tree:
             targets: list[cst.CSTNode] = []
             if isinstance(node, cst.Assign):
                 targets = [t.target for t in node.targets]
-            elif isinstance(node, (cst.AugAssign, cst.AnnAssign)):
-                targets = [node.target]
-            elif isinstance(node, cst.For):
+            elif isinstance(node, (cst.AugAssign, cst.AnnAssign, cst.For)):
                 targets = [node.target]
             elif isinstance(node, (cst.AsName, cst.NamedExpr)):
                 targets = [node.name if isinstance(node, cst.AsName) else node.target]

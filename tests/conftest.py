@@ -35,7 +35,12 @@ def gaaudit(*args: str, cwd: Path | None = None, env=None) -> subprocess.Complet
     """Run the real console entry point in a subprocess."""
     return subprocess.run(
         [sys.executable, "-m", "gaaudit", *args],
-        check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+        check=False,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

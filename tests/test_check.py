@@ -76,6 +76,26 @@ def test_finding_carries_evidence_and_hint(tmp_path):
     assert finding.hint == catalogue.load()["GA001"].hint
 
 
+def test_step_after_a_skipping_guard_is_a_window(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            for step, batch in enumerate(loader):
+                loss = model(**batch).loss / k
+                loss.backward()
+                if (step + 1) % k != 0:
+                    continue
+                optimizer.step()
+                optimizer.zero_grad()
+            """
+        )
+    )
+    (finding,) = check_file(path, ALL).findings
+    assert (finding.code, finding.span.line) == ("GA001", 2)
+    assert any("after `if (step + 1) % k != 0: continue` (line 4)" in e for e in finding.evidence)
+
+
 @pytest.mark.parametrize(
     "comment, reported",
     [

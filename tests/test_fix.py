@@ -130,6 +130,18 @@ def test_unfixable_finding_says_why_with_its_position(tmp_path, cli):
     assert "Fixed 0 findings in 0 files; 1 not fixed." in result.output
 
 
+def test_window_across_calls_is_refused_with_what_to_do(tmp_path, cli):
+    script = FIXTURES / "ga001_lightning_manual_optimization.py"
+    (tmp_path / script.name).write_bytes(script.read_bytes())
+    result = cli("fix", ".", cwd=tmp_path)
+    assert result.exit_code == 1
+    assert f"{script.name}:29:16: GA001 not fixed: the window spans calls of `training_step`" in (
+        result.output
+    )
+    assert "on `self`" in result.output and "before `opt.step()`" in result.output
+    assert (tmp_path / script.name).read_bytes() == script.read_bytes()
+
+
 def test_diff_writes_nothing_and_git_applies(tmp_path, cli):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     for name in ("ga001_hf_clm_sft_no_trainer.py", "ok_sum_and_count_grad_div.py"):

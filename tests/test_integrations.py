@@ -20,7 +20,11 @@ PRE_COMMIT_FATAL = 3  # pre-commit's exit status for an error of its own (e.g. a
 def flake8(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "flake8", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=300, check=False,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 
@@ -66,8 +70,12 @@ def test_flake8_reads_stdin_and_tool_gaaudit(tmp_path):
     shutil.copy(BUGGY, tmp_path / "train.py")
     piped = subprocess.run(
         [sys.executable, "-m", "flake8", "--select", "GA", "--stdin-display-name", "train.py", "-"],
-        cwd=tmp_path, input=BUGGY.read_text(),
-        capture_output=True, text=True, timeout=300, check=False,
+        cwd=tmp_path,
+        input=BUGGY.read_text(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert [row[3] for row in flake8_rows(piped.stdout)] == ["GA002"]
     (tmp_path / "pyproject.toml").write_text('[tool.gaaudit]\nignore = ["GA002"]\n')
@@ -102,7 +110,10 @@ def try_repo(tmp_path_factory):
     base = tmp_path_factory.mktemp("pre-commit")
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.split("\0")
     copy = base / "gaaudit"
     for name in filter(None, listed):
@@ -119,7 +130,12 @@ def try_repo(tmp_path_factory):
     def run(hook: str, target: Path) -> subprocess.CompletedProcess:
         result = subprocess.run(
             [sys.executable, "-m", "pre_commit", "try-repo", str(copy), hook, "--all-files"],
-            cwd=target, env=env, capture_output=True, text=True, timeout=900, check=False,
+            cwd=target,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
         )
         if result.returncode == PRE_COMMIT_FATAL:
             log = Path(env["PRE_COMMIT_HOME"]) / "pre-commit.log"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import FIXTURES
 
 SCRIPT = (FIXTURES / "ga002_hf_clm_no_division.py").read_text()
@@ -34,9 +33,15 @@ def split_script() -> list[dict]:
     """The fixture script as cells: imports and helpers first, the training function last."""
     head, _, tail = SCRIPT.partition("\ndef main")
     return [
-        {"cell_type": "markdown", "metadata": {}, "source": ["# Fine-tuning\n", "with accumulation"]},
-        code(["!pip install -q transformers\n", "%load_ext autoreload\n", "%autoreload 2"],
-             outputs=[{"output_type": "stream", "name": "stdout", "text": ["done\n"]}]),
+        {
+            "cell_type": "markdown",
+            "metadata": {},
+            "source": ["# Fine-tuning\n", "with accumulation"],
+        },
+        code(
+            ["!pip install -q transformers\n", "%load_ext autoreload\n", "%autoreload 2"],
+            outputs=[{"output_type": "stream", "name": "stdout", "text": ["done\n"]}],
+        ),
         code(head.splitlines(keepends=True)),
         code(("def main" + tail).splitlines(keepends=True)),
     ]
@@ -66,7 +71,9 @@ def test_findings_point_at_cell_and_line(train_ipynb, cli):
 def test_json_and_sarif_carry_the_cell(train_ipynb, cli, sarif_schema):
     import jsonschema
 
-    data = json.loads(cli("check", "train.ipynb", "--format", "json", cwd=train_ipynb.parent).output)
+    data = json.loads(
+        cli("check", "train.ipynb", "--format", "json", cwd=train_ipynb.parent).output
+    )
     (finding,) = data["findings"]
     assert (finding["cell"], finding["line"]) == backward_line()
     sarif = json.loads(cli("check", "train.ipynb", "--format", "sarif").output)
@@ -81,7 +88,9 @@ def test_fix_rewrites_only_code_cell_sources(train_ipynb, cli):
     after = json.loads(train_ipynb.read_text())
     assert after["metadata"] == before["metadata"] and after["nbformat"] == before["nbformat"]
     for old, new in zip(before["cells"], after["cells"]):
-        assert {k: v for k, v in old.items() if k != "source"} == {k: v for k, v in new.items() if k != "source"}
+        assert {k: v for k, v in old.items() if k != "source"} == {
+            k: v for k, v in new.items() if k != "source"
+        }
     assert after["cells"][:3] == before["cells"][:3]  # markdown, magics and untouched code
     fixed_cell = "".join(after["cells"][3]["source"])
     assert "micro_tokens" in fixed_cell and "window_tokens = 0" in fixed_cell
@@ -101,9 +110,13 @@ def test_clean_notebook_is_byte_identical(tmp_path, cli):
 
 
 def test_magics_inside_blocks_do_not_break_parsing(tmp_path, cli):
-    cell = "for step in range(3):\n    !echo $step\n    loss = model(x).mean()\n    loss.backward()\n"
+    cell = (
+        "for step in range(3):\n    !echo $step\n    loss = model(x).mean()\n    loss.backward()\n"
+    )
     path = tmp_path / "magic.ipynb"
-    path.write_text(json.dumps(notebook([code("%%time\nprint(1)"), code(cell + "optimizer.step()\n")])))
+    path.write_text(
+        json.dumps(notebook([code("%%time\nprint(1)"), code(cell + "optimizer.step()\n")]))
+    )
     result = cli("check", "magic.ipynb", cwd=tmp_path)
     assert "E999" not in result.output
     assert "magic.ipynb:cell 2:line 4:col 5: GA002" in result.output
@@ -111,14 +124,20 @@ def test_magics_inside_blocks_do_not_break_parsing(tmp_path, cli):
 
 @pytest.mark.parametrize(
     "raw, reason",
-    [("{not json", "invalid JSON"), ('{"cells": 3}', "no `cells` list"), ("[1, 2]", "no `cells` list")],
+    [
+        ("{not json", "invalid JSON"),
+        ('{"cells": 3}', "no `cells` list"),
+        ("[1, 2]", "no `cells` list"),
+    ],
 )
 def test_invalid_notebook_is_e999(tmp_path, cli, raw, reason):
     path = tmp_path / "broken.ipynb"
     path.write_text(raw)
     result = cli("check", ".", cwd=tmp_path)
     assert result.exit_code == 2
-    assert "broken.ipynb:1:1: E999 not a valid notebook" in result.output and reason in result.output
+    assert (
+        "broken.ipynb:1:1: E999 not a valid notebook" in result.output and reason in result.output
+    )
     assert cli("fix", "broken.ipynb").exit_code == 2 and path.read_text() == raw
 
 

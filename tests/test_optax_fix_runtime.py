@@ -127,7 +127,9 @@ class TinySeq2Seq:
         return jnp.concatenate([jnp.zeros_like(labels[:, :1]), labels[:, :-1]], axis=1)
 
     def __call__(self, input_ids, attention_mask, decoder_input_ids, params, train):
-        context = (jnp.asarray(EMBED)[input_ids] * attention_mask[..., None]).mean(axis=1, keepdims=True)
+        context = (jnp.asarray(EMBED)[input_ids] * attention_mask[..., None]).mean(
+            axis=1, keepdims=True
+        )
         return types.SimpleNamespace(
             logits=logits_of(params, decoder_input_ids) + context @ params["w"]
         )

@@ -51,16 +51,16 @@ def train_py(tmp_path, monkeypatch) -> str:
 
 
 def finding(path: str, code: str = "GA001", line: int = 3, **changes) -> Finding:
-    values = dict(
-        path=path,
-        code=code,
-        message="mean loss divided by gradient_accumulation_steps",
-        span=Span(line, 12, line, 54),
-        confidence=Confidence.HIGH,
-        evidence=("labels padded with -100",),
-        hint="sum and count",
-        fixable=True,
-    )
+    values = {
+        "path": path,
+        "code": code,
+        "message": "mean loss divided by gradient_accumulation_steps",
+        "span": Span(line, 12, line, 54),
+        "confidence": Confidence.HIGH,
+        "evidence": ("labels padded with -100",),
+        "hint": "sum and count",
+        "fixable": True,
+    }
     return Finding(**{**values, **changes})
 
 
@@ -93,8 +93,10 @@ def test_text_lines_and_summary(train_py):
         "    labels padded with -100",
         "    hint: sum and count",
         "bad.py:4:7: E999 syntax error, not valid Python 3",
-        "Found 3 findings (GA001: 2, GA002: 1) in 2 of 3 files in 0.12s."
-        " 1 file could not be checked.",
+        (
+            "Found 3 findings (GA001: 2, GA002: 1) in 2 of 3 files in 0.12s."
+            " 1 file could not be checked."
+        ),
     ]
 
 
@@ -302,10 +304,13 @@ def test_sarif_fingerprints_count_repeated_lines(train_py, sarif_schema):
 # sarif fixes
 
 UNSAFE_PAIRS = (
-    "ga001_exact_nanogpt_memmap_scaler", "ga002_nanogpt_micro_loop_no_division",
+    "ga001_exact_nanogpt_memmap_scaler",
+    "ga002_nanogpt_micro_loop_no_division",
     # GA004 opt-outs: the Trainer then divides each micro-batch's mean by K
-    "ga004_class_attribute_opt_out", "ga004_forward_kwargs_ignored_regression",
-    "ga004_sft_old_compute_loss_signature", "ga004_weighted_classification_compute_loss",
+    "ga004_class_attribute_opt_out",
+    "ga004_forward_kwargs_ignored_regression",
+    "ga004_sft_old_compute_loss_signature",
+    "ga004_weighted_classification_compute_loss",
 )
 MIXED = """\
 import torch
@@ -506,12 +511,18 @@ def test_github_commands_and_escaping():
         FileReport("bad.py", error=FileError("bad.py", "cannot read file", 1, 1)),
     ]
     assert render("github", reports).splitlines() == [
-        "::error file=a%2Cb%3Ac%25.py,line=3,col=12,endLine=3,endColumn=54,"
-        "title=GA001 [high]::50%25 of%0D%0Aloss: a, b%0Ahint: sum and count",
-        "::warning file=a%2Cb%3Ac%25.py,line=4,col=12,endLine=4,endColumn=54,"
-        "title=GA001 [medium]::mean loss divided by gradient_accumulation_steps",
-        "::notice file=a%2Cb%3Ac%25.py,line=5,col=12,endLine=5,endColumn=54,"
-        "title=GA001 [low]::mean loss divided by gradient_accumulation_steps",
+        (
+            "::error file=a%2Cb%3Ac%25.py,line=3,col=12,endLine=3,endColumn=54,"
+            "title=GA001 [high]::50%25 of%0D%0Aloss: a, b%0Ahint: sum and count"
+        ),
+        (
+            "::warning file=a%2Cb%3Ac%25.py,line=4,col=12,endLine=4,endColumn=54,"
+            "title=GA001 [medium]::mean loss divided by gradient_accumulation_steps"
+        ),
+        (
+            "::notice file=a%2Cb%3Ac%25.py,line=5,col=12,endLine=5,endColumn=54,"
+            "title=GA001 [low]::mean loss divided by gradient_accumulation_steps"
+        ),
         "::error file=bad.py,line=1,col=1,title=E999::cannot read file",
     ]
 

@@ -152,7 +152,7 @@ class Auditor:
                 f"Gradients divided by the constant accumulation divisor `{code(divisor)}` "
                 "after backward on per-micro-batch mean losses",
             )
-        if not scaled and window.kind in ("modulo", "micro-loop"):
+        if not scaled and window.kind in ("modulo", "micro-loop", "calls"):
             yield Site(
                 "no-division",
                 backward.call,
@@ -310,8 +310,16 @@ class Auditor:
 
     def _describe(self, window: Window) -> str:
         line = self.tree.line(window.anchor)
+        if window.skips:
+            return f"optimizer step after `if {code(window.anchor.test)}: continue` (line {line})"
         if window.kind == "modulo":
             return f"optimizer step guarded by `{code(window.anchor.test)}` (line {line})"
+        if window.kind == "calls":
+            function = self.tree.scope_of(window.anchor)
+            return (
+                f"optimizer step guarded by `{code(window.anchor.test)}` (line {line}): the window "
+                f"spans calls of `{function.name.value}`"
+            )
         if window.kind == "micro-loop":
             head = code(window.anchor.iter) if isinstance(window.anchor, cst.For) else "while"
             return f"micro-step loop over `{head}` (line {line}) before one optimizer step"

@@ -388,12 +388,18 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     bad = {}
     for path in {p for p in walked if is_pin_file(p)} | {_real(p) for p in files if is_pin_file(p)}:
         text = _read(path).decode("utf-8", "replace")
-        found = [(pin, kind) for pin in pins(path, text) if (kind := bad_pin(pin)) and not _suppressed(pin.raw)]
+        found = [
+            (pin, kind)
+            for pin in pins(path, text)
+            if (kind := bad_pin(pin)) and not _suppressed(pin.raw)
+        ]
         if found:
             bad[path] = found
     if not bad:
         return []
-    scanned = [p for p in walked if p.suffix in CONFIGS] + [_real(p) for p in files if p.suffix == ".py"]
+    scanned = [p for p in walked if p.suffix in CONFIGS] + [
+        _real(p) for p in files if p.suffix == ".py"
+    ]
     data = {path: _read(path) for path in scanned}
     base = Path(os.path.commonpath([p.parent for p in bad] + [p.parent for p in scanned]))
     accumulations = [a for path in scanned for a in _accumulations(path, data[path], base)]
@@ -403,10 +409,15 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
         if not here:
             continue
         trainer = any(a.trainer for a in here) or any(
-            p.suffix == ".py" and p.is_relative_to(path.parent) and _uses_trainer(data[p]) for p in scanned
+            p.suffix == ".py" and p.is_relative_to(path.parent) and _uses_trainer(data[p])
+            for p in scanned
         )
         shown = display_path(path)
-        reports.append(FileReport(shown, [_finding(shown, pin, kind, here[0].where, trainer) for pin, kind in found]))
+        reports.append(
+            FileReport(
+                shown, [_finding(shown, pin, kind, here[0].where, trainer) for pin, kind in found]
+            )
+        )
     return reports
 
 

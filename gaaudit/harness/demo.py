@@ -59,8 +59,12 @@ def plot(rows: list[DemoRow], path: str) -> None:
     # an exact match (error 0, as at K=1) cannot be drawn on a log scale
     axes.plot(ks, [max(r.mean_over_k, 1e-12) for r in rows], "o-", label="mean / K")
     axes.plot(ks, [max(r.sum_and_count, 1e-12) for r in rows], "s-", label="sum and count")
-    axes.set(xlabel="micro-batches K", ylabel="relative gradient error", yscale="log",
-             title="Gradient accumulation vs one full batch (tiny GPT-2)")
+    axes.set(
+        xlabel="micro-batches K",
+        ylabel="relative gradient error",
+        yscale="log",
+        title="Gradient accumulation vs one full batch (tiny GPT-2)",
+    )
     axes.legend()
     figure.tight_layout()
     figure.savefig(path)

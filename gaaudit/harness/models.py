@@ -16,8 +16,14 @@ KINDS = ("causal", "seq2seq", "mlm", "nanogpt", "logits", *NET_KINDS)
 
 # The default value each kind's loss ignores in `labels`; HF models always use -100, the
 # plain-torch kinds take another value (`ignore_index`) where the loop under test uses one.
-IGNORE_INDEX = {"causal": -100, "seq2seq": -100, "mlm": -100, "nanogpt": -1, "logits": -100,
-                **dict.fromkeys(NET_KINDS, -100)}
+IGNORE_INDEX = {
+    "causal": -100,
+    "seq2seq": -100,
+    "mlm": -100,
+    "nanogpt": -1,
+    "logits": -100,
+    **dict.fromkeys(NET_KINDS, -100),
+}
 
 
 def ignore_value(kind: str, ignore_index: int | None = None) -> int:
@@ -40,7 +46,9 @@ class TinyGPT(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
         self.ln_f = nn.LayerNorm(width)
         self.lm_head = nn.Linear(width, VOCAB, bias=False)
 
@@ -54,8 +62,9 @@ class TinyGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits[:, [-1], :], None
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                               ignore_index=self.ignore_index)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=self.ignore_index
+        )
         return logits, loss
 
 
@@ -76,19 +85,45 @@ def _hf_model(kind: str) -> nn.Module:
 
     ids = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
     if kind == "causal":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(
-            n_layer=2, n_embd=64, n_head=2, n_positions=MAX_POSITIONS,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids))
+        model = tf.GPT2LMHeadModel(
+            tf.GPT2Config(
+                n_layer=2,
+                n_embd=64,
+                n_head=2,
+                n_positions=MAX_POSITIONS,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                **ids,
+            )
+        )
         model.loss_type = "ForCausalLM"  # the class name does not say so; silences a warning
         return model
     if kind == "seq2seq":
-        return tf.T5ForConditionalGeneration(tf.T5Config(
-            d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=2, dropout_rate=0.0,
-            decoder_start_token_id=0, **ids))
-    return tf.BertForMaskedLM(tf.BertConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        max_position_embeddings=MAX_POSITIONS, **ids))
+        return tf.T5ForConditionalGeneration(
+            tf.T5Config(
+                d_model=64,
+                d_kv=16,
+                d_ff=128,
+                num_layers=2,
+                num_heads=2,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                **ids,
+            )
+        )
+    return tf.BertForMaskedLM(
+        tf.BertConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            max_position_embeddings=MAX_POSITIONS,
+            **ids,
+        )
+    )
 
 
 def vocab_size() -> int:
@@ -118,8 +153,13 @@ def build_model(kind: str = "causal", seed: int = 0, ignore_index: int | None = 
     return model.eval()
 
 
-def mean_token_loss(kind: str, model: nn.Module, batch: dict, ignore_index: int | None = None,
-                    label_smoothing: float = 0.0) -> torch.Tensor:
+def mean_token_loss(
+    kind: str,
+    model: nn.Module,
+    batch: dict,
+    ignore_index: int | None = None,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
     """The loss the harness takes as truth: the mean over every valid token of `batch`."""
     if kind in NET_KINDS:
         return net_loss(kind, model, batch, ignore_value(kind, ignore_index), label_smoothing)
@@ -127,8 +167,11 @@ def mean_token_loss(kind: str, model: nn.Module, batch: dict, ignore_index: int 
         return model(batch["input_ids"], batch["labels"])[1]
     if kind == "logits":
         logits = model(batch["input_ids"])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
-                               ignore_index=ignore_value(kind, ignore_index))
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            batch["labels"].flatten(),
+            ignore_index=ignore_value(kind, ignore_index),
+        )
     return model(**batch).loss
 
 

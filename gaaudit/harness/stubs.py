@@ -127,8 +127,9 @@ def stub_range(*args):
     if len(args) == 1:
         args = (0, *args)
     defaults = (0, None, 1)
-    start, stop, step = (defaults[i] if isinstance(a, Stub) else a for i, a in enumerate(
-        (*args, 1)[:3]))
+    start, stop, step = (
+        defaults[i] if isinstance(a, Stub) else a for i, a in enumerate((*args, 1)[:3])
+    )
     return _bounded(range(start, start + RANGE_LIMIT * step if stop is None else stop, step))
 
 
@@ -146,8 +147,13 @@ def trange(*args, **kwargs) -> Progress:
 def progress_module(path: str = "tqdm") -> Stub:
     """A stand-in for the tqdm package (`tqdm.tqdm`, `tqdm.auto.tqdm`, `trange`)."""
     children = {"tqdm": Progress, "trange": trange}
-    return Stub(path, {**children, **{sub: Stub(f"{path}.{sub}", children)
-                                      for sub in ("auto", "std", "notebook", "rich")}})
+    return Stub(
+        path,
+        {
+            **children,
+            **{sub: Stub(f"{path}.{sub}", children) for sub in ("auto", "std", "notebook", "rich")},
+        },
+    )
 
 
 class Exhausted(BaseException):

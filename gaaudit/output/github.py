@@ -21,11 +21,11 @@ def write(run: CheckRun, out: TextIO) -> None:
             f"title={_property(f'{f.code} [{f.confidence}]' + (f' (cell {f.cell})' if f.cell else ''))}"
             f"::{_data(message)}\n"
         )
-    for e in run.errors:
-        out.write(
-            f"::error file={_property(e.path)},line={e.line},col={e.column},"
-            f"title={_property(e.code)}::{_data(e.message)}\n"
-        )
+    out.writelines(
+        f"::error file={_property(e.path)},line={e.line},col={e.column},"
+        f"title={_property(e.code)}::{_data(e.message)}\n"
+        for e in run.errors
+    )
 
 
 def _data(text: str) -> str:

@@ -26,8 +26,7 @@ def write(run: CheckRun, out: TextIO) -> None:
     """Write findings, errors and the summary; styled with rich when `run.color`."""
     lines = _lines(run)
     if not run.color:
-        for line in lines:
-            out.write("".join(text for text, _ in line) + "\n")
+        out.writelines("".join(text for text, _ in line) + "\n" for line in lines)
         return
     from rich.console import Console
     from rich.text import Text
