@@ -51,12 +51,6 @@ class Dependency:
     digest: str
 
 
-def digest_of(dependencies: Iterable[Dependency]) -> str:
-    """One digest for a set of dependencies (for a cache key)."""
-    text = "\n".join(f"{d.path}\0{d.digest}" for d in sorted(set(dependencies)))
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
-
-
 def current(dependencies: Iterable[Dependency]) -> bool:
     """Whether every dependency still holds the bytes (or the absence) it was read with."""
     return all(file_digest(Path(d.path)) == d.digest for d in dependencies)

@@ -171,15 +171,9 @@ def _find(lines: list[str], header: str, occurrence: int) -> int | None:
     return matches[occurrence] if occurrence < len(matches) else None
 
 
-def verify_file(path: Path, line: int | None, options: Options) -> list[Outcome]:
-    """Every loop of a file against what `gaaudit fix` (all confidences, unsafe fixes too)
-    would make of it."""
-    return verify_files([(path, line)], options)[0]
-
-
 def verify_files(requests: list[tuple[Path, int | None]], options: Options) -> list[list[Outcome]]:
-    """verify_file for several (path, line) requests under the same options, replayed in one
-    child process (torch is imported once)."""
+    """Every loop of each (path, line) request against what `gaaudit fix` (all confidences,
+    unsafe fixes too) would make of it, replayed in one child process (torch imported once)."""
     from gaaudit.fixer import fix_source
 
     pairs = []
@@ -254,11 +248,6 @@ def _failed(target: Target, verdict: str) -> Outcome:
         target.header,
         [{"k": None, "original_error": None, "patched_error": None, "verdict": verdict}],
     )
-
-
-def _replay(job: dict) -> list[dict]:
-    """The child's side for one job (see _replay_all)."""
-    return _replay_all([job])[0]
 
 
 def _replay_all(jobs: list[dict]) -> list[list[dict]]:

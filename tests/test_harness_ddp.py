@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from conftest import FIXTURES, gaaudit
 
-from gaaudit.verify import REPRODUCED, VERIFIED, Options, _replay, targets
+from gaaudit.verify import REPRODUCED, VERIFIED, Options, _replay_all, targets
 
 # Every fixture that trains under DistributedDataParallel is replayed on two processes.
 DDP_FIXTURES = sorted(
@@ -103,6 +103,6 @@ def test_a_ddp_loop_replayed_in_one_process_says_how_to_replay_it():
         "options": asdict(Options(ks=(2,), device="cpu", timeout=60)),
         "filename": str(original),
     }
-    ((row,),) = [outcome["rows"] for outcome in _replay(job)]
+    ((row,),) = [outcome["rows"] for outcome in _replay_all([job])[0]]
     assert row["verdict"].startswith("not replayable: ")
     assert row["verdict"].endswith("replay it with --distributed 2"), row

@@ -45,7 +45,7 @@ class Context:
 
     @property
     def dependencies(self) -> frozenset[Dependency]:
-        """The other files these findings depend on (see `repository.current`, `digest_of`)."""
+        """The other files these findings depend on (see `repository.current`)."""
         imports = self.__dict__.get("imports")
         return frozenset(imports.dependencies) if imports is not None else frozenset()
 
