@@ -11,7 +11,8 @@ from pathlib import Path
 
 import libcst as cst
 
-from gaaudit.fixes import Edits, Outcome
+from gaaudit.cst_edits import Edits
+from gaaudit.fixes import Outcome
 from gaaudit.notebook import MARKER as CELL_MARKER
 
 

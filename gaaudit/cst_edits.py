@@ -1,12 +1,34 @@
-"""libcst building blocks of the framework rewrites (`fixes_trainer`, `fixes_optax`): one more
-argument or parameter with the call's or signature's layout kept, and a node's statement."""
+"""libcst building blocks of the rewrites (`fixes`, `fixes_trainer`, `fixes_optax`): the
+node-keyed edits of a file, one more argument or parameter with the call's or signature's
+layout kept, and a node's statement."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import libcst as cst
 
-from gaaudit.fixes import Edits, Unfixable
 from gaaudit.tree import Tree
+
+
+class Unfixable(Exception):
+    """A finding the fixer cannot rewrite safely; the message says why."""
+
+
+@dataclass
+class Edits:
+    """Node-keyed changes for one file, applied in one pass (see `codemod`)."""
+
+    replace: dict[cst.CSTNode, cst.CSTNode] = field(default_factory=dict)
+    before: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
+    after: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
+
+    def insert_before(self, anchor: cst.CSTNode, source: str) -> None:
+        self.before.setdefault(anchor, []).extend(cst.parse_module(source).body)
+
+    def insert_after(self, anchor: cst.CSTNode, source: str) -> None:
+        self.after.setdefault(anchor, []).extend(cst.parse_module(source).body)
+
 
 NO_SPACE = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
 
@@ -49,11 +71,17 @@ def _appended(items: list, new):
         items[-1] = items[-1].with_changes(
             comma=before or cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
         )
-    elif items:
-        items[-1] = items[-1].with_changes(
-            comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    elif items:  # the whitespace before the closing bracket moves behind the new item
+        last, space = items[-1], _SPACE_AFTER[type(items[-1])]
+        new = new.with_changes(**{space: getattr(last, space)})
+        items[-1] = last.with_changes(
+            comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
+            **{space: cst.SimpleWhitespace("")},
         )
     return [*items, new]
+
+
+_SPACE_AFTER = {cst.Arg: "whitespace_after_arg", cst.Param: "whitespace_after_param"}
 
 
 def statement_line(tree: Tree, node: cst.CSTNode) -> cst.CSTNode:

@@ -59,7 +59,7 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool)
     """The edits and outcomes of the GA004 (Trainer) and GA005 (JAX) findings reported."""
     from gaaudit.checks.optax import OptaxAudit
     from gaaudit.checks.trainer import TrainerAudit
-    from gaaudit.fixes import Edits
+    from gaaudit.cst_edits import Edits
     from gaaudit.fixes_optax import OptaxPlanner
     from gaaudit.fixes_trainer import TrainerPlanner
 
@@ -82,7 +82,7 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool)
 
 def _merged(first, second):
     """Two plans' edits as one; they touch different nodes (overlaps were left to `first`)."""
-    from gaaudit.fixes import Edits
+    from gaaudit.cst_edits import Edits
 
     merged = Edits({**second.replace, **first.replace})
     for table in ("before", "after"):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import libcst as cst
 
 from gaaudit.checks.accumulation import Auditor, Site
+from gaaudit.cst_edits import Edits, Unfixable, copy_edits, statement_line, with_argument
 from gaaudit.loops import Window, is_step
 from gaaudit.provenance import Origin
 from gaaudit.tree import Tree, code, dotted, keyword, positional
@@ -17,21 +18,6 @@ NO_SHIFT = re.compile(
     r"Seq2SeqLM|ForConditionalGeneration|MaskedLM|ForTokenClassification|MTModel|EncoderDecoderModel"
 )
 TOKEN_LOSSES = ("cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss")
-
-
-@dataclass
-class Edits:
-    """Node-keyed changes for one file, applied in one pass (see `codemod`)."""
-
-    replace: dict[cst.CSTNode, cst.CSTNode] = field(default_factory=dict)
-    before: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
-    after: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
-
-    def insert_before(self, anchor: cst.CSTNode, source: str) -> None:
-        self.before.setdefault(anchor, []).extend(_statements(source))
-
-    def insert_after(self, anchor: cst.CSTNode, source: str) -> None:
-        self.after.setdefault(anchor, []).extend(_statements(source))
 
 
 @dataclass(frozen=True)
@@ -60,10 +46,6 @@ def _atom(expr: cst.BaseExpression) -> str:
         if isinstance(expr, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
         else f"({text})"
     )
-
-
-def _statements(source: str) -> list[cst.BaseStatement]:
-    return list(cst.parse_module(source).body)
 
 
 FRAMEWORK_ONLY = {  # why a framework's own division has no mechanical rewrite, by "loss is returned"
@@ -108,44 +90,6 @@ def _assigns_to_itself(statement: cst.CSTNode, division: cst.CSTNode) -> bool:
         and isinstance(division, cst.BinaryOperation)
         and code(division.left) == statement.body[0].targets[0].target.value
     )
-
-
-def _with_sum_reduction(call: cst.Call) -> cst.Call:
-    """`F.cross_entropy(a, b)` -> `F.cross_entropy(a, b, reduction="sum")`, the call's layout kept."""
-    args = list(call.args)
-    if not args:
-        return call.with_changes(
-            args=[
-                cst.Arg(
-                    keyword=cst.Name("reduction"),
-                    value=cst.SimpleString('"sum"'),
-                    equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")),
-                )
-            ]
-        )
-    last = args[-1]
-    if (
-        last.comma is cst.MaybeSentinel.DEFAULT
-    ):  # `(a, b)`: the new argument takes b's place before `)`
-        before_new, after_new = (
-            cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
-            cst.MaybeSentinel.DEFAULT,
-        )
-    else:  # `(a, b,)` laid out one per line: the new one goes on a line of its own
-        before_new, after_new = (args[-2].comma if len(args) > 1 else last.comma), last.comma
-    args[-1] = last.with_changes(comma=before_new, whitespace_after_arg=cst.SimpleWhitespace(""))
-    added = cst.Arg(
-        keyword=cst.Name("reduction"),
-        equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")),
-        value=cst.SimpleString('"sum"'),
-        comma=after_new,
-        whitespace_after_arg=last.whitespace_after_arg,
-    )
-    return call.with_changes(args=[*args, added])
-
-
-class Unfixable(Exception):
-    """A finding the fixer cannot rewrite safely; the message says why."""
 
 
 class Planner:
@@ -199,12 +143,8 @@ class Planner:
 
     def _snapshot(self) -> tuple:
         """A copy to restore when a site turns out unfixable half-way through planning."""
-        copy = Edits(
-            dict(self.edits.replace),
-            {k: list(v) for k, v in self.edits.before.items()},
-            {k: list(v) for k, v in self.edits.after.items()},
-        )
-        return copy, dict(self._prepared), {k: list(v) for k, v in self._weighted.items()}
+        weighted = {k: list(v) for k, v in self._weighted.items()}
+        return copy_edits(self.edits), dict(self._prepared), weighted
 
     # --- the count of valid targets in one micro-batch -------------------------------------
 
@@ -321,16 +261,16 @@ class Planner:
         if summed is None:
             factor = self.micro + factor
         else:
-            self.edits.replace[summed] = _with_sum_reduction(summed)
+            self.edits.replace[summed] = with_argument(summed, "reduction", '"sum"')
             factor = factor.removeprefix(" * ")
         if site.kind == "loss-division":
             node = site.division.node
-            anchor = self._line(node)
+            anchor = statement_line(self.tree, node)
             new = self._undivided(node, anchor, factor)
             self._note_logged_reads(site, node, anchor, summed is not None)
         else:
             node = site.backward.loss
-            anchor = self._line(site.backward.call)
+            anchor = statement_line(self.tree, site.backward.call)
             text = code(self._applied(node))
             text = f"({text})" if isinstance(node, cst.BinaryOperation) else text
             new = cst.parse_expression(f"{text} * {factor}") if factor else node
@@ -430,7 +370,7 @@ class Planner:
             return True
         # Later reads see a sum either way only after `loss = loss / k`; any other read needs the mean.
         later_ok = site.kind == "loss-division" and _assigns_to_itself(
-            self._line(used), site.division.node
+            statement_line(self.tree, used), site.division.node
         )
         for node in self.tree.in_scope(self.tree.scope_of(statement)):
             if isinstance(node, cst.Name) and node.value == target.value and node is not target:
@@ -467,7 +407,7 @@ class Planner:
 
     def _remove(self, node: cst.CSTNode, window: Window) -> None:
         """Drop a `p.grad.div_(k)` statement, with the `for`/`if` left holding nothing else."""
-        statement = self._line(node)
+        statement = statement_line(self.tree, node)
         while True:
             owner = self.tree.parents.get(self.tree.parents[statement])
             block = self.tree.parents[statement]
@@ -591,7 +531,7 @@ class Planner:
         start = "".join(f"{name} = 0\n" for name in tracked)
         normalize = self._normalization(site, optimizer, tracked)
         if window.kind == "modulo":
-            self.edits.insert_before(self._line(window.loop), start)
+            self.edits.insert_before(statement_line(self.tree, window.loop), start)
             body = window.step_region if window.skips else window.anchor.body.body
             if reads:
                 self.edits.insert_before(body[0], normalize)
@@ -603,17 +543,18 @@ class Planner:
             else:
                 self.edits.insert_before(body[0], normalize + start)
         elif window.kind == "micro-loop":
-            self.edits.insert_before(self._line(window.loop), start)
-            self.edits.insert_after(self._line(window.loop), normalize)
+            self.edits.insert_before(statement_line(self.tree, window.loop), start)
+            self.edits.insert_after(statement_line(self.tree, window.loop), normalize)
         else:  # accumulate: checked in `_prepare_window`
             outer = next(
                 a for a in self.tree.ancestors(window.anchor) if isinstance(a, (cst.For, cst.While))
             )
             receiver = self._accelerator(site)
-            self.edits.insert_before(self._line(outer), start)
+            self.edits.insert_before(statement_line(self.tree, outer), start)
             body = "\n".join("    " + line for line in (normalize + start).splitlines())
             self.edits.insert_after(
-                self._line(site.backward.call), f"if {receiver}.sync_gradients:\n{body}\n"
+                statement_line(self.tree, site.backward.call),
+                f"if {receiver}.sync_gradients:\n{body}\n",
             )
         for read, replacement in micro_reads:
             self.edits.replace[read] = cst.parse_expression(replacement).with_changes(
@@ -679,15 +620,3 @@ class Planner:
             if full == "torch.distributed":
                 return local
         return "torch.distributed" if "torch" in self.tree.imports else None
-
-    def _line(self, node: cst.CSTNode) -> cst.CSTNode:
-        """The statement holding `node` that sits directly in a block."""
-        for candidate in (node, *self.tree.ancestors(node)):
-            parent = self.tree.parents.get(candidate)
-            if isinstance(parent, (cst.IndentedBlock, cst.Module)):
-                return candidate
-            if isinstance(parent, cst.SimpleStatementSuite):
-                raise Unfixable(
-                    "the statement shares a line with its block header; put it on its own line"
-                )
-        raise Unfixable("cannot find the statement to rewrite")

@@ -22,8 +22,15 @@ from dataclasses import dataclass
 import libcst as cst
 
 from gaaudit.checks.optax import GRADS, JAX_HOMES, OptaxAudit, Site
-from gaaudit.cst_edits import copy_edits, statement_line, with_argument, with_parameter
-from gaaudit.fixes import Edits, Outcome, Unfixable
+from gaaudit.cst_edits import (
+    Edits,
+    Unfixable,
+    copy_edits,
+    statement_line,
+    with_argument,
+    with_parameter,
+)
+from gaaudit.fixes import Outcome
 from gaaudit.tree import DEFS, Tree, code, depends_on, dotted, keyword, positional
 
 BUILTINS = set(dir(builtins))
@@ -41,7 +48,7 @@ class MaskedMean:
 
 
 class OptaxPlanner:
-    """Turns the GA005 sites of one file into edits (see `fixes.Edits`)."""
+    """Turns the GA005 sites of one file into edits (see `cst_edits.Edits`)."""
 
     def __init__(self, tree: Tree, audit: OptaxAudit) -> None:
         self.tree, self.audit = tree, audit

@@ -34,8 +34,15 @@ from gaaudit.checks.trainer import (
     methods_of,
     parameters,
 )
-from gaaudit.cst_edits import copy_edits, statement_line, with_argument, with_parameter
-from gaaudit.fixes import Edits, Outcome, Unfixable
+from gaaudit.cst_edits import (
+    Edits,
+    Unfixable,
+    copy_edits,
+    statement_line,
+    with_argument,
+    with_parameter,
+)
+from gaaudit.fixes import Outcome
 from gaaudit.tree import Tree, code, dotted, keyword, positional, string_value
 
 COUNT = "num_items_in_batch"
@@ -71,7 +78,7 @@ class TokenLoss:
 
 
 class TrainerPlanner:
-    """Turns the GA004 sites of one file into edits (see `fixes.Edits`)."""
+    """Turns the GA004 sites of one file into edits (see `cst_edits.Edits`)."""
 
     def __init__(self, tree: Tree, audit: TrainerAudit, unsafe: bool = False) -> None:
         self.tree, self.audit, self.unsafe = tree, audit, unsafe
