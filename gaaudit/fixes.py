@@ -51,11 +51,13 @@ def _atom(expr: cst.BaseExpression) -> str:
 FRAMEWORK_ONLY = {  # why a framework's own division has no mechanical rewrite, by "loss is returned"
     False: "DeepSpeed divides inside `engine.backward` and ZeRO keeps gradients outside `param.grad`, "
     "so they cannot be divided once after the window; read the window's micro-batches ahead, count "
-    "their valid tokens N, and pass `loss_sum * gradient_accumulation_steps / N` to `backward` "
+    "their valid tokens N over the P data-parallel processes, and pass "
+    "`loss_sum * gradient_accumulation_steps * P / N` to `backward` "
     "(see `gaaudit explain GA003`)",
     True: "the framework divides the returned loss by the accumulation steps, and the window's token "
     "count is not known where the loss is returned; read the window's micro-batches ahead, count "
-    "their valid tokens N, and return `loss_sum * k / N` (see `gaaudit explain GA003`)",
+    "their valid tokens N over the P data-parallel processes, and return `loss_sum * k * P / N` "
+    "(see `gaaudit explain GA003`)",
 }
 ACROSS_CALLS = (
     "the window spans calls of `{function}` (as in Lightning manual optimisation), so its token "
