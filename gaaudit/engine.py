@@ -10,7 +10,7 @@ from pathlib import Path
 from gaaudit import cache
 from gaaudit.config import Settings
 from gaaudit.findings import FileError, FileReport
-from gaaudit.source import FOCUS, Source, SourceError, parse, read
+from gaaudit.source import Source, SourceError, parse, read
 
 # Below this many files to read, a worker pool costs more than it saves.
 PARALLEL_THRESHOLD = 64
@@ -61,13 +61,12 @@ def check_recorded(path: Path, settings: Settings, known: cache.Entry | None) ->
     if known is not None and known.digest == content and cache.unchanged(known.dependencies):
         return path, known.report(shown), replace(known, signature=signed)
     named = cache.named_files(source.data, path.parent)  # signed before the analysis reads them
-    report, context = _analyse(source, settings, shown)
-    found = context.dependencies if context is not None else frozenset()
+    report, found = _analyse(source, settings, shown)
     return path, report, cache.record(signed, content, report, [*named, *cache.signed(found)])
 
 
 def _analyse(source: Source, settings: Settings, shown: str):
-    """The report on a file's bytes, and the analysis context when the rules ran."""
+    """The report on a file's bytes, and the other files the report depends on."""
     path = source.path
     notebook = None
     try:
@@ -77,37 +76,55 @@ def _analyse(source: Source, settings: Settings, shown: str):
             notebook = load_notebook(source.data)
             source = Source(path, notebook.text.encode("utf-8"))
         if not source.may_have_findings:
-            return FileReport(shown), None
-        from gaaudit.focus import focus
+            return FileReport(shown), frozenset()
+        from gaaudit.screen import screen
 
-        module = parse(focus(source.data, FOCUS))
+        screened = screen(source.data, settings.accumulation_names, path.parent)
+        if screened.data is None:
+            return FileReport(shown), screened.dependencies
+        module = parse(screened.data)
         text = source.data.decode(module.encoding)
         relative = display_path(path, settings.root)
-        context, findings = audit(module, text, shown, relative, settings, path.parent)
+        context, findings = audit(
+            module, text, shown, relative, settings, path.parent, source=screened.data
+        )
         findings = [notebook.relocate(f) for f in findings] if notebook else findings
-        return FileReport(shown, findings), context
+        return FileReport(shown, findings), screened.dependencies | context.dependencies
     except SourceError as exc:
         if notebook is not None:
             exc = notebook.relocate_error(exc)
-        return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column)), None
+        return FileReport(
+            shown, error=FileError(shown, exc.message, exc.line, exc.column)
+        ), frozenset()
     except RecursionError:
-        return FileReport(shown, error=FileError(shown, "code nested too deeply to analyse")), None
+        return FileReport(
+            shown, error=FileError(shown, "code nested too deeply to analyse")
+        ), frozenset()
     except Exception as exc:  # noqa: BLE001 - a gaaudit bug must not end the run for other files
         message = f"internal error ({type(exc).__name__}); the file was skipped, please report this"
-        return FileReport(shown, error=FileError(shown, message)), None
+        return FileReport(shown, error=FileError(shown, message)), frozenset()
 
 
-def audit(module, text: str, shown: str, relative: str, settings: Settings, directory: Path):
+def audit(
+    module,
+    text: str,
+    shown: str,
+    relative: str,
+    settings: Settings,
+    directory: Path,
+    source: bytes | None = None,
+):
     """The analysis context of a parsed module, and its findings that pass selection,
     confidence and suppressions.
 
     `shown` is the path as reported; `relative` is relative to the settings' root,
-    which is what per-file-ignores globs match.
+    which is what per-file-ignores globs match. `source`: the bytes parsed into `module`
+    (perhaps focused, not `text`), from which node positions are found cheaply.
     """
     from gaaudit.checks import Context, run
     from gaaudit.tree import Tree
 
-    context = Context(Tree(module), shown, text, settings.accumulation_names, directory)
+    context = Context(Tree(module, source), shown, text, settings.accumulation_names, directory)
     findings = [
         finding
         for finding in run(context)

@@ -26,7 +26,7 @@ def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False
     module = parse(data)
     text = data.decode(module.encoding)
     context, findings = audit(
-        module, text, shown, display_path(path, settings.root), settings, path.parent
+        module, text, shown, display_path(path, settings.root), settings, path.parent, source=data
     )
     reported = {(f.code, f.span.line, f.span.column) for f in findings}
     tree = context.tree

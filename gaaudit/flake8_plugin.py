@@ -1,7 +1,7 @@
 """flake8 plugin: `flake8 --select GA` reports what `gaaudit check` reports for each file.
 
 flake8 hands over the lines it read (from disk or stdin); they go through gaaudit's own
-prefilter, focus, parse and rules, with `[tool.gaaudit]` from the nearest pyproject.toml.
+prefilter, screen, parse and rules, with `[tool.gaaudit]` from the nearest pyproject.toml.
 GA006 (a transformers pin in a requirements file) is repository-wide, so only
 `gaaudit check` reports it. A file that flake8's parser accepts but gaaudit cannot check
 is reported as GA999 rather than skipped in silence.
@@ -19,8 +19,8 @@ from gaaudit import __version__
 from gaaudit.config import Settings, load
 from gaaudit.engine import audit, display_path
 from gaaudit.findings import Finding
-from gaaudit.focus import focus
-from gaaudit.source import FOCUS, Source, SourceError, parse
+from gaaudit.screen import screen
+from gaaudit.source import Source, SourceError, parse
 
 UNCHECKED = "GA999"
 
@@ -74,7 +74,11 @@ class Plugin:
         data = _encode(self.lines)
         if not Source(self.path, data).may_have_findings:
             return []
-        module = parse(focus(data, FOCUS))
+        screened = screen(data, settings.accumulation_names, self.path.parent)
+        if screened.data is None:
+            return []
+        module = parse(screened.data)
         text = data.decode(module.encoding)
         shown, relative = display_path(self.path), display_path(self.path, settings.root)
-        return audit(module, text, shown, relative, settings, self.path.parent)[1]
+        directory = self.path.parent
+        return audit(module, text, shown, relative, settings, directory, source=screened.data)[1]

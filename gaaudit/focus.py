@@ -9,6 +9,7 @@ are unchanged, so findings on the focused source point at the real file.
 from __future__ import annotations
 
 import ast
+from functools import cache
 
 Definition = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
 DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -16,47 +17,79 @@ ALWAYS_KEPT = {"__init__", "__post_init__", "setup", "setUp"}  # where `self.los
 
 
 def focus(data: bytes, triggers: tuple[bytes, ...]) -> bytes:
-    """`data` with irrelevant definitions blanked; `data` itself if `ast` fails."""
+    """`data` with the definitions holding none of `triggers` blanked; `data` itself if
+    `ast` fails."""
     try:
         tree = ast.parse(data)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return data  # libcst reports the problem with its position
     lines = data.splitlines(keepends=True)
-    units = _units(tree)
-    kept = {unit for unit in units if _has_trigger(lines, unit, triggers)}
+    return blank(data, tree, units(tree), lambda unit: has_trigger(lines, unit, triggers))
+
+
+def blank(data: bytes, tree: ast.Module, found: dict, matters) -> bytes:
+    """`data` with the `found` units (see `units`) for which `matters` is false blanked,
+    unless something kept refers to them by name."""
+    lines = data.splitlines(keepends=True)
+    kept = {unit for unit in found if matters(unit)}
     top_level = _names(n for n in tree.body if not isinstance(n, DEFINITIONS))
+    names_of = cache(_own_names)  # each unit walked once
     while True:
-        kept |= {units[u] for u in kept if units[u] is not None}  # a kept method keeps its class
-        kept |= {u for u, owner in units.items() if owner in kept and u.name in ALWAYS_KEPT}
-        wanted = top_level.union(*(_own_names(unit) for unit in kept))
-        revived = {u for u in units if u not in kept and u.name in wanted}
-        revived |= {u for u, owner in units.items() if owner in revived}  # a named class, whole
+        kept = _with_owners(kept, found)  # a kept method keeps its classes
+        kept |= {u for u, owner in found.items() if owner in kept and u.name in ALWAYS_KEPT}
+        wanted = top_level.union(*map(names_of, kept))
+        revived = {u for u in found if u not in kept and u.name in wanted}
+        revived = _with_members(revived, found)  # a named class, whole
         if not revived:
             break
         kept |= revived
-    blank: set[int] = set()
-    for unit in units:
+    blanked: set[int] = set()
+    for unit in found:
         if unit not in kept:
             start, end = _span(unit)
-            blank.update(range(max(start, 3), end + 1))  # lines 1-2 may hold an encoding cookie
-    if not blank:
+            blanked.update(range(max(start, 3), end + 1))  # lines 1-2 may hold an encoding cookie
+    if not blanked:
         return data
     return b"".join(
-        _blank(line) if number in blank else line for number, line in enumerate(lines, 1)
+        _blank(line) if number in blanked else line for number, line in enumerate(lines, 1)
     )
 
 
-def _units(tree: ast.Module) -> dict[Definition, ast.ClassDef | None]:
-    """Top-level functions and classes, and the methods of top-level classes, with their class."""
-    units: dict[Definition, ast.ClassDef | None] = {}
-    for node in tree.body:
-        if isinstance(node, DEFINITIONS):
-            units[node] = None
-        if isinstance(node, ast.ClassDef):
-            for member in node.body:
-                if isinstance(member, DEFINITIONS):
-                    units[member] = node
-    return units
+def units(tree: ast.Module) -> dict[Definition, ast.ClassDef | None]:
+    """Top-level functions and classes, and the methods and classes of classes at any depth,
+    with the class holding them."""
+    found: dict[Definition, ast.ClassDef | None] = {}
+    pending: list[tuple[ast.AST, ast.ClassDef | None]] = [(tree, None)]
+    while pending:
+        holder, owner = pending.pop()
+        for node in holder.body:
+            if isinstance(node, DEFINITIONS):
+                found[node] = owner
+            if isinstance(node, ast.ClassDef):
+                pending.append((node, node))
+    return found
+
+
+def _with_owners(kept: set, found: dict) -> set:
+    """`kept` and every class holding one of them."""
+    closed, pending = set(kept), list(kept)
+    while pending:
+        owner = found[pending.pop()]
+        if owner is not None and owner not in closed:
+            closed.add(owner)
+            pending.append(owner)
+    return closed
+
+
+def _with_members(revived: set, found: dict) -> set:
+    """`revived` and every definition inside one of them."""
+    closed = set(revived)
+    changed = True
+    while changed:
+        members = {u for u, owner in found.items() if owner in closed} - closed
+        closed |= members
+        changed = bool(members)
+    return closed
 
 
 def _span(node: Definition) -> tuple[int, int]:
@@ -64,7 +97,7 @@ def _span(node: Definition) -> tuple[int, int]:
     return start, node.end_lineno or node.lineno
 
 
-def _has_trigger(lines: list[bytes], node: Definition, triggers: tuple[bytes, ...]) -> bool:
+def has_trigger(lines: list[bytes], node: Definition, triggers: tuple[bytes, ...]) -> bool:
     start, end = _span(node)
     text = b"".join(lines[start - 1 : end])
     return any(trigger in text for trigger in triggers)

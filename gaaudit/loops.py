@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -13,30 +12,17 @@ from typing import Literal
 import libcst as cst
 
 from gaaudit.tree import LOOPS, Tree, code, dotted, keyword, last_name, positional, string_value
+from gaaudit.vocabulary import (
+    ACCUMULATION_NAMES,
+    BACKWARDS,
+    OPTIMIZER,
+    TORCH_SCHEDULES,
+    steps_optimizer,
+)
 
-OPTIMIZER = re.compile(r"(^|_)opt|optim")
-BACKWARDS = ("backward", "manual_backward")
 WindowKind = Literal[
     "modulo", "micro-loop", "accumulate", "framework", "pipeline", "calls", "named"
 ]
-# torch.distributed.pipelining schedules: after the last backward of a step they divide the
-# gradients by `n_microbatches`, unless built with `scale_grads=False`.
-# fmt: off
-TORCH_SCHEDULES = frozenset({
-    "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
-    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
-    "PipelineScheduleSingle", "PipelineScheduleMulti",
-})
-
-# Default names of accumulation divisors; extend with `accumulation-names` in the config.
-ACCUMULATION_NAMES = frozenset({
-    "gradient_accumulation_steps", "grad_accum_steps", "grad_accumulation_steps",
-    "accumulation_steps", "accum_steps", "accum_iter", "accum_iters", "grad_accum",
-    "gradient_accumulation", "accumulate_grad_batches", "ga_steps", "num_accumulation_steps",
-    "n_accum", "accum", "accumulate", "grad_acc_steps", "micro_steps", "num_micro_batches",
-    "n_microbatches", "num_microbatches", "n_micro_batches", "n_micro", "num_micro", "microbatches",
-})
-# fmt: on
 DEEPSPEED_ACCUMULATION = "gradient_accumulation_steps"  # the DeepSpeed config key
 
 
@@ -82,10 +68,7 @@ def is_step(call: cst.Call) -> bool:
     func = call.func
     if not (isinstance(func, cst.Attribute) and func.attr.value == "step"):
         return False
-    receiver = (last_name(func.value) or "").lower()
-    if "sched" in receiver:
-        return False
-    return bool(OPTIMIZER.search(receiver)) or ("scaler" in receiver and len(positional(call)) == 1)
+    return steps_optimizer(last_name(func.value) or "", len(positional(call)))
 
 
 def backward_of(call: cst.Call) -> cst.BaseExpression | None:

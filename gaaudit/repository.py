@@ -15,9 +15,8 @@ being checked: its findings stay current as long as those files are unchanged.
 
 from __future__ import annotations
 
-import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,59 +24,13 @@ import libcst as cst
 
 from gaaudit.evidence import scan
 from gaaudit.focus import focus
+from gaaudit.modules import MAX_HOPS, Dependency, file_digest, locate
 from gaaudit.provenance import Division, Kind, Origin, Tracer, argument_for
 from gaaudit.source import SourceError, parse
 from gaaudit.tree import Tree, code, dotted
 
-# Third-party packages, never part of the repository being checked.
-# fmt: off
-EXTERNAL = frozenset({
-    "torch", "transformers", "accelerate", "deepspeed", "lightning", "pytorch_lightning", "jax",
-    "optax", "flax", "numpy", "datasets", "peft", "trl", "megatron", "tensorflow",
-})
-# fmt: on
-PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
-INSTALLED = ("site-packages", "dist-packages")
-MAX_HOPS = 4  # a helper calling an imported helper calling ...: modules followed at most
 LOSS_METHODS = ("forward", "__call__")
 LOSS_METHOD_DEFS = tuple(f"def {m}(".encode() for m in LOSS_METHODS)  # kept by `focus`
-
-
-@dataclass(frozen=True, order=True)
-class Dependency:
-    """A file findings depend on, and the sha256 of its bytes then ("" when it was absent)."""
-
-    path: str
-    digest: str
-
-
-def current(dependencies: Iterable[Dependency]) -> bool:
-    """Whether every dependency still holds the bytes (or the absence) it was read with."""
-    return all(file_digest(Path(d.path)) == d.digest for d in dependencies)
-
-
-_DIGESTS: dict[str, tuple[tuple[int, int, int], str]] = {}
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a regular file's bytes, "" when there is none; a file is re-read only when
-    its size, modification time or inode changed."""
-    try:
-        status = path.stat()
-    except (OSError, ValueError):
-        return ""
-    if not path.is_file():
-        return ""
-    key = (status.st_mtime_ns, status.st_size, status.st_ino)
-    known = _DIGESTS.get(str(path))
-    if known is not None and known[0] == key:
-        return known[1]
-    try:
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return ""
-    _DIGESTS[str(path)] = (key, digest)
-    return digest
 
 
 @dataclass(frozen=True)
@@ -127,32 +80,6 @@ class Repository:
         ] = {}
         self._visiting: set[tuple[str, str]] = set()
 
-    def locate(self, directory: Path, reference: Reference, seen: set[Dependency]) -> Path | None:
-        """The file of the module a file in `directory` imports, when it is in the repository."""
-        parts = [p for p in reference.module.split(".") if p]
-        if reference.level:
-            base = directory
-            for _ in range(reference.level - 1):
-                base = base.parent
-            bases = [base]
-        elif parts and parts[0] not in EXTERNAL:
-            bases = _roots(directory, parts[0])
-        else:
-            return None
-        for base in bases:
-            target = base.joinpath(*parts)
-            candidates = (
-                (target.with_suffix(".py"), target / "__init__.py")
-                if parts
-                else (target / "__init__.py",)
-            )
-            for candidate in candidates:
-                digest = file_digest(candidate)
-                seen.add(Dependency(str(candidate), digest))
-                if digest:
-                    return candidate
-        return None
-
     def summary(
         self, path: Path, name: str, seen: set[Dependency], hops: int = 0
     ) -> Summary | None:
@@ -179,7 +106,8 @@ class Repository:
         imports.dependencies.add(Dependency(str(path), file_digest(path)))
         try:
             wanted = (b"def " + name.encode() + b"(", b"class " + name.encode(), *LOSS_METHOD_DEFS)
-            tree = Tree(parse(focus(path.read_bytes(), wanted)))
+            focused = focus(path.read_bytes(), wanted)
+            tree = Tree(parse(focused), focused)
         except (OSError, SourceError, RecursionError, UnicodeEncodeError):
             return None, frozenset(imports.dependencies)
         imports.tree = tree
@@ -207,26 +135,6 @@ class Repository:
         variable = _variable_sign(tree, function, label, path) or (value.variable if value else "")
         summary = Summary(path, label, is_class, value, items, parameters, variable)
         return summary, frozenset(imports.dependencies)
-
-
-def _roots(directory: Path, top: str) -> list[Path]:
-    """Folders an absolute import may start from: the one holding the file's own top-level
-    package (for that package only), then the file's folder and its parents up to the
-    project root (a folder with `.git`, `pyproject.toml`, `setup.py` or `setup.cfg`), each
-    also with its `src/`. Installed packages are never entered."""
-    roots: list[Path] = []
-    package = directory
-    while (package / "__init__.py").is_file() and package.parent != package:
-        package = package.parent
-    if package != directory and directory.relative_to(package).parts[0] == top:
-        roots.append(package)
-    for folder in (directory, *directory.parents):
-        if folder.name in INSTALLED:
-            break
-        roots += [folder, folder / "src"]
-        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
-            break
-    return list(dict.fromkeys(roots))
 
 
 def _top_level(tree: Tree, name: str) -> cst.FunctionDef | cst.ClassDef | None:
@@ -319,7 +227,7 @@ class Imports:
 
     def summary(self, reference: Reference) -> Summary | None:
         """The summary of an imported function or class, when its module is in the repository."""
-        path = self.repository.locate(self.directory, reference, self.dependencies)
+        path = locate(self.directory, reference.level, reference.module, self.dependencies)
         if path is None:
             return None
         return self.repository.summary(path, reference.name, self.dependencies, self.hops)

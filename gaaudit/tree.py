@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from functools import cached_property
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from gaaudit.findings import Span
+from gaaudit.positions import Positions
 
 Scope = cst.Module | cst.FunctionDef
 LOOPS = (cst.For, cst.While)
@@ -166,8 +166,9 @@ def string_value(node: cst.CSTNode | None) -> str | None:
 class Tree:
     """One module and its indexes, built once per file."""
 
-    def __init__(self, module: cst.Module) -> None:
-        self.wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    def __init__(self, module: cst.Module, source: bytes | None = None) -> None:
+        """`source`: the bytes libcst parsed into `module`; without them, asking a node's
+        position generates the code of the whole module (slow)."""
         self.module = module
         indexer = _Index(module)
         self.parents, self.children = indexer.parents, indexer.children
@@ -179,6 +180,7 @@ class Tree:
         )
         self._functions, self._imports = indexer.functions, indexer.imports
         self._bindings: dict[cst.CSTNode, dict[str, list[cst.CSTNode]]] = {}
+        self._positions = Positions(module, self.parents, source)
 
     def contains(self, outer: cst.CSTNode, inner: cst.CSTNode) -> bool:
         """Whether `inner` lies inside `outer` (or is it)."""
@@ -215,16 +217,13 @@ class Tree:
     def walk(self, node: cst.CSTNode, *, into_defs: bool = True) -> Iterator[cst.CSTNode]:
         return walk(node, self.children, into_defs=into_defs)
 
-    @cached_property
-    def positions(self):
-        return self.wrapper.resolve(PositionProvider)
-
     def span(self, node: cst.CSTNode) -> Span:
-        r = self.positions[node]
-        return Span(r.start.line, r.start.column + 1, r.end.line, r.end.column + 1)
+        """Where `node` lies (libcst's syntactic range: comments and indentation excluded)."""
+        line, column, end_line, end_column = self._positions[node]
+        return Span(line, column + 1, end_line, end_column + 1)
 
     def line(self, node: cst.CSTNode) -> int:
-        return self.positions[node].start.line
+        return self._positions[node][0]
 
     def ancestors(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
         while node in self.parents:

@@ -118,7 +118,7 @@ def targets(
     from gaaudit.checks.accumulation import Auditor
     from gaaudit.tree import Tree, code
 
-    tree = Tree(parse(original))
+    tree = Tree(parse(original), original)
     patched_lines = patched.decode("utf-8", "replace").splitlines()
     found: dict[int, Target] = {}
     for site in Auditor(tree, directory=directory).sites():
@@ -126,7 +126,7 @@ def targets(
         if statement is None:
             continue
         start = tree.line(statement)
-        if line is not None and not (start <= line <= tree.positions[statement].end.line):
+        if line is not None and not (start <= line <= tree.span(statement).end_line):
             continue
         header = tree.module.code_for_node(statement).strip().splitlines()[0]
         divisors = {code(d.divisor) for d in site.origin.divisions}

@@ -54,9 +54,9 @@ def analyses(monkeypatch):
     seen: list[str] = []
     audit = engine.audit
 
-    def counting(module, text, shown, *args):
+    def counting(module, text, shown, *args, **options):
         seen.append(shown)
-        return audit(module, text, shown, *args)
+        return audit(module, text, shown, *args, **options)
 
     monkeypatch.setattr(engine, "audit", counting)
     return seen

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import gaaudit
+from conftest import FIXTURES, gaaudit
 
 from gaaudit.config import load
 
@@ -30,6 +30,7 @@ def test_init_writes_both_files_then_refuses(tmp_path, cli):
     "args",
     [
         ["check", "clean.py"],  # the pre-commit call: no CLI library either
+        ["check", "train.py"],  # a training script with backward but no accumulation window
         ["check", "--format", "text", "clean.py"],
         ["--help"],
         ["check", "--help"],
@@ -37,8 +38,11 @@ def test_init_writes_both_files_then_refuses(tmp_path, cli):
 )
 def test_clean_file_check_and_help_load_no_parser_or_frameworks(tmp_path, args):
     (tmp_path / "clean.py").write_text("import torch\nprint(torch.ones(2).sum())\n")
+    (tmp_path / "train.py").write_bytes(
+        (FIXTURES / "ok_single_step_no_accumulation.py").read_bytes()
+    )
     heavy = {"libcst", "torch", "transformers", "accelerate", "rich"}
-    if args == ["check", "clean.py"]:
+    if args in (["check", "clean.py"], ["check", "train.py"]):
         heavy |= {"typer", "click", "pydantic", "pathspec", "packaging"}
     probe = (
         f"import sys\nfrom gaaudit.__main__ import main\nsys.argv = ['gaaudit', *{args!r}]\n"

@@ -15,7 +15,7 @@ from gaaudit.config import Settings
 from gaaudit.engine import check_file
 from gaaudit.findings import Confidence
 from gaaudit.fixer import fix_source
-from gaaudit.repository import Dependency, current, file_digest
+from gaaudit.modules import Dependency, current, file_digest
 from gaaudit.source import parse
 from gaaudit.tree import Tree
 

@@ -37,7 +37,8 @@ BUGGY = textwrap.dedent(
             optimizer.zero_grad()
     """
 )
-TRIGGER = "\nloss.backward()\n"
+# An accumulation window: the screen keeps the file for libcst, which meets the hostile line.
+TRIGGER = "\nfor i, x in enumerate(xs):\n    f(x).backward()\n    if i % 2:\n        opt.step()\n"
 CONSOLE = Path(sys.executable).with_name("gaaudit")
 # The installed console script keeps the working directory off `sys.path`, unlike `python -m`.
 COMMAND = [str(CONSOLE)] if CONSOLE.exists() else [sys.executable, "-I", "-m", "gaaudit"]

@@ -17,7 +17,8 @@ from gaaudit.evidence import Evidence, scan
 from gaaudit.findings import Finding
 
 if TYPE_CHECKING:  # the repository-level GA006 pass imports this package without libcst
-    from gaaudit.repository import Dependency, Imports
+    from gaaudit.modules import Dependency
+    from gaaudit.repository import Imports
     from gaaudit.tree import Tree
 
 

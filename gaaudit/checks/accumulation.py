@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -67,11 +67,12 @@ class Auditor:
                 seen.add(site.node)
                 yield site
 
-    def findings(self, path: str, evidence: Evidence) -> list[Finding]:
+    def findings(self, path: str, evidence: Callable[[], Evidence]) -> list[Finding]:
+        """The findings of the file at `path`; `evidence` tokenizes it, when a site asks."""
         rules = catalogue.load()
         found = []
         for site in self.sites():
-            confidence, why = evidence.confidence()
+            confidence, why = evidence().confidence()
             if site.origin.variable and confidence < Confidence.HIGH:
                 confidence, why = (
                     Confidence.HIGH,
@@ -374,4 +375,4 @@ def _grad_divisor(node: cst.CSTNode) -> cst.BaseExpression | None:
 def findings(context) -> list[Finding]:
     """GA001/GA002 (and, in accumulate() windows, GA003) for one file."""
     auditor = Auditor(context.tree, context.accumulation_names, context.directory, context.imports)
-    return auditor.findings(context.path, context.evidence)
+    return auditor.findings(context.path, lambda: context.evidence)

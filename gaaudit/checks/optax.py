@@ -11,7 +11,6 @@ import libcst as cst
 
 from gaaudit import catalogue
 from gaaudit.findings import Confidence, Finding
-from gaaudit.loops import ACCUMULATION_NAMES
 from gaaudit.provenance import Origin, Tracer
 from gaaudit.tree import (
     Tree,
@@ -23,6 +22,7 @@ from gaaudit.tree import (
     positional,
     string_value,
 )
+from gaaudit.vocabulary import ACCUMULATION_NAMES
 
 CODE = "GA005"
 # Function transforms whose first argument is the loss function.

@@ -1,0 +1,111 @@
+"""Where the modules a file imports live, when they belong to its repository (no libcst here).
+
+Every file looked at on the way is recorded as a `Dependency` of the file being checked:
+its findings stay current as long as those files hold the same bytes (or stay absent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+# Third-party packages, never part of the repository being checked.
+# fmt: off
+EXTERNAL = frozenset({
+    "torch", "transformers", "accelerate", "deepspeed", "lightning", "pytorch_lightning", "jax",
+    "optax", "flax", "numpy", "datasets", "peft", "trl", "megatron", "tensorflow",
+})
+# fmt: on
+PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
+INSTALLED = ("site-packages", "dist-packages")
+MAX_HOPS = 4  # a helper calling an imported helper calling ...: modules followed at most
+
+
+@dataclass(frozen=True, order=True)
+class Dependency:
+    """A file findings depend on, and the sha256 of its bytes then ("" when it was absent)."""
+
+    path: str
+    digest: str
+
+
+def current(dependencies: Iterable[Dependency]) -> bool:
+    """Whether every dependency still holds the bytes (or the absence) it was read with."""
+    return all(file_digest(Path(d.path)) == d.digest for d in dependencies)
+
+
+_DIGESTS: dict[str, tuple[tuple[int, int, int], str]] = {}
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a regular file's bytes, "" when there is none; a file is re-read only when
+    its size, modification time or inode changed."""
+    try:
+        status = path.stat()
+    except (OSError, ValueError):
+        return ""
+    if not path.is_file():
+        return ""
+    key = (status.st_mtime_ns, status.st_size, status.st_ino)
+    known = _DIGESTS.get(str(path))
+    if known is not None and known[0] == key:
+        return known[1]
+    import hashlib  # loads OpenSSL: only when a module of the repository is read
+
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return ""
+    _DIGESTS[str(path)] = (key, digest)
+    return digest
+
+
+def bases(directory: Path, level: int, parts: list[str]) -> list[Path]:
+    """The folders the module `parts` (after `level` dots) imported by a file in `directory`
+    may lie under; none for a third-party package."""
+    if level:
+        base = directory
+        for _ in range(level - 1):
+            base = base.parent
+        return [base]
+    return _roots(directory, parts[0]) if parts and parts[0] not in EXTERNAL else []
+
+
+def locate(directory: Path, level: int, module: str, seen: set[Dependency]) -> Path | None:
+    """The file of a module a file in `directory` imports, when it is in the repository;
+    each file looked for is added to `seen`."""
+    parts = [p for p in module.split(".") if p]
+    for base in bases(directory, level, parts):
+        target = base.joinpath(*parts)
+        candidates = (
+            (target.with_suffix(".py"), target / "__init__.py")
+            if parts
+            else (target / "__init__.py",)
+        )
+        for candidate in candidates:
+            digest = file_digest(candidate)
+            seen.add(Dependency(str(candidate), digest))
+            if digest:
+                return candidate
+    return None
+
+
+def _roots(directory: Path, top: str) -> list[Path]:
+    """Folders an absolute import may start from: the one holding the file's own top-level
+    package (for that package only), then the file's folder and its parents up to the
+    project root (a folder with `.git`, `pyproject.toml`, `setup.py` or `setup.cfg`), each
+    also with its `src/`. Installed packages are never entered."""
+    roots: list[Path] = []
+    package = directory
+    while (package / "__init__.py").is_file() and package.parent != package:
+        package = package.parent
+    if package != directory and directory.relative_to(package).parts[0] == top:
+        roots.append(package)
+    for folder in (directory, *directory.parents):
+        if folder.name in INSTALLED:
+            break
+        roots += [folder, folder / "src"]
+        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+            break
+    return list(dict.fromkeys(roots))

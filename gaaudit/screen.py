@@ -1,0 +1,473 @@
+"""Which definitions of a file can hold a finding, judged on CPython's `ast` before libcst.
+
+The byte prefilter passes every file that mentions `.backward(`: autograd code, tests,
+docstrings. By the rules of `loops.py` (this is a superset of them), a backward call can
+belong to an accumulation window only
+- in a loop holding no optimizer step (a micro-step loop), or whose step is guarded by
+  `a % k` or follows an `if a % k:` in the loop;
+- in an `accumulate()` context;
+- outside loops, in a function that steps under an `a % k` guard;
+- anywhere, when the file names an accumulation divisor, mentions DeepSpeed, or imports a
+  module of its repository (whose loss helper may divide by one).
+A pipeline schedule matters where it is built. Definitions holding none of these and no
+other trigger are blanked by `focus`; a file left with nothing is answered without libcst.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from bisect import bisect_left
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from keyword import iskeyword
+from pathlib import Path
+
+from gaaudit.focus import blank, units
+from gaaudit.modules import MAX_HOPS, Dependency, bases, file_digest
+from gaaudit.source import FOCUS, TRIGGERS
+from gaaudit.vocabulary import ACCUMULATION_NAMES, BACKWARDS, PIPELINE_CLASSES, steps_optimizer
+
+# Triggers judged on the tree here; the others are kept wherever their bytes appear.
+JUDGED = (b".backward(", b"pipelining", b"PipelineModule", b"Schedule")
+OTHERS = tuple(t for t in TRIGGERS if t not in JUDGED)
+SCRIPT = b"/// script"  # a PEP 723 block: a comment
+OTHERS_FOCUS = tuple(t for t in FOCUS if t not in JUDGED)
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+NESTED = (*FUNCTIONS, ast.ClassDef, ast.Lambda)
+LOOPS = (ast.For, ast.AsyncFor, ast.While)
+BLOCKS = ("body", "orelse", "finalbody")
+ASSIGNMENTS = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr)
+RELATIVE = re.compile(rb"\bfrom\s+(\.+)\s*(?!import\b)([A-Za-z_][\w.]*)?")
+DOTTED = re.compile(rb"(?<![\w.])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+# Nodes with nothing below them worth visiting (shared singletons such as `ast.Load()`).
+LEAVES = (ast.expr_context, ast.operator, ast.boolop, ast.unaryop, ast.cmpop)
+
+
+@dataclass(frozen=True)
+class Screened:
+    """What libcst should parse (None: no finding is possible), and the files looked for."""
+
+    data: bytes | None
+    dependencies: frozenset[Dependency] = frozenset()
+
+
+def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
+    """`data` focused on what can hold a finding; `names` are the configured accumulation
+    names, `directory` the file's folder (for the modules it imports)."""
+    try:
+        tree = ast.parse(data)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return Screened(data)  # libcst reports the problem with its position
+    lines = data.splitlines(keepends=True)
+    found = units(tree)
+    judge = _Judge(tree, data, lines, ACCUMULATION_NAMES | names, directory)
+    owners = judge.owners(found)
+
+    # The other triggers count where code names them, not in strings or comments; a PEP 723
+    # block is a comment (GA006 reads it). Like the prefilter: without one of them in the
+    # file, only the judged calls matter.
+    named = judge.naming(OTHERS, found)
+    kept = judge.naming(OTHERS_FOCUS, found) if named or SCRIPT in data else set()
+
+    def matters(unit) -> bool:
+        return unit in owners or unit in kept
+
+    if not named and SCRIPT not in data and None not in owners and not any(map(matters, found)):
+        return Screened(None, judge.dependencies)
+    return Screened(blank(data, tree, found, matters), judge.dependencies)
+
+
+class _Judge:
+    """The calls of one tree that can start a finding: backward calls that can belong to a
+    window, and pipeline schedules. Only the lines that mention what is looked for are
+    descended into, and the parents of the nodes visited are recorded on the way."""
+
+    def __init__(self, tree: ast.Module, data: bytes, lines: list[bytes], names, directory):
+        self.tree, self.data, self.lines = tree, data, lines
+        self.names, self.directory = names, directory
+        self.dependencies: frozenset[Dependency] = frozenset()
+        self.parents: dict[ast.AST, ast.AST] = {}
+        self.functions: dict[str, list[ast.AST]] = {}
+        self.imports: list[ast.Import | ast.ImportFrom] = []
+        for node in _statements(tree):
+            if isinstance(node, FUNCTIONS):
+                self.functions.setdefault(node.name, []).append(node)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                self.imports.append(node)
+
+    def owners(self, members: dict) -> set:
+        """The `members` (from `focus.units`) holding a call that can start a finding, and
+        None when module-level code holds one."""
+        classes = PIPELINE_CLASSES | self._pipeline_aliases
+        sites = [c for c in self._calls_on(classes) if _last(c.func) in classes]
+        backwards = [c for c in self._calls_on(BACKWARDS) if _last(c.func) in BACKWARDS]
+        helpers = self._enclosing_names(backwards)
+        backwards += [c for c in self._calls_on(helpers) if _last(c.func) in helpers]
+        if backwards and self._open():
+            sites += backwards
+        else:
+            sites += [c for c in backwards if self._in_window(c)]
+        return {self._owner(site, members) for site in sites}
+
+    def naming(self, triggers: tuple[bytes, ...], members: dict) -> set:
+        """The `members` whose code names one of `triggers` (None for module-level code)."""
+        words = {t.decode().strip("()") for t in triggers if t != SCRIPT}
+        return {
+            self._owner(node, members)
+            for node in self._nodes_on(self._lines_with(words))
+            if any(_spells(node, word) for word in words)
+        }
+
+    def _lines_with(self, words) -> list[int]:
+        """The numbers of the lines holding one of `words` (str)."""
+        if not words:
+            return []
+        pattern = re.compile(b"|".join(re.escape(w.encode()) for w in sorted(words)))
+        return [n for n, line in enumerate(self.lines, 1) if pattern.search(line)]
+
+    def _nodes_on(self, numbers: list[int]) -> Iterator[ast.AST]:
+        """The nodes whose lines include one of `numbers` (sorted), with their parents."""
+        stack = [self.tree] if numbers else []
+        while stack:
+            node = stack.pop()
+            yield node
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, LEAVES):
+                    continue
+                start = getattr(child, "lineno", None)
+                if start is not None:
+                    index = bisect_left(numbers, start)
+                    if index == len(numbers) or numbers[index] > child.end_lineno:
+                        continue
+                self.parents[child] = node
+                stack.append(child)
+
+    def _calls_on(self, words) -> list[ast.Call]:
+        """Calls on the lines holding one of `words`."""
+        return [n for n in self._nodes_on(self._lines_with(words)) if isinstance(n, ast.Call)]
+
+    def _own_nodes(self, region: ast.AST) -> Iterator[ast.AST]:
+        """The nodes inside `region` (itself included), not entering nested definitions,
+        with their parents."""
+        stack = [region]
+        while stack:
+            node = stack.pop()
+            yield node
+            for child in ast.iter_child_nodes(node):
+                if not isinstance(child, (*NESTED, *LEAVES)):
+                    self.parents[child] = node
+                    stack.append(child)
+
+    def _ancestors(self, node: ast.AST) -> Iterator[ast.AST]:
+        while node in self.parents:
+            node = self.parents[node]
+            yield node
+
+    def _owner(self, node: ast.AST, members) -> ast.AST | None:
+        """The innermost of `members` that is or holds `node`."""
+        return next((a for a in (node, *self._ancestors(node)) if a in members), None)
+
+    def _enclosing_names(self, calls: list[ast.Call]) -> set[str]:
+        """Names of the functions of the file holding one of `calls`."""
+        return {a.name for c in calls for a in self._ancestors(c) if isinstance(a, FUNCTIONS)}
+
+    @cached_property
+    def _step_names(self) -> set[str]:
+        """`step`, and functions of the file that call a `.step(...)`."""
+        steps = [c for c in self._calls_on({"step"}) if _last(c.func) == "step"]
+        return {"step"} | self._enclosing_names(steps)
+
+    def _steps(self, call: ast.Call) -> bool:
+        """Whether a call certainly steps an optimizer: `loops.is_step`, or a call of a function
+        of the file every definition of which makes such a call itself."""
+        return _is_step(call) or _last(call.func) in self._stepping_helpers
+
+    @cached_property
+    def _stepping_helpers(self) -> set[str]:
+        return {
+            name
+            for name in self._step_names - {"step"}
+            if all(
+                any(isinstance(n, ast.Call) and _is_step(n) for n in self._own_nodes(function))
+                for function in self.functions.get(name, ())
+            )
+        }
+
+    def _open(self) -> bool:
+        """Whether every backward call may be judged by the loss alone: the file names an
+        accumulation divisor, uses DeepSpeed, or imports a module of its repository."""
+        return self._names_divisor() or b"deepspeed" in self.data or self._imports_repository()
+
+    def _names_divisor(self) -> bool:
+        numbers = [n for n, line in enumerate(self.lines, 1) if _pattern(self.names).search(line)]
+        return any(
+            (isinstance(n, ast.Name) and n.id in self.names)
+            or (isinstance(n, ast.Attribute) and n.attr in self.names)
+            for n in self._nodes_on(numbers)
+        )
+
+    def _in_window(self, call: ast.Call) -> bool:
+        loop, scope = None, self.tree
+        for node in self._ancestors(call):
+            if isinstance(node, (*FUNCTIONS, ast.Module)):
+                scope = node
+                break
+            if isinstance(node, (ast.With, ast.AsyncWith)) and any(
+                _is_accumulate(item.context_expr) for item in node.items
+            ):
+                return True
+            if loop is None and isinstance(node, LOOPS):
+                loop = node
+        if loop is not None:
+            steps = self._steps_in(loop)
+            if any(self._guarded(s, loop, skipping=True) for s in steps):
+                return True
+            return not any(self._steps(s) for s in steps) and self._micro_loop(loop)
+        if isinstance(scope, FUNCTIONS):
+            return any(self._guarded(s, scope, skipping=False) for s in self._steps_in(scope))
+        return False
+
+    def _micro_loop(self, loop: ast.AST) -> bool:
+        """Whether a loop of backward calls may be a micro-step loop: it neither clears nor
+        reads the gradients, and a step or a gradient read may follow it."""
+        if any(
+            _reads_grad(n) or (isinstance(n, ast.Call) and _last(n.func) == "zero_grad")
+            for n in self._own_nodes(loop)
+        ):
+            return False
+        return any(
+            _reads_grad(n) or self._may_step(n)
+            for statement in self._after(loop)
+            for n in self._own_nodes(statement)
+        )
+
+    def _after(self, node: ast.AST) -> Iterator[ast.AST]:
+        """The statements following `node` in its block, and after its enclosing blocks, up
+        to the function, module or loop holding them (`loops.Structure._after`)."""
+        while node in self.parents:
+            parent = self.parents[node]
+            for field in BLOCKS:
+                block = getattr(parent, field, None)
+                if isinstance(block, list) and any(s is node for s in block):
+                    yield from block[[id(s) for s in block].index(id(node)) + 1 :]
+            if isinstance(parent, (*FUNCTIONS, ast.Module, *LOOPS)):
+                return
+            node = parent
+
+    def _may_step(self, node: ast.AST) -> bool:
+        return isinstance(node, ast.Call) and _last(node.func) in self._step_names
+
+    def _steps_in(self, region: ast.AST) -> list[ast.Call]:
+        """Calls in `region` (not in nested definitions) that may step an optimizer."""
+        return [n for n in self._own_nodes(region) if self._may_step(n)]
+
+    def _guarded(self, step: ast.Call, region: ast.AST, skipping: bool) -> bool:
+        """Whether an `if` inside `region` testing `a % k` holds the step or, with
+        `skipping`, comes before it in one of the blocks holding it."""
+        node = step
+        while node is not region and node in self.parents:
+            parent = self.parents[node]
+            if isinstance(parent, ast.If) and self._modular(parent.test):
+                return True
+            if skipping:
+                for field in BLOCKS:
+                    block = getattr(parent, field, None)
+                    if isinstance(block, list) and any(s is node for s in block):
+                        earlier = block[: [id(s) for s in block].index(id(node))]
+                        if any(isinstance(s, ast.If) and self._modular(s.test) for s in earlier):
+                            return True
+            node = parent
+        return False
+
+    def _modular(self, test: ast.expr) -> bool:
+        """Whether a test computes `a % k`, or reads a name assigned from such a value."""
+        return bool(self._modular_names) and any(
+            _is_modulo(n) or (isinstance(n, ast.Name) and n.id in self._modular_names)
+            for n in ast.walk(test)
+        )
+
+    @cached_property
+    def _modular_names(self) -> set[str]:
+        """Names assigned anywhere from a value holding `a % b` (and "%" when the file
+        computes one at all)."""
+        found = set()
+        for node in self._nodes_on(self._lines_with({"%"})):
+            if _is_modulo(node):
+                found.add("%")
+                for holder in self._ancestors(node):
+                    if isinstance(holder, ASSIGNMENTS):
+                        targets = (
+                            holder.targets if isinstance(holder, ast.Assign) else [holder.target]
+                        )
+                        found |= {
+                            n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)
+                        }
+        return found
+
+    @cached_property
+    def _pipeline_aliases(self) -> set[str]:
+        return {
+            alias.asname
+            for node in self.imports
+            for alias in node.names
+            if alias.asname and alias.name.rpartition(".")[2] in PIPELINE_CLASSES
+        }
+
+    def _imports_repository(self) -> bool:
+        seen: set[Dependency] = set()
+        modules = [m for node in self.imports for m in _imported(node)]
+        found = _reaches_divisor(modules, self.directory, _pattern(self.names), seen, set())
+        self.dependencies = frozenset(seen)
+        return found
+
+
+def _reaches_divisor(modules, directory: Path, pattern, seen: set, visited: set, hops=0) -> bool:
+    """Whether a module of the repository among `modules` ((dots, parts) imported by a file
+    in `directory`) may divide a loss by an accumulation name: its bytes name one, it is a
+    package folder, or a module it imports does (a few modules deeper than the analysis
+    follows). Every file looked for is added to `seen`."""
+    for level, parts in modules:
+        for base in bases(directory, level, parts):
+            for path in _candidates(base, parts):
+                if path.is_dir():
+                    return True
+                digest = file_digest(path)
+                seen.add(Dependency(str(path), digest))
+                if digest and path not in visited:
+                    visited.add(path)
+                    if _divides(path, pattern, seen, visited, hops):
+                        return True
+    return False
+
+
+def _divides(path: Path, pattern, seen: set, visited: set, hops: int) -> bool:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False  # the analysis cannot summarise it either
+    if pattern.search(data):
+        return True
+    if hops > MAX_HOPS:
+        return False
+    return _reaches_divisor(_referenced(data), path.parent, pattern, seen, visited, hops + 1)
+
+
+def _referenced(data: bytes) -> Iterator[tuple[int, list[str]]]:
+    """A superset of the modules a file's import statements name, read from its lines
+    without parsing: every dotted name on a line that says `import`, absolute and below
+    each `from .x` of the line."""
+    for line in data.replace(b"\\\n", b" ").splitlines():
+        if b"import" not in line:
+            continue
+        words = [w.decode("ascii") for w in DOTTED.findall(line)]
+        words = [w.split(".") for w in words if not iskeyword(w)]
+        for dots, module in RELATIVE.findall(line):
+            parts = module.decode("ascii").split(".") if module else []
+            yield len(dots), parts
+            yield from ((len(dots), [*parts, *word]) for word in words)
+        yield from ((0, word) for word in words)
+
+
+@lru_cache(maxsize=8)
+def _pattern(names: frozenset[str]) -> re.Pattern[bytes]:
+    """The accumulation names as whole words."""
+    words = b"|".join(re.escape(n.encode()) for n in sorted(names))
+    return re.compile(rb"\b(?:" + words + rb")\b")
+
+
+def _imported(node: ast.Import | ast.ImportFrom) -> Iterator[tuple[int, list[str]]]:
+    """The modules an import statement may reach, as (dots, parts): for `from m import n`,
+    both `m` and `m.n` (n may be a module)."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield 0, alias.name.split(".")
+        return
+    module = [p for p in (node.module or "").split(".") if p]
+    yield node.level, module
+    for alias in node.names:
+        if alias.name != "*":
+            yield node.level, [*module, alias.name]
+
+
+def _candidates(base: Path, parts: list[str]) -> tuple[Path, ...]:
+    """Where a module's first part would be under `base`: a module file or a package folder."""
+    if not parts:
+        return (base / "__init__.py",)
+    return (base / f"{parts[0]}.py", base / parts[0])
+
+
+def _statements(tree: ast.Module) -> Iterator[ast.AST]:
+    """Every statement (and `except` clause, `case`) of a tree, not entering expressions."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                stack.extend(block)
+
+
+def _identifiers(node: ast.AST) -> tuple[str, ...]:
+    """The identifiers a node spells itself (not those of its children)."""
+    if isinstance(node, ast.Name):
+        return (node.id,)
+    if isinstance(node, ast.Attribute):
+        return (node.attr,)
+    if isinstance(node, (*FUNCTIONS, ast.ClassDef)):
+        return (node.name,)
+    if isinstance(node, (ast.arg, ast.keyword)):
+        return (node.arg or "",)
+    if isinstance(node, ast.alias):
+        return (node.name, node.asname or "")
+    if isinstance(node, ast.ImportFrom):
+        return (node.module or "",)
+    return ()
+
+
+def _spells(node: ast.AST, word: str) -> bool:
+    """Whether a node's own identifiers hold `word` (`Trainer` in `Seq2SeqTrainer`); a dotted
+    word (`jax.tree`) must be an attribute of that name or part of an imported name."""
+    head, dot, last = word.rpartition(".")
+    if not dot:
+        return any(word in name for name in _identifiers(node))
+    if isinstance(node, ast.Attribute):
+        return node.attr.startswith(last) and _last(node.value) == head.rpartition(".")[2]
+    return isinstance(node, (ast.alias, ast.ImportFrom)) and any(
+        word in name for name in _identifiers(node)
+    )
+
+
+def _is_modulo(node: ast.AST) -> bool:
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
+
+
+def _reads_grad(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "grad"
+
+
+def _last(func: ast.expr) -> str | None:
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return None
+
+
+def _is_step(call: ast.Call) -> bool:
+    """`loops.is_step` on the `ast`."""
+    func = call.func
+    if not (isinstance(func, ast.Attribute) and func.attr == "step"):
+        return False
+    positional = sum(not isinstance(a, ast.Starred) for a in call.args)
+    return steps_optimizer(_last(func.value) or "", positional)
+
+
+def _is_accumulate(item: ast.expr) -> bool:
+    return (
+        isinstance(item, ast.Call)
+        and isinstance(item.func, ast.Attribute)
+        and item.func.attr == "accumulate"
+    )

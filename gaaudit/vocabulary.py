@@ -1,0 +1,36 @@
+"""Names the rules recognise, shared by the libcst analysis and the `ast` screen (no libcst here)."""
+
+from __future__ import annotations
+
+import re
+
+OPTIMIZER = re.compile(r"(^|_)opt|optim")
+BACKWARDS = ("backward", "manual_backward")
+# torch.distributed.pipelining schedules: after the last backward of a step they divide the
+# gradients by `n_microbatches`, unless built with `scale_grads=False`.
+# fmt: off
+TORCH_SCHEDULES = frozenset({
+    "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
+    "PipelineScheduleSingle", "PipelineScheduleMulti",
+})
+PIPELINE_CLASSES = TORCH_SCHEDULES | {"PipelineModule"}  # DeepSpeed's takes a loss_fn too
+
+# Default names of accumulation divisors; extend with `accumulation-names` in the config.
+ACCUMULATION_NAMES = frozenset({
+    "gradient_accumulation_steps", "grad_accum_steps", "grad_accumulation_steps",
+    "accumulation_steps", "accum_steps", "accum_iter", "accum_iters", "grad_accum",
+    "gradient_accumulation", "accumulate_grad_batches", "ga_steps", "num_accumulation_steps",
+    "n_accum", "accum", "accumulate", "grad_acc_steps", "micro_steps", "num_micro_batches",
+    "n_microbatches", "num_microbatches", "n_micro_batches", "n_micro", "num_micro", "microbatches",
+})
+# fmt: on
+
+
+def steps_optimizer(receiver: str, positional: int) -> bool:
+    """Whether `<receiver>.step(...)` with `positional` positional arguments is an optimizer
+    step: `optimizer.step()`, `opt.step()`, `scaler.step(optimizer)`; never a scheduler's."""
+    receiver = receiver.lower()
+    if "sched" in receiver:
+        return False
+    return bool(OPTIMIZER.search(receiver)) or ("scaler" in receiver and positional == 1)

@@ -1,0 +1,194 @@
+"""The `ast` screen: what it blanks or answers without libcst never changes a finding.
+
+Each case is checked both ways: the findings of the screened, focused file equal those of
+the whole file analysed by libcst (the screen is a superset of the rules), and a case meant
+to hold a finding does hold one, so that the comparison means something.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, fixture_scripts
+
+from gaaudit import cache
+from gaaudit.config import Settings
+from gaaudit.engine import audit, check_file, check_recorded
+from gaaudit.findings import Confidence
+from gaaudit.screen import screen
+from gaaudit.source import parse
+
+SETTINGS = Settings(min_confidence=Confidence.LOW)
+HEAD = "import torch.nn.functional as F\n\n"
+
+
+def findings(path: Path) -> tuple[list, list]:
+    """The findings of `gaaudit check` on a file, and those of its whole, unscreened module."""
+    screened = check_file(path, SETTINGS).findings
+    data = path.read_bytes()
+    module = parse(data)
+    whole = audit(module, data.decode(module.encoding), str(path), path.name, SETTINGS, path.parent)
+    return sorted(map(_key, screened)), sorted(map(_key, whole[1]))
+
+
+def _key(finding) -> tuple:
+    return finding.code, finding.span, finding.message
+
+
+@pytest.mark.parametrize("path", fixture_scripts(), ids=lambda p: p.name)
+def test_fixture_findings_survive_the_screen(path):
+    screened, whole = findings(path)
+    assert screened == whole
+
+
+def project_file(tmp_path: Path, text: str, name: str = "train.py") -> Path:
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'p'\n")
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+KEPT = {
+    "step helper under a modulo guard": HEAD
+    + "def update(optimizer):\n    optimizer.step()\n    optimizer.zero_grad()\n\n\n"
+    "def train(model, loader, optimizer, k):\n"
+    "    for i, (x, y) in enumerate(loader):\n"
+    "        loss = F.cross_entropy(model(x), y, ignore_index=-100) / k\n"
+    "        loss.backward()\n"
+    "        if (i + 1) % k == 0:\n"
+    "            update(optimizer)\n",
+    "step after a skipping guard": HEAD + "def train(model, loader, optimizer, k):\n"
+    "    for i, (x, y) in enumerate(loader):\n"
+    "        loss = F.cross_entropy(model(x), y, ignore_index=-100) / k\n"
+    "        loss.backward()\n"
+    "        if (i + 1) % k != 0:\n"
+    "            continue\n"
+    "        optimizer.step()\n"
+    "        optimizer.zero_grad()\n",
+    "modulo through a name": HEAD + "def train(model, loader, optimizer, k):\n"
+    "    for i, (x, y) in enumerate(loader):\n"
+    "        sync = (i + 1) % k == 0\n"
+    "        loss = F.cross_entropy(model(x), y, ignore_index=-100) / k\n"
+    "        loss.backward()\n"
+    "        if sync:\n"
+    "            optimizer.step()\n",
+    "micro-step loop, gradients read after": HEAD
+    + "def train_step(model, micro_batches, optimizer):\n"
+    "    for x, y in micro_batches:\n"
+    "        loss = F.cross_entropy(model(x), y, ignore_index=-100) / len(micro_batches)\n"
+    "        loss.backward()\n"
+    "    for p in model.parameters():\n"
+    "        p.grad.clamp_(-1, 1)\n"
+    "    optimizer.step()\n",
+    "backward helper in a loop": HEAD + "def apply(loss):\n    loss.backward()\n\n\n"
+    "def train(model, loader, optimizer, k):\n"
+    "    for i, (x, y) in enumerate(loader):\n"
+    "        apply(F.cross_entropy(model(x), y, ignore_index=-100) / k)\n"
+    "        if (i + 1) % k == 0:\n"
+    "            optimizer.step()\n",
+    "method of a nested class": HEAD + "class Suite:\n    class Case:\n"
+    "        def train(self, model, loader, optimizer, k):\n"
+    "            for i, (x, y) in enumerate(loader):\n"
+    "                loss = F.cross_entropy(model(x), y, ignore_index=-100) / k\n"
+    "                loss.backward()\n"
+    "                if (i + 1) % k == 0:\n"
+    "                    optimizer.step()\n",
+    "accumulation name without a window": HEAD + "def train(model, loader, optimizer, args):\n"
+    "    for x, y in loader:\n"
+    "        loss = F.cross_entropy(model(x), y, ignore_index=-100)\n"
+    "        (loss / args.gradient_accumulation_steps).backward()\n"
+    "        optimizer.step()\n",
+    "accumulate context": "def train(accelerator, model, loader, optimizer):\n"
+    "    for batch in loader:\n"
+    "        with accelerator.accumulate(model):\n"
+    "            loss = model(**batch, attention_mask=batch['attention_mask']).loss\n"
+    "            accelerator.backward(loss)\n"
+    "            optimizer.step()\n"
+    "            optimizer.zero_grad()\n",
+    "module-level script": HEAD + "for i, (x, y) in enumerate(loader):\n"
+    "    loss = F.cross_entropy(model(x), y, ignore_index=-100) / 4\n"
+    "    loss.backward()\n"
+    "    if (i + 1) % 4 == 0:\n"
+    "        optimizer.step()\n"
+    '"""Docstring that says loss.backward()."""\n',
+}
+
+ANSWERED = {
+    "backward only in a docstring": 'def f(model):\n    """Call `loss.backward()` next."""\n',
+    "one step per batch, a modulo for logging": HEAD + "def train(model, loader, optimizer):\n"
+    "    for step, (x, y) in enumerate(loader):\n"
+    "        loss = F.cross_entropy(model(x), y, ignore_index=-100)\n"
+    "        loss.backward()\n"
+    "        optimizer.step()\n"
+    "        optimizer.zero_grad()\n"
+    "        if step % 10 == 0:\n"
+    "            print(loss.item())\n",
+    "a backward without a loop": "def closure(model, x):\n    model(x).sum().backward()\n",
+}
+
+
+@pytest.mark.parametrize("text", KEPT.values(), ids=KEPT.keys())
+def test_windows_the_rules_see_are_kept(tmp_path, text):
+    screened, whole = findings(project_file(tmp_path, text))
+    assert whole and screened == whole
+
+
+@pytest.mark.parametrize("text", ANSWERED.values(), ids=ANSWERED.keys())
+def test_files_without_a_window_are_answered_without_libcst(tmp_path, text):
+    path = project_file(tmp_path, text)
+    assert screen(path.read_bytes(), frozenset(), tmp_path).data is None
+    assert findings(path) == ([], [])
+
+
+TRAIN = HEAD + (
+    "from helpers import compute\n\n\n"
+    "def train(model, loader, optimizer):\n"
+    "    for x, y in loader:\n"
+    "        loss = compute(model, x, y)\n"
+    "        loss.backward()\n"
+    "        optimizer.step()\n"
+)
+HELPER = HEAD + (
+    "grad_accum = 4\n\n\n"
+    "def compute(model, x, y):\n"
+    "    return F.cross_entropy(model(x), y, ignore_index=-100) / grad_accum\n"
+)
+
+
+def test_a_helper_module_that_divides_opens_the_file(tmp_path):
+    """No window, but the loss comes from a module of the repository that divides by an
+    accumulation name: the rules report it, so the screen must not answer alone."""
+    path = project_file(tmp_path, TRAIN)
+    (tmp_path / "helpers.py").write_text(HELPER)
+    screened, whole = findings(path)
+    assert whole and screened == whole
+
+
+def test_a_helper_module_appearing_later_is_seen_through_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "RACY_NS", 0)
+    path = project_file(tmp_path, TRAIN)
+    _, report, entry = check_recorded(path, SETTINGS, None)
+    assert report.findings == [] and entry.dependencies  # the modules looked for
+    (tmp_path / "helpers.py").write_text(HELPER)
+    assert not cache.unchanged(entry.dependencies)
+    _, report, _ = check_recorded(path, SETTINGS, entry)
+    assert [f.code for f in report.findings] == ["GA001"]
+
+
+def test_a_pipeline_schedule_under_another_name_is_kept(tmp_path):
+    text = (FIXTURES / "ga001_pipeline_lambda_div_microbatches.py").read_text()
+    aliased = text.replace("import Schedule1F1B,", "import Schedule1F1B as Interleave,")
+    aliased = aliased.replace("Schedule1F1B(", "Interleave(")
+    assert "Interleave(" in aliased and "Schedule1F1B(" not in aliased
+    screened, whole = findings(project_file(tmp_path, aliased))
+    assert whole and screened == whole
+
+
+def test_the_focused_copy_keeps_line_numbers(tmp_path):
+    source = FIXTURES / "ga001_two_stage_two_sites.py"
+    shutil.copy(source, tmp_path / "train.py")
+    focused = screen(source.read_bytes(), frozenset(), tmp_path).data
+    assert focused is not None
+    assert focused.count(b"\n") == source.read_bytes().count(b"\n")
