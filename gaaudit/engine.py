@@ -82,7 +82,7 @@ def _analyse(source: Source, settings: Settings, shown: str):
         screened = screen(source.data, settings.accumulation_names, path.parent)
         if screened.data is None:
             return FileReport(shown), screened.dependencies
-        module = parse(screened.data)
+        module = parse(screened.data, screened.tree)
         text = source.data.decode(module.encoding)
         relative = display_path(path, settings.root)
         context, findings = audit(

@@ -9,6 +9,7 @@ from gaaudit.config import Settings
 from gaaudit.engine import audit, display_path
 from gaaudit.notebook import load as load_notebook
 from gaaudit.notebook import rebuild
+from gaaudit.screen import screen
 from gaaudit.source import Source, SourceError, parse, read
 
 # Why a GA001-GA003 finding needs no rewrite of its own: a framework fix changed its line.
@@ -23,7 +24,10 @@ def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False
     shown = display_path(path)
     if not Source(path, data).may_have_findings:
         return FileFix(shown, data, data)
-    module = parse(data)
+    screened = screen(data, settings.accumulation_names, path.parent)
+    if screened.data is None:  # no finding possible; the rewrite needs the whole module else
+        return FileFix(shown, data, data)
+    module = parse(data, screened.tree)
     text = data.decode(module.encoding)
     context, findings = audit(
         module, text, shown, display_path(path, settings.root), settings, path.parent, source=data

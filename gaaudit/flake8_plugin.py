@@ -77,7 +77,7 @@ class Plugin:
         screened = screen(data, settings.accumulation_names, self.path.parent)
         if screened.data is None:
             return []
-        module = parse(screened.data)
+        module = parse(screened.data, screened.tree)
         text = data.decode(module.encoding)
         shown, relative = display_path(self.path), display_path(self.path, settings.root)
         directory = self.path.parent

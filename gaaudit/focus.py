@@ -1,9 +1,10 @@
 """Which parts of a file can matter: blank the rest before libcst sees it.
 
 libcst parses about ten times slower than CPython's own parser. A file that passed the
-byte prefilter is first read with `ast`; functions, classes and methods that hold no
-trigger, and that nothing kept refers to, become blank lines. Line and column numbers
-are unchanged, so findings on the focused source point at the real file.
+byte prefilter is first read with `ast`; functions, classes and methods (of classes at any
+depth) that hold nothing that matters (`screen.py` decides; a trigger's bytes, for the loss
+helpers of other modules), and that nothing kept refers to, become blank lines. Line and
+column numbers are unchanged, so findings on the focused source point at the real file.
 """
 
 from __future__ import annotations

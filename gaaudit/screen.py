@@ -47,10 +47,12 @@ LEAVES = (ast.expr_context, ast.operator, ast.boolop, ast.unaryop, ast.cmpop)
 
 @dataclass(frozen=True)
 class Screened:
-    """What libcst should parse (None: no finding is possible), and the files looked for."""
+    """What libcst should parse (None: no finding is possible), the files looked for, and
+    CPython's tree of the whole file (for `source.parse`)."""
 
     data: bytes | None
     dependencies: frozenset[Dependency] = frozenset()
+    tree: ast.Module | None = None
 
 
 def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
@@ -76,7 +78,7 @@ def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
 
     if not named and SCRIPT not in data and None not in owners and not any(map(matters, found)):
         return Screened(None, judge.dependencies)
-    return Screened(blank(data, tree, found, matters), judge.dependencies)
+    return Screened(blank(data, tree, found, matters), judge.dependencies, tree)
 
 
 class _Judge:

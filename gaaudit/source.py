@@ -107,34 +107,38 @@ def _position(data: bytes, offset: int) -> tuple[int, int]:
     return data.count(b"\n", 0, offset) + 1, offset - data.rfind(b"\n", 0, offset)
 
 
-def parse(data: bytes):
+def parse(data: bytes, tree: ast.Module | None = None):
     """Parse bytes with libcst into a module its visitors can walk; raise `SourceError`.
 
     CPython parses first: its errors are the clearest, and it bounds the nesting that
-    libcst, much slower and recursive, is given.
+    libcst, much slower and recursive, is given. `tree`, CPython's tree of these bytes or of
+    the file they were focused from, spares that parse unless it nests too deeply (the deep
+    part may have been blanked).
     """
     import libcst as cst
 
     if len(data) > MAX_BYTES:
         raise _too_large(data)
     text = decode(data)
-    try:
-        tree = compile(data, "<file>", "exec", dont_inherit=True, flags=ast.PyCF_ONLY_AST)
-        python = None
-    except SyntaxError as exc:
-        if exc.msg.startswith("too many"):  # nested parentheses, levels of indentation
-            raise _syntax(exc) from None
-        tree, python = None, exc  # perhaps syntax newer than this Python: libcst decides
-    except (RecursionError, MemoryError):
-        raise SourceError("code nested too deeply to analyse") from None
-    if tree is not None:
-        depth, node = _depth(tree, text.encode("utf-8").splitlines(keepends=True))
-        if depth > MAX_DEPTH:
-            raise SourceError(
-                f"code nested too deeply to analyse (about {depth} levels; at most {MAX_DEPTH})",
-                getattr(node, "lineno", 1),
-                getattr(node, "col_offset", 0) + 1,
-            )
+    lines = text.encode("utf-8").splitlines(keepends=True)
+    python = None
+    if tree is None or _depth(tree, lines)[0] > MAX_DEPTH:
+        try:
+            tree = compile(data, "<file>", "exec", dont_inherit=True, flags=ast.PyCF_ONLY_AST)
+        except SyntaxError as exc:
+            if exc.msg.startswith("too many"):  # nested parentheses, levels of indentation
+                raise _syntax(exc) from None
+            tree, python = None, exc  # perhaps syntax newer than this Python: libcst decides
+        except (RecursionError, MemoryError):
+            raise SourceError("code nested too deeply to analyse") from None
+        if tree is not None:
+            depth, node = _depth(tree, lines)
+            if depth > MAX_DEPTH:
+                raise SourceError(
+                    f"code nested too deeply to analyse (about {depth} levels; at most {MAX_DEPTH})",
+                    getattr(node, "lineno", 1),
+                    getattr(node, "col_offset", 0) + 1,
+                )
     try:
         module = _on_large_stack(cst.parse_module, data)
     except cst.ParserSyntaxError as exc:

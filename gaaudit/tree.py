@@ -80,18 +80,33 @@ def walk(node: cst.CSTNode, children=None, *, into_defs: bool = True) -> Iterato
 _FIELDS: dict[type, tuple[str, ...]] = {}
 _IS_NODE: dict[type, bool] = {}
 ASSIGNMENTS = (cst.Assign, cst.AugAssign, cst.AnnAssign)
+# Whitespace, comments, brackets, separators and operators: read through their parents'
+# fields (`node.operator`), never looked up in the index, which leaves them out.
+# fmt: off
+TRIVIA = (
+    cst.BaseParenthesizableWhitespace, cst.EmptyLine, cst.TrailingWhitespace, cst.Newline,
+    cst.Comment, cst.LeftParen, cst.RightParen, cst.LeftSquareBracket, cst.RightSquareBracket,
+    cst.LeftCurlyBrace, cst.RightCurlyBrace, cst.Comma, cst.Colon, cst.Dot, cst.Semicolon,
+    cst.AssignEqual, cst.BaseBinaryOp, cst.BaseBooleanOp, cst.BaseCompOp, cst.BaseUnaryOp,
+    cst.BaseAugOp,
+)
+# fmt: on
 
 
 def _is_node(value) -> bool:
+    """Whether a field value is a node the index records."""
     kind = type(value)
     known = _IS_NODE.get(kind)
     if known is None:
-        known = _IS_NODE[kind] = issubclass(kind, cst.CSTNode)
+        ancestry = kind.__mro__  # not `issubclass`: libcst's bases are ABCs, slow to check
+        known = cst.CSTNode in ancestry and not any(base in TRIVIA for base in ancestry)
+        _IS_NODE[kind] = known
     return known
 
 
 def _kids(node: cst.CSTNode) -> list[cst.CSTNode]:
-    """A node's children, read from its dataclass fields (much faster than libcst's visitors)."""
+    """A node's children but trivia, read from its dataclass fields (much faster than libcst's
+    visitors)."""
     names = _FIELDS.get(type(node))
     if names is None:
         names = _FIELDS[type(node)] = tuple(f.name for f in dataclasses.fields(node))
@@ -117,6 +132,7 @@ class _Index:
         self.assignments: list[cst.CSTNode] = []
         self.scopes: dict[cst.CSTNode, cst.CSTNode] = {}  # call or assignment -> module or function
         self.functions: list[cst.FunctionDef] = []
+        self.classes: list[cst.ClassDef] = []
         self.imports: list[cst.Import | cst.ImportFrom] = []
         stack: list[tuple[cst.CSTNode, bool, cst.CSTNode]] = [(module, False, module)]
         while stack:
@@ -135,6 +151,8 @@ class _Index:
             elif kind is cst.FunctionDef:
                 self.functions.append(node)
                 scope = node
+            elif kind is cst.ClassDef:
+                self.classes.append(node)
             elif kind is cst.Import or kind is cst.ImportFrom:
                 self.imports.append(node)
             kids = _kids(node)
@@ -179,6 +197,7 @@ class Tree:
             indexer.scopes,
         )
         self._functions, self._imports = indexer.functions, indexer.imports
+        self.classes = indexer.classes  # in document order
         self._bindings: dict[cst.CSTNode, dict[str, list[cst.CSTNode]]] = {}
         self._positions = Positions(module, self.parents, source)
 

@@ -173,8 +173,8 @@ class Auditor:
             return
         factor, setting = accumulation
         size = None if isinstance(factor, cst.Dict) else factor  # a schedule: K varies by epoch
-        for cls in self.tree.walk(self.tree.module):
-            if not (isinstance(cls, cst.ClassDef) and _is_lightning_module(cls)):
+        for cls in self.tree.classes:
+            if not _is_lightning_module(cls):
                 continue
             for node in self.tree.walk(cls.body):
                 if isinstance(node, cst.FunctionDef) and node.name.value == "training_step":

@@ -58,11 +58,7 @@ class TrainerAudit:
     def __init__(self, tree: Tree) -> None:
         self.tree = tree
         self.tracer = _Tracer(tree)
-        self.classes = {
-            node.name.value: node
-            for node in tree.walk(tree.module)
-            if isinstance(node, cst.ClassDef)
-        }
+        self.classes = {node.name.value: node for node in tree.classes}
         self.trainers: dict[str, cst.ClassDef] = {}
         for name, cls in self.classes.items():  # source order: a base precedes its subclasses
             if any(self._is_trainer(base.value) for base in cls.bases):
@@ -231,8 +227,8 @@ class TrainerAudit:
     def _models(self) -> Iterator[Site]:
         """Same-file models passed to a Trainer whose `forward` returns a mean loss."""
         seen: set[str] = set()
-        for node in self.tree.walk(self.tree.module):
-            if not (isinstance(node, cst.Call) and self._is_trainer(node.func)):
+        for node in self.tree.calls:
+            if not self._is_trainer(node.func):
                 continue
             given = keyword(node, "model") or next(iter(positional(node)), None)
             cls = self._model_class(given)
