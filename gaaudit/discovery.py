@@ -42,54 +42,56 @@ def discover(paths: list[Path], settings: Settings) -> Iterator[Path]:
 def _walk(top: Path, excluded: pathspec.GitIgnoreSpec, root: Path) -> Iterator[Path]:
     """Python files under `top`, in a stable order; symbolic links are not followed, and
     only regular files are listed. A directory that cannot be listed is yielded itself, so
-    that reading it reports the error instead of its files being skipped in silence."""
-    resolved = top.resolve()
-    ignores = _parent_gitignores(resolved)
+    that reading it reports the error instead of its files being skipped in silence.
+    Paths are handled as strings: pathlib costs more than the walk on a large tree."""
+    resolved = os.fspath(top.resolve())
+    ignores = [(os.fspath(base), spec) for base, spec in _parent_gitignores(top.resolve())]
     unlisted: list[OSError] = []
     for directory, dirnames, filenames in os.walk(top, onerror=unlisted.append):
-        here = Path(directory)
-        gitignore = here / ".gitignore"
-        if gitignore.is_file():
-            ignores.append((resolved / here.relative_to(top), _read_gitignore(gitignore)))
+        relative = os.path.relpath(directory, top)
+        prefix = "" if relative == "." else relative.replace(os.sep, "/") + "/"
+        gitignore = os.path.join(directory, ".gitignore")
+        if ".gitignore" in filenames and os.path.isfile(gitignore):
+            ignores.append((os.path.join(resolved, relative), _read_gitignore(Path(gitignore))))
         dirnames[:] = sorted(
             d
             for d in dirnames
-            if not (here / d).is_symlink() and not _ignored(here / d, True, excluded, ignores, top)
+            if not os.path.islink(os.path.join(directory, d))
+            and not _ignored(prefix + d, d, True, excluded, ignores, resolved)
         )
         for name in sorted(filenames):
-            file = here / name
+            file = os.path.join(directory, name)
             if (
                 name.endswith(SUFFIXES)
                 and _is_regular(file)
-                and not _ignored(file, False, excluded, ignores, top)
+                and not _ignored(prefix + name, name, False, excluded, ignores, resolved)
             ):
-                yield file
+                yield Path(file)
     for error in unlisted:
         yield Path(error.filename)
 
 
-def _is_regular(path: Path) -> bool:
+def _is_regular(path: str) -> bool:
     """A plain file, not a link, pipe, socket or device (reading a pipe would block)."""
     try:
-        return stat.S_ISREG(path.lstat().st_mode)
+        return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
 
 
-def _ignored(path: Path, is_dir: bool, excluded, ignores, top: Path) -> bool:
+def _ignored(relative: str, name: str, is_dir: bool, excluded, ignores, resolved: str) -> bool:
+    """Whether `relative` (to the walked folder `resolved`, with `/`) is excluded by the
+    settings or a .gitignore (given by its folder)."""
     suffix = "/" if is_dir else ""
-    relative = path.relative_to(top)
-    if excluded.match_file(relative.as_posix() + suffix) or excluded.match_file(path.name + suffix):
+    if excluded.match_file(relative + suffix) or excluded.match_file(name + suffix):
         return True
-    if not ignores:  # no .gitignore: spare resolving `top` for every file
+    if not ignores:
         return False
-    absolute = top.resolve() / relative
+    absolute = os.path.join(resolved, relative)
     for base, spec in ignores:
-        try:
-            if spec.match_file(absolute.relative_to(base).as_posix() + suffix):
-                return True
-        except ValueError:
-            continue
+        under = os.path.relpath(absolute, base).replace(os.sep, "/")
+        if under != ".." and not under.startswith("../") and spec.match_file(under + suffix):
+            return True
     return False
 
 

@@ -22,15 +22,21 @@ Result = tuple[Path, FileReport, "cache.Entry | None"]
 
 def display_path(path: Path, root: Path | None = None) -> str:
     """A path relative to `root` (default: the current directory) when under it, with `/`."""
-    return _relative(path, (root or Path.cwd()).resolve())
+    return _relative(path, os.path.realpath(root if root is not None else os.getcwd()))
 
 
-def _relative(path: Path, base: Path) -> str:
+def _relative(path: Path, base: str) -> str:
     """`display_path` against a base already resolved."""
     try:
-        return path.resolve().relative_to(base).as_posix()
-    except (ValueError, OSError, RuntimeError):  # RuntimeError: a symbolic link loop
+        real = os.path.realpath(path)
+    except (OSError, ValueError):
         return path.as_posix()
+    if real == base:
+        return "."
+    prefix = base if base.endswith(os.sep) else base + os.sep
+    if real.startswith(prefix):
+        return real[len(prefix) :].replace(os.sep, "/")
+    return path.as_posix()
 
 
 def check_file(path: Path, settings: Settings) -> FileReport:
@@ -149,7 +155,7 @@ def check_files(
     memory stays flat however large the tree.
     """
     jobs = jobs or os.cpu_count() or 1
-    here = Path.cwd().resolve()
+    here = os.path.realpath(os.getcwd())
     work: list[tuple[Path, cache.Entry | None]] = []
     for path in files:
         known = store.get(path) if store is not None else None

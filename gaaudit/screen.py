@@ -9,31 +9,47 @@ belong to an accumulation window only
 - outside loops, in a function that steps under an `a % k` guard;
 - anywhere, when the file names an accumulation divisor, mentions DeepSpeed, or imports a
   module of its repository (whose loss helper may divide by one).
-A pipeline schedule matters where it is built. Definitions holding none of these and no
-other trigger are blanked by `focus`; a file left with nothing is answered without libcst.
+A pipeline schedule matters where it is built; the other triggers (a Trainer override, a
+JAX tree map, ...) where code spells them, in a file that gives their rule what it needs.
+Definitions holding none of these are blanked by `focus`; a file left with nothing is
+answered without libcst.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from itertools import accumulate
 from keyword import iskeyword
 from pathlib import Path
 
 from gaaudit.focus import blank, units
 from gaaudit.modules import MAX_HOPS, Dependency, bases, file_digest
-from gaaudit.source import FOCUS, TRIGGERS
 from gaaudit.vocabulary import ACCUMULATION_NAMES, BACKWARDS, PIPELINE_CLASSES, steps_optimizer
 
-# Triggers judged on the tree here; the others are kept wherever their bytes appear.
-JUDGED = (b".backward(", b"pipelining", b"PipelineModule", b"Schedule")
-OTHERS = tuple(t for t in TRIGGERS if t not in JUDGED)
-SCRIPT = b"/// script"  # a PEP 723 block: a comment
-OTHERS_FOCUS = tuple(t for t in FOCUS if t not in JUDGED)
+# The other rule families, each with the triggers that mark the definitions it reads. A
+# family fires only where `checks/*.findings` finds what it needs: GA004 (and GA006) an
+# import of transformers or trl, GA005 one of JAX or optax, Lightning's GA003 a
+# `Trainer(accumulate_grad_batches=...)` or a `GradientAccumulationScheduler`.
+TRAINER_WORDS = (b"compute_loss", b"training_step", b"Trainer(", b"Trainer)")
+TRAINER_HOMES = {"transformers", "trl"}
+JAX_WORDS = (
+    b"MultiSteps",
+    b"jax.tree",
+    b"tree_util",
+    b"tree_map",
+    b"tree.map",
+    b"value_and_grad",
+    b"jax.grad",
+)
+JAX_HOMES = {"jax", "flax", "equinox", "optax"}
+LIGHTNING_WORDS = (b"accumulate_grad_batches", b"GradientAccumulationScheduler")
+SCRIPT = b"/// script"
+LIGHTNING_KEPT = (*LIGHTNING_WORDS, b"training_step", b"Trainer(", b"Trainer)")
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 NESTED = (*FUNCTIONS, ast.ClassDef, ast.Lambda)
 LOOPS = (ast.For, ast.AsyncFor, ast.While)
@@ -67,16 +83,16 @@ def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
     judge = _Judge(tree, data, lines, ACCUMULATION_NAMES | names, directory)
     owners = judge.owners(found)
 
-    # The other triggers count where code names them, not in strings or comments; a PEP 723
-    # block is a comment (GA006 reads it). Like the prefilter: without one of them in the
-    # file, only the judged calls matter.
-    named = judge.naming(OTHERS, found)
-    kept = judge.naming(OTHERS_FOCUS, found) if named or SCRIPT in data else set()
+    # The other triggers count for the rule families that can fire here, where code spells
+    # them (not in strings or comments).
+    words = judge.family_words()
+    kept = judge.naming(words, found) if words else set()
 
     def matters(unit) -> bool:
         return unit in owners or unit in kept
 
-    if not named and SCRIPT not in data and None not in owners and not any(map(matters, found)):
+    nothing = not (owners or kept) and SCRIPT not in data  # GA006 reads a PEP 723 comment
+    if nothing:
         return Screened(None, judge.dependencies)
     return Screened(blank(data, tree, found, matters), judge.dependencies, tree)
 
@@ -113,9 +129,28 @@ class _Judge:
             sites += [c for c in backwards if self._in_window(c)]
         return {self._owner(site, members) for site in sites}
 
+    def family_words(self) -> tuple[bytes, ...]:
+        """The triggers of the rule families that can fire in this file."""
+        tops = set()
+        for node in self.imports:
+            if isinstance(node, ast.Import):
+                tops |= {alias.name.split(".")[0] for alias in node.names}
+            elif node.module:
+                tops.add(node.module.split(".")[0])
+            else:
+                tops |= {alias.name for alias in node.names}
+        words: tuple[bytes, ...] = ()
+        if tops & TRAINER_HOMES:
+            words += TRAINER_WORDS
+        if tops & JAX_HOMES:
+            words += JAX_WORDS
+        if self.naming(LIGHTNING_WORDS, {}):
+            words += LIGHTNING_KEPT
+        return words
+
     def naming(self, triggers: tuple[bytes, ...], members: dict) -> set:
         """The `members` whose code names one of `triggers` (None for module-level code)."""
-        words = {t.decode().strip("()") for t in triggers if t != SCRIPT}
+        words = {t.decode().strip("()") for t in triggers}
         return {
             self._owner(node, members)
             for node in self._nodes_on(self._lines_with(words))
@@ -126,8 +161,19 @@ class _Judge:
         """The numbers of the lines holding one of `words` (str)."""
         if not words:
             return []
-        pattern = re.compile(b"|".join(re.escape(w.encode()) for w in sorted(words)))
-        return [n for n, line in enumerate(self.lines, 1) if pattern.search(line)]
+        return self._lines_matching(
+            re.compile(b"|".join(re.escape(w.encode()) for w in sorted(words)))
+        )
+
+    def _lines_matching(self, pattern: re.Pattern[bytes]) -> list[int]:
+        """The numbers of the lines where `pattern` matches, in order."""
+        numbers = (bisect_right(self._starts, m.start()) for m in pattern.finditer(self.data))
+        return sorted(set(numbers))
+
+    @cached_property
+    def _starts(self) -> list[int]:
+        """The offset where each line starts."""
+        return list(accumulate(map(len, self.lines[:-1]), initial=0))
 
     def _nodes_on(self, numbers: list[int]) -> Iterator[ast.AST]:
         """The nodes whose lines include one of `numbers` (sorted), with their parents."""
@@ -203,7 +249,7 @@ class _Judge:
         return self._names_divisor() or b"deepspeed" in self.data or self._imports_repository()
 
     def _names_divisor(self) -> bool:
-        numbers = [n for n, line in enumerate(self.lines, 1) if _pattern(self.names).search(line)]
+        numbers = self._lines_matching(_pattern(self.names))
         return any(
             (isinstance(n, ast.Name) and n.id in self.names)
             or (isinstance(n, ast.Attribute) and n.attr in self.names)
@@ -430,11 +476,12 @@ def _identifiers(node: ast.AST) -> tuple[str, ...]:
 
 
 def _spells(node: ast.AST, word: str) -> bool:
-    """Whether a node's own identifiers hold `word` (`Trainer` in `Seq2SeqTrainer`); a dotted
-    word (`jax.tree`) must be an attribute of that name or part of an imported name."""
+    """Whether one of a node's own identifiers ends with `word` (`Seq2SeqTrainer` for
+    `Trainer`: the rules match names so, or exactly); a dotted word (`jax.tree`) must be an
+    attribute of that name or part of an imported name."""
     head, dot, last = word.rpartition(".")
     if not dot:
-        return any(word in name for name in _identifiers(node))
+        return any(name.endswith(word) for name in _identifiers(node))
     if isinstance(node, ast.Attribute):
         return node.attr.startswith(last) and _last(node.value) == head.rpartition(".")[2]
     return isinstance(node, (ast.alias, ast.ImportFrom)) and any(

@@ -26,8 +26,6 @@ TRIGGERS = (
     b"pipelining",
     b"PipelineModule",
 )
-# Inside a file that passed, the definitions holding any of these are kept for libcst (focus.py).
-FOCUS = (*TRIGGERS, b"tree_map", b"tree.map", b"value_and_grad", b"jax.grad", b"Schedule")
 # libcst parses dense code at about 100 kB/s and holds some 500 bytes per byte parsed:
 # larger files that could have findings are refused, so that a run stays bounded.
 MAX_BYTES = 2 * 2**20

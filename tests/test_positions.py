@@ -14,7 +14,7 @@ from gaaudit.engine import check_file
 from gaaudit.findings import Confidence, Span
 from gaaudit.fixer import fix_source
 from gaaudit.focus import focus
-from gaaudit.source import FOCUS, parse
+from gaaudit.source import TRIGGERS, parse
 from gaaudit.tree import TRIVIA, Tree
 from gaaudit.verify import targets
 
@@ -155,7 +155,7 @@ def test_tricky_source_spans_match_position_provider(name: str) -> None:
 
 
 def test_focused_copy_spans_match_and_keep_the_file_lines() -> None:
-    focused = focus(FOCUSED, FOCUS)
+    focused = focus(FOCUSED, TRIGGERS)
     assert focused != FOCUSED and len(focused.splitlines()) == len(FOCUSED.splitlines())
     assert_spans_match(focused)
     tree = Tree(parse(focused), source=focused)

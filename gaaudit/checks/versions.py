@@ -360,6 +360,8 @@ def _walk(root: Path) -> Iterator[Path]:
             if not d.startswith(".") and not any(fnmatch.fnmatch(d, p) for p in DEFAULT_EXCLUDE)
         )
         for name in sorted(filenames):
+            if name.endswith(".py") and name.lower() != "setup.py":
+                continue  # most files: spare building a path
             path = Path(directory, name)
             if (path.suffix in CONFIGS or is_pin_file(path)) and _regular(path):
                 yield path
