@@ -6,7 +6,6 @@ import ast
 import codecs
 import io
 import os
-import threading
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,6 +171,8 @@ def _on_large_stack(function, *args):
             outcome.append((True, function(*args)))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
             outcome.append((False, exc))
+
+    import threading  # only when a file is parsed: a clean file's check spares the import
 
     previous = threading.stack_size(PARSER_STACK)
     try:
