@@ -48,8 +48,8 @@ JAX_WORDS = (
 )
 JAX_HOMES = {"jax", "flax", "equinox", "optax"}
 LIGHTNING_WORDS = (b"accumulate_grad_batches", b"GradientAccumulationScheduler")
-SCRIPT = b"/// script"
 LIGHTNING_KEPT = (*LIGHTNING_WORDS, b"training_step", b"Trainer(", b"Trainer)")
+SCRIPT = b"/// script"  # GA006 reads a PEP 723 block: a comment
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 NESTED = (*FUNCTIONS, ast.ClassDef, ast.Lambda)
 LOOPS = (ast.For, ast.AsyncFor, ast.While)
@@ -91,8 +91,7 @@ def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
     def matters(unit) -> bool:
         return unit in owners or unit in kept
 
-    nothing = not (owners or kept) and SCRIPT not in data  # GA006 reads a PEP 723 comment
-    if nothing:
+    if not (owners or kept) and SCRIPT not in data:
         return Screened(None, judge.dependencies)
     return Screened(blank(data, tree, found, matters), judge.dependencies, tree)
 
@@ -391,6 +390,7 @@ def _reaches_divisor(modules, directory: Path, pattern, seen: set, visited: set,
 
 
 def _divides(path: Path, pattern, seen: set, visited: set, hops: int) -> bool:
+    """Whether a module file names an accumulation divisor, or one of its imports may."""
     try:
         data = path.read_bytes()
     except OSError:
