@@ -25,8 +25,9 @@ def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False
     if not Source(path, data).may_have_findings:
         return FileFix(shown, data, data)
     screened = screen(data, settings.accumulation_names, path.parent)
-    if screened.data is None:  # no finding possible; the rewrite needs the whole module else
+    if screened.data is None:  # no finding possible
         return FileFix(shown, data, data)
+    # Otherwise the whole module is analysed: the rewrite edits it, not a focused copy.
     module = parse(data, screened.tree)
     text = data.decode(module.encoding)
     context, findings = audit(
