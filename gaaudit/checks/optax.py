@@ -130,8 +130,8 @@ class OptaxAudit:
     def _loss_functions(self) -> list[cst.FunctionDef | cst.Lambda]:
         """Functions given to `jax.value_and_grad` and kin; else the file's `*loss*` functions."""
         found = []
-        for node in self.tree.walk(self.tree.module):
-            if isinstance(node, cst.Call) and positional(node):
+        for node in self.tree.calls:
+            if positional(node):
                 qualified = self.tree.qualified(node.func) or ""
                 if qualified.split(".")[0] in JAX_HOMES and qualified.rsplit(".", 1)[-1] in GRADS:
                     function = self._function_of(positional(node)[0])
@@ -158,9 +158,7 @@ class OptaxAudit:
             yield from self._tree_divisions()
 
     def _multisteps(self) -> Iterator[Site]:
-        for node in self.tree.walk(self.tree.module):
-            if not isinstance(node, cst.Call):
-                continue
+        for node in self.tree.calls:
             qualified = self.tree.qualified(node.func) or ""
             if not (qualified.startswith("optax.") and qualified.endswith(".MultiSteps")):
                 continue
@@ -198,10 +196,8 @@ class OptaxAudit:
 
     def _tree_divisions(self) -> Iterator[Site]:
         """`tree_map(lambda g: g / k, grads)`, `tree_map(lambda a, g: a + g / k, acc, grads)`."""
-        for node in self.tree.walk(self.tree.module):
-            if not (
-                isinstance(node, cst.Call) and self._is_tree_map(node.func) and positional(node)
-            ):
+        for node in self.tree.calls:
+            if not (self._is_tree_map(node.func) and positional(node)):
                 continue
             function = positional(node)[0]
             if not isinstance(function, cst.Lambda):
