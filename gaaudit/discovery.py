@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +16,38 @@ if TYPE_CHECKING:  # imported when a folder is walked: files named alone need no
     import pathspec
 
 SUFFIXES = (".py", ".ipynb")
+PLAIN = re.compile(r"\*?[\w.+-]+")  # matches entries of this name (or ending) at any depth
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """The exclude patterns. Plain names (`build`) and endings (`*.egg-info`) are looked
+    up, the others matched with pathspec: matching every pattern on every entry costs
+    more than the walk on a large tree. When a pattern negates, order matters and pathspec
+    matches them all."""
+
+    names: frozenset[str]
+    endings: tuple[str, ...]
+    spec: pathspec.GitIgnoreSpec | None
+
+    @classmethod
+    def of(cls, patterns: list[str]) -> Excluded:
+        if any(p.startswith("!") for p in patterns):
+            return cls(frozenset(), (), _spec(patterns))
+        plain = [p for p in patterns if PLAIN.fullmatch(p)]
+        others = [p for p in patterns if p not in plain]
+        names = frozenset(p for p in plain if not p.startswith("*"))
+        endings = tuple(p[1:] for p in plain if p.startswith("*"))
+        return cls(names, endings, _spec(others) if others else None)
+
+    def match(self, relative: str, name: str, suffix: str) -> bool:
+        """Whether an entry (`relative` to the walked folder, with its `name`) is excluded;
+        its folders were not. `suffix` is `/` for a folder."""
+        if name in self.names or name.endswith(self.endings):
+            return True
+        return self.spec is not None and (
+            self.spec.match_file(relative + suffix) or self.spec.match_file(name + suffix)
+        )
 
 
 def _spec(patterns) -> pathspec.GitIgnoreSpec:
@@ -32,14 +66,14 @@ def discover(paths: list[Path], settings: Settings) -> Iterator[Path]:
                 seen.add(path)
                 yield path
             continue
-        excluded = excluded or _spec([*settings.exclude, *settings.extend_exclude])
+        excluded = excluded or Excluded.of([*settings.exclude, *settings.extend_exclude])
         for found in _walk(path, excluded, settings.root):
             if found not in seen:
                 seen.add(found)
                 yield found
 
 
-def _walk(top: Path, excluded: pathspec.GitIgnoreSpec, root: Path) -> Iterator[Path]:
+def _walk(top: Path, excluded: Excluded, root: Path) -> Iterator[Path]:
     """Python files under `top`, in a stable order; symbolic links are not followed, and
     only regular files are listed. A directory that cannot be listed is yielded itself, so
     that reading it reports the error instead of its files being skipped in silence.
@@ -83,7 +117,7 @@ def _ignored(relative: str, name: str, is_dir: bool, excluded, ignores, resolved
     """Whether `relative` (to the walked folder `resolved`, with `/`) is excluded by the
     settings or a .gitignore (given by its folder)."""
     suffix = "/" if is_dir else ""
-    if excluded.match_file(relative + suffix) or excluded.match_file(name + suffix):
+    if excluded.match(relative, name, suffix):
         return True
     if not ignores:
         return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
 
 from gaaudit import cache
@@ -22,13 +23,13 @@ Result = tuple[Path, FileReport, "cache.Entry | None"]
 
 def display_path(path: Path, root: Path | None = None) -> str:
     """A path relative to `root` (default: the current directory) when under it, with `/`."""
-    return _relative(path, os.path.realpath(root if root is not None else os.getcwd()))
+    return _relative(path, _real(os.path.abspath(root if root is not None else os.getcwd())))
 
 
 def _relative(path: Path, base: str) -> str:
     """`display_path` against a base already resolved."""
     try:
-        real = os.path.realpath(path)
+        real = _real(os.fspath(path))
     except (OSError, ValueError):
         return path.as_posix()
     if real == base:
@@ -37,6 +38,20 @@ def _relative(path: Path, base: str) -> str:
     if real.startswith(prefix):
         return real[len(prefix) :].replace(os.sep, "/")
     return path.as_posix()
+
+
+def _real(path: str) -> str:
+    """`os.path.realpath`, resolving each folder once per process (it costs a system call
+    per part of the path, on every file of a large tree)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    if ".." in path.split(os.sep) or os.path.islink(path):
+        return os.path.realpath(path)
+    return os.path.join(_real_folder(folder), name)
+
+
+@lru_cache(maxsize=1024)
+def _real_folder(folder: str) -> str:
+    return os.path.realpath(folder)
 
 
 def check_file(path: Path, settings: Settings) -> FileReport:

@@ -28,7 +28,9 @@ from keyword import iskeyword
 from pathlib import Path
 
 from gaaudit.focus import blank, units
+from gaaudit.lexical import any_in_code
 from gaaudit.modules import MAX_HOPS, Dependency, bases, file_digest
+from gaaudit.source import TRIGGERS
 from gaaudit.vocabulary import ACCUMULATION_NAMES, BACKWARDS, PIPELINE_CLASSES, steps_optimizer
 
 # The other rule families, each with the triggers that mark the definitions it reads. A
@@ -50,6 +52,12 @@ JAX_HOMES = {"jax", "flax", "equinox", "optax"}
 LIGHTNING_WORDS = (b"accumulate_grad_batches", b"GradientAccumulationScheduler")
 LIGHTNING_KEPT = (*LIGHTNING_WORDS, b"training_step", b"Trainer(", b"Trainer)")
 SCRIPT = b"/// script"  # GA006 reads a PEP 723 block: a comment
+# What a file's bytes must hold besides a family's words for its rule to fire: the name of
+# a module that imports its home, or a Lightning accumulation setting.
+FAMILY_SIGNS = (
+    (TRAINER_WORDS, (*(h.encode() for h in TRAINER_HOMES), *LIGHTNING_WORDS)),
+    (JAX_WORDS, tuple(h.encode() for h in JAX_HOMES)),
+)
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 NESTED = (*FUNCTIONS, ast.ClassDef, ast.Lambda)
 LOOPS = (ast.For, ast.AsyncFor, ast.While)
@@ -74,6 +82,8 @@ class Screened:
 def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
     """`data` focused on what can hold a finding; `names` are the configured accumulation
     names, `directory` the file's folder (for the modules it imports)."""
+    if SCRIPT not in data and not any_in_code(data, _trigger_offsets(data)):
+        return Screened(None)  # its triggers are all in strings and comments: no parse
     try:
         tree = ast.parse(data)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -94,6 +104,21 @@ def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
     if not (owners or kept) and SCRIPT not in data:
         return Screened(None, judge.dependencies)
     return Screened(blank(data, tree, found, matters), judge.dependencies, tree)
+
+
+def _trigger_offsets(data: bytes) -> list[int]:
+    """Where the prefilter's triggers that can matter in this file start, in order: a rule
+    family's words count only when the bytes also show what the family needs."""
+    found = []
+    for trigger in TRIGGERS:
+        if all(
+            trigger not in words or any(s in data for s in signs) for words, signs in FAMILY_SIGNS
+        ):
+            at = data.find(trigger)
+            while at >= 0:
+                found.append(at)
+                at = data.find(trigger, at + 1)
+    return sorted(found)
 
 
 class _Judge:

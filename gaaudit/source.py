@@ -10,6 +10,8 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
+from gaaudit.focus import DEFINITIONS
+
 # Byte patterns without which no rule can fire: files lacking all of them are never parsed.
 TRIGGERS = (
     b".backward(",
@@ -193,12 +195,15 @@ def _depth(tree: ast.AST, lines: list[bytes]) -> tuple[int, ast.AST]:
     libcst puts a wrapper node (an element, an argument, a block) between a node and the
     members of its lists; nests `a and b and c`, `for` clauses of a comprehension and
     implicitly concatenated strings one inside the next; and puts a subscript's slice two
-    levels down.
+    levels down. A definition whose first line is blank in `lines` was blanked by `focus`
+    and is not walked.
     """
     deepest, where = 0, tree
     stack = [(tree, 0)]
     while stack:
         node, depth = stack.pop()
+        if isinstance(node, DEFINITIONS) and not lines[node.lineno - 1].strip():
+            continue
         if isinstance(node, ast.JoinedStr) or (
             isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes))
         ):

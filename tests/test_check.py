@@ -11,7 +11,8 @@ import pytest
 from conftest import FIXTURES, expected, fixture_scripts, gaaudit
 
 from gaaudit import catalogue
-from gaaudit.config import Settings
+from gaaudit.config import DEFAULT_EXCLUDE, Settings
+from gaaudit.discovery import Excluded
 from gaaudit.engine import check_file
 from gaaudit.findings import Confidence
 
@@ -233,6 +234,36 @@ def test_discovery_honours_gitignore_and_default_excludes(tmp_path, cli):
     assert excluded.exit_code == 0
     replaced = cli("check", ".", "--exclude", "kept.py", "-q", cwd=tmp_path)
     assert "build/x.py" in replaced.output
+
+
+@pytest.mark.parametrize(
+    "patterns",
+    [
+        list(DEFAULT_EXCLUDE),
+        ["build", "*.egg-info", "docs/", "src/gen_*.py", "x?.py"],
+        ["build", "!build", "*.log"],  # a negation: order matters, pathspec decides
+    ],
+    ids=["defaults", "mixed", "negated"],
+)
+def test_excludes_match_as_gitignore_patterns_do(patterns):
+    """Entry by entry, as the walk asks (an excluded folder is not entered), the lookups
+    agree with pathspec on the whole pattern list."""
+    import pathspec
+
+    spec = pathspec.GitIgnoreSpec.from_lines(patterns)
+    excluded = Excluded.of(patterns)
+    entries = [
+        ("build", True), ("a/build", True), ("a/build", False), ("rebuild", True),
+        ("x.egg-info", True), (".egg-info", True), ("egg-info", True), ("docs", True),
+        ("a/docs", False), ("src/gen_a.py", False), ("gen_a.py", False), ("x1.py", False),
+        ("x12.py", False), (".venv", True), ("venv", False), ("a/.git", True), ("b.log", False),
+        ("__pycache__", True), ("site-packages", True), ("env.py", False),
+    ]  # fmt: skip
+    for relative, is_dir in entries:
+        suffix = "/" if is_dir else ""
+        name = relative.rpartition("/")[2]
+        whole = spec.match_file(relative + suffix) or spec.match_file(name + suffix)
+        assert excluded.match(relative, name, suffix) == whole, (patterns, relative)
 
 
 def test_missing_path_is_a_usage_error(tmp_path):

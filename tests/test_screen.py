@@ -7,6 +7,7 @@ to hold a finding does hold one, so that the comparison means something.
 
 from __future__ import annotations
 
+import ast
 import shutil
 from pathlib import Path
 
@@ -126,6 +127,11 @@ ANSWERED = {
     "        if step % 10 == 0:\n"
     "            print(loss.item())\n",
     "a backward without a loop": "def closure(model, x):\n    model(x).sum().backward()\n",
+    "a Trainer override without transformers": "class Run(Base):\n"
+    "    def compute_loss(self, model, inputs):\n"
+    "        return model(**inputs).loss / self.grad_accum\n",
+    "tree_util without JAX": "from torch.utils import _pytree as tree_util\n\n"
+    "def halve(grads):\n    return tree_util.tree_map(lambda g: g / 2, grads)\n",
 }
 
 
@@ -140,6 +146,20 @@ def test_files_without_a_window_are_answered_without_libcst(tmp_path, text):
     path = project_file(tmp_path, text)
     assert screen(path.read_bytes(), frozenset(), tmp_path).data is None
     assert findings(path) == ([], [])
+
+
+def test_triggers_only_in_strings_and_comments_are_answered_without_parsing(monkeypatch):
+    def parse(*args, **kwargs):
+        raise AssertionError("parsed")
+
+    monkeypatch.setattr(ast, "parse", parse)
+    text = (FIXTURES / "ga001_hf_clm_sft_no_trainer.py").read_text()
+    quoted = '"""Run loss.backward() then Trainer(...)."""\n' + "\n".join(
+        f"# {line}" for line in text.splitlines()
+    )
+    assert screen(quoted.encode(), frozenset(), Path(".")).data is None
+    with pytest.raises(AssertionError, match="parsed"):
+        screen(text.encode(), frozenset(), Path("."))
 
 
 TRAIN = HEAD + (
