@@ -177,11 +177,17 @@ HELPER = HEAD + (
 )
 
 
-def test_a_helper_module_that_divides_opens_the_file(tmp_path):
-    """No window, but the loss comes from a module of the repository that divides by an
-    accumulation name: the rules report it, so the screen must not answer alone."""
-    path = project_file(tmp_path, TRAIN)
-    (tmp_path / "helpers.py").write_text(HELPER)
+@pytest.mark.parametrize("module", ["helpers", "lib.helpers", "lib.deep.helpers"])
+def test_a_helper_module_that_divides_opens_the_file(tmp_path, module):
+    """No window, but the loss comes from a module of the repository (perhaps inside a
+    package) that divides by an accumulation name: the rules report it, so the screen must
+    not answer alone."""
+    path = project_file(tmp_path, TRAIN.replace("from helpers", f"from {module}"))
+    helper = tmp_path.joinpath(*module.split(".")).with_suffix(".py")
+    helper.parent.mkdir(parents=True, exist_ok=True)
+    helper.write_text(HELPER)
+    for package in helper.relative_to(tmp_path).parents[:-1]:
+        (tmp_path / package / "__init__.py").touch()
     screened, whole = findings(path)
     assert whole and screened == whole
 
