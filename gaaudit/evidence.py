@@ -1,13 +1,13 @@
-"""One token pass over a file: confidence evidence (GA-GUIDE section 3) and suppression comments."""
+"""What a file's code shows: confidence evidence (GA-GUIDE section 3) and suppression comments."""
 
 from __future__ import annotations
 
-import io
 import re
-import tokenize
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 from gaaudit.findings import Confidence
+from gaaudit.lexical import literals
 
 # Names that show valid-token counts varying between micro-batches.
 VARIABLE = {
@@ -24,6 +24,28 @@ VARIABLE = {
 }
 # Names that show fixed-length, packed data, where mean/K is exact.
 FIXED = {"memmap", "group_texts", "block_size"}
+VARIABLE_SIGNS = (
+    (re.compile(rb"-\s*(?P<sign>100)(?![\w.])"), lambda match: "labels padded with -100"),
+    (
+        re.compile(rb"\b(?P<sign>" + b"|".join(w.encode() for w in sorted(VARIABLE)) + rb")\b"),
+        lambda match: f"`{match['sign'].decode()}`",
+    ),
+    (re.compile(rb"\bpadding\s*(?P<sign>=)(?!=)"), lambda match: "a `padding=` argument"),
+)
+FIXED_SIGNS = (
+    (
+        re.compile(
+            rb"\b(?P<sign>"
+            + b"|".join(w.encode() for w in sorted(FIXED))
+            + rb"|(?![0-9])\w*(?i:packed)\w*)\b"
+        ),
+        lambda match: f"`{match['sign'].decode()}`",
+    ),
+    (re.compile(rb"\bdrop_last\s*=\s*(?P<sign>True)\b"), lambda match: "`drop_last=True`"),
+)
+PREFIX = re.compile(rb"(?:^|\W)([A-Za-z]{1,2})$")  # letters just before a quote
+STRING_PREFIXES = {b"r", b"u", b"b", b"f", b"t", b"br", b"rb", b"fr", b"rf", b"tr", b"rt"}
+NEWLINE = re.compile(rb"\n")
 SUPPRESSION = re.compile(
     r"#\s*(?:noqa|gaaudit:\s*ignore)(?P<codes>(?::\s*|\[)[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*\]?)?",
     re.IGNORECASE,
@@ -61,70 +83,56 @@ class Evidence:
 
 
 def scan(text: str) -> Evidence:
-    """Tokenize once; a file that does not tokenize yields no evidence (the parser reports it)."""
-    found = Evidence()
-    previous: list[tokenize.TokenInfo] = []
-    try:
-        for token in tokenize.generate_tokens(io.StringIO(text).readline):
-            _inspect(found, token, previous)
-            if token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT):
-                previous = [*previous[-1:], token]
-    except (tokenize.TokenError, SyntaxError):
-        pass
+    """The signs in a file's code (its strings and comments told apart without tokenizing,
+    see `lexical`; the first sign of each kind wins) and its suppression comments."""
+    data = text.encode("utf-8")
+    tokens = list(literals(data))
+    starts = [token.start() for token in tokens]
+    newlines = [match.start() for match in NEWLINE.finditer(data)]
+
+    def line(offset: int) -> int:
+        return bisect_left(newlines, offset) + 1
+
+    def in_code(offset: int) -> bool:
+        index = bisect_right(starts, offset) - 1
+        return index < 0 or offset >= tokens[index].end()
+
+    def first(signs: list[tuple[int, str]]) -> tuple[int, str] | None:
+        if not signs:
+            return None
+        offset, what = min(signs, key=lambda sign: sign[0])
+        return line(offset), what
+
+    def coded(patterns) -> list[tuple[int, str]]:
+        return [
+            (match.start("sign"), describe(match))
+            for pattern, describe in patterns
+            for match in pattern.finditer(data)
+            if in_code(match.start())
+        ]
+
+    strings = [_quoted_sign(data, t) for t in tokens if t.lastgroup == "string"]
+    found = Evidence(
+        variable=first(coded(VARIABLE_SIGNS) + [sign for sign in strings if sign]),
+        fixed=first(coded(FIXED_SIGNS)),
+    )
+    for comment in (t for t in tokens if t.lastgroup == "comment"):
+        match = SUPPRESSION.search(comment.group().decode("utf-8"))
+        if match:
+            codes = match.group("codes")
+            found.suppressions[line(comment.start())] = (
+                frozenset(re.findall(r"[A-Z]+[0-9]+", codes.upper())) if codes else None
+            )
     return found
 
 
-def _inspect(found: Evidence, token: tokenize.TokenInfo, previous: list) -> None:
-    line, text = token.start[0], token.string
-    if token.type == tokenize.COMMENT:
-        match = SUPPRESSION.search(text)
-        if match:
-            codes = match.group("codes")
-            found.suppressions[line] = (
-                frozenset(re.findall(r"[A-Z]+[0-9]+", codes.upper())) if codes else None
-            )
-        return
-    if found.variable is None:
-        what = _variable_sign(token, previous)
-        if what:
-            found.variable = (line, what)
-    if found.fixed is None:
-        what = _fixed_sign(token, previous)
-        if what:
-            found.fixed = (line, what)
-
-
-def _variable_sign(token: tokenize.TokenInfo, previous: list) -> str | None:
-    if (
-        token.type == tokenize.NUMBER
-        and token.string == "100"
-        and previous[-1:]
-        and previous[-1].string == "-"
-    ):
-        return "labels padded with -100"
-    if token.type == tokenize.NAME and token.string in VARIABLE:
-        return f"`{token.string}`"
-    if token.type == tokenize.STRING and token.string.strip("\"'rbf") in VARIABLE:
-        return f"`{token.string}`"
-    if (
-        token.type == tokenize.OP
-        and token.string == "="
-        and previous[-1:]
-        and previous[-1].string == "padding"
-    ):
-        return "a `padding=` argument"
-    return None
-
-
-def _fixed_sign(token: tokenize.TokenInfo, previous: list) -> str | None:
-    if token.type == tokenize.NAME and (token.string in FIXED or "packed" in token.string.lower()):
-        return f"`{token.string}`"
-    if (
-        token.type == tokenize.NAME
-        and token.string == "True"
-        and len(previous) == 2
-        and previous[0].string == "drop_last"
-        and previous[1].string == "="
-    ):
-        return "`drop_last=True`"
-    return None
+def _quoted_sign(data: bytes, string: re.Match[bytes]) -> tuple[int, str] | None:
+    """Where a string literal naming a variable-length sign (`batch["attention_mask"]`)
+    starts, prefix included, and what it shows."""
+    start = string.start()
+    prefix = PREFIX.search(data[max(start - 3, 0) : start])
+    letters = prefix.group(1) if prefix and prefix.group(1).lower() in STRING_PREFIXES else b""
+    literal = (letters + string.group()).decode("utf-8")
+    if literal.strip("\"'rbf") not in VARIABLE:
+        return None
+    return start - len(letters), f"`{literal}`"

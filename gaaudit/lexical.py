@@ -12,6 +12,7 @@ quote, or an offset inside an f-string, whose fields are code): the parser then 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 _SINGLE = r"[^{q}\\\r\n]*(?:\\(?:\r\n|.)[^{q}\\\r\n]*)*{q}"
 _TRIPLE = r"[^{q}\\]*(?:(?:\\.|{q}(?!{q}{q}))[^{q}\\]*)*{q}{q}{q}"
@@ -55,6 +56,13 @@ def any_in_code(data: bytes, offsets: list[int]) -> bool:
             if offset is None:
                 return False
     return True
+
+
+def literals(data: bytes) -> Iterator[re.Match[bytes]]:
+    """The comments and string literals of Python source `data`, in order: matches whose
+    `lastgroup` is "comment" or "string" (from its quote on, the prefix left out). A lone
+    quote that opens no literal is passed over as code."""
+    return (token for token in TOKEN.finditer(data) if token.lastgroup != "unsure")
 
 
 def _template(data: bytes, quote: int) -> bool:
