@@ -114,14 +114,16 @@ def _own_names(unit: Definition) -> set[str]:
 
 
 def _names(nodes) -> set[str]:
-    """Every name and attribute some nodes mention."""
+    """The names some nodes mention, and the attributes they call (`self.helper()`): the
+    only references by which the analysis finds a definition of the file. An attribute
+    only read (`self.args`) names no definition it follows."""
     found: set[str] = set()
     for node in nodes:
         for sub in ast.walk(node):
             if isinstance(sub, ast.Name):
                 found.add(sub.id)
-            elif isinstance(sub, ast.Attribute):
-                found.add(sub.attr)
+            elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute):
+                found.add(sub.func.attr)
     return found
 
 

@@ -131,6 +131,8 @@ class _Judge:
         self.names, self.directory = names, directory
         self.dependencies: frozenset[Dependency] = frozenset()
         self.parents: dict[ast.AST, ast.AST] = {}
+        self._region_steps: dict[ast.AST, list[ast.Call]] = {}
+        self._windows: dict[ast.AST, bool] = {}
         self.functions: dict[str, list[ast.AST]] = {}
         self.imports: list[ast.Import | ast.ImportFrom] = []
         for node in _statements(tree):
@@ -293,13 +295,20 @@ class _Judge:
             if loop is None and isinstance(node, LOOPS):
                 loop = node
         if loop is not None:
-            steps = self._steps_in(loop)
-            if any(self._guarded(s, loop, skipping=True) for s in steps):
-                return True
-            return not any(self._steps(s) for s in steps) and self._micro_loop(loop)
+            return self._loop_window(loop)
         if isinstance(scope, FUNCTIONS):
             return any(self._guarded(s, scope, skipping=False) for s in self._steps_in(scope))
         return False
+
+    def _loop_window(self, loop: ast.AST) -> bool:
+        """Whether a loop holding backward calls may be an accumulation window (each loop
+        judged once: its backward calls all ask)."""
+        if loop not in self._windows:
+            steps = self._steps_in(loop)
+            self._windows[loop] = any(self._guarded(s, loop, skipping=True) for s in steps) or (
+                not any(self._steps(s) for s in steps) and self._micro_loop(loop)
+            )
+        return self._windows[loop]
 
     def _micro_loop(self, loop: ast.AST) -> bool:
         """Whether a loop of backward calls may be a micro-step loop: it neither clears nor
@@ -332,8 +341,12 @@ class _Judge:
         return isinstance(node, ast.Call) and _last(node.func) in self._step_names
 
     def _steps_in(self, region: ast.AST) -> list[ast.Call]:
-        """Calls in `region` (not in nested definitions) that may step an optimizer."""
-        return [n for n in self._own_nodes(region) if self._may_step(n)]
+        """Calls in `region` (not in nested definitions) that may step an optimizer (each
+        region walked once: its backward calls all ask)."""
+        if region not in self._region_steps:
+            found = [n for n in self._own_nodes(region) if self._may_step(n)]
+            self._region_steps[region] = found
+        return self._region_steps[region]
 
     def _guarded(self, step: ast.Call, region: ast.AST, skipping: bool) -> bool:
         """Whether an `if` inside `region` testing `a % k` holds the step or, with
