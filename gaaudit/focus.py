@@ -40,7 +40,7 @@ def blank(data: bytes, tree: ast.Module, found: dict, matters) -> bytes:
         kept |= {u for u, owner in found.items() if owner in kept and u.name in ALWAYS_KEPT}
         wanted = top_level.union(*map(names_of, kept))
         revived = {u for u in found if u not in kept and u.name in wanted}
-        revived = _with_members(revived, found)  # a named class, whole
+        revived = with_members(revived, found)  # a named class, whole
         if not revived:
             break
         kept |= revived
@@ -82,7 +82,7 @@ def _with_owners(kept: set, found: dict) -> set:
     return closed
 
 
-def _with_members(revived: set, found: dict) -> set:
+def with_members(revived: set, found: dict) -> set:
     """`revived` and every definition inside one of them."""
     closed = set(revived)
     changed = True

@@ -9,8 +9,9 @@ belong to an accumulation window only
 - outside loops, in a function that steps under an `a % k` guard;
 - anywhere, when the file names an accumulation divisor, mentions DeepSpeed, or imports a
   module of its repository (whose loss helper may divide by one).
-A pipeline schedule matters where it is built; the other triggers (a Trainer override, a
-JAX tree map, ...) where code spells them, in a file that gives their rule what it needs.
+A pipeline schedule matters where it is built; a Trainer override in a class deriving from
+a transformers or trl Trainer, and a Trainer where it is called; the other triggers (a JAX
+tree map, ...) where code spells them, in a file that gives their rule what it needs.
 Definitions holding none of these are blanked by `focus`; a file left with nothing is
 answered without libcst.
 """
@@ -27,17 +28,24 @@ from itertools import accumulate
 from keyword import iskeyword
 from pathlib import Path
 
-from gaaudit.focus import blank, units
+from gaaudit.focus import blank, units, with_members
 from gaaudit.lexical import any_in_code
 from gaaudit.modules import MAX_HOPS, Dependency, bases, file_digest
 from gaaudit.source import TRIGGERS
-from gaaudit.vocabulary import ACCUMULATION_NAMES, BACKWARDS, PIPELINE_CLASSES, steps_optimizer
+from gaaudit.vocabulary import (
+    ACCUMULATION_NAMES,
+    BACKWARDS,
+    PIPELINE_CLASSES,
+    TRAINER_MODULES,
+    steps_optimizer,
+)
 
 # The other rule families, each with the triggers that mark the definitions it reads. A
-# family fires only where `checks/*.findings` finds what it needs: GA004 (and GA006) an
-# import of transformers or trl, GA005 one of JAX or optax, Lightning's GA003 a
-# `Trainer(accumulate_grad_batches=...)` or a `GradientAccumulationScheduler`.
-TRAINER_WORDS = (b"compute_loss", b"training_step", b"Trainer(", b"Trainer)")
+# family fires only where `checks/*.findings` finds what it needs: GA004 an import of
+# transformers or trl, GA005 one of JAX or optax, Lightning's GA003 a
+# `Trainer(accumulate_grad_batches=...)` or a `GradientAccumulationScheduler`. GA004 is
+# judged by the classes and calls it reads (`_Judge.trainer_units`), its words by bytes.
+TRAINER_WORDS = (b"compute_loss", b"training_step", b"Trainer(", b"Trainer)", b"Trainer as")
 TRAINER_HOMES = {"transformers", "trl"}
 JAX_WORDS = (
     b"MultiSteps",
@@ -97,6 +105,8 @@ def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
     # them (not in strings or comments).
     words = judge.family_words()
     kept = judge.naming(words, found) if words else set()
+    if judge.imports_any(TRAINER_HOMES):
+        kept |= judge.trainer_units(found)
 
     def matters(unit) -> bool:
         return unit in owners or unit in kept
@@ -135,10 +145,14 @@ class _Judge:
         self._region_steps: dict[ast.AST, list[ast.Call]] = {}
         self._windows: dict[ast.AST, bool] = {}
         self.functions: dict[str, list[ast.AST]] = {}
+        self.classes: list[ast.ClassDef] = []
         self.imports: list[ast.Import | ast.ImportFrom] = []
-        for node in _statements(tree):
+        for holder, node in _statements(tree):
+            self.parents[node] = holder
             if isinstance(node, FUNCTIONS):
                 self.functions.setdefault(node.name, []).append(node)
+            elif isinstance(node, ast.ClassDef):
+                self.classes.append(node)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 self.imports.append(node)
 
@@ -157,7 +171,16 @@ class _Judge:
         return {self._owner(site, members) for site in sites}
 
     def family_words(self) -> tuple[bytes, ...]:
-        """The triggers of the rule families that can fire in this file."""
+        """The triggers of the rule families, but GA004's, that can fire in this file."""
+        words: tuple[bytes, ...] = ()
+        if self.imports_any(JAX_HOMES):
+            words += JAX_WORDS
+        if self.naming(LIGHTNING_WORDS, {}):
+            words += LIGHTNING_KEPT
+        return words
+
+    def imports_any(self, homes: set[str]) -> bool:
+        """Whether the file imports a module whose first part is one of `homes`."""
         tops = set()
         for node in self.imports:
             if isinstance(node, ast.Import):
@@ -166,14 +189,62 @@ class _Judge:
                 tops.add(node.module.split(".")[0])
             else:
                 tops |= {alias.name for alias in node.names}
-        words: tuple[bytes, ...] = ()
-        if tops & TRAINER_HOMES:
-            words += TRAINER_WORDS
-        if tops & JAX_HOMES:
-            words += JAX_WORDS
-        if self.naming(LIGHTNING_WORDS, {}):
-            words += LIGHTNING_KEPT
-        return words
+        return bool(tops & homes)
+
+    def trainer_units(self, members: dict) -> set:
+        """What GA004 reads (`checks/trainer.py`): every class deriving from a transformers
+        or trl `...Trainer` (through same-file classes too), whole, and the definitions
+        that call such a class, when the file has a model class (with a `forward`) to hand
+        to it."""
+        trainers: set[str] = set()
+        grown = True
+        while grown:
+            found = {
+                c.name
+                for c in self.classes
+                if any(self._is_trainer(base, trainers) for base in c.bases)
+            }
+            grown = not found <= trainers
+            trainers |= found
+        classes = {self._owner(c, members) for c in self.classes if c.name in trainers}
+        kept = with_members(classes, members)
+        if any(
+            isinstance(s, FUNCTIONS) and s.name == "forward" for c in self.classes for s in c.body
+        ):
+            spelled = trainers | {
+                n for n, q in self._qualified.items() if any(map(_trainer_home, q))
+            }
+            calls = self._calls_on(spelled)
+            kept |= {self._owner(c, members) for c in calls if self._is_trainer(c.func, trainers)}
+        return kept
+
+    def _is_trainer(self, expr: ast.expr, trainers: set[str]) -> bool:
+        """`TrainerAudit._is_trainer` on the `ast`, for any import that binds the name."""
+        name = _dotted(expr)
+        if name is None:
+            return False
+        head, dot, rest = name.partition(".")
+        qualified = {f"{full}{dot}{rest}" for full in self._qualified.get(head, {head})}
+        return name in trainers or any(
+            q.startswith(TRAINER_MODULES) and q.endswith("Trainer") for q in qualified
+        )
+
+    @cached_property
+    def _qualified(self) -> dict[str, set[str]]:
+        """Local name -> the qualified names imports bind it to (`Tree.imports`, each
+        binding kept)."""
+        table: dict[str, set[str]] = {}
+        for node in self.imports:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    head = alias.name.split(".")[0]
+                    local, full = (alias.asname, alias.name) if alias.asname else (head, head)
+                    table.setdefault(local, set()).add(full)
+            elif all(alias.name != "*" for alias in node.names):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}" if node.module else alias.name
+                    table.setdefault(alias.asname or alias.name, set()).add(full)
+        return table
 
     def naming(self, triggers: tuple[bytes, ...], members: dict) -> set:
         """The `members` whose code names one of `triggers` (None for module-level code)."""
@@ -485,16 +556,33 @@ def _candidates(base: Path, parts: list[str]) -> tuple[Path, ...]:
     return (base / f"{parts[0]}.py", base / parts[0])
 
 
-def _statements(tree: ast.Module) -> Iterator[ast.AST]:
-    """Every statement (and `except` clause, `case`) of a tree, not entering expressions."""
+def _statements(tree: ast.Module) -> Iterator[tuple[ast.AST, ast.AST]]:
+    """Every statement (and `except` clause, `case`) of a tree, not entering expressions,
+    with the node holding it."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
-        yield node
         for field in ("body", "orelse", "finalbody", "handlers", "cases"):
             block = getattr(node, field, None)
             if isinstance(block, list):
-                stack.extend(block)
+                for statement in block:
+                    yield node, statement
+                    stack.append(statement)
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """`a.b.c` for a Name/Attribute chain, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _trainer_home(qualified: str) -> bool:
+    """Whether a qualified name is in a module a Trainer comes from, or is one of them."""
+    return qualified.startswith(TRAINER_MODULES) or f"{qualified}." in TRAINER_MODULES
 
 
 def _identifiers(node: ast.AST) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ TRIGGERS = (
     b"training_step",
     b"Trainer(",
     b"Trainer)",
+    b"Trainer as",  # `from transformers import Trainer as T`, then `T(model=...)`
     b"MultiSteps",
     b"jax.tree",
     b"tree_util",

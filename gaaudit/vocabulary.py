@@ -16,6 +16,8 @@ TORCH_SCHEDULES = frozenset({
 })
 PIPELINE_CLASSES = TORCH_SCHEDULES | {"PipelineModule"}  # DeepSpeed's takes a loss_fn too
 
+TRAINER_MODULES = ("transformers.", "trl.")  # a `...Trainer` qualified under these is one
+
 # Default names of accumulation divisors; extend with `accumulation-names` in the config.
 ACCUMULATION_NAMES = frozenset({
     "gradient_accumulation_steps", "grad_accum_steps", "grad_accumulation_steps",

@@ -162,6 +162,45 @@ def test_triggers_only_in_strings_and_comments_are_answered_without_parsing(monk
         screen(text.encode(), frozenset(), Path("."))
 
 
+TRAINER_HEAD = "from transformers import TrainingArguments\n"
+COMPUTE_LOSS = (
+    "    def compute_loss(self, model, inputs, return_outputs=False):\n"
+    "        return model(**inputs).loss\n"
+)
+TRAINER_SHAPES = {
+    "an aliased Trainer": "from transformers import Trainer as T\n\n\nclass Run(T):\n"
+    + COMPUTE_LOSS,
+    "a module alias": "import transformers as tf\n\n\nclass Run(tf.Seq2SeqTrainer):\n"
+    + COMPUTE_LOSS,
+    "a same-file base in between": "from trl import SFTTrainer\n\n\nclass Base(SFTTrainer):\n"
+    "    pass\n\n\nclass Run(Base):\n" + COMPUTE_LOSS,
+    "an opt-out in another method": "from transformers import Trainer\n\n\nclass Run(Trainer):\n"
+    "    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):\n"
+    "        return model(**inputs).loss\n\n"
+    "    def prepare(self):\n        self.model_accepts_loss_kwargs = False\n",
+    "a model handed to an aliased Trainer": HEAD
+    + "from torch import nn\nfrom transformers import Trainer as T\n\n\n"
+    "class Net(nn.Module):\n    def forward(self, x, labels=None):\n"
+    "        return {'loss': F.cross_entropy(self.head(x), labels, ignore_index=-100)}\n\n\n"
+    "def main(args, data):\n    net = Net()\n    T(model=net, args=args, train_dataset=data).train()\n",
+}
+
+
+@pytest.mark.parametrize("shape", TRAINER_SHAPES)
+def test_what_ga004_reads_is_kept(tmp_path, shape):
+    """Trainer subclasses (through an alias, a module or a same-file base) are kept whole,
+    a call handing a model to a Trainer with them; all but the opt-out hold a finding."""
+    screened, whole = findings(project_file(tmp_path, TRAINER_HEAD + TRAINER_SHAPES[shape]))
+    assert screened == whole
+    assert bool(whole) != ("opt-out" in shape)
+
+
+def test_a_class_named_trainer_is_not_one(tmp_path):
+    """transformers' own `class Trainer` derives from nothing GA004 knows: not kept."""
+    text = "from transformers import PreTrainedModel\n\n\nclass Trainer:\n" + COMPUTE_LOSS
+    assert screen(text.encode(), frozenset(), tmp_path).data is None
+
+
 TRAIN = HEAD + (
     "from helpers import compute\n\n\n"
     "def train(model, loader, optimizer):\n"

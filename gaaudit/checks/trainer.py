@@ -11,9 +11,9 @@ from gaaudit import catalogue
 from gaaudit.findings import Confidence, Finding
 from gaaudit.provenance import Origin, Tracer
 from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional, string_value
+from gaaudit.vocabulary import TRAINER_MODULES
 
 CODE = "GA004"
-HOMES = ("transformers.", "trl.")  # where a `Trainer` class comes from
 # Tests under which a division by K is the Trainer's own fallback for models without loss kwargs.
 FALLBACK_GUARDS = {"num_items_in_batch", "model_accepts_loss_kwargs", "compute_loss_func"}
 OPT_OUT = "model_accepts_loss_kwargs"  # a Trainer attribute; `Trainer.__init__` sets it
@@ -77,7 +77,7 @@ class TrainerAudit:
     def _is_trainer(self, expr: cst.BaseExpression) -> bool:
         """A Trainer class from transformers or trl, or a same-file subclass of one."""
         qualified = self.tree.qualified(expr) or ""
-        if qualified.startswith(HOMES) and qualified.endswith("Trainer"):
+        if qualified.startswith(TRAINER_MODULES) and qualified.endswith("Trainer"):
             return True
         return dotted(expr) in self.trainers
 
