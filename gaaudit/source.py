@@ -28,6 +28,12 @@ TRIGGERS = (
     b"pipelining",
     b"PipelineModule",
 )
+# Substrings several triggers share: a file without one lacks them all, found in one scan.
+SHARED = (b"Trainer", b"ipelin", b"tree")
+PROBES = (
+    *((key, tuple(t for t in TRIGGERS if key in t)) for key in SHARED),
+    *((t, (t,)) for t in TRIGGERS if not any(key in t for key in SHARED)),
+)
 # libcst parses dense code at about 100 kB/s and holds some 500 bytes per byte parsed:
 # larger files that could have findings are refused, so that a run stays bounded.
 MAX_BYTES = 2 * 2**20
@@ -56,7 +62,8 @@ class Source:
 
     @property
     def may_have_findings(self) -> bool:
-        return any(trigger in self.data for trigger in TRIGGERS)
+        data = self.data
+        return any(key in data and any(t in data for t in group) for key, group in PROBES)
 
 
 def read(path: Path) -> Source:

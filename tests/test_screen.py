@@ -19,7 +19,7 @@ from gaaudit.config import Settings
 from gaaudit.engine import audit, check_file, check_recorded
 from gaaudit.findings import Confidence
 from gaaudit.screen import screen
-from gaaudit.source import parse
+from gaaudit.source import PROBES, TRIGGERS, Source, parse
 
 SETTINGS = Settings(min_confidence=Confidence.LOW)
 HEAD = "import torch.nn.functional as F\n\n"
@@ -146,6 +146,14 @@ def test_files_without_a_window_are_answered_without_libcst(tmp_path, text):
     path = project_file(tmp_path, text)
     assert screen(path.read_bytes(), frozenset(), tmp_path).data is None
     assert findings(path) == ([], [])
+
+
+@pytest.mark.parametrize("trigger", TRIGGERS)
+def test_the_prefilter_passes_each_trigger(trigger):
+    """Triggers are probed through substrings they share: each still passes alone."""
+    assert [key in trigger for key, group in PROBES if trigger in group] == [True]
+    assert Source(Path("x.py"), b"x = 1\n" + trigger + b"\n").may_have_findings
+    assert not Source(Path("x.py"), b"x = 1\n" + trigger[:-1] + b"\n").may_have_findings
 
 
 def test_triggers_only_in_strings_and_comments_are_answered_without_parsing(monkeypatch):
