@@ -206,9 +206,11 @@ def _check_chunk(
         )
 
 
-def _checked(chunk, settings: Settings, recording: bool) -> list[Result]:
-    """A worker's task: the results of a chunk of files."""
-    return list(_check_chunk(chunk, settings, recording))
+def _checked(chunk, settings: Settings, recording: bool) -> list[tuple]:
+    """A worker's task: the reports and cache entries of a chunk of files, in its order
+    (not its paths, which the main process holds: rebuilding paths costs it more than
+    reading the results)."""
+    return [(report, entry) for _, report, entry in _check_chunk(chunk, settings, recording)]
 
 
 def _in_workers(
@@ -218,18 +220,22 @@ def _in_workers(
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     pool = ProcessPoolExecutor(max_workers=jobs, initializer=_start_worker)
-    pending: set = set()
+    tasks: dict = {}  # future -> its chunk
+
+    def finished() -> Iterator[Result]:
+        done, _ = wait(tasks, return_when=FIRST_COMPLETED)
+        for future in done:
+            chunk = tasks.pop(future)
+            for (path, _), (report, entry) in zip(chunk, future.result()):
+                yield path, report, entry
+
     try:
         for task in _tasks(work):
-            if len(pending) >= jobs * IN_FLIGHT:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    yield from future.result()
-            pending.add(pool.submit(_checked, task, settings, recording))
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                yield from future.result()
+            if len(tasks) >= jobs * IN_FLIGHT:
+                yield from finished()
+            tasks[pool.submit(_checked, task, settings, recording)] = task
+        while tasks:
+            yield from finished()
     finally:  # on Ctrl-C too: drop queued work, let the workers finish their task and exit
         pool.shutdown(wait=True, cancel_futures=True)
 

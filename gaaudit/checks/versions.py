@@ -9,7 +9,6 @@ pin file's folder. File level (`findings`): a script's PEP 723 inline metadata.
 from __future__ import annotations
 
 import ast
-import fnmatch
 import os
 import re
 import stat
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from gaaudit import catalogue
 from gaaudit.config import DEFAULT_EXCLUDE
+from gaaudit.discovery import Excluded
 from gaaudit.engine import display_path
 from gaaudit.evidence import SUPPRESSION
 from gaaudit.findings import Confidence, FileReport, Finding, Span
@@ -33,6 +33,7 @@ FIXED = "4.46.2"
 EARLY = "4.46.0"
 FLAGS = {"--gradient_accumulation_steps", "--gradient-accumulation-steps"}
 CONFIGS = {".yaml", ".yml", ".json", ".toml", ".cfg", ".ini", ".sh"}
+WANTED = (*CONFIGS, ".txt", "setup.py")  # the endings of every file `_walk` may keep
 MAX_BYTES = 1 << 20
 # `gradient_accumulation_steps: 8`, `"gradient_accumulation_steps": 8`, `= 8`, `--gradient-accumulation-steps 8`
 SETTING = re.compile(r"""gradient[_-]accumulation[_-]steps["']?\s*(?:[:=]|\s)\s*["']?(\d+)\b""")
@@ -352,16 +353,16 @@ def _read(path: Path) -> bytes:
 
 
 def _walk(root: Path) -> Iterator[Path]:
-    """Config and dependency files under `root`, skipping hidden and default-excluded folders."""
+    """Config and dependency files under `root`, skipping hidden and default-excluded folders.
+    Names are judged as strings first: most files of a tree are neither (sources, headers)."""
+    excluded = Excluded.of(list(DEFAULT_EXCLUDE))
     for directory, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(
-            d
-            for d in dirnames
-            if not d.startswith(".") and not any(fnmatch.fnmatch(d, p) for p in DEFAULT_EXCLUDE)
+            d for d in dirnames if not d.startswith(".") and not excluded.match(d, d, "/")
         )
         for name in sorted(filenames):
-            if name.endswith(".py") and name.lower() != "setup.py":
-                continue  # most files: spare building a path
+            if not name.lower().endswith(WANTED):
+                continue
             path = Path(directory, name)
             if (path.suffix in CONFIGS or is_pin_file(path)) and _regular(path):
                 yield path
