@@ -262,7 +262,8 @@ def _size(path: Path) -> int:
 
 
 def _start_worker() -> None:
-    """Workers leave Ctrl-C to the main process, which stops them cleanly."""
+    """Workers leave Ctrl-C to the main process, which stops them cleanly, and collect
+    garbage as seldom as it does."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
