@@ -7,7 +7,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 from gaaudit.findings import Confidence
-from gaaudit.lexical import literals
+from gaaudit.lexical import literals, prefix
 
 # Names that show valid-token counts varying between micro-batches.
 VARIABLE = {
@@ -43,8 +43,6 @@ FIXED_SIGNS = (
     ),
     (re.compile(rb"\bdrop_last\s*=\s*(?P<sign>True)\b"), lambda match: "`drop_last=True`"),
 )
-PREFIX = re.compile(rb"(?:^|\W)([A-Za-z]{1,2})$")  # letters just before a quote
-STRING_PREFIXES = {b"r", b"u", b"b", b"f", b"t", b"br", b"rb", b"fr", b"rf", b"tr", b"rt"}
 NEWLINE = re.compile(rb"\n")
 SUPPRESSION = re.compile(
     r"#\s*(?:noqa|gaaudit:\s*ignore)(?P<codes>(?::\s*|\[)[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*\]?)?",
@@ -130,8 +128,7 @@ def _quoted_sign(data: bytes, string: re.Match[bytes]) -> tuple[int, str] | None
     """Where a string literal naming a variable-length sign (`batch["attention_mask"]`)
     starts, prefix included, and what it shows."""
     start = string.start()
-    prefix = PREFIX.search(data[max(start - 3, 0) : start])
-    letters = prefix.group(1) if prefix and prefix.group(1).lower() in STRING_PREFIXES else b""
+    letters = prefix(data, start)
     literal = (letters + string.group()).decode("utf-8")
     if literal.strip("\"'rbf") not in VARIABLE:
         return None

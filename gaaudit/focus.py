@@ -25,13 +25,12 @@ def focus(data: bytes, triggers: tuple[bytes, ...]) -> bytes:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return data  # libcst reports the problem with its position
     lines = data.splitlines(keepends=True)
-    return blank(data, tree, units(tree), lambda unit: has_trigger(lines, unit, triggers))
+    return blank(data, lines, tree, units(tree), lambda unit: has_trigger(lines, unit, triggers))
 
 
-def blank(data: bytes, tree: ast.Module, found: dict, matters) -> bytes:
-    """`data` with the `found` units (see `units`) for which `matters` is false blanked,
-    unless something kept refers to them by name."""
-    lines = data.splitlines(keepends=True)
+def blank(data: bytes, lines: list[bytes], tree: ast.Module, found: dict, matters) -> bytes:
+    """`data` (split into `lines`, ends kept) with the `found` units (see `units`) for which
+    `matters` is false blanked, unless something kept refers to them by name."""
     kept = {unit for unit in found if matters(unit)}
     top_level = _names(n for n in tree.body if not isinstance(n, DEFINITIONS))
     names_of = cache(_own_names)  # each unit walked once

@@ -32,6 +32,8 @@ TOKEN = re.compile(
 )
 COOKIE = re.compile(rb"^[ \t\f]*#.*?coding[:=]", re.MULTILINE)
 TEMPLATES = b"fFtT"  # prefixes of f-strings and t-strings, whose fields are code
+PREFIX = re.compile(rb"(?:^|\W)([A-Za-z]{1,2})$")  # letters just before a quote
+STRING_PREFIXES = {b"r", b"u", b"b", b"f", b"t", b"br", b"rb", b"fr", b"rf", b"tr", b"rt"}
 ESCAPED_BRACES = re.compile(rb"\{\{|\}\}")
 
 
@@ -65,10 +67,16 @@ def literals(data: bytes) -> Iterator[re.Match[bytes]]:
     return (token for token in TOKEN.finditer(data) if token.lastgroup != "unsure")
 
 
+def prefix(data: bytes, quote: int) -> bytes:
+    """The prefix letters (`rb`, `f`) of the string literal whose quote is at `quote`."""
+    found = PREFIX.search(data[max(quote - 3, 0) : quote])
+    letters = found.group(1) if found else b""
+    return letters if letters.lower() in STRING_PREFIXES else b""
+
+
 def _template(data: bytes, quote: int) -> bool:
-    """Whether the string starting at `quote` may be an f-string or a t-string (its prefix
-    is at most two letters; an `f` of `if"..."` counts too, which only errs towards code)."""
-    return any(letter in TEMPLATES for letter in data[max(quote - 2, 0) : quote])
+    """Whether the string whose quote is at `quote` is an f-string or a t-string."""
+    return any(letter in TEMPLATES for letter in prefix(data, quote))
 
 
 def _balanced(literal: bytes) -> bool:

@@ -113,7 +113,7 @@ def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
 
     if not (owners or kept) and SCRIPT not in data:
         return Screened(None, judge.dependencies)
-    return Screened(blank(data, tree, found, matters), judge.dependencies, tree)
+    return Screened(blank(data, lines, tree, found, matters), judge.dependencies, tree)
 
 
 def _trigger_offsets(data: bytes) -> list[int]:
@@ -181,6 +181,11 @@ class _Judge:
 
     def imports_any(self, homes: set[str]) -> bool:
         """Whether the file imports a module whose first part is one of `homes`."""
+        return bool(self._tops & homes)
+
+    @cached_property
+    def _tops(self) -> set[str]:
+        """The first parts of the modules the file imports."""
         tops = set()
         for node in self.imports:
             if isinstance(node, ast.Import):
@@ -189,7 +194,7 @@ class _Judge:
                 tops.add(node.module.split(".")[0])
             else:
                 tops |= {alias.name for alias in node.names}
-        return bool(tops & homes)
+        return tops
 
     def trainer_units(self, members: dict) -> set:
         """What GA004 reads (`checks/trainer.py`): every class deriving from a transformers
@@ -401,10 +406,8 @@ class _Judge:
         to the function, module or loop holding them (`loops.Structure._after`)."""
         while node in self.parents:
             parent = self.parents[node]
-            for field in BLOCKS:
-                block = getattr(parent, field, None)
-                if isinstance(block, list) and any(s is node for s in block):
-                    yield from block[[id(s) for s in block].index(id(node)) + 1 :]
+            block, index = _place(parent, node)
+            yield from block[index + 1 :]
             if isinstance(parent, (*FUNCTIONS, ast.Module, *LOOPS)):
                 return
             node = parent
@@ -429,12 +432,9 @@ class _Judge:
             if isinstance(parent, ast.If) and self._modular(parent.test):
                 return True
             if skipping:
-                for field in BLOCKS:
-                    block = getattr(parent, field, None)
-                    if isinstance(block, list) and any(s is node for s in block):
-                        earlier = block[: [id(s) for s in block].index(id(node))]
-                        if any(isinstance(s, ast.If) and self._modular(s.test) for s in earlier):
-                            return True
+                block, index = _place(parent, node)
+                if any(isinstance(s, ast.If) and self._modular(s.test) for s in block[:index]):
+                    return True
             node = parent
         return False
 
@@ -568,6 +568,18 @@ def _statements(tree: ast.Module) -> Iterator[tuple[ast.AST, ast.AST]]:
                 for statement in block:
                     yield node, statement
                     stack.append(statement)
+
+
+def _place(parent: ast.AST, node: ast.AST) -> tuple[list, int]:
+    """The block of `parent` holding `node`, and its index there (an empty block when
+    `node` is no statement of one)."""
+    for field in BLOCKS:
+        block = getattr(parent, field, None)
+        if isinstance(block, list):
+            for index, statement in enumerate(block):
+                if statement is node:
+                    return block, index
+    return [], 0
 
 
 def _dotted(node: ast.expr) -> str | None:
