@@ -43,7 +43,7 @@ def test_clean_file_check_and_help_load_no_parser_or_frameworks(tmp_path, args):
     )
     heavy = {"libcst", "torch", "transformers", "accelerate", "rich"}
     if args in (["check", "clean.py"], ["check", "train.py"]):
-        heavy |= {"typer", "click", "pydantic", "pathspec", "packaging"}
+        heavy |= {"typer", "click", "pydantic", "pathspec", "packaging", "typing"}
     probe = (
         f"import sys\nfrom gaaudit.__main__ import main\nsys.argv = ['gaaudit', *{args!r}]\n"
         "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
