@@ -1,4 +1,4 @@
-"""Shared helpers: the fixture catalogue, the CLI runner, the shared SARIF schema."""
+"""Shared helpers: the fixture catalogue, the CLI runner, the SARIF schema of tests/data."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gaaudit.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
-SHARED = ROOT.parent / "shared"
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def fixture_scripts() -> list[Path]:
@@ -59,10 +59,7 @@ def cli(monkeypatch):
 
 @pytest.fixture(scope="session")
 def sarif_schema() -> dict:
-    path = SHARED / "data" / "sarif-schema-2.1.0.json"
-    if not path.exists():
-        pytest.fail(f"the official SARIF schema is missing at {path}")
-    return json.loads(path.read_text())
+    return json.loads((DATA / "sarif-schema-2.1.0.json").read_text(encoding="utf-8"))
 
 
 def pytest_collection_modifyitems(items):
