@@ -19,6 +19,7 @@ FLAGS = {
     "--exit-zero": "exit_zero",
     "--statistics": "statistics",
     "--no-cache": "no_cache",
+    "--force-exclude": "force_exclude",
 }
 
 

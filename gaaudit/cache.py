@@ -55,11 +55,14 @@ class Entry:
     dependencies: tuple[Dependency, ...]  # other files the report was made from
     findings: tuple[Finding, ...]  # with empty paths: a report gets the path shown in its run
     error: FileError | None
+    hidden: int = 0
+    notes: tuple[str, ...] = ()
 
     def report(self, shown: str) -> FileReport:
         """The recorded report, with the file's path as shown in this run."""
         error = self.error and replace(self.error, path=shown)
-        return FileReport(shown, [replace(f, path=shown) for f in self.findings], error)
+        findings = [replace(f, path=shown) for f in self.findings]
+        return FileReport(shown, findings, error, self.hidden, self.notes)
 
 
 def digest(data: bytes) -> str:
@@ -120,7 +123,9 @@ def record(
         return None
     findings = tuple(replace(f, path="") for f in report.findings)
     error = report.error and replace(report.error, path="")
-    return Entry(signed or None, content, tuple(dependencies), findings, error)
+    return Entry(
+        signed or None, content, tuple(dependencies), findings, error, report.hidden, report.notes
+    )
 
 
 def run_key(settings) -> str:
@@ -271,7 +276,9 @@ def _encode(entry: Entry) -> list:
         entry.error.column,
         entry.error.code,
     ]
-    return [entry.signature, entry.digest, [list(d) for d in entry.dependencies], findings, error]
+    dependencies = [list(d) for d in entry.dependencies]
+    notes = list(entry.notes)
+    return [entry.signature, entry.digest, dependencies, findings, error, entry.hidden, notes]
 
 
 def _span(span: Span) -> tuple[int, int, int, int]:
@@ -280,7 +287,7 @@ def _span(span: Span) -> tuple[int, int, int, int]:
 
 def _decode(raw: list) -> Entry:
     """An entry from its JSON form; raises on anything malformed."""
-    signed, content, dependencies, findings, error = raw
+    signed, content, dependencies, findings, error, hidden, notes = raw
     decoded = tuple(
         Finding(
             "",
@@ -309,6 +316,8 @@ def _decode(raw: list) -> Entry:
         tuple((str(name), _signature(recorded)) for name, recorded in dependencies),
         decoded,
         failure,
+        int(hidden),
+        tuple(map(str, notes)),
     )
 
 

@@ -47,6 +47,12 @@ def catalogue_dir() -> Path:
 
 
 @cache
+def codes() -> tuple[str, ...]:
+    """The catalogue's rule codes, in order, read from its file names (nothing parsed)."""
+    return tuple(sorted(path.stem for path in catalogue_dir().glob("GA*.toml")))
+
+
+@cache
 def load() -> dict[str, Rule]:
     """Every rule of the catalogue, by code, in code order."""
     rules = {}

@@ -16,9 +16,7 @@ from gaaudit.checking import (
     EXIT_INTERRUPTED,
     CheckOptions,
     UsageError,
-    settings_for,
 )
-from gaaudit.checking import use_color as _use_color
 
 app = typer.Typer(
     name="gaaudit",
@@ -27,6 +25,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 
 
@@ -35,6 +34,11 @@ class Format(str, Enum):
     json = "json"
     sarif = "sarif"
     github = "github"
+
+
+class VerifyFormat(str, Enum):
+    text = "text"
+    json = "json"
 
 
 class Level(str, Enum):
@@ -57,199 +61,183 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+        bool,
+        typer.Option("--version", "-V", callback=_version, is_eager=True, help="Show the version."),
     ] = False,
 ) -> None:
     """Find, fix and prove the gradient-accumulation loss bug in training code."""
 
 
-Paths = Annotated[list[Path] | None, typer.Argument(help="Files or directories [default: .]")]
-Codes = Annotated[list[str] | None, typer.Option(help="Rule codes or prefixes (repeatable).")]
-Globs = Annotated[list[str] | None, typer.Option(help="gitignore-style patterns (repeatable).")]
+# The options `check` and `fix` share: which files, which rules, which cache.
+# Arguments are described in each command's docstring: typer would label them `<list[Path]>`.
+Paths = Annotated[list[Path] | None, typer.Argument(metavar="PATH", hidden=True)]
+Codes = Annotated[
+    list[str] | None,
+    typer.Option(metavar="CODES", help="Rule codes or prefixes, comma-separated or repeated."),
+]
+Globs = Annotated[
+    list[str] | None,
+    typer.Option(metavar="PATTERN", help="gitignore-style pattern (repeatable)."),
+]
+ForceExclude = Annotated[
+    bool,
+    typer.Option("--force-exclude", help="Apply excludes to paths named on the command line too."),
+]
+RespectGitignore = Annotated[
+    bool | None,
+    typer.Option(
+        "--respect-gitignore/--no-respect-gitignore",
+        show_default=False,
+        help="Skip files that .gitignore files ignore [default: respect].",
+    ),
+]
+StdinFilename = Annotated[
+    Path | None,
+    typer.Option(metavar="PATH", help="With `-`: the path of the file stdin holds."),
+]
+ExitZero = Annotated[
+    bool, typer.Option("--exit-zero", help="Exit 0 even with findings or unreadable files.")
+]
+NoCache = Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the cache.")]
+CacheDir = Annotated[
+    Path | None,
+    typer.Option(metavar="DIR", help="Cache folder [default: .gaaudit_cache at the project root]."),
+]
+UnsafeFixes = Annotated[bool, typer.Option("--unsafe-fixes", help="Include fixes marked unsafe.")]
+Confidence = Annotated[
+    Level | None,
+    typer.Option(show_default=False, help="Lowest confidence to act on [default: medium]."),
+]
 
 
-def _settings(paths, select, ignore, exclude, extend_exclude, min_confidence):
+def _selection(paths, select, extend_select, ignore, exclude, extend_exclude) -> dict:
+    """The shared options as `CheckOptions` fields."""
+    return {
+        "paths": tuple(paths or ()),
+        "select": tuple(select or ()),
+        "extend_select": tuple(extend_select or ()),
+        "ignore": tuple(ignore or ()),
+        "exclude": tuple(exclude or ()),
+        "extend_exclude": tuple(extend_exclude or ()),
+    }
+
+
+def _run(command, options) -> None:
     try:
-        level = min_confidence.value if min_confidence else None
-        return settings_for(paths, select, ignore, exclude, extend_exclude, level)
+        raise typer.Exit(command(options))
     except UsageError as exc:
         _fail(str(exc))
 
 
-@app.command()
+@app.command(short_help="Report gradient-accumulation loss bugs.")
 def check(
     paths: Paths = None,
-    format: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.text,
+    format: Annotated[
+        Format,
+        typer.Option("--format", "-f", metavar="FORMAT", help="text, json, sarif or github."),
+    ] = Format.text,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Write the report to FILE.")
+        Path | None,
+        typer.Option("--output", "-o", metavar="FILE", help="Write the report to FILE."),
     ] = None,
     select: Codes = None,
+    extend_select: Codes = None,
     ignore: Codes = None,
     exclude: Globs = None,
     extend_exclude: Globs = None,
-    min_confidence: Annotated[
-        Level | None, typer.Option(help="Lowest confidence to report [default: medium].")
-    ] = None,
-    statistics: Annotated[bool, typer.Option(help="Count findings per rule.")] = False,
-    exit_zero: Annotated[bool, typer.Option(help="Exit 0 even when there are findings.")] = False,
+    force_exclude: ForceExclude = False,
+    respect_gitignore: RespectGitignore = None,
+    min_confidence: Confidence = None,
+    stdin_filename: StdinFilename = None,
+    statistics: Annotated[
+        bool, typer.Option("--statistics", help="Count findings per rule.")
+    ] = False,
+    exit_zero: ExitZero = False,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Findings only, no summary.")
     ] = False,
     jobs: Annotated[
-        int | None, typer.Option("--jobs", "-j", min=1, help="Worker processes.")
+        int | None, typer.Option("--jobs", "-j", min=1, metavar="N", help="Worker processes.")
     ] = None,
     unsafe_fixes: Annotated[
-        bool, typer.Option(help="With --format sarif: also suggest fixes marked unsafe.")
+        bool, typer.Option("--unsafe-fixes", help="With --format sarif: also suggest unsafe fixes.")
     ] = False,
-    no_cache: Annotated[
-        bool, typer.Option("--no-cache", help="Neither read nor write the cache.")
-    ] = False,
-    cache_dir: Annotated[
-        Path | None,
-        typer.Option(help="Cache directory [default: .gaaudit_cache at the project root]."),
-    ] = None,
+    no_cache: NoCache = False,
+    cache_dir: CacheDir = None,
 ) -> None:
-    """Report gradient-accumulation loss bugs. Exit 0: none, 1: findings, 2: errors."""
+    """Report gradient-accumulation loss bugs in the files and folders PATH (default: .;
+    `-` reads one file from standard input). Exit 0: none, 1: findings, 2: errors."""
     from gaaudit.checking import check as run_check
 
-    options = CheckOptions(
-        paths=tuple(paths or ()),
-        format=format.value,
-        output=output,
-        select=tuple(select or ()),
-        ignore=tuple(ignore or ()),
-        exclude=tuple(exclude or ()),
-        extend_exclude=tuple(extend_exclude or ()),
-        min_confidence=min_confidence.value if min_confidence else None,
-        statistics=statistics,
-        exit_zero=exit_zero,
-        quiet=quiet,
-        jobs=jobs,
-        unsafe_fixes=unsafe_fixes,
-        no_cache=no_cache,
-        cache_dir=cache_dir,
+    _run(
+        run_check,
+        CheckOptions(
+            **_selection(paths, select, extend_select, ignore, exclude, extend_exclude),
+            format=format.value,
+            output=output,
+            force_exclude=force_exclude,
+            respect_gitignore=respect_gitignore,
+            min_confidence=min_confidence.value if min_confidence else None,
+            stdin_filename=stdin_filename,
+            statistics=statistics,
+            exit_zero=exit_zero,
+            quiet=quiet,
+            jobs=jobs,
+            unsafe_fixes=unsafe_fixes,
+            no_cache=no_cache,
+            cache_dir=cache_dir,
+        ),
     )
-    try:
-        raise typer.Exit(run_check(options))
-    except UsageError as exc:
-        _fail(str(exc))
 
 
-@app.command()
+@app.command(short_help="Rewrite findings to sum-and-count.")
 def fix(
     paths: Paths = None,
     diff: Annotated[
         bool, typer.Option("--diff", help="Print a unified diff; write nothing.")
     ] = False,
-    unsafe_fixes: Annotated[bool, typer.Option(help="Also apply fixes marked unsafe.")] = False,
+    unsafe_fixes: UnsafeFixes = False,
     select: Codes = None,
+    extend_select: Codes = None,
     ignore: Codes = None,
     exclude: Globs = None,
     extend_exclude: Globs = None,
-    min_confidence: Annotated[
-        Level | None, typer.Option(help="Lowest confidence to fix [default: medium].")
-    ] = None,
+    force_exclude: ForceExclude = False,
+    respect_gitignore: RespectGitignore = None,
+    min_confidence: Confidence = None,
+    stdin_filename: StdinFilename = None,
+    exit_zero: ExitZero = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
+    no_cache: NoCache = False,
+    cache_dir: CacheDir = None,
     verify: Annotated[
         bool,
         typer.Option("--verify", help="Apply a file's fixes only when their replay is verified."),
     ] = False,
 ) -> None:
-    """Rewrite findings to sum-and-count. Exit 0: nothing left, 1: findings remain (or, with
-    --diff, something would change), 2: errors."""
-    from gaaudit.codemod import WriteError, write_atomic
-    from gaaudit.discovery import discover
-    from gaaudit.fixer import fix_file
-    from gaaudit.source import SourceError
+    """Rewrite findings in the files and folders PATH (default: .) to sum-and-count; `fix -`
+    prints standard input, fixed. Exit 0: no finding remains, 1: findings remain (with
+    --diff: or something would change), 2: errors."""
+    from gaaudit.fixing import FixOptions
+    from gaaudit.fixing import fix as run_fix
 
-    paths = paths or [Path(".")]
-    settings = _settings(paths, select, ignore, exclude, extend_exclude, min_confidence)
-    applied = skipped = changed = errors = 0
-    for path in discover(paths, settings):
-        try:
-            result = fix_file(path, settings, unsafe_fixes)
-            held = verify and result.changed and _held_back(path, result)
-            if held:
-                typer.echo(f"{result.path}: fixes held back: {held}")
-                skipped += sum(o.applied for o in result.outcomes)
-                continue
-            if result.changed and not diff:
-                write_atomic(path, result.after, result.before)
-        except (SourceError, WriteError) as exc:
-            errors += 1
-            line = f":{exc.line}:{exc.column}" if isinstance(exc, SourceError) else ""
-            typer.echo(
-                f"{path.as_posix()}{line}: E999 {exc.message if isinstance(exc, SourceError) else exc}"
-            )
-            continue
-        except Exception as exc:  # noqa: BLE001 - a gaaudit bug: leave this file, go on with the rest
-            errors += 1
-            typer.echo(
-                f"{path.as_posix()}: E999 internal error ({type(exc).__name__}); file left unchanged, please report this"
-            )
-            continue
-        changed += result.changed
-        for outcome in result.outcomes:
-            if outcome.applied:
-                applied += 1
-                if outcome.reason and not quiet:  # which rewrite a framework finding got
-                    typer.echo(
-                        f"{result.path}:{outcome.location}: {outcome.site.code} "
-                        f"fixed: {outcome.reason}",
-                        err=diff,
-                    )
-            else:
-                skipped += 1
-                typer.echo(
-                    f"{result.path}:{outcome.location}: {outcome.site.code} "
-                    f"not fixed: {outcome.reason}",
-                    err=diff,
-                )
-        if diff and result.changed:
-            coloured = _use_color()
-            typer.echo(
-                _colour_diff(result.diff()) if coloured else result.diff(), nl=False, color=coloured
-            )
-    if not quiet:
-        verb = "Would fix" if diff else "Fixed"
-        typer.echo(
-            f"{verb} {applied} finding{'s' * (applied != 1)} in {changed} file{'s' * (changed != 1)}"
-            f"; {skipped} not fixed.",
-            err=diff,
-        )
-    if errors:
-        raise typer.Exit(EXIT_ERROR)
-    raise typer.Exit(EXIT_FINDINGS if (changed if diff else skipped) else EXIT_CLEAN)
-
-
-def _held_back(path: Path, result) -> str:
-    """Why a file's fixes may not be applied under --verify ("" when every loop verified).
-    K = 4; the rest of [tool.gaaudit.verify] applies (model factory, processes, ...)."""
-    from gaaudit.config import ConfigError
-    from gaaudit.verify import VERIFIED, VerifyError, options_for, verify_pair
-
-    if path.suffix != ".py":
-        return "--verify replays Python files only"
-    try:
-        outcomes = verify_pair(path, result.before, result.after, None, options_for(path, ks=(4,)))
-    except (ConfigError, VerifyError) as exc:
-        return str(exc)
-    failed = [o for o in outcomes if o.verdict != VERIFIED]
-    if not outcomes:
-        return "no loop could be replayed"
-    return "; ".join(f"line {o.line}: {o.verdict}" for o in failed)
-
-
-DIFF_COLOURS = (("+++", "1"), ("---", "1"), ("@@", "36"), ("+", "32"), ("-", "31"))
-
-
-def _colour_diff(text: str) -> str:
-    """ANSI-coloured unified diff lines (headers bold, hunks cyan, additions green)."""
-    lines = []
-    for line in text.splitlines(keepends=True):
-        colour = next((c for prefix, c in DIFF_COLOURS if line.startswith(prefix)), None)
-        lines.append(f"\x1b[{colour}m{line.rstrip(chr(10))}\x1b[0m\n" if colour else line)
-    return "".join(lines)
+    _run(
+        run_fix,
+        FixOptions(
+            **_selection(paths, select, extend_select, ignore, exclude, extend_exclude),
+            force_exclude=force_exclude,
+            respect_gitignore=respect_gitignore,
+            min_confidence=min_confidence.value if min_confidence else None,
+            stdin_filename=stdin_filename,
+            exit_zero=exit_zero,
+            quiet=quiet,
+            unsafe_fixes=unsafe_fixes,
+            no_cache=no_cache,
+            cache_dir=cache_dir,
+            diff=diff,
+            verify=verify,
+        ),
+    )
 
 
 @app.command()
@@ -264,8 +252,10 @@ def rules() -> None:
 
 
 @app.command()
-def explain(code: Annotated[str, typer.Argument(help="A rule code, e.g. GA001.")]) -> None:
-    """Show a rule's rationale with a bad and a good example."""
+def explain(
+    code: Annotated[str, typer.Argument(metavar="CODE", hidden=True)],
+) -> None:
+    """Show the rationale of the rule CODE (e.g. GA001) with a bad and a good example."""
     from gaaudit.catalogue import load
 
     rule = load().get(code.upper())
@@ -279,43 +269,59 @@ def explain(code: Annotated[str, typer.Argument(help="A rule code, e.g. GA001.")
     )
 
 
-@app.command()
+@app.command(short_help="Replay loops against one full-batch step on a tiny model.")
 def verify(
     target: Annotated[
         list[str] | None,
-        typer.Argument(help="PATH or PATH:LINE of one or more training scripts."),
+        typer.Argument(metavar="PATH[:LINE]", hidden=True),
     ] = None,
     k: Annotated[
-        str | None, typer.Option("-k", help="Window sizes, comma-separated [default: 2,4,8].")
+        str | None,
+        typer.Option("-k", metavar="K,K", help="Window sizes, comma-separated [default: 2,4,8]."),
     ] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda [default: auto].")] = None,
+    device: Annotated[
+        str | None, typer.Option(metavar="DEVICE", help="auto, cpu or cuda [default: auto].")
+    ] = None,
     dtype: Annotated[
-        str | None, typer.Option(help="float32, bfloat16 or float16 [default: float32].")
+        str | None,
+        typer.Option(metavar="DTYPE", help="float32, bfloat16 or float16 [default: float32]."),
     ] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed for the model and the data.")] = None,
+    seed: Annotated[
+        int | None, typer.Option(metavar="N", help="Seed for the model and the data.")
+    ] = None,
     timeout: Annotated[
-        float | None, typer.Option(help="Seconds before a replay is stopped [default: 120].")
+        float | None,
+        typer.Option(metavar="SECONDS", help="Seconds before a replay is stopped [default: 120]."),
     ] = None,
     model_factory: Annotated[
         str | None,
         typer.Option(
-            help="module:function returning your small torch.nn.Module, used instead "
-            "of the tiny harness model."
+            metavar="MODULE:FUNCTION",
+            help="A function returning your small torch.nn.Module, used instead of the "
+            "tiny harness model.",
         ),
     ] = None,
     distributed: Annotated[
         int | None,
-        typer.Option(min=1, help="Replay on N DDP processes (gloo on CPU, NCCL on CUDA)."),
+        typer.Option(
+            min=1, metavar="N", help="Replay on N DDP processes (gloo on CPU, NCCL on CUDA)."
+        ),
     ] = None,
-    format: Annotated[Format, typer.Option("--format", "-f", help="text or json.")] = Format.text,
-    demo: Annotated[bool, typer.Option(help="Run the reference experiment, no user code.")] = False,
+    format: Annotated[
+        VerifyFormat, typer.Option("--format", "-f", metavar="FORMAT", help="text or json.")
+    ] = VerifyFormat.text,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Run the reference experiment, no user code.")
+    ] = False,
     plot: Annotated[
-        Path | None, typer.Option(help="With --demo: draw error against K (PNG).")
+        Path | None,
+        typer.Option(metavar="FILE", help="With --demo: draw error against K (PNG)."),
     ] = None,
 ) -> None:
-    """Replay each accumulation loop, original and patched, against one full-batch step on a
-    tiny real model. Exit 0: every patched loop verified, 1: one is not, 2: nothing replayed.
-    Defaults come from [tool.gaaudit.verify] in pyproject.toml."""
+    """Replay each accumulation loop of the training scripts PATH (or the one at LINE),
+    original and patched, against one full-batch step on a tiny real model. Exit 0: every
+    patched loop verified, 1: one is not, 2: nothing replayed. Defaults come from
+    [tool.gaaudit.verify] in pyproject.toml."""
     from importlib.util import find_spec
 
     from gaaudit import verify as verifying
@@ -386,12 +392,13 @@ def verify(
     raise typer.Exit(verifying.report(results, format.value))
 
 
-@app.command()
+@app.command(short_help="Write starter configuration and a pre-commit hook.")
 def init(
-    directory: Annotated[Path, typer.Argument(help="The project root [default: .]")] = Path("."),
+    directory: Annotated[Path, typer.Argument(metavar="DIRECTORY", hidden=True)] = Path("."),
 ) -> None:
-    """Write a commented [tool.gaaudit] block and a .pre-commit-config.yaml entry.
-    Exit 1 when either already existed and was left unchanged."""
+    """Write a commented [tool.gaaudit] block and a .pre-commit-config.yaml entry in
+    DIRECTORY, the project root (default: .). Exit 1 when either already existed and was
+    left unchanged."""
     from gaaudit.setup import write_config
 
     refused = False

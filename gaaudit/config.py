@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
+from gaaudit import catalogue
 from gaaudit.catalogue import toml
 from gaaudit.findings import Confidence
 
@@ -65,6 +66,26 @@ class VerifySettings:
     distributed: int | None = None
 
 
+def rule_codes(values, where: str) -> tuple[str, ...]:
+    """Rule codes or prefixes from `values`, whose items may be comma-separated lists, in
+    any letter case (`ALL` selects every rule); a ConfigError names one no rule starts with."""
+    found = []
+    for value in values:
+        for part in value.split(","):
+            code = part.strip().upper()
+            if not code:
+                continue
+            code = "GA" if code == "ALL" else code
+            known = catalogue.codes()
+            if not any(rule.startswith(code) for rule in known):
+                raise ConfigError(
+                    f"{where}: unknown rule code or prefix {part.strip()!r}; "
+                    f"known codes: {', '.join(known)} (or a prefix such as GA00, or ALL)"
+                )
+            found.append(code)
+    return tuple(dict.fromkeys(found))
+
+
 def check_factory(value, where: str) -> str:
     """`value` if it reads `module:function`, else a ConfigError that says what is expected."""
     if not isinstance(value, str) or not FACTORY_RE.fullmatch(value):
@@ -87,6 +108,7 @@ class Settings:
     per_file_ignores: tuple[tuple[str, tuple[str, ...]], ...] = ()
     accumulation_names: frozenset[str] = frozenset()
     min_confidence: Confidence = Confidence.MEDIUM
+    respect_gitignore: bool = True
     verify: VerifySettings = field(default_factory=VerifySettings)
     cache_dir: Path | None = None  # where `check` keeps its cache (default: see gaaudit.cache)
     source: Path | None = None  # the pyproject.toml read, if any
@@ -143,7 +165,9 @@ def parse(table: dict, path: Path) -> Settings:
     changes: dict = {}
     for key, value in table.items():
         where = f"{path}: [tool.gaaudit] {key}"
-        if key in ("select", "ignore", "exclude", "extend-exclude"):
+        if key in ("select", "ignore", "extend-select"):
+            changes[key.replace("-", "_")] = rule_codes(_strings(value, where), where)
+        elif key in ("exclude", "extend-exclude"):
             changes[key.replace("-", "_")] = tuple(_strings(value, where))
         elif key == "accumulation-names":
             changes["accumulation_names"] = frozenset(_strings(value, where))
@@ -151,8 +175,13 @@ def parse(table: dict, path: Path) -> Settings:
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: expected a table of glob = [codes], got {value!r}")
             changes["per_file_ignores"] = tuple(
-                (glob, tuple(_strings(codes, f"{where}.{glob}"))) for glob, codes in value.items()
+                (glob, rule_codes(_strings(codes, f"{where}.{glob}"), f"{where}.{glob}"))
+                for glob, codes in value.items()
             )
+        elif key == "respect-gitignore":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: expected true or false, got {value!r}")
+            changes["respect_gitignore"] = value
         elif key == "min-confidence":
             try:
                 changes["min_confidence"] = Confidence.parse(str(value))
@@ -168,17 +197,13 @@ def parse(table: dict, path: Path) -> Settings:
             changes["cache_dir"] = path.parent / value
         else:
             known = (
-                "select, ignore, exclude, extend-exclude, per-file-ignores, accumulation-names, "
-                "min-confidence, verify, cache-dir"
+                "select, extend-select, ignore, exclude, extend-exclude, per-file-ignores, "
+                "accumulation-names, min-confidence, respect-gitignore, verify, cache-dir"
             )
             raise ConfigError(f"{where}: unknown key; known keys are {known}")
-    for key in ("select", "ignore"):
-        for code in changes.get(key, ()):
-            if not code.isalnum() or not code.isupper():
-                raise ConfigError(
-                    f"{path}: [tool.gaaudit] {key}: {code!r} is not a rule code like 'GA001'"
-                )
-    return replace(settings, **changes)
+    extend = changes.pop("extend_select", ())
+    settings = replace(settings, **changes)
+    return replace(settings, select=(*settings.select, *extend)) if extend else settings
 
 
 def parse_verify(table, path: Path) -> VerifySettings:

@@ -7,6 +7,7 @@ import re
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from gaaudit.config import Settings
@@ -41,12 +42,19 @@ class Excluded:
         return cls(names, endings, _spec(others) if others else None)
 
     def match(self, relative: str, name: str, suffix: str) -> bool:
-        """Whether an entry (`relative` to the walked folder, with its `name`) is excluded;
+        """Whether an entry (`relative` to the project root, with its `name`) is excluded;
         its folders were not. `suffix` is `/` for a folder."""
         if name in self.names or name.endswith(self.endings):
             return True
-        return self.spec is not None and (
-            self.spec.match_file(relative + suffix) or self.spec.match_file(name + suffix)
+        return self.spec is not None and self.spec.match_file(relative + suffix)
+
+    def named(self, relative: str) -> bool:
+        """Whether a path named on the command line (`relative` to the project root) or one
+        of its folders is excluded: what `--force-exclude` asks."""
+        parts = relative.split("/")
+        return any(
+            self.match("/".join(parts[: i + 1]), part, "/" if i < len(parts) - 1 else "")
+            for i, part in enumerate(parts)
         )
 
 
@@ -56,49 +64,82 @@ def _spec(patterns) -> pathspec.GitIgnoreSpec:
     return pathspec.GitIgnoreSpec.from_lines(patterns)
 
 
-def discover(paths: list[Path], settings: Settings) -> Iterator[Path]:
-    """Files to check, each once. A file named explicitly is always checked."""
-    excluded = None
+def discover(paths: list[Path], settings: Settings, force_exclude: bool = False) -> Iterator[Path]:
+    """Files to check, each once. Exclude patterns are anchored at the project root (the
+    folder of the configuration that declares them). A path named explicitly is checked even
+    when excluded, unless `force_exclude`."""
+    root = os.path.realpath(settings.root)
     seen: set[Path] = set()
     for path in paths:
+        if force_exclude and is_excluded(path, settings):
+            continue
         if not path.is_dir():
             if path not in seen:
                 seen.add(path)
                 yield path
             continue
-        excluded = excluded or Excluded.of([*settings.exclude, *settings.extend_exclude])
-        for found in _walk(path, excluded, settings.root):
+        excluded = _excluded((*settings.exclude, *settings.extend_exclude))
+        for found in _walk(path, excluded, root, settings.respect_gitignore):
             if found not in seen:
                 seen.add(found)
                 yield found
 
 
-def _walk(top: Path, excluded: Excluded, root: Path) -> Iterator[Path]:
+def is_excluded(path: Path, settings: Settings) -> bool:
+    """Whether the settings exclude `path` or one of its folders (what `--force-exclude`
+    asks of a path named on the command line)."""
+    real, root = os.path.realpath(path), os.path.realpath(settings.root)
+    excluded = _excluded((*settings.exclude, *settings.extend_exclude))
+    return excluded.named(_anchored(real, root, os.fspath(path)))
+
+
+@lru_cache(maxsize=4)
+def _excluded(patterns: tuple[str, ...]) -> Excluded:
+    return Excluded.of(list(patterns))
+
+
+def _anchored(real: str, root: str, otherwise: str) -> str:
+    """`real` relative to `root` with `/`, or `otherwise` when it is outside the root
+    ("" for the root itself)."""
+    relative = os.path.relpath(real, root)
+    if relative == ".." or relative.startswith(".." + os.sep):
+        relative = os.path.normpath(otherwise) if otherwise else "."
+    return "" if relative == "." else relative.replace(os.sep, "/")
+
+
+def _walk(top: Path, excluded: Excluded, root: str, gitignored: bool = True) -> Iterator[Path]:
     """Python files under `top`, in a stable order; symbolic links are not followed, and
     only regular files are listed. A directory that cannot be listed is yielded itself, so
     that reading it reports the error instead of its files being skipped in silence.
     Paths are handled as strings: pathlib costs more than the walk on a large tree."""
     resolved = os.fspath(top.resolve())
-    ignores = [(os.fspath(base), spec) for base, spec in _parent_gitignores(top.resolve())]
+    anchor = _anchored(resolved, root, "")
+    ignores = (
+        [(os.fspath(base), spec) for base, spec in _parent_gitignores(top.resolve())]
+        if gitignored
+        else []
+    )
     unlisted: list[OSError] = []
     for directory, dirnames, filenames in os.walk(top, onerror=unlisted.append):
-        relative = os.path.relpath(directory, top)
-        prefix = "" if relative == "." else relative.replace(os.sep, "/") + "/"
+        walked = os.path.relpath(directory, top)
+        real = resolved if walked == "." else os.path.join(resolved, walked)
+        relative = anchor if walked == "." else os.path.join(anchor, walked)
+        prefix = relative.replace(os.sep, "/") + "/" if relative else ""
         gitignore = os.path.join(directory, ".gitignore")
-        if ".gitignore" in filenames and os.path.isfile(gitignore):
-            ignores.append((os.path.join(resolved, relative), _read_gitignore(Path(gitignore))))
+        if gitignored and ".gitignore" in filenames and os.path.isfile(gitignore):
+            ignores.append((real, _read_gitignore(Path(gitignore))))
         dirnames[:] = sorted(
             d
             for d in dirnames
             if not os.path.islink(os.path.join(directory, d))
-            and not _ignored(prefix + d, d, True, excluded, ignores, resolved)
+            and not _ignored(prefix + d, os.path.join(real, d), True, excluded, ignores)
         )
         for name in sorted(filenames):
             file = os.path.join(directory, name)
             if (
                 name.endswith(SUFFIXES)
                 and _is_regular(file)
-                and not _ignored(prefix + name, name, False, excluded, ignores, resolved)
+                and not _ignored(prefix + name, os.path.join(real, name), False, excluded, ignores)
             ):
                 yield Path(file)
     for error in unlisted:
@@ -113,15 +154,12 @@ def _is_regular(path: str) -> bool:
         return False
 
 
-def _ignored(relative: str, name: str, is_dir: bool, excluded, ignores, resolved: str) -> bool:
-    """Whether `relative` (to the walked folder `resolved`, with `/`) is excluded by the
-    settings or a .gitignore (given by its folder)."""
+def _ignored(relative: str, absolute: str, is_dir: bool, excluded, ignores) -> bool:
+    """Whether an entry (`relative` to the project root, with `/`; `absolute`, its real
+    path) is excluded by the settings or a .gitignore (given by its folder)."""
     suffix = "/" if is_dir else ""
-    if excluded.match(relative, name, suffix):
+    if excluded.match(relative, os.path.basename(absolute), suffix):
         return True
-    if not ignores:
-        return False
-    absolute = os.path.join(resolved, relative)
     for base, spec in ignores:
         under = os.path.relpath(absolute, base).replace(os.sep, "/")
         if under != ".." and not under.startswith("../") and spec.match_file(under + suffix):

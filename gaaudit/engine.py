@@ -56,11 +56,12 @@ def _real_folder(folder: str) -> str:
     return os.path.realpath(folder)
 
 
-def check_file(path: Path, settings: Settings) -> FileReport:
-    """Read, prefilter, parse and audit one file; never raises for a bad file."""
+def check_file(path: Path, settings: Settings, data: bytes | None = None) -> FileReport:
+    """Read (or take `data`, its text from standard input), prefilter, parse and audit one
+    file; never raises for a bad file."""
     shown = display_path(path)
     try:
-        source = read(path)
+        source = read(path, data)
     except SourceError as exc:
         return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column))
     return _analyse(source, settings, shown)[0]
@@ -91,28 +92,30 @@ def check_recorded(path: Path, settings: Settings, known: cache.Entry | None) ->
 def _analyse(source: Source, settings: Settings, shown: str):
     """The report on a file's bytes, and the other files the report depends on."""
     path = source.path
-    notebook = None
+    notebook, notes = None, ()
     try:
         if path.suffix == ".ipynb":
             from gaaudit.notebook import load as load_notebook
 
             notebook = load_notebook(source.data)
+            notes = tuple(f"cell {cell}: {reason}" for cell, reason in notebook.skipped)
             source = Source(path, notebook.text.encode("utf-8"))
         if not source.may_have_findings:
-            return FileReport(shown), frozenset()
+            return FileReport(shown, notes=notes), frozenset()
         from gaaudit.screen import screen
 
         screened = screen(source.data, settings.accumulation_names, path.parent)
         if screened.data is None:
-            return FileReport(shown), screened.dependencies
+            return FileReport(shown, notes=notes), screened.dependencies
         module = parse(screened.data, screened.tree)
         text = source.data.decode(module.encoding)
         relative = display_path(path, settings.root)
-        context, findings = audit(
+        context, findings, hidden = audit(
             module, text, shown, relative, settings, path.parent, source=screened.data
         )
         findings = [notebook.relocate(f) for f in findings] if notebook else findings
-        return FileReport(shown, findings), screened.dependencies | context.dependencies
+        report = FileReport(shown, findings, hidden=hidden, notes=notes)
+        return report, screened.dependencies | context.dependencies
     except SourceError as exc:
         if notebook is not None:
             exc = notebook.relocate_error(exc)
@@ -137,8 +140,8 @@ def audit(
     directory: Path,
     source: bytes | None = None,
 ):
-    """The analysis context of a parsed module, and its findings that pass selection,
-    confidence and suppressions.
+    """The analysis context of a parsed module, its findings that pass selection, confidence
+    and suppressions, and how many more only the confidence held back.
 
     `shown` is the path as reported; `relative` is relative to the settings' root,
     which is what per-file-ignores globs match. `source`: the bytes parsed into `module`
@@ -148,14 +151,14 @@ def audit(
     from gaaudit.tree import Tree
 
     context = Context(Tree(module, source), shown, text, settings.accumulation_names, directory)
-    findings = [
+    selected = [
         finding
         for finding in run(context)
-        if finding.confidence >= settings.min_confidence
-        and settings.enabled(finding.code, relative)
+        if settings.enabled(finding.code, relative)
         and not context.evidence.suppressed(finding.span.line, finding.code)
     ]
-    return context, findings
+    findings = [f for f in selected if f.confidence >= settings.min_confidence]
+    return context, findings, len(selected) - len(findings)
 
 
 def check_files(

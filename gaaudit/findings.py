@@ -78,3 +78,5 @@ class FileReport:
     path: str
     findings: list[Finding] = field(default_factory=list)
     error: FileError | None = None
+    hidden: int = 0  # findings below the minimum confidence, counted, not shown
+    notes: tuple[str, ...] = ()  # what was left unchecked, e.g. a notebook cell of another language

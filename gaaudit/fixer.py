@@ -30,7 +30,7 @@ def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False
     # Otherwise the whole module is analysed: the rewrite edits it, not a focused copy.
     module = parse(data, screened.tree)
     text = data.decode(module.encoding)
-    context, findings = audit(
+    context, findings, _ = audit(
         module, text, shown, display_path(path, settings.root), settings, path.parent, source=data
     )
     reported = {(f.code, f.span.line, f.span.column) for f in findings}
@@ -103,9 +103,23 @@ def _start(tree, node) -> tuple[int, int]:
     return span.line, span.column
 
 
-def fix_file(path: Path, settings: Settings, unsafe: bool = False) -> FileFix:
-    """Plan the fix of one file on disk (nothing is written here); notebooks cell by cell."""
-    raw = read(path).data
+def count_fixable(paths: list[Path], settings: Settings) -> int:
+    """How many findings of these files `gaaudit fix` would fix (safe fixes only)."""
+    count = 0
+    for path in paths:
+        try:
+            count += sum(o.applied for o in fix_file(path, settings).outcomes)
+        except Exception:  # noqa: BLE001, S112 - unreadable since checked, or a fixer bug: not counted
+            continue
+    return count
+
+
+def fix_file(
+    path: Path, settings: Settings, unsafe: bool = False, data: bytes | None = None
+) -> FileFix:
+    """Plan the fix of one file on disk, or of `data`, its text from standard input (nothing
+    is written here); notebooks cell by cell."""
+    raw = read(path, data).data
     if path.suffix != ".ipynb":
         return fix_source(raw, path, settings, unsafe)
     notebook = load_notebook(raw)

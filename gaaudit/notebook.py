@@ -2,8 +2,11 @@
 
 Cells are joined in order, each preceded by a marker comment, so the analysis sees the
 whole notebook (the model built in one cell, the loop in another). IPython magics and
-shell lines become `pass` placeholders that keep line numbers and indentation, and are
-restored verbatim when the source is split back into cells.
+shell lines (with their backslash continuations) become `pass` placeholders that keep line
+numbers and indentation, and are restored verbatim when the source is split back into
+cells. A cell magic that runs its cell as Python (`%%time`, ...) is kept aside alone; a
+cell under any other cell magic (`%%bash`, `%%writefile`, ...) is kept aside whole, and
+said so.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ MARKER = "# gaaudit: cell "
 PLACEHOLDER = "pass  # gaaudit: magic "
 LINE = re.compile(r"\(line (\d+)\)")
 MAGIC = re.compile(r"^(\s*)(%|!|\?|[\w.]+\s*=\s*[%!])")
+CELL_MAGIC = re.compile(r"^%%(\w+)")
+# Cell magics whose cell body is Python that runs in the notebook's namespace.
+PYTHON_CELL_MAGICS = frozenset({"time", "timeit", "capture", "prun", "debug", "python", "python3"})
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,7 @@ class Notebook:
     text: str
     origins: tuple[tuple[int, int], ...]  # per line of `text`: (1-based cell, 1-based line)
     magics: tuple[str, ...]  # original magic lines, by placeholder number
+    skipped: tuple[tuple[int, str], ...] = ()  # (1-based cell, why) of cells not checked
 
     def locate(self, line: int) -> tuple[int, int]:
         """(cell, line in cell) for a 1-based line of `text`."""
@@ -74,23 +81,30 @@ def load(raw: bytes) -> Notebook:
     lines: list[str] = []
     origins: list[tuple[int, int]] = []
     magics: list[str] = []
-    in_cell_magic = False
+    skipped: list[tuple[int, str]] = []
     for number, cell in enumerate(cells, 1):
         if not isinstance(cell, dict) or cell.get("cell_type") != "code":
             continue
         source = _source(cell)
         lines.append(f"{MARKER}{number}")
         origins.append((number, 1))
-        in_cell_magic = source.startswith("%%")
+        magic = CELL_MAGIC.match(source)
+        whole = magic is not None and magic.group(1) not in PYTHON_CELL_MAGICS
+        if whole:
+            skipped.append((number, f"cell magic `%%{magic.group(1)}` runs no Python; not checked"))
+        continued, indent = False, ""
         for index, line in enumerate(source.split("\n"), 1):
             match = MAGIC.match(line)
-            if in_cell_magic or match:
-                indent = match.group(1) if match else ""
-                line = f"{indent}{PLACEHOLDER}{len(magics)}"
-                magics.append(source.split("\n")[index - 1])
+            if whole or continued or match:
+                if match and not (continued or whole):
+                    indent = match.group(1)
+                magics.append(line)
+                continued = line.endswith("\\")  # a shell or magic line goes on below
+                line = f"{indent}{PLACEHOLDER}{len(magics) - 1}"
             lines.append(line)
             origins.append((number, index))
-    return Notebook(data, "\n".join(lines) + "\n", tuple(origins), tuple(magics))
+    text = "\n".join(lines) + "\n"
+    return Notebook(data, text, tuple(origins), tuple(magics), tuple(skipped))
 
 
 def _source(cell: dict) -> str:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from gaaudit import __version__
-
 PYPROJECT_BLOCK = """
 [tool.gaaudit]
 # Rule codes or prefixes to report (default: every rule).
@@ -30,12 +28,27 @@ PYPROJECT_BLOCK = """
 # distributed = 2
 """
 
+# The files the check hook runs on: Python, notebooks and the dependency files GA006 reads
+# (the same pattern as the published hook's, in .pre-commit-hooks.yaml).
+HOOK_FILES = (
+    r"\.(py|ipynb)$|(^|/)(requirements[^/]*\.txt|constraints[^/]*\.txt|requirements/[^/]+\.txt"
+    r"|pyproject\.toml|setup\.cfg|environment[^/]*\.ya?ml)$"
+)
+# A `repo: local` configuration runs the gaaudit installed beside the project; it needs no
+# published release.
 PRE_COMMIT = f"""repos:
-  - repo: https://github.com/gaaudit/gaaudit
-    rev: v{__version__}
+  - repo: local
     hooks:
       - id: gaaudit
+        name: gaaudit check
+        entry: gaaudit check --force-exclude
+        language: system
+        files: '{HOOK_FILES}'
       # - id: gaaudit-fix   # rewrite findings to sum-and-count on commit
+      #   name: gaaudit fix
+      #   entry: gaaudit fix --force-exclude
+      #   language: system
+      #   types_or: [python, jupyter]
 """
 
 

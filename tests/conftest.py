@@ -31,13 +31,16 @@ def expected(path: Path) -> list[tuple[int, str, str]]:
     return rows
 
 
-def gaaudit(*args: str, cwd: Path | None = None, env=None) -> subprocess.CompletedProcess:
-    """Run the real console entry point in a subprocess."""
+def gaaudit(
+    *args: str, cwd: Path | None = None, env=None, stdin: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run the real console entry point in a subprocess (with `stdin` as its input)."""
     return subprocess.run(
         [sys.executable, "-m", "gaaudit", *args],
         check=False,
         cwd=cwd,
         env=env,
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=300,

@@ -183,7 +183,8 @@ def test_config_found_from_a_subdirectory(tmp_path, cli):
         ('select = "GA001"', ["select", "list of strings"]),
         ('min-confidence = "sure"', ["min-confidence", "low, medium, high"]),
         ("colour = true", ["colour", "unknown key"]),
-        ('ignore = ["ga001"]', ["ignore", "rule code"]),
+        ('ignore = ["GA999"]', ["ignore", "unknown rule code or prefix 'GA999'", "GA006"]),
+        ('per-file-ignores = { "a.py" = ["GA7"] }', ["per-file-ignores", "'GA7'"]),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, cli, table, words):

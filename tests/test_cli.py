@@ -67,12 +67,12 @@ def test_help_lists_every_command():
 def test_diff_is_coloured_only_for_a_terminal(tmp_path, monkeypatch, cli):
     from conftest import FIXTURES
 
-    from gaaudit import cli as module
+    from gaaudit import fixing as module
 
     (tmp_path / "train.py").write_bytes((FIXTURES / "ga002_hf_clm_no_division.py").read_bytes())
     plain = cli("fix", ".", "--diff", cwd=tmp_path).stdout
     assert "\x1b[" not in plain and plain.startswith("--- a/train.py")
-    monkeypatch.setattr(module, "_use_color", lambda: True)
+    monkeypatch.setattr(module, "use_color", lambda: True)
     coloured = cli("fix", ".", "--diff").stdout
     assert "\x1b[32m+" in coloured and "\x1b[31m-" in coloured
 

@@ -87,14 +87,18 @@ def git(*args: str, cwd: Path) -> None:
     subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, timeout=120)
 
 
-def git_repository(path: Path, files: dict[str, Path]) -> Path:
-    """A fresh git repository at `path` holding `files` (name -> source), staged."""
+def git_repository(path: Path, files: dict[str, Path | str]) -> Path:
+    """A fresh git repository at `path` holding `files` (name -> source path or text), staged."""
     path.mkdir()
     git("init", "-q", cwd=path)
     git("config", "user.email", "ci@example.com", cwd=path)
     git("config", "user.name", "CI", cwd=path)
     for name, source in files.items():
-        shutil.copy(source, path / name)
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(source, Path):
+            shutil.copy(source, path / name)
+        else:
+            (path / name).write_text(source)
     git("add", ".", cwd=path)
     return path
 
@@ -127,9 +131,11 @@ def try_repo(tmp_path_factory):
     git(*identity, "commit", "-q", "-m", "snapshot", cwd=copy)
     env = {**os.environ, "PRE_COMMIT_HOME": str(base / "home"), "PRE_COMMIT_COLOR": "never"}
 
-    def run(hook: str, target: Path) -> subprocess.CompletedProcess:
+    def run(hook: str, target: Path, *files: str) -> subprocess.CompletedProcess:
+        """The hook on these `files`, or on every file of the repository."""
+        chosen = ["--files", *files] if files else ["--all-files"]
         result = subprocess.run(
-            [sys.executable, "-m", "pre_commit", "try-repo", str(copy), hook, "--all-files"],
+            [sys.executable, "-m", "pre_commit", "try-repo", str(copy), hook, *chosen],
             cwd=target,
             env=env,
             capture_output=True,
@@ -166,3 +172,62 @@ def test_pre_commit_fix_hook(try_repo, tmp_path):
     assert "files were modified by this hook" in result.stdout
     assert (repository / "train.py").read_text() == BUGGY.with_suffix(".fixed.py").read_text()
     assert (repository / "eval.py").read_text() == CLEAN.read_text()
+
+
+def test_pre_commit_hooks_honour_the_configured_excludes(try_repo, tmp_path):
+    repository = git_repository(
+        tmp_path / "repo",
+        {
+            "pyproject.toml": '[tool.gaaudit]\nextend-exclude = ["legacy"]\n',
+            "legacy/train.py": BUGGY,
+            "train.py": BUGGY,
+        },
+    )
+    result = try_repo("gaaudit-fix", repository)
+    assert result.returncode == 1, result.stdout
+    assert (repository / "legacy" / "train.py").read_text() == BUGGY.read_text()
+    assert (repository / "train.py").read_text() == BUGGY.with_suffix(".fixed.py").read_text()
+    git("add", ".", cwd=repository)
+    assert try_repo("gaaudit", repository).returncode == 0  # what is left is excluded
+
+
+PIN = "transformers==4.40.0\n"  # before the Trainer's accumulation fix (GA006)
+ACCUMULATES = FIXTURES / "ga001_hf_clm_sft_no_trainer.py"  # --gradient_accumulation_steps 8
+
+
+def test_pre_commit_check_hook_runs_when_a_requirements_file_changes(try_repo, tmp_path):
+    repository = git_repository(
+        tmp_path / "repo", {"requirements.txt": PIN, "train.py": ACCUMULATES}
+    )
+    result = try_repo("gaaudit", repository, "requirements.txt")
+    assert result.returncode == 1, result.stdout
+    assert "requirements.txt:1:1: GA006" in result.stdout
+
+
+def test_init_writes_a_local_hook_that_pre_commit_runs(tmp_path):
+    """`gaaudit init`'s configuration works before any release: it runs the gaaudit
+    installed beside the project (this test's interpreter's)."""
+    from gaaudit.setup import HOOK_FILES
+
+    repository = git_repository(tmp_path / "repo", {"train.py": BUGGY, "eval.py": CLEAN})
+    assert gaaudit("init", ".", cwd=repository).returncode == 0
+    git("add", ".", cwd=repository)
+    scripts = str(Path(sys.executable).parent)
+    env = {
+        **os.environ,
+        "PATH": scripts + os.pathsep + os.environ.get("PATH", ""),
+        "PRE_COMMIT_HOME": str(tmp_path / "home"),
+        "PRE_COMMIT_COLOR": "never",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "pre_commit", "run", "--all-files"],
+        cwd=repository,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 1 and "train.py" in result.stdout and "GA002" in result.stdout
+    for shown in (ROOT / ".pre-commit-hooks.yaml", ROOT / "README.md"):
+        assert f"files: '{HOOK_FILES}'" in shown.read_text()  # the same files everywhere

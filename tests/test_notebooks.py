@@ -146,3 +146,50 @@ def test_syntax_error_in_a_cell_names_the_cell(tmp_path, cli):
     path.write_text(json.dumps(notebook([code("x = 1"), code("loss.backward(\n")])))
     result = cli("check", "bad.ipynb", cwd=tmp_path)
     assert result.exit_code == 2 and "E999 cell 2, line" in result.output
+
+
+def magic_cells(first_line: str) -> list[dict]:
+    """The fixture notebook with its training cell run under the cell magic `first_line`."""
+    cells = split_script()
+    cells[3]["source"] = [first_line + "\n", *cells[3]["source"]]
+    return cells
+
+
+def test_a_python_cell_magic_is_checked_and_fixed(tmp_path, cli):
+    path = tmp_path / "timed.ipynb"
+    path.write_text(json.dumps(notebook(magic_cells("%%time")), indent=1) + "\n")
+    cell, line = backward_line()
+    result = cli("check", "timed.ipynb", cwd=tmp_path)
+    assert f"timed.ipynb:cell {cell}:line {line + 1}:col 13: GA002" in result.output
+    assert cli("fix", "timed.ipynb").exit_code == 0
+    fixed = json.loads(path.read_text())["cells"][3]["source"]
+    assert fixed[0] == "%%time\n" and "micro_tokens" in "".join(fixed)
+    assert cli("check", "timed.ipynb").exit_code == 0
+
+
+def test_another_cell_magic_is_skipped_and_said_so(tmp_path, cli):
+    path = tmp_path / "shell.ipynb"
+    path.write_text(json.dumps(notebook(magic_cells("%%bash")), indent=1) + "\n")
+    result = cli("check", "shell.ipynb", cwd=tmp_path)
+    assert result.exit_code == 0 and "GA002" not in result.output
+    note = "cell 4: cell magic `%%bash` runs no Python; not checked"
+    assert f"shell.ipynb: note: {note}" in result.output
+    document = json.loads(cli("check", "shell.ipynb", "-f", "json").output)
+    assert document["notes"] == [{"path": "shell.ipynb", "message": note}]
+    assert cli("fix", "shell.ipynb").exit_code == 0
+    assert json.loads(path.read_text()) == notebook(magic_cells("%%bash"))
+
+
+def test_shell_lines_continued_with_backslashes_parse(tmp_path, cli):
+    cells = split_script()
+    cells[1]["source"] = ["!pip install -q peft \\\n", "    transformers \\\n", "  accelerate\n"]
+    cells[3]["source"][1:1] = ["    !nvidia-smi --query-gpu=name \\\n", "        --format=csv\n"]
+    path = tmp_path / "continued.ipynb"
+    path.write_text(json.dumps(notebook(cells), indent=1) + "\n")
+    result = cli("check", "continued.ipynb", cwd=tmp_path)
+    assert "E999" not in result.output and result.exit_code == 1
+    cell, line = backward_line()
+    assert f"continued.ipynb:cell {cell}:line {line + 2}:col 13: GA002" in result.output
+    assert cli("fix", "continued.ipynb").exit_code == 0
+    fixed = json.loads(path.read_text())["cells"]
+    assert fixed[1] == cells[1] and fixed[3]["source"][1:3] == cells[3]["source"][1:3]

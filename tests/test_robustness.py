@@ -391,8 +391,8 @@ def test_file_edited_during_fix_is_not_overwritten(tmp_path, cli, monkeypatch):
     target.write_text(BUGGY)
     planned = fixer.fix_file
 
-    def edited_meanwhile(path, settings, unsafe=False):
-        result = planned(path, settings, unsafe)
+    def edited_meanwhile(path, settings, unsafe=False, data=None):
+        result = planned(path, settings, unsafe, data)
         path.write_text(BUGGY + "# saved by the editor meanwhile\n")
         return result
 

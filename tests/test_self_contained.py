@@ -33,10 +33,14 @@ def _height(node: ast.AST, heights: dict[str, int]) -> int | None:
     if isinstance(node, ast.Attribute) and node.attr == "parent":
         inner = _height(node.value, heights)
         return None if inner is None else inner + 1
-    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute):
-        if node.value.attr == "parents" and isinstance(node.slice, ast.Constant):
-            inner = _height(node.value.value, heights)
-            return None if inner is None else inner + node.slice.value + 1
+    if (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "parents"
+        and isinstance(node.slice, ast.Constant)
+    ):
+        inner = _height(node.value.value, heights)
+        return None if inner is None else inner + node.slice.value + 1
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
         inner = _height(node.left, heights)
         if inner is not None and isinstance(node.right, ast.Constant):
@@ -60,9 +64,9 @@ def climbing_paths(source: str, depth: int) -> list[str]:
         height = _height(node, heights) if isinstance(node, ast.expr) else None
         if height is not None and height > depth:
             found.append(f"line {node.lineno}: {ast.unparse(node)}")
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if CLIMBING_LITERAL.search(node.value):
-                found.append(f"line {node.lineno}: {node.value!r}")
+        literal = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if literal and CLIMBING_LITERAL.search(node.value):
+            found.append(f"line {node.lineno}: {node.value!r}")
     return found
 
 

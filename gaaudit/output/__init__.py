@@ -29,6 +29,7 @@ class CheckRun:
     color: bool = False
     quiet: bool = False
     fixes: dict[Finding, SuggestedFix] = field(default_factory=dict)  # SARIF only
+    fixable: int | None = None  # findings `gaaudit fix` would fix; text only, None: not counted
 
     @property
     def findings(self) -> list[Finding]:
@@ -41,6 +42,16 @@ class CheckRun:
         return sorted((r.error for r in self.reports if r.error), key=lambda e: e.path)
 
     @property
+    def hidden(self) -> int:
+        """Findings below the minimum confidence: counted, not shown."""
+        return sum(r.hidden for r in self.reports)
+
+    @property
+    def notes(self) -> list[tuple[str, str]]:
+        """(path, note) for what was left unchecked in the files checked, by path."""
+        return sorted((r.path, note) for r in self.reports for note in r.notes)
+
+    @property
     def counts(self) -> dict[str, int]:
         """Number of findings per rule code, in code order."""
         return dict(sorted(Counter(f.code for r in self.reports for f in r.findings).items()))
@@ -51,6 +62,10 @@ def write(fmt: str, run: CheckRun, out: TextIO) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown output format {fmt!r}; expected one of {', '.join(FORMATS)}")
     import_module(f"{__name__}.{fmt}").write(run, out)
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def source_lines(path: str) -> list[str]:

@@ -28,6 +28,7 @@ def _document(run: CheckRun) -> dict:
             "findings": len(findings),
             "errors": len(errors),
             "by_code": run.counts,
+            "hidden": run.hidden,
         },
         "findings": [
             {
@@ -58,4 +59,5 @@ def _document(run: CheckRun) -> dict:
             }
             for e in errors
         ],
+        "notes": [{"path": path, "message": note} for path, note in run.notes],
     }

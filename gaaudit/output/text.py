@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from gaaudit import catalogue
 from gaaudit.findings import Confidence, Finding, Span
-from gaaudit.output import CheckRun, source_lines
+from gaaudit.output import CheckRun, plural, source_lines
 
 TYPE_CHECKING = False  # not `typing`'s, whose import costs a one-file check 4 ms
 if TYPE_CHECKING:
@@ -64,8 +64,16 @@ def _lines(run: CheckRun) -> Iterator[Line]:
             (error.code, CODE_STYLE),
             (f" {error.message}", ""),
         ]
-    if not run.quiet:
-        yield [(_summary(run, findings, len(errors)), "")]
+    if run.quiet:
+        return
+    for path, note in run.notes:
+        yield [(f"{path}:", PATH_STYLE), (" note: ", "bold cyan"), (note, "")]
+    yield [(_summary(run, findings, len(errors)), "")]
+    if run.fixable:
+        yield [("[*]", "bold cyan"), (f" {run.fixable} fixable with `gaaudit fix`.", "")]
+    if run.hidden:
+        more = plural(run.hidden, "more finding")
+        yield [(f"{more} at low confidence (`--min-confidence low`).", "dim")]
 
 
 def _finding(finding: Finding, source: list[str]) -> Iterator[Line]:
@@ -110,17 +118,13 @@ def _statistics(counts: dict[str, int]) -> Iterator[Line]:
 
 
 def _summary(run: CheckRun, findings: list[Finding], errors: int) -> str:
-    checked = _plural(run.files_checked, "file")
+    checked = plural(run.files_checked, "file")
     elapsed = f"{run.elapsed:.2f}s"
     if not findings and not errors:
         return f"All checked! {checked} in {elapsed}."
     codes = ", ".join(f"{code}: {n}" for code, n in run.counts.items())
-    text = f"Found {_plural(len(findings), 'finding')}" + (f" ({codes})" if codes else "")
+    text = f"Found {plural(len(findings), 'finding')}" + (f" ({codes})" if codes else "")
     text += f" in {len({f.path for f in findings})} of {checked} in {elapsed}."
     if errors:
-        text += f" {_plural(errors, 'file')} could not be checked."
+        text += f" {plural(errors, 'file')} could not be checked."
     return text
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

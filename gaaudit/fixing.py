@@ -1,0 +1,178 @@
+"""One `gaaudit fix` run, without the CLI library: files, cache, rewrites, messages, exit status.
+
+Messages go to standard error when the fixed text or the diff is what standard output
+carries (`--diff`, or `gaaudit fix -`), to standard output otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gaaudit.checking import (
+    EXIT_CLEAN,
+    EXIT_ERROR,
+    EXIT_FINDINGS,
+    STDIN,
+    CheckOptions,
+    cache_for,
+    settings_for,
+    stdin_target,
+    use_color,
+    warn_nothing_found,
+)
+from gaaudit.output import plural
+
+
+@dataclass(frozen=True)
+class FixOptions(CheckOptions):
+    """The options of `gaaudit fix`: those of `check` that select files and rules, and these."""
+
+    diff: bool = False
+    verify: bool = False
+
+
+@dataclass
+class Tally:
+    """What a run did, for its summary and exit status."""
+
+    applied: int = 0
+    skipped: int = 0
+    errors: int = 0
+    changed: list[str] = field(default_factory=list)  # files rewritten (or, with --diff, to be)
+
+
+def fix(options: FixOptions) -> int:
+    """Run `gaaudit fix` and return the exit status; raise `checking.UsageError`."""
+    from gaaudit.discovery import discover
+
+    settings = settings_for(options)
+    tally = Tally()
+    stdin = stdin_target(options, settings)
+    if stdin is not None:
+        path, data, skipped = stdin
+        if skipped:  # an excluded file: its text goes back as it came
+            sys.stdout.buffer.write(data)
+        else:
+            _fix_one(path, settings, options, tally, data)
+    else:
+        paths = list(options.paths) or [Path(".")]
+        files = list(discover(paths, settings, options.force_exclude))
+        if not files:
+            warn_nothing_found(paths)
+        store = None if options.no_cache else cache_for(options, settings)
+        for path in files:
+            known = store.get(path) if store is not None else None
+            if known and store.fresh(path, known) and not known.findings and not known.error:
+                continue  # checked clean since it last changed: nothing to fix
+            _fix_one(path, settings, options, tally)
+    if not options.quiet:
+        verb = "Would fix" if options.diff else "Fixed"
+        files = plural(len(tally.changed), "file")
+        named = f" ({', '.join(tally.changed)})" if tally.changed else ""
+        _say(
+            f"{verb} {plural(tally.applied, 'finding')} in {files}{named}; "
+            f"{tally.skipped} not fixed.",
+            _to_stderr(options),
+        )
+    if options.exit_zero:
+        return EXIT_CLEAN
+    if tally.errors:
+        return EXIT_ERROR
+    remaining = tally.skipped or (options.diff and tally.changed)
+    return EXIT_FINDINGS if remaining else EXIT_CLEAN
+
+
+def _fix_one(path: Path, settings, options: FixOptions, tally: Tally, data: bytes | None = None):
+    """Fix one file (or standard input's `data`), write or show the result, count it."""
+    from gaaudit.codemod import WriteError, write_atomic
+    from gaaudit.fixer import fix_file
+    from gaaudit.source import SourceError
+
+    stderr = _to_stderr(options)
+    try:
+        result = fix_file(path, settings, options.unsafe_fixes, data)
+        held = options.verify and result.changed and _held_back(path, result)
+        if held:
+            _say(f"{result.path}: fixes held back: {held}", stderr)
+            tally.skipped += sum(o.applied for o in result.outcomes)
+            result = None
+        elif data is not None:
+            out = result.diff().encode() if options.diff else result.after
+            sys.stdout.buffer.write(out)
+            sys.stdout.flush()
+        elif result.changed and not options.diff:
+            write_atomic(path, result.after, result.before)
+    except (SourceError, WriteError) as exc:
+        tally.errors += 1
+        where = f":{exc.line}:{exc.column}" if isinstance(exc, SourceError) else ""
+        message = exc.message if isinstance(exc, SourceError) else exc
+        _say(f"{path.as_posix()}{where}: E999 {message}", stderr)
+        if data is not None:  # an editor replaces the buffer with what it gets: give it back
+            sys.stdout.buffer.write(data)
+        return
+    except Exception as exc:  # noqa: BLE001 - a gaaudit bug: leave this file, go on with the rest
+        tally.errors += 1
+        _say(
+            f"{path.as_posix()}: E999 internal error ({type(exc).__name__}); "
+            "file left unchanged, please report this",
+            stderr,
+        )
+        if data is not None:
+            sys.stdout.buffer.write(data)
+        return
+    if result is None:
+        return
+    if result.changed:
+        tally.changed.append(result.path)
+    for outcome in result.outcomes:
+        where = f"{result.path}:{outcome.location}: {outcome.site.code}"
+        if outcome.applied:
+            tally.applied += 1
+            if outcome.reason and not options.quiet:  # which rewrite a framework finding got
+                _say(f"{where} fixed: {outcome.reason}", stderr)
+        else:
+            tally.skipped += 1
+            _say(f"{where} not fixed: {outcome.reason}", stderr)
+    if options.diff and result.changed and data is None:
+        coloured = use_color()
+        sys.stdout.write(_colour_diff(result.diff()) if coloured else result.diff())
+
+
+def _held_back(path: Path, result) -> str:
+    """Why a file's fixes may not be applied under --verify ("" when every loop verified).
+    K = 4; the rest of [tool.gaaudit.verify] applies (model factory, processes, ...)."""
+    from gaaudit.config import ConfigError
+    from gaaudit.verify import VERIFIED, VerifyError, options_for, verify_pair
+
+    if path.suffix != ".py":
+        return "--verify replays Python files only"
+    try:
+        outcomes = verify_pair(path, result.before, result.after, None, options_for(path, ks=(4,)))
+    except (ConfigError, VerifyError) as exc:
+        return str(exc)
+    failed = [o for o in outcomes if o.verdict != VERIFIED]
+    if not outcomes:
+        return "no loop could be replayed"
+    return "; ".join(f"line {o.line}: {o.verdict}" for o in failed)
+
+
+DIFF_COLOURS = (("+++", "1"), ("---", "1"), ("@@", "36"), ("+", "32"), ("-", "31"))
+
+
+def _colour_diff(text: str) -> str:
+    """ANSI-coloured unified diff lines (headers bold, hunks cyan, additions green)."""
+    lines = []
+    for line in text.splitlines(keepends=True):
+        colour = next((c for prefix, c in DIFF_COLOURS if line.startswith(prefix)), None)
+        lines.append(f"\x1b[{colour}m{line.rstrip(chr(10))}\x1b[0m\n" if colour else line)
+    return "".join(lines)
+
+
+def _to_stderr(options: FixOptions) -> bool:
+    return options.diff or options.paths == (STDIN,)
+
+
+def _say(text: str, stderr: bool) -> None:
+    print(text, file=sys.stderr if stderr else sys.stdout, flush=True)
