@@ -97,6 +97,8 @@ def _rebased(patterns, root: Path) -> tuple[str, ...]:
     """Exclude patterns of the command line, which are relative to the current folder, as
     patterns anchored at the project `root`. A pattern with a `/` before its end is anchored
     (gitignore's rule); a plain name matches at any depth and needs nothing."""
+    if not patterns:
+        return ()
     here = os.path.relpath(Path.cwd().resolve(), root.resolve()).replace(os.sep, "/")
     if here == "." or here.startswith(".."):
         return tuple(patterns)
