@@ -21,15 +21,22 @@ from gaaudit.source import SourceError
 MARKER = "# gaaudit: cell "
 PLACEHOLDER = "pass  # gaaudit: magic "
 LINE = re.compile(r"\(line (\d+)\)")
-MAGIC = re.compile(r"^(\s*)(%|!|\?|[\w.]+\s*=\s*[%!])")
+# An IPython line: `%magic`, `!shell` (not a continued `!=`), `?help`, `name?`, `x = !cmd`.
+MAGIC = re.compile(r"^(\s*)(?:%(?=[%\w])|!(?!=)|\?|[\w.*]+\?\??\s*$|[\w.]+\s*=\s*[%!])")
 CELL_MAGIC = re.compile(r"^%%(\w+)")
-# Cell magics whose cell body is Python that runs in the notebook's namespace.
-PYTHON_CELL_MAGICS = frozenset({"time", "timeit", "capture", "prun", "debug", "python", "python3"})
+# Cell magics whose body is Python: run in the notebook (`%%time`, ...) or as a script (`%%python`).
+PYTHON_CELL_MAGICS = frozenset(
+    {"time", "timeit", "capture", "prun", "debug", "memit", "python", "python3"}
+)
 
 
 @dataclass(frozen=True)
 class Notebook:
-    """A notebook's JSON and its code cells as one Python text."""
+    """A notebook's JSON and its code cells as one Python text.
+
+    `skipped` lists the code cells left out of the analysis (those under a cell magic such
+    as `%%bash`) as (1-based cell, reason), the reason a sentence for the report's note.
+    """
 
     data: dict
     text: str

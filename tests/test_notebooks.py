@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, gaaudit
+
+from gaaudit.notebook import load, rebuild
 
 SCRIPT = (FIXTURES / "ga002_hf_clm_no_division.py").read_text()
 
@@ -155,15 +157,18 @@ def magic_cells(first_line: str) -> list[dict]:
     return cells
 
 
-def test_a_python_cell_magic_is_checked_and_fixed(tmp_path, cli):
+@pytest.mark.parametrize("first_line", ["%%time", "%%timeit -n 1 -r 1", "%%capture out"])
+def test_a_python_cell_magic_is_checked_and_fixed(tmp_path, cli, first_line):
     path = tmp_path / "timed.ipynb"
-    path.write_text(json.dumps(notebook(magic_cells("%%time")), indent=1) + "\n")
+    path.write_text(json.dumps(notebook(magic_cells(first_line)), indent=1) + "\n")
     cell, line = backward_line()
     result = cli("check", "timed.ipynb", cwd=tmp_path)
+    assert result.exit_code == 1 and "note:" not in result.output
     assert f"timed.ipynb:cell {cell}:line {line + 1}:col 13: GA002" in result.output
     assert cli("fix", "timed.ipynb").exit_code == 0
     fixed = json.loads(path.read_text())["cells"][3]["source"]
-    assert fixed[0] == "%%time\n" and "micro_tokens" in "".join(fixed)
+    assert fixed[0] == first_line + "\n" and "micro_tokens" in "".join(fixed)
+    compile("".join(fixed[1:]), "cell", "exec")
     assert cli("check", "timed.ipynb").exit_code == 0
 
 
@@ -178,6 +183,7 @@ def test_another_cell_magic_is_skipped_and_said_so(tmp_path, cli):
     assert document["notes"] == [{"path": "shell.ipynb", "message": note}]
     assert cli("fix", "shell.ipynb").exit_code == 0
     assert json.loads(path.read_text()) == notebook(magic_cells("%%bash"))
+    assert load(path.read_bytes()).skipped == ((4, note.removeprefix("cell 4: ")),)
 
 
 def test_shell_lines_continued_with_backslashes_parse(tmp_path, cli):
@@ -188,8 +194,34 @@ def test_shell_lines_continued_with_backslashes_parse(tmp_path, cli):
     path.write_text(json.dumps(notebook(cells), indent=1) + "\n")
     result = cli("check", "continued.ipynb", cwd=tmp_path)
     assert "E999" not in result.output and result.exit_code == 1
+    assert gaaudit("check", ".", "--no-cache", cwd=tmp_path).returncode == 1  # not 2
     cell, line = backward_line()
     assert f"continued.ipynb:cell {cell}:line {line + 2}:col 13: GA002" in result.output
     assert cli("fix", "continued.ipynb").exit_code == 0
     fixed = json.loads(path.read_text())["cells"]
     assert fixed[1] == cells[1] and fixed[3]["source"][1:3] == cells[3]["source"][1:3]
+
+
+def test_ipython_lines_are_kept_aside_and_python_is_not(tmp_path, cli):
+    ipython = [
+        "%pip install -q a \\\n",
+        "    b\n",
+        "files = !ls\n",
+        "?torch.nn\n",
+        "model?\n",
+        "optimizer.step??\n",
+    ]
+    python = ["mask = (labels\n", "        != -100)\n", 'msg = ("step %d"\n', "       % step)"]
+    cells = split_script()
+    cells[1]["source"] = ipython + python
+    raw = (json.dumps(notebook(cells), indent=1) + "\n").encode()
+    loaded = load(raw)
+    assert loaded.magics == tuple(line.removesuffix("\n") for line in ipython)
+    assert "        != -100)\n" in loaded.text and "       % step)\n" in loaded.text
+    assert rebuild(loaded, loaded.text, raw) == raw
+    path = tmp_path / "ipython.ipynb"
+    path.write_bytes(raw)
+    result = cli("check", "ipython.ipynb", cwd=tmp_path)
+    assert "E999" not in result.output and result.exit_code == 1
+    assert cli("fix", "ipython.ipynb").exit_code == 0
+    assert json.loads(path.read_text())["cells"][1] == cells[1]
