@@ -1,5 +1,5 @@
 """A fresh clone has nothing beside it: no module, test or script builds a path that climbs out
-of the repository (`../shared`, `Path(__file__).parents[3]`, `ROOT.parent`)."""
+of the repository (`../sibling`, `Path(__file__).parents[3]`, `ROOT.parent`)."""
 
 from __future__ import annotations
 
@@ -83,9 +83,9 @@ def test_no_path_climbs_out_of_the_repository(path):
 @pytest.mark.parametrize(
     "source",
     [
-        'SHARED = Path(__file__).resolve().parent.parent.parent / "shared"',
+        'SHARED = Path(__file__).resolve().parent.parent.parent / "sibling"',
         "ROOT = Path(__file__).parents[1]\nOUT = ROOT.parent",
-        'DATA = "../shared/data/schema.json"',
+        'DATA = "../sibling/data/schema.json"',
         'HOME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))\nUP = HOME / ".."',
     ],
 )
