@@ -6,31 +6,50 @@ import re
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
-from gaaudit.findings import Confidence
 from gaaudit.lexical import literals, prefix
 
-# Names that show valid-token counts varying between micro-batches.
-VARIABLE = {
-    "ignore_index",
+# Names in the data path that show valid-target counts varying between micro-batches: padding
+# collators, masks, ignored labels. (A loss's `ignore_index` alone is not one: packed blocks never
+# hold the ignored value.)
+PADDED = {
     "DataCollatorForSeq2Seq",
     "DataCollatorForLanguageModeling",
-    "DataCollatorWithPadding",
     "DataCollatorForTokenClassification",
+    "DataCollatorForCompletionOnlyLM",
     "pad_sequence",
-    "attention_mask",
     "loss_mask",
     "label_pad_token_id",
     "mlm_probability",
 }
+# Names that show padded inputs: weaker, since packed blocks carry an attention mask too.
+MASKED = {"attention_mask", "DataCollatorWithPadding"}
 # Names that show fixed-length, packed data, where mean/K is exact.
 FIXED = {"memmap", "group_texts", "block_size"}
-VARIABLE_SIGNS = (
-    (re.compile(rb"-\s*(?P<sign>100)(?![\w.])"), lambda match: "labels padded with -100"),
+PADDED_SIGNS = (
     (
-        re.compile(rb"\b(?P<sign>" + b"|".join(w.encode() for w in sorted(VARIABLE)) + rb")\b"),
+        re.compile(rb"(?<!ignore_index=)(?<!ignore_index = )-\s*(?P<sign>100)(?![\w.])"),
+        lambda match: "labels set to -100",
+    ),
+    (
+        re.compile(rb"\b(?P<sign>" + b"|".join(w.encode() for w in sorted(PADDED)) + rb")\b"),
         lambda match: f"`{match['sign'].decode()}`",
     ),
-    (re.compile(rb"\bpadding\s*(?P<sign>=)(?!=)"), lambda match: "a `padding=` argument"),
+    (
+        re.compile(
+            rb"\b(?P<sign>(?:y|tgt|labels?|targets?)\w*)\[[^\]\n]*\]\s*=\s*-\s*\d+(?![\w.])"
+        ),
+        lambda match: f"`{match['sign'].decode()}[...] = -N` writes ignored targets",
+    ),
+    (
+        re.compile(rb"\bpadding\s*=\s*(?P<sign>True\b|[\"'](?:longest|max_length)[\"'])"),
+        lambda match: "a tokenizer's `padding=`",
+    ),
+)
+MASKED_SIGNS = (
+    (
+        re.compile(rb"\b(?P<sign>" + b"|".join(w.encode() for w in sorted(MASKED)) + rb")\b"),
+        lambda match: f"`{match['sign'].decode()}`",
+    ),
 )
 FIXED_SIGNS = (
     (
@@ -41,7 +60,10 @@ FIXED_SIGNS = (
         ),
         lambda match: f"`{match['sign'].decode()}`",
     ),
-    (re.compile(rb"\bdrop_last\s*=\s*(?P<sign>True)\b"), lambda match: "`drop_last=True`"),
+    (
+        re.compile(rb"\b(?P<sign>randint)\(\s*len\("),
+        lambda match: "random fixed-length windows, `randint(len(...`",
+    ),
 )
 NEWLINE = re.compile(rb"\n")
 SUPPRESSION = re.compile(
@@ -54,24 +76,10 @@ SUPPRESSION = re.compile(
 class Evidence:
     """What the file's tokens say about data shape, and which lines suppress which codes."""
 
-    variable: tuple[int, str] | None = None  # (line, what) of the first variable-length sign
+    padded: tuple[int, str] | None = None  # (line, what) of the first sign of varying counts
+    masked: tuple[int, str] | None = None  # of padded inputs (an attention mask)
     fixed: tuple[int, str] | None = None
     suppressions: dict[int, frozenset[str] | None] = field(default_factory=dict)
-
-    def confidence(self) -> tuple[Confidence, str]:
-        if self.variable is not None:
-            line, what = self.variable
-            return (
-                Confidence.HIGH,
-                f"the file shows variable valid-token counts: {what} (line {line})",
-            )
-        if self.fixed is not None:
-            line, what = self.fixed
-            return Confidence.LOW, (
-                f"the file shows fixed-length data ({what}, line {line}), where mean/K is exact; "
-                "it becomes wrong as soon as micro-batches hold different numbers of valid tokens"
-            )
-        return Confidence.MEDIUM, "the file shows neither padded nor fixed-length data"
 
     def suppressed(self, line: int, code: str) -> bool:
         if line not in self.suppressions:
@@ -109,9 +117,10 @@ def scan(text: str) -> Evidence:
             if in_code(match.start())
         ]
 
-    strings = [_quoted_sign(data, t) for t in tokens if t.lastgroup == "string"]
+    strings = [t for t in tokens if t.lastgroup == "string"]
     found = Evidence(
-        variable=first(coded(VARIABLE_SIGNS) + [sign for sign in strings if sign]),
+        padded=first(coded(PADDED_SIGNS) + _quoted(data, strings, PADDED)),
+        masked=first(coded(MASKED_SIGNS) + _quoted(data, strings, MASKED)),
         fixed=first(coded(FIXED_SIGNS)),
     )
     for comment in (t for t in tokens if t.lastgroup == "comment"):
@@ -124,12 +133,14 @@ def scan(text: str) -> Evidence:
     return found
 
 
-def _quoted_sign(data: bytes, string: re.Match[bytes]) -> tuple[int, str] | None:
-    """Where a string literal naming a variable-length sign (`batch["attention_mask"]`)
-    starts, prefix included, and what it shows."""
-    start = string.start()
-    letters = prefix(data, start)
-    literal = (letters + string.group()).decode("utf-8")
-    if literal.strip("\"'rbf") not in VARIABLE:
-        return None
-    return start - len(letters), f"`{literal}`"
+def _quoted(data: bytes, strings: list[re.Match[bytes]], names: set[str]) -> list[tuple[int, str]]:
+    """Where string literals naming one of `names` (`batch["loss_mask"]`) start, prefix
+    included, and what they show."""
+    found = []
+    for string in strings:
+        start = string.start()
+        letters = prefix(data, start)
+        literal = (letters + string.group()).decode("utf-8")
+        if literal.strip("\"'rbf") in names:
+            found.append((start - len(letters), f"`{literal}`"))
+    return found

@@ -9,14 +9,11 @@ import libcst as cst
 
 from gaaudit.checks.accumulation import Auditor, Site
 from gaaudit.cst_edits import Edits, Unfixable, copy_edits, statement_line, with_argument
+from gaaudit.domain import shifts_labels
 from gaaudit.loops import Window, is_step
 from gaaudit.provenance import Origin
 from gaaudit.tree import Tree, code, dotted, keyword, positional
 
-CAUSAL = re.compile(r"ForCausalLM|LMHeadModel|CausalLM")
-NO_SHIFT = re.compile(
-    r"Seq2SeqLM|ForConditionalGeneration|MaskedLM|ForTokenClassification|MTModel|EncoderDecoderModel"
-)
 TOKEN_LOSSES = ("cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss")
 
 
@@ -199,8 +196,8 @@ class Planner:
                     labels = f'{code(spread)}["labels"]'
         if labels is None:
             raise Unfixable("the labels passed to the model are not visible at the loss")
-        causal, plain = CAUSAL.search(self.text), NO_SHIFT.search(self.text)
-        if bool(causal) == bool(plain):
+        causal = shifts_labels(self.text)
+        if causal is None:
             raise Unfixable("cannot tell whether the model shifts its labels (causal LM) or not")
         shifted = f"{labels}[..., 1:]" if causal else labels
         return f"({shifted} != -100).sum()", ""

@@ -18,7 +18,6 @@ finding gets one of these, the first that applies (GA-GUIDE sections 2, 4 and 7)
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import libcst as cst
@@ -42,6 +41,7 @@ from gaaudit.cst_edits import (
     with_argument,
     with_parameter,
 )
+from gaaudit.domain import shifts_labels
 from gaaudit.fixes import Outcome
 from gaaudit.tree import Tree, code, dotted, keyword, positional, string_value
 
@@ -49,10 +49,6 @@ COUNT = "num_items_in_batch"
 TOKEN_LOSSES = {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}
 SHAPERS = {"view", "reshape", "flatten", "contiguous", "long"}  # keep which targets count
 PASS_THROUGH = {"mean", "float", "to", "clone", "contiguous", "squeeze"}
-CAUSAL = re.compile(r"ForCausalLM|LMHeadModel|CausalLM|SFTTrainer")
-UNSHIFTED = re.compile(
-    r"Seq2SeqLM|ForConditionalGeneration|MaskedLM|Classification|EncoderDecoderModel"
-)
 MEAN_OVER_K = (
     "the Trainer then divides each micro-batch's mean by the accumulation steps, exact only when "
     "every micro-batch holds the same number of valid targets"
@@ -261,7 +257,7 @@ class TrainerPlanner:
         return False, shifted
 
     def _causal(self) -> bool:
-        return bool(CAUSAL.search(self.text)) and not UNSHIFTED.search(self.text)
+        return bool(shifts_labels(self.text))
 
     def _sum(self, loss: TokenLoss) -> None:
         """`loss_fn(x, y)` -> `loss_fn(x, y) / (n if n is not None else (y != -100).sum())`, the

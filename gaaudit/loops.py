@@ -129,7 +129,7 @@ class Structure:
             if isinstance(loss, cst.BaseExpression):
                 yield Backward(node, loss)
                 continue
-            name = last_name(node.func)
+            name = _helper_name(node.func)
             if name in helpers and not self._inside(node, self.tree.functions[name]):
                 args = positional(node)
                 if 0 <= helpers[name] < len(args):
@@ -144,7 +144,7 @@ class Structure:
         return [
             node
             for node in self.tree.walk(region, into_defs=False)
-            if isinstance(node, cst.Call) and (is_step(node) or last_name(node.func) in stepping)
+            if isinstance(node, cst.Call) and (is_step(node) or _helper_name(node.func) in stepping)
         ]
 
     def window(self, backward: Backward) -> Window | None:
@@ -316,7 +316,7 @@ class Structure:
             where = self.deepspeed_accumulation()
             return f"DeepSpeed, gradient_accumulation_steps in {where}" if where else None
         receiver = self._receiver(backward)
-        if receiver is None or "accelerator" not in receiver.lower():
+        if receiver is None or not self._is_accelerator(receiver):
             return None
         if window.kind == "accumulate":
             return f"accelerate's `{receiver}.accumulate()`"
@@ -338,6 +338,14 @@ class Structure:
         for node in self.tree.calls:
             calls.setdefault(self.tree.qualified(node.func) or "", []).append(node)
         return calls
+
+    def _is_accelerator(self, name: str) -> bool:
+        """`accelerator`, or a name bound to an `Accelerator(...)` in the file (`acc`)."""
+        return "accelerator" in name.lower() or any(
+            isinstance(value, cst.Call)
+            and (self.tree.qualified(value.func) or "").endswith("Accelerator")
+            for value in self.tree.assigned_values.get(name, ())
+        )
 
     def _configured_accelerator(self) -> bool:
         accelerators = [
@@ -499,3 +507,12 @@ def _json_accumulation(path: Path) -> int | str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if value == "auto" or (isinstance(value, int) and value > 1) else None
+
+
+def _helper_name(func: cst.BaseExpression) -> str | None:
+    """The same-file function a callee can name: `helper` or `self.helper`, never
+    `model.train` (another object's method of the same name)."""
+    name = dotted(func) or ""
+    if name.count(".") == 0 or (name.count(".") == 1 and name.startswith("self.")):
+        return name.rsplit(".", 1)[-1] or None
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
@@ -23,6 +24,7 @@ TORCH_LOSSES = {
 # fmt: on
 PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half", "bfloat16"}
 MAX_DEPTH = 16
+MODEL = re.compile(r"(?i)^(?:model|net|network|transformer|gpt|llm|lm|module)$|_model$|_wrapper$")
 GUARDS = {"clamp", "clamp_min", "clamp_", "clamp_min_", "float", "double", "to", "item", "detach"}
 
 
@@ -47,6 +49,7 @@ class Origin:
     tree: Tree | None = field(default=None, compare=False, repr=False)
     module: str = ""  # the file of another module that computes it (then `source` is None)
     variable: str = ""  # a sign of variable valid-token counts where that module computes it
+    configured: cst.Call | None = field(default=None, compare=False, repr=False)  # a torch loss
 
     @property
     def description(self) -> str:
@@ -76,6 +79,17 @@ def _unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
         else:
             return count
     return count
+
+
+def _calls_a_model(value: cst.BaseExpression) -> bool:
+    """`model(x, return_loss=True)`, `self.net(**batch)`: a call of a model that returns its loss."""
+    if not isinstance(value, cst.Call):
+        return False
+    asks = any(
+        (a.keyword is not None and a.keyword.value in ("return_loss", "labels", "targets"))
+        for a in value.args
+    )
+    return asks or bool(MODEL.search(last_name(value.func) or ""))
 
 
 def argument_for(call: cst.Call, index: int, name: str) -> cst.BaseExpression | None:
@@ -176,7 +190,11 @@ class Tracer:
         for target in targets:
             if isinstance(target, (cst.Tuple, cst.List)):
                 return self._unpacked(name, target, value, depth)
-        return self.origin(value, depth + 1)
+        found = self.origin(value, depth + 1)
+        if found.kind == "unknown" and "loss" in name and _calls_a_model(value):
+            what = f"`{name}` returned by `{code(value.func)}(...)`, a model's mean loss"
+            return replace(self._mean(value, what), from_model=True)
+        return found
 
     def _unpacked(self, name: str, target, value, depth: int) -> Origin:
         names = [last_name(e.value) for e in target.elements]
@@ -319,12 +337,15 @@ class Tracer:
         )
 
     def _reduction(self, configured: cst.Call, call: cst.Call, what: str) -> Origin:
+        """A torch loss's origin by its `reduction=`; `configured` is the call that sets it."""
         reduction = string_value(keyword(configured, "reduction"))
         if reduction == "sum":
-            return self._sum(call, f"{what} with reduction='sum'")
-        if reduction == "none":
-            return Origin("elementwise", f"{what} with reduction='none'", call, tree=self.tree)
-        return self._mean(call, f"{what} with the default reduction='mean'")
+            found = self._sum(call, f"{what} with reduction='sum'")
+        elif reduction == "none":
+            found = Origin("elementwise", f"{what} with reduction='none'", call, tree=self.tree)
+        else:
+            found = self._mean(call, f"{what} with the default reduction='mean'")
+        return replace(found, configured=configured)
 
     def loss_instance(self, func: cst.BaseExpression) -> cst.Call | None:
         """The `nn.CrossEntropyLoss(...)` call a callee was bound to, if any."""

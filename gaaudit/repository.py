@@ -169,7 +169,8 @@ def _names_parameter(expr: cst.BaseExpression, parameters: tuple[str, ...]) -> b
 
 def _variable_sign(tree: Tree, function: cst.FunctionDef, label: str, path: Path) -> str:
     """The first sign of variable valid-token counts in the helper's own code, if any."""
-    found = scan(tree.module.code_for_node(function)).variable
+    evidence = scan(tree.module.code_for_node(function))
+    found = evidence.padded or evidence.masked
     if found is None:
         return ""
     return f"{found[1]} in `{label}()` ({shown(path)} line {tree.line(function)})"

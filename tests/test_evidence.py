@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, fixture_scripts
 
-from gaaudit.evidence import FIXED, SUPPRESSION, VARIABLE, Evidence, scan
+from gaaudit.evidence import FIXED, MASKED, PADDED, SUPPRESSION, Evidence, scan
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = {tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT}
@@ -52,8 +52,11 @@ def reference(text: str) -> Evidence:
                 found.suppressions[line] = (
                     frozenset(re.findall(r"[A-Z]+[0-9]+", codes.upper())) if codes else None
                 )
-        elif found.variable is None and (what := variable(token, previous)):
-            found.variable = (line, what)
+        else:
+            if found.padded is None and (what := padded(token, previous)):
+                found.padded = (line, what)
+            if found.masked is None and (what := named(token, MASKED)):
+                found.masked = (line, what)
         if (
             token.type != tokenize.COMMENT
             and found.fixed is None
@@ -61,32 +64,48 @@ def reference(text: str) -> Evidence:
         ):
             found.fixed = (line, what)
         if token.type not in SKIPPED:
-            previous = [*previous[-1:], token]
+            previous = [*previous[-15:], token]
     return found
 
 
-def variable(token, previous) -> str | None:
-    last = previous[-1].string if previous else None
-    if token.type == tokenize.NUMBER and token.string == "100" and last == "-":
-        return "labels padded with -100"
-    if token.type == tokenize.NAME and token.string in VARIABLE:
+def padded(token, previous) -> str | None:
+    strings = [t.string for t in previous]
+    if token.type == tokenize.NUMBER and strings[-1:] == ["-"]:
+        if strings[-3:-1] == ["]", "="] and "[" in strings:
+            opening = len(strings) - 1 - strings[::-1].index("[")
+            inside = strings[opening + 1 : -3]
+            name = previous[opening - 1] if opening else None
+            if (
+                name is not None
+                and name.type == tokenize.NAME
+                and re.fullmatch(r"(?:y|tgt|labels?|targets?)\w*", name.string)
+                and "]" not in inside
+                and previous[opening].start[0] == token.start[0]
+            ):
+                return f"`{name.string}[...] = -N` writes ignored targets"
+        if strings[-3:-1] != ["ignore_index", "="] and token.string == "100":
+            return "labels set to -100"
+    if what := named(token, PADDED):
+        return what
+    value = token.string in ("True", '"longest"', "'longest'", '"max_length"', "'max_length'")
+    if value and strings[-2:] == ["padding", "="]:
+        return "a tokenizer's `padding=`"
+    return None
+
+
+def named(token, names: set[str]) -> str | None:
+    if token.type == tokenize.NAME and token.string in names:
         return f"`{token.string}`"
-    if token.type == tokenize.STRING and token.string.strip("\"'rbf") in VARIABLE:
+    if token.type == tokenize.STRING and token.string.strip("\"'rbf") in names:
         return f"`{token.string}`"
-    if token.type == tokenize.OP and token.string == "=" and last == "padding":
-        return "a `padding=` argument"
     return None
 
 
 def fixed(token, previous) -> str | None:
     if token.type == tokenize.NAME and (token.string in FIXED or "packed" in token.string.lower()):
         return f"`{token.string}`"
-    if (
-        token.type == tokenize.NAME
-        and token.string == "True"
-        and [t.string for t in previous] == ["drop_last", "="]
-    ):
-        return "`drop_last=True`"
+    if token.string == "len" and [t.string for t in previous[-2:]] == ["randint", "("]:
+        return "random fixed-length windows, `randint(len(...`"
     return None
 
 
@@ -98,6 +117,11 @@ SNIPPETS = {
     "string naming a sign": "mask = batch['attention_mask']\nother = f\"loss_mask\"\n",
     "prefixed strings": "a = rb'attention_mask' + U'loss_mask' + Rb'ignore_index'\n",
     "minus one hundred": "y[y == pad] = - 100\nz = -100.0\nw = -1000\nv -= 100\n",
+    "a loss's ignore_index is not a data sign": "f(x, ignore_index=-100)\ng(ignore_index = -100)\n",
+    "targets written with an ignore value": "y[row, n - 1 :] = -1\nlabels[:, :p] = -3\n",
+    "other subscripts": "x[0] = -1\ny[a[0]] = -1\nlabels[i] = 1\n",
+    "random windows": "i = torch.randint(len(data) - T, (B,))\nj = randint(0, n)\n",
+    "tokenizer padding only": "tok(t, padding='max_length')\nnn.Conv2d(3, 8, 3, padding=1)\n",
     "padding and equality": "if padding == 'x':\n    f(padding = 'longest')\n",
     "drop_last across lines": "DataLoader(\n    ds,\n    drop_last=\n        True,\n)\n",
     "packed names": "PackedDataset(x)\nis_packed = True\nn_1packed = 2\n",
@@ -122,6 +146,6 @@ def test_scripts_and_sources():
 def test_the_reference_sees_something():
     """The comparisons above are not between two empty answers."""
     found = [reference(path.read_text()) for path in fixture_scripts()]
-    assert sum(e.variable is not None for e in found) > 10
+    assert sum(e.padded is not None for e in found) > 10
     assert sum(e.fixed is not None for e in found) > 3
     assert sum(bool(reference(text).suppressions) for text in SNIPPETS.values()) > 1

@@ -139,7 +139,7 @@ def test_forward_with_two_loss_terms_is_refused_with_a_reason():
 def test_opt_out_is_unsafe_and_says_why(cli, tmp_path):
     target = tmp_path / "train.py"
     target.write_bytes((FIXTURES / "ga004_weighted_classification_compute_loss.py").read_bytes())
-    result = cli("fix", str(target))
+    result = cli("fix", str(target), "--min-confidence", "low")
     assert result.exit_code == 1
     assert (
         "GA004 not fixed: unsafe fix (the loss cannot be made a token sum (it weights its classes"
@@ -148,7 +148,7 @@ def test_opt_out_is_unsafe_and_says_why(cli, tmp_path):
     assert (
         "exact only when every micro-batch holds the same number of valid targets" in result.output
     )
-    result = cli("fix", str(target), "--unsafe-fixes")
+    result = cli("fix", str(target), "--unsafe-fixes", "--min-confidence", "low")
     assert result.exit_code == 0
     assert "GA004 fixed: the loss cannot be made a token sum" in result.output
     fixed = FIXTURES / "ga004_weighted_classification_compute_loss.fixed.py"

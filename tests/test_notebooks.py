@@ -67,7 +67,7 @@ def test_findings_point_at_cell_and_line(train_ipynb, cli):
     cell, line = backward_line()
     assert result.exit_code == 1
     assert f"train.ipynb:cell {cell}:line {line}:col 13: GA002 [high]" in result.output
-    assert "(cell 3, line" in result.output  # evidence from another cell, re-pointed too
+    assert "(cell 4, line" in result.output and "(line " not in result.output  # evidence too
 
 
 def test_json_and_sarif_carry_the_cell(train_ipynb, cli, sarif_schema):

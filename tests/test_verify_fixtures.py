@@ -25,6 +25,9 @@ LOOPLESS = {p.stem for p in ORIGINALS if {code for _, code, _ in expected(p)} <=
 # the patched loop stays wrong and must not be called verified (on packed data it is exact:
 # tests/test_harness.py).
 UNSAFE = {"ga001_exact_nanogpt_memmap_scaler", "ga002_nanogpt_micro_loop_no_division"}
+# The harness has no sequence-classification model yet (issue "verify on real scripts"): it
+# replays a causal LM, whose shifted labels the classification patch does not count.
+MISMODELLED = {"ga001_exact_seq_classifier_attention_mask"}
 
 # Loops this replay cannot verify: the original's verdict (None: not run) and what the patched
 # verdict must say. The patched DDP loop all-reduces its token count, which needs a process
@@ -42,6 +45,16 @@ NOT_REPLAYABLE = {
         "not replayable: the statement is in a method of `AdversarialTrainer`",
         ("a subclass of `Seq2SeqTrainer` from transformers", "statement replay does not reproduce"),
     ),
+    # Loops that build their own batches from text files (issue "verify on real scripts": replay
+    # with the file's own data): the harness's stand-ins do not reach the backward.
+    "ga001_exact_packed_randint_ignore_index": (
+        "not replayable: RuntimeError: random_ expects",
+        ("random_ expects 'from' to be less than 'to'",),
+    ),
+    "ga001_padded_documents_ignore_index": (
+        "not replayable: no backward pass",
+        ("no backward pass and no optimizer step was reached",),
+    ),
 }
 
 
@@ -57,8 +70,8 @@ def loops() -> dict[str, list[dict]]:
 
 def test_every_fixed_fixture_is_replayed(loops):
     assert sorted(loops) == NAMES
-    assert not (LOOPLESS | UNSAFE) & set(NOT_REPLAYABLE)
-    assert len(NAMES) - len(LOOPLESS | UNSAFE | set(NOT_REPLAYABLE)) >= 21
+    assert not (LOOPLESS | UNSAFE | MISMODELLED) & set(NOT_REPLAYABLE)
+    assert len(NAMES) - len(LOOPLESS | UNSAFE | MISMODELLED | set(NOT_REPLAYABLE)) >= 21
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -81,7 +94,7 @@ def test_original_reproduces_the_bug_and_patched_is_verified(loops, name):
             continue
         assert row["dtype"] == "float32", row
         assert row["original_verdict"] == "bug reproduced" and row["original_error"] > 1e-3, row
-        if name in UNSAFE:
+        if name in UNSAFE | MISMODELLED:
             assert loop["verdict"] == "bug reproduced" and row["patched_error"] > 1e-3, loop
         else:
             assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop

@@ -10,6 +10,7 @@ from typing import Literal
 import libcst as cst
 
 from gaaudit import catalogue
+from gaaudit.domain import Domains
 from gaaudit.evidence import Evidence
 from gaaudit.findings import Confidence, Finding
 from gaaudit.loops import Backward, Pipeline, Structure, Window
@@ -67,27 +68,30 @@ class Auditor:
                 seen.add(site.node)
                 yield site
 
-    def findings(self, path: str, evidence: Callable[[], Evidence]) -> list[Finding]:
-        """The findings of the file at `path`; `evidence` tokenizes it, when a site asks."""
+    def findings(self, path: str, evidence: Callable[[], Evidence], text: str) -> list[Finding]:
+        """The findings of the file at `path` (whose code is `text`); `evidence` tokenizes it,
+        when a site asks."""
         rules = catalogue.load()
         found = []
+        domains = None
         for site in self.sites():
-            confidence, why = evidence().confidence()
-            if site.origin.variable and confidence < Confidence.HIGH:
+            domains = domains or Domains(self.tree, self.tracer, evidence(), text)
+            domain = domains.of(site.origin)
+            confidence, why = domain.confidence()
+            if (
+                site.kind == "no-division"
+                and site.origin.kind == "mean"
+                and confidence < Confidence.MEDIUM
+            ):
                 confidence, why = (
-                    Confidence.HIGH,
-                    f"the loss helper shows variable valid-token counts: {site.origin.variable}",
-                )
-            if site.origin.kind == "unknown":
-                confidence, why = (
-                    Confidence.LOW,
-                    "gaaudit could not tell whether the loss is a mean",
+                    Confidence.MEDIUM,
+                    (f"the gradient is K times too large whatever the counts; {why}"),
                 )
             found.append(
                 Finding(
                     path=path,
                     code=site.code,
-                    message=site.message,
+                    message=domain.worded(site.message),
                     span=self.tree.span(site.node),
                     confidence=confidence,
                     evidence=(
@@ -95,7 +99,7 @@ class Auditor:
                         f"window: {self._describe(site.window)}",
                         f"confidence {confidence}: {why}",
                     ),
-                    hint=rules[site.code].hint,
+                    hint=domain.worded(rules[site.code].hint),
                     fixable=True,
                 )
             )
@@ -114,7 +118,14 @@ class Auditor:
             window = Window("named", None, division.divisor, backward.call, ())
         if origin.kind not in ("mean", "unknown"):
             return
-        division = next((d for d in origin.divisions if self._constant_divisor(d, window)), None)
+        division = next(
+            (
+                d
+                for d in origin.divisions
+                if self._constant_divisor(d, window) and not self._stock_guarded(d.node)
+            ),
+            None,
+        )
         if division is not None:
             yield Site(
                 "loss-division",
@@ -123,7 +134,7 @@ class Auditor:
                 window,
                 origin,
                 division,
-                "Mean loss divided by the constant accumulation divisor "
+                f"{_subject(origin)} divided by the constant accumulation divisor "
                 f"`{code(division.divisor)}`: micro-batches with fewer valid tokens are "
                 "over-weighted",
             )
@@ -138,7 +149,7 @@ class Auditor:
                 window,
                 origin,
                 None,
-                f"Mean loss passed to a backward that divides by the accumulation steps for you "
+                f"{_subject(origin)} passed to a backward that divides by the accumulation steps for you "
                 f"({framework}): micro-batches with fewer valid tokens are over-weighted",
             )
             return
@@ -161,7 +172,7 @@ class Auditor:
                 window,
                 origin,
                 None,
-                "Mean loss accumulated over micro-batches with no normalization: the gradient is "
+                f"{_subject(origin)} accumulated over micro-batches with no normalization: the gradient is "
                 "about K times too large and wrongly weighted per token",
             )
 
@@ -276,6 +287,14 @@ class Auditor:
                     return argument_for(constructor, parameters.index(source), source)
         return None
 
+    def _stock_guarded(self, node: cst.CSTNode) -> bool:
+        """Under the stock Trainer's own guard, `if not self.model_accepts_loss_kwargs ...:`,
+        where transformers divides by K too: the division copies the stock behaviour."""
+        return any(
+            isinstance(guard, cst.If) and "model_accepts_loss_kwargs" in code(guard.test)
+            for guard in self.tree.ancestors(node)
+        )
+
     def _constant_divisor(self, division: Division, window: Window) -> bool:
         """A divisor that is the window size K, an accumulation name, or loop-invariant."""
         divisor = division.divisor
@@ -289,7 +308,7 @@ class Auditor:
 
     def _same_value(self, a: cst.BaseExpression, b: cst.BaseExpression) -> bool:
         """Equal code, or one is a name bound to the other (`k = args.accum`)."""
-        return bool({code(a), self._alias(a)} & {code(b), self._alias(b)} - {""})
+        return bool({_bare(a), self._alias(a)} & {_bare(b), self._alias(b)} - {""})
 
     def _alias(self, expr: cst.BaseExpression) -> str:
         if (
@@ -336,6 +355,16 @@ class Auditor:
         return f"`{code(window.size)}` names an accumulation divisor"
 
 
+def _subject(origin: Origin) -> str:
+    """How a message names the loss: a mean only where gaaudit saw one."""
+    return "Mean loss" if origin.kind == "mean" else "Loss"
+
+
+def _bare(expr: cst.BaseExpression) -> str:
+    """An expression's code without its outer parentheses: `(args.k)` is `args.k`."""
+    return code(expr.with_changes(lpar=[], rpar=[])) if getattr(expr, "lpar", None) else code(expr)
+
+
 def _is_lightning_module(cls: cst.ClassDef) -> bool:
     return any((dotted(base.value) or "").endswith("LightningModule") for base in cls.bases)
 
@@ -375,4 +404,4 @@ def _grad_divisor(node: cst.CSTNode) -> cst.BaseExpression | None:
 def findings(context) -> list[Finding]:
     """GA001/GA002 (and, in accumulate() windows, GA003) for one file."""
     auditor = Auditor(context.tree, context.accumulation_names, context.directory, context.imports)
-    return auditor.findings(context.path, lambda: context.evidence)
+    return auditor.findings(context.path, lambda: context.evidence, context.text)

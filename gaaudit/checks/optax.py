@@ -10,6 +10,8 @@ from functools import cached_property
 import libcst as cst
 
 from gaaudit import catalogue
+from gaaudit.domain import Domains
+from gaaudit.evidence import Evidence
 from gaaudit.findings import Confidence, Finding
 from gaaudit.provenance import Origin, Tracer
 from gaaudit.tree import (
@@ -242,7 +244,7 @@ class OptaxAudit:
             return isinstance(stmt, cst.Assign) and self._is_steps(stmt.value, hops - 1)
         return False
 
-    def confidence(self, evidence) -> tuple[Confidence, str]:
+    def confidence(self, evidence: Evidence, text: str) -> tuple[Confidence, str]:
         """High when the loss is masked, low for fixed-length data or an unknown loss, else medium."""
         origin, function = self.loss
         if origin.kind != "mean":
@@ -250,7 +252,7 @@ class OptaxAudit:
         mask = self._mask_sign(function)
         if mask is not None:
             return Confidence.HIGH, f"the loss is masked, so valid-token counts vary: {mask}"
-        return evidence.confidence()
+        return Domains(self.tree, self.tracer, evidence, text).of(origin).confidence()
 
     def _mask_sign(self, function: cst.CSTNode) -> str | None:
         """A mask, padding or ignore label read by the loss function, or a `where=` reduction."""
@@ -282,7 +284,7 @@ def findings(context) -> list[Finding]:
     sites = list(audit.sites())
     if not sites:
         return []
-    confidence, why = audit.confidence(context.evidence)
+    confidence, why = audit.confidence(context.evidence, context.text)
     hint = catalogue.load()[CODE].hint
     return [
         Finding(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from gaaudit import catalogue
+from gaaudit.domain import Domains
 from gaaudit.findings import Confidence, Finding
 from gaaudit.provenance import Origin, Tracer
 from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional, string_value
@@ -368,12 +369,14 @@ def findings(context) -> list[Finding]:
         return []
     hint = catalogue.load()[CODE].hint
     found = []
-    for site in TrainerAudit(tree).sites():
+    audit = TrainerAudit(tree)
+    for site in audit.sites():
         if site.crashes:
             confidence = Confidence.HIGH
             why = "transformers >= 4.46 passes `num_items_in_batch` whatever the data"
         else:
-            confidence, why = context.evidence.confidence()
+            domains = Domains(tree, audit.tracer, context.evidence, context.text)
+            confidence, why = domains.model_loss().confidence()
         found.append(
             Finding(
                 path=context.path,

@@ -10,6 +10,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from gaaudit.domain import TASKS, TOKEN_TASKS
 from gaaudit.harness.surroundings import (
     Chain,
     Derived,
@@ -38,17 +39,10 @@ MICRO_SIZE_RE = re.compile(r"micro_?(batch_?)?(size|bs)$|^mbs$", re.IGNORECASE)
 IGNORE_RE = re.compile(r"ignore_index\s*=\s*(-?\d+)")
 IGNORE_NAME_RE = re.compile(r"ignore_index\s*=\s*([A-Za-z_]\w*)")
 SMOOTHING_RE = re.compile(r"label_smoothing\s*=\s*(\d*\.?\d+)")
-# Model classes, strongest evidence first; then weaker hints (collators, argument names).
+# Model classes, strongest evidence first (the loss model's); then weaker hints (collators,
+# argument names).
 KIND_HINTS = (
-    ("causal", re.compile(r"ForCausalLM|LMHeadModel|CausalLM\b")),
-    (
-        "seq2seq",
-        re.compile(
-            r"Seq2SeqLM|ForConditionalGeneration|\bT5Model|\bM?Bart|Pegasus"
-            r"|MarianMT|EncoderDecoderModel"
-        ),
-    ),
-    ("mlm", re.compile(r"MaskedLM|ForTokenClassification")),
+    *((name, pattern) for name, pattern in TASKS if name in TOKEN_TASKS),
     ("seq2seq", re.compile(r"decoder_input_ids|\bT5")),
     ("mlm", re.compile(r"mlm_probability|mlm=True")),
 )

@@ -1,0 +1,318 @@
+"""Score gaaudit on labelled files of public training repositories.
+
+    python benchmarks/realworld.py restore MIRROR_ROOT [--trees DIR]
+    python benchmarks/realworld.py score [--trees DIR] [--only REPO ...]
+
+`manifest.jsonl` (beside this script, in `realworld/`) holds one labelled file a row: repo,
+commit, path, label, lines, loss_source, data_path, reason, framework. `restore` exports the
+text files of each labelled commit from git snapshots under MIRROR_ROOT (`owner+name/...`, as
+the library's `fetch` leaves them, or `owner/name`) into one tree per repository. `score` runs
+`gaaudit check .` at each tree's root, as a user would, and prints precision and recall of the
+labelled files' verdicts at the default confidence and at any confidence, per rule, label and
+framework, the verdicts that changed since the last run (`realworld/last.json`, rewritten by
+every full run), and the wall time. A file is flagged when a finding of gaaudit starts in it.
+This is a script that prints figures, not a test; no repository code is committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "realworld"
+MANIFEST = HERE / "manifest.jsonl"
+LAST = HERE / "last.json"
+TREES = HERE / "trees"
+CONSOLE = Path(sys.executable).with_name("gaaudit")
+GAAUDIT = [str(CONSOLE)] if CONSOLE.exists() else [sys.executable, "-m", "gaaudit"]
+
+POSITIVE = ("ga_mean_div_steps", "ga_no_normalization", "jax_multisteps_mean")
+NEGATIVE = ("correct_sum_count", "benign_fixed_length", "benign_logging_only", "no_accumulation")
+LABELS = (*POSITIVE, *NEGATIVE, "other")
+FIELDS = ("repo", "commit", "path", "label", "lines", "loss_source", "data_path", "reason")
+FRAMEWORKS = (
+    "torch",
+    "accelerate",
+    "deepspeed",
+    "lightning",
+    "fabric",
+    "hf_trainer",
+    "jax",
+    "other",
+)
+RANK = {"low": 1, "medium": 2, "high": 3}
+DEFAULT = "medium"
+MAX_BYTES = 2_000_000  # larger blobs are data, not code
+
+
+@dataclass(frozen=True)
+class Row:
+    """One labelled file of the manifest."""
+
+    repo: str
+    commit: str
+    path: str
+    label: str
+    framework: str
+
+    @property
+    def positive(self) -> bool:
+        return self.label in POSITIVE
+
+
+def load_manifest(path: Path = MANIFEST) -> list[Row]:
+    """The manifest's rows; exits naming the line of a malformed one."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        data = json.loads(line)
+        missing = [field for field in FIELDS if not str(data.get(field, "")).strip()]
+        if missing or data["label"] not in LABELS or len(data["commit"]) != 40:
+            sys.exit(
+                f"{path}:{number}: needs {', '.join(FIELDS)}, a label of {LABELS} and a full sha"
+            )
+        rows.append(
+            Row(
+                data["repo"],
+                data["commit"],
+                data["path"],
+                data["label"],
+                data.get("framework", "other"),
+            )
+        )
+    return rows
+
+
+def tree_of(trees: Path, repo: str) -> Path:
+    return trees / repo.replace("/", "+")
+
+
+def git_dir(mirrors: Path, repo: str) -> Path | None:
+    """The git directory of `repo`'s snapshot under `mirrors`, if there is one."""
+    for base in (mirrors / repo.replace("/", "+"), mirrors / repo):
+        if not base.is_dir():
+            continue
+        if (base / "HEAD").is_file() and (base / "objects").is_dir():
+            return base
+        for head in sorted(base.rglob("HEAD")):
+            if (head.parent / "objects").is_dir():
+                return head.parent
+    return None
+
+
+def restore(mirrors: Path, trees: Path) -> int:
+    """Export each labelled commit's text files into `trees`; returns how many repositories failed."""
+    commits = {row.repo: row.commit for row in load_manifest()}
+    failed = 0
+    for repo, commit in sorted(commits.items()):
+        target = tree_of(trees, repo)
+        stamp = target / ".realworld-commit"
+        if stamp.is_file() and stamp.read_text().strip() == commit:
+            continue
+        source = git_dir(mirrors, repo)
+        if source is None:
+            print(f"{repo}: no snapshot under {mirrors}; bring it with the library's `fetch`")
+            failed += 1
+            continue
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            count = _export(source, commit, target)
+        except subprocess.CalledProcessError as error:
+            print(f"{repo}: commit {commit[:12]} not in {source}: {error.stderr.strip()}")
+            failed += 1
+            continue
+        # A repository root of its own, as a user's checkout is: .gitignore files above it
+        # (this repository's) do not apply.
+        subprocess.run(["git", "init", "-q", str(target)], check=True)
+        stamp.write_text(commit + "\n")
+        print(f"{repo}: {count} files at {commit[:12]}")
+    return failed
+
+
+def _export(source: Path, commit: str, target: Path) -> int:
+    """Write the text blobs of `commit` under `target`; returns their number."""
+    git = ["git", f"--git-dir={source}"]
+    listing = subprocess.run(
+        [*git, "ls-tree", "-r", "-l", "-z", commit], capture_output=True, text=True, check=True
+    ).stdout
+    blobs = []
+    for entry in filter(None, listing.split("\0")):
+        meta, name = entry.split("\t", 1)
+        mode, kind, sha, size = meta.split()
+        if kind == "blob" and mode != "120000" and size.isdigit() and int(size) <= MAX_BYTES:
+            blobs.append((sha, name))
+    batch = subprocess.run(
+        [*git, "cat-file", "--batch"],
+        input="".join(f"{sha}\n" for sha, _ in blobs).encode(),
+        capture_output=True,
+        check=True,
+    ).stdout
+    offset, count = 0, 0
+    for _, name in blobs:
+        header_end = batch.index(b"\n", offset)
+        size = int(batch[offset:header_end].split()[2])
+        data = batch[header_end + 1 : header_end + 1 + size]
+        offset = header_end + 1 + size + 1
+        if b"\0" in data[:8192]:
+            continue
+        path = target / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        count += 1
+    return count
+
+
+def run_gaaudit(tree: Path) -> tuple[dict[str, list[dict]], float, str]:
+    """Findings per file (relative path) of `gaaudit check .` at `tree`, its seconds, any error."""
+    started = time.perf_counter()
+    command = [
+        *GAAUDIT,
+        "check",
+        ".",
+        "--format",
+        "json",
+        "--min-confidence",
+        "low",
+        "--no-cache",
+        "--exit-zero",
+    ]
+    done = subprocess.run(command, cwd=tree, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        return (
+            {},
+            seconds,
+            (done.stderr.strip().splitlines() or ["exit " + str(done.returncode)])[-1],
+        )
+    found: dict[str, list[dict]] = defaultdict(list)
+    for finding in json.loads(done.stdout)["findings"]:
+        found[os.path.normpath(finding["path"])].append(finding)
+    return found, seconds, ""
+
+
+def verdict(findings: list[dict], threshold: str) -> list[str]:
+    """Sorted codes of the findings at or above `threshold`."""
+    return sorted({f["code"] for f in findings if RANK[f["confidence"]] >= RANK[threshold]})
+
+
+def ratio(part: int, whole: int) -> str:
+    return f"{part / whole:.2f}" if whole else "  - "
+
+
+def table(title: str, groups: dict[str, list[tuple[Row, list[dict]]]]) -> None:
+    """Precision and recall per group, at the default confidence and at any."""
+    print(f"\n{title:<22} files  pos   P@default R@default   P@any  R@any")
+    for name, members in sorted(groups.items()):
+        scored = [(row, found) for row, found in members if row.label != "other"]
+        cells = []
+        for threshold in (DEFAULT, "low"):
+            flagged = [row for row, found in scored if verdict(found, threshold)]
+            true = sum(row.positive for row in flagged)
+            positives = sum(row.positive for row, _ in scored)
+            cells += [ratio(true, len(flagged)), ratio(true, positives)]
+        positives = sum(row.positive for row, _ in scored)
+        print(
+            f"{name:<22} {len(members):>5} {positives:>4}   {cells[0]:>9} {cells[1]:>9}   {cells[2]:>5}  {cells[3]:>5}"
+        )
+
+
+def score(trees: Path, only: list[str]) -> int:
+    """Run gaaudit on every restored tree and print the figures; returns an exit status."""
+    rows = [row for row in load_manifest() if not only or row.repo in only]
+    started = time.perf_counter()
+    results: dict[str, dict[str, list[dict]]] = {}
+    timings: list[tuple[float, str]] = []
+    for repo in sorted({row.repo for row in rows}):
+        tree = tree_of(trees, repo)
+        if not tree.is_dir():
+            print(f"{repo}: not restored; run `restore MIRROR_ROOT` first", file=sys.stderr)
+            return 2
+        results[repo], seconds, error = run_gaaudit(tree)
+        timings.append((seconds, repo))
+        if error:
+            print(f"{repo}: gaaudit failed: {error}", file=sys.stderr)
+    wall = time.perf_counter() - started
+    scored = [(row, results[row.repo].get(os.path.normpath(row.path), [])) for row in rows]
+
+    labels = defaultdict(list)
+    frameworks = defaultdict(list)
+    for row, found in scored:
+        labels[row.label].append((row, found))
+        frameworks[row.framework].append((row, found))
+    table("all", {"all": scored})
+    print(f"\n{'rule':<22} flagged (positive/negative) at the default   at any   P@default  P@any")
+    for code in sorted({code for _, found in scored for code in verdict(found, "low")}):
+        cells = []
+        for threshold in (DEFAULT, "low"):
+            flagged = [
+                row
+                for row, found in scored
+                if code in verdict(found, threshold) and row.label != "other"
+            ]
+            true = sum(row.positive for row in flagged)
+            cells.append((true, len(flagged) - true, ratio(true, len(flagged))))
+        (tp, fp, p), (tp_any, fp_any, p_any) = cells
+        print(f"{code:<22} {tp:>3}/{fp:<3}{'':>30} {tp_any:>3}/{fp_any:<3}  {p:>9}  {p_any:>5}")
+    table("label", labels)
+    table("framework", frameworks)
+
+    print("\nwrong verdicts at the default confidence:")
+    for row, found in scored:
+        flagged = bool(verdict(found, DEFAULT))
+        if row.label != "other" and flagged != row.positive:
+            kind = "FP" if flagged else "FN"
+            shown = (
+                ", ".join(f"{f['code']}:{f['confidence']}@{f['line']}" for f in found) or "nothing"
+            )
+            print(f"  {kind} {row.label:<20} {row.repo}/{row.path}: {shown}")
+
+    now = {
+        f"{row.repo}/{row.path}": [f"{f['code']}:{f['confidence']}" for f in found]
+        for row, found in scored
+    }
+    before = json.loads(LAST.read_text()) if LAST.is_file() else {}
+    changed = [
+        key for key in sorted(now) if key in before and sorted(before[key]) != sorted(now[key])
+    ]
+    print(f"\nverdicts changed since the last run: {len(changed)}")
+    for key in changed:
+        print(f"  {key}: {before[key] or 'nothing'} -> {now[key] or 'nothing'}")
+    if not only:
+        LAST.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
+
+    slowest = ", ".join(
+        f"{repo} {seconds:.1f}s" for seconds, repo in sorted(timings, reverse=True)[:3]
+    )
+    print(
+        f"\n{len(rows)} files of {len(results)} repositories; wall time {wall:.1f}s (slowest: {slowest})"
+    )
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trees", type=Path, default=TREES, help="where restored trees live")
+    commands = parser.add_subparsers(dest="command", required=True)
+    restoring = commands.add_parser("restore", help="export labelled commits from git snapshots")
+    restoring.add_argument("mirrors", type=Path, metavar="MIRROR_ROOT")
+    scoring = commands.add_parser("score", help="run gaaudit on the trees and print figures")
+    scoring.add_argument(
+        "--only", nargs="+", default=[], metavar="REPO", help="score these repositories only"
+    )
+    args = parser.parse_args()
+    if args.command == "restore":
+        return 1 if restore(args.mirrors, args.trees) else 0
+    return score(args.trees, args.only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""What a mean loss averages over, and whether that count can vary between micro-batches.
+
+The one model of the loss's domain that check, fix and verify share (GA-GUIDE section 3):
+token losses (a count that varies where targets can be ignored or masked, fixed over full
+packed blocks), one element per example (classification, pairwise preference losses), dense
+fixed-size tensors (MSE over images, latents, frames), or unknown. A finding's confidence
+follows from it: high or medium only where the count can vary.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import libcst as cst
+
+from gaaudit.evidence import Evidence
+from gaaudit.findings import Confidence
+from gaaudit.provenance import Origin, Tracer
+from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional
+
+Kind = Literal["tokens", "examples", "dense", "unknown"]
+
+# Model classes by the task their `.loss` serves, strongest first (transformers' naming).
+TASKS = (
+    ("causal", re.compile(r"ForCausalLM|LMHeadModel|CausalLM\b|SFTTrainer")),
+    (
+        "seq2seq",
+        re.compile(
+            r"Seq2SeqLM|ForConditionalGeneration|\bT5Model|\bM?Bart|Pegasus|MarianMT|MTModel"
+            r"|EncoderDecoderModel|ForSpeechSeq2Seq"
+        ),
+    ),
+    ("mlm", re.compile(r"MaskedLM|ForTokenClassification")),
+    (
+        "classification",
+        re.compile(
+            r"For(?:Sequence|Image|Audio|Video)Classification|ForMultipleChoice"
+            r"|ForQuestionAnswering|ForImageClassificationWithTeacher"
+        ),
+    ),
+)
+TOKEN_TASKS = {"causal", "seq2seq", "mlm"}
+DENSE_LOSSES = {
+    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss",
+    "KLDivLoss", "BCELoss", "BCEWithLogitsLoss",
+}  # fmt: skip
+TOKEN_LOSSES = {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}
+# Models of images, latents or audio whose losses average over fixed-size tensors.
+DENSE_MODEL = re.compile(r"(?i)vae|autoencoder|unet|diffusion|discr|gan$|soundstream|codec")
+PAIRWISE = re.compile(r"\blogsigmoid\b|\blog_sigmoid\b")
+SQUARED = re.compile(r"\*\*\s*2\b|\.pow\(\s*2\s*\)|\.abs\(\)|\btorch\.abs\(|\.square\(\)")
+FLATTENED = re.compile(r"\.(?:view|reshape)\(\s*-1\s*\)|\.flatten\(\)|\.view\(\s*-1\s*,")
+
+
+def tasks(text: str) -> set[str]:
+    """The tasks of the model classes named in `text`: `causal`, `seq2seq`, `mlm`,
+    `classification`."""
+    return {name for name, pattern in TASKS if pattern.search(text)}
+
+
+def shifts_labels(text: str) -> bool | None:
+    """Whether the model named in `text` shifts its labels (a causal LM): None when the
+    text names none, or models of both kinds."""
+    found = tasks(text)
+    if not found:
+        return None
+    return None if "causal" in found and len(found) > 1 else "causal" in found
+
+
+@dataclass(frozen=True)
+class Domain:
+    """What the loss averages over; `varies` is None where the code cannot tell."""
+
+    kind: Kind
+    varies: bool | None
+    sign: str  # what shows it, quoted in the finding's evidence
+
+    @property
+    def elements(self) -> str:
+        """What the loss's count counts, as messages and hints say it."""
+        return {"dense": "elements", "examples": "examples"}.get(self.kind, "valid tokens")
+
+    def worded(self, text: str) -> str:
+        """A rule's message or hint, in this domain's words (tokens are the rules' default)."""
+        if self.kind not in ("dense", "examples"):
+            return text
+        singular = self.elements.removesuffix("s")
+        return text.replace("valid tokens", self.elements).replace("valid-token", singular)
+
+    def confidence(self) -> tuple[Confidence, str]:
+        if self.varies:
+            return Confidence.HIGH, f"the count the loss averages over can vary: {self.sign}"
+        if self.varies is False:
+            return Confidence.LOW, (
+                f"{self.sign}, so every micro-batch holds the same number of loss elements and "
+                "mean/K is exact; it becomes wrong as soon as they differ"
+            )
+        if self.kind == "unknown":
+            return (
+                Confidence.LOW,
+                f"gaaudit could not tell what the loss averages over: {self.sign}",
+            )
+        return Confidence.MEDIUM, f"{self.sign}; whether its count varies is not visible"
+
+
+class Domains:
+    """Reads the domain of the losses of one file."""
+
+    def __init__(self, tree: Tree, tracer: Tracer, evidence: Evidence, text: str) -> None:
+        self.tree = tree
+        self.text = text
+        self.tracer = tracer
+        self.evidence = evidence
+
+    def of(self, origin: Origin) -> Domain:
+        if origin.kind == "unknown":
+            return Domain("unknown", None, "its origin is not visible")
+        if origin.variable:
+            return Domain("tokens", True, f"{origin.variable}, where the loss is computed")
+        source = origin.source
+        if origin.configured is not None:
+            return self._torch_loss(origin.configured)
+        if isinstance(source, cst.Call) and origin.from_model:
+            return self.model_loss(source.func)
+        if isinstance(source, (cst.Attribute, cst.Subscript)):
+            return self.model_loss(self._model_of(source))
+        if isinstance(source, cst.Call) and isinstance(source.func, cst.Attribute):
+            reduced = code(source.func.value)
+            if PAIRWISE.search(reduced):
+                return Domain("examples", False, "a pairwise preference loss, one element per pair")
+            if SQUARED.search(reduced):
+                return Domain("dense", False, f"`{_short(source)}` averages a dense tensor")
+        if "masked mean" in origin.what:
+            return Domain("tokens", True, "a mask or count taken per micro-batch")
+        return self._tokens("a mean whose elements gaaudit cannot name")
+
+    def _torch_loss(self, configured: cst.Call) -> Domain:
+        name = (self.tree.qualified(configured.func) or dotted(configured.func) or "").rsplit(
+            ".", 1
+        )[-1]
+        if name in DENSE_LOSSES:
+            return Domain(
+                "dense", False, f"`{name}` averages over every element of fixed-size tensors"
+            )
+        ignore = keyword(configured, "ignore_index")
+        if ignore is not None:
+            return self._tokens(f"`{name}(ignore_index={code(ignore)})` skips ignored targets")
+        targets = positional(configured)[1:2] or [keyword(configured, "target")]
+        if name in TOKEN_LOSSES and targets[0] is not None and FLATTENED.search(code(targets[0])):
+            return self._tokens(f"`{name}` over flattened token targets")
+        if self.evidence.padded is not None or self.evidence.masked is not None:
+            return self._tokens(f"`{name}`")
+        return Domain("unknown", None, f"`{name}` over targets gaaudit cannot see to be tokens")
+
+    def _model_of(self, node: cst.CSTNode) -> cst.BaseExpression | None:
+        """The callee of the model call whose output `node` reads (`out.loss`, `out[0]`)."""
+        value = node.value if isinstance(node, (cst.Attribute, cst.Subscript)) else None
+        call = self.tracer.origin_call(value) if value is not None else None
+        return call.func if call is not None else None
+
+    def model_loss(self, model: cst.BaseExpression | None = None) -> Domain:
+        """The domain of the loss a model computes for its labels; `model` is the callee of
+        the model call, when known (else the file's model classes tell)."""
+        if model is not None and DENSE_MODEL.search(last_name(model) or ""):
+            return Domain("dense", False, f"`{code(model)}` models fixed-size images or signals")
+        found = self._task(model, 4) if model is not None else None
+        if found is None and tasks(self.text) == {"classification"}:
+            found = "classification"
+        if found == "classification":
+            return Domain(
+                "examples", False, "a classification model's loss, one element per example"
+            )
+        return self._tokens("a model's mean loss over its labels")
+
+    def _task(self, expr: cst.BaseExpression, hops: int) -> str | None:
+        """The task of the model class that `expr` was built from, following assignments,
+        `accelerator.prepare(...)` unpacking, wrappers and `from_pretrained`."""
+        if hops < 0:
+            return None
+        if isinstance(expr, cst.Call):
+            if isinstance(expr.func, cst.Attribute) and expr.func.attr.value.startswith("from_"):
+                return _task(code(expr.func.value))
+            return _task(code(expr.func)) or next(
+                (t for a in expr.args if (t := self._task(a.value, hops - 1))), None
+            )
+        if not isinstance(expr, (cst.Name, cst.Attribute)):
+            return None
+        name = dotted(expr)
+        if name is None:
+            return None
+        if "." in name:
+            values = self.tree.assigned_values.get(name, [])
+            return next((t for v in values if (t := self._task(v, hops - 1))), None)
+        stmt = self.tracer.binding(name, expr)
+        if not isinstance(stmt, cst.Assign):
+            return None
+        value = stmt.value
+        target = stmt.targets[0].target
+        if isinstance(target, (cst.Tuple, cst.List)) and isinstance(value, cst.Call):
+            names = [dotted(e.value) for e in target.elements]
+            args = positional(value)
+            if name in names and names.index(name) < len(args):
+                return self._task(args[names.index(name)], hops - 1)
+            return None
+        return self._task(value, hops - 1)
+
+    def _tokens(self, what: str) -> Domain:
+        """A token loss: its count varies where the data path pads, masks or ignores targets,
+        is fixed over packed blocks, and is otherwise not visible."""
+        evidence = self.evidence
+        if evidence.padded is not None:
+            line, sign = evidence.padded
+            return Domain("tokens", True, f"{what}; {sign} (line {line})")
+        if evidence.fixed is not None:
+            line, sign = evidence.fixed
+            return Domain(
+                "tokens", False, f"{what}; the data are fixed-length ({sign}, line {line})"
+            )
+        if evidence.masked is not None:
+            line, sign = evidence.masked
+            return Domain("tokens", True, f"{what}; the inputs are padded ({sign}, line {line})")
+        return Domain("tokens", None, what)
+
+
+def _task(name: str) -> str | None:
+    return next((task for task, pattern in TASKS if pattern.search(name)), None)
+
+
+def _short(node: cst.CSTNode, limit: int = 60) -> str:
+    text = " ".join(code(node).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
