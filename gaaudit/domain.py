@@ -124,7 +124,7 @@ class Domains:
         if origin.configured is not None:
             return self._torch_loss(origin.configured)
         if isinstance(source, cst.Call) and origin.from_model:
-            return self.model_loss(source.func)
+            return self.model_loss(source.func, returned=True)
         if isinstance(source, (cst.Attribute, cst.Subscript)):
             return self.model_loss(self._model_of(source))
         if isinstance(source, cst.Call) and isinstance(source.func, cst.Attribute):
@@ -161,9 +161,11 @@ class Domains:
         call = self.tracer.origin_call(value) if value is not None else None
         return call.func if call is not None else None
 
-    def model_loss(self, model: cst.BaseExpression | None = None) -> Domain:
+    def model_loss(self, model: cst.BaseExpression | None = None, returned: bool = False) -> Domain:
         """The domain of the loss a model computes for its labels; `model` is the callee of
-        the model call, when known (else the file's model classes tell)."""
+        the model call, when known (else the file's model classes tell). A loss `returned`
+        by a model of no known task (`loss = net(x, y)`, not transformers' `out.loss`) is a
+        token loss only where the file shows tokens."""
         if model is not None and DENSE_MODEL.search(last_name(model) or ""):
             return Domain("dense", False, f"`{code(model)}` models fixed-size images or signals")
         found = self._task(model, 4) if model is not None else None
@@ -173,7 +175,12 @@ class Domains:
             return Domain(
                 "examples", False, "a classification model's loss, one element per example"
             )
-        return self._tokens("a model's mean loss over its labels")
+        what = "a model's mean loss over its labels"
+        evidence = self.evidence
+        shown = found in TOKEN_TASKS or tasks(self.text) & TOKEN_TASKS
+        if returned and not shown and not (evidence.padded or evidence.masked or evidence.fixed):
+            return Domain("unknown", None, f"{what}, and the file shows no tokens")
+        return self._tokens(what)
 
     def _task(self, expr: cst.BaseExpression, hops: int) -> str | None:
         """The task of the model class that `expr` was built from, following assignments,

@@ -132,7 +132,8 @@ class TrainerPlanner:
                 loss.caveat,
             )
         spread = self._model_spread(returned, function)
-        if spread is not None:
+        # A model whose `forward` cannot take the count would raise a TypeError if handed it.
+        if spread is not None and self._forward_refusing_count() is None:
             statement, inputs = spread
             self.edits.insert_before(
                 statement,
@@ -147,6 +148,29 @@ class TrainerPlanner:
             "`super().__init__()`",
             MEAN_OVER_K,
         )
+
+    def _forward_refusing_count(self) -> str | None:
+        """A model class of this file whose `forward` cannot take `num_items_in_batch`, when
+        every model class here is such (the model is then most likely one of them)."""
+        refusing = []
+        for cls in self.tree.classes:
+            forward = next(
+                (
+                    m
+                    for m in cls.body.body
+                    if isinstance(m, cst.FunctionDef) and m.name.value == "forward"
+                ),
+                None,
+            )
+            if forward is None:
+                continue
+            params = forward.params
+            if isinstance(params.star_kwarg, cst.Param) or any(
+                p.name.value == COUNT for p in (*params.params, *params.kwonly_params)
+            ):
+                return None
+            refusing.append(cls.name.value)
+        return refusing[0] if refusing else None
 
     def _returned(self, function: cst.FunctionDef) -> cst.CSTNode | None:
         """The one expression every returned loss resolves to, through plain name bindings."""

@@ -24,6 +24,7 @@ TORCH_LOSSES = {
 # fmt: on
 PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half", "bfloat16"}
 MAX_DEPTH = 16
+WEIGHT = re.compile(r"(?i)weight|multiplier|coef|lambda|alpha|beta")
 MODEL = re.compile(r"(?i)^(?:model|net|network|transformer|gpt|llm|lm|module)$|_model$|_wrapper$")
 GUARDS = {"clamp", "clamp_min", "clamp_", "clamp_min_", "float", "double", "to", "item", "detach"}
 
@@ -79,6 +80,14 @@ def _unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
         else:
             return count
     return count
+
+
+def _is_weight(factor: cst.BaseExpression) -> bool:
+    """A number, or a configured loss weight (`args.loss_multiplier`, `self.aux_weight`): a
+    factor that keeps a mean a mean, unlike a count."""
+    if isinstance(factor, (cst.Integer, cst.Float)):
+        return True
+    return bool(WEIGHT.search(last_name(factor) or ""))
 
 
 def _calls_a_model(value: cst.BaseExpression) -> bool:
@@ -144,7 +153,7 @@ class Tracer:
         right = self.origin(expr.right, depth + 1)
         if isinstance(expr.operator, cst.Multiply):
             loss, other = (left, expr.right) if left.kind != "unknown" else (right, expr.left)
-            if loss.kind == "mean" and not isinstance(other, (cst.Integer, cst.Float)):
+            if loss.kind == "mean" and not _is_weight(other):
                 return self._sum(expr, f"`{code(expr)}`, a mean times a count")
             return loss
         if isinstance(expr.operator, (cst.Add, cst.Subtract)):

@@ -54,19 +54,27 @@ def trainer(
 @pytest.mark.parametrize(
     "source, expected",
     [
-        (trainer(), [(5, "GA004", "medium")]),
-        (trainer(imports="import transformers as hf", base="hf.Trainer"), [(5, "GA004", "medium")]),
+        (trainer(), [(5, "GA004", "low")]),
+        (trainer(imports="import transformers as hf", base="hf.Trainer"), [(5, "GA004", "low")]),
         (
             trainer(imports="from trl import SFTTrainer as Base", base="Base"),
             [(5, "GA004", "medium")],
         ),
-        (trainer(params=", **kwargs"), [(5, "GA004", "medium")]),
+        (trainer(params=", **kwargs"), [(5, "GA004", "low")]),
         (trainer(params=""), [(5, "GA004", "high")]),
         (trainer(params=", **kwargs", passed=", **kwargs"), []),
         (trainer(passed=", num_items_in_batch=num_items_in_batch"), []),
-        (trainer(body="model_accepts_loss_kwargs = False"), [(5, "GA004", "medium")]),
+        (trainer(body="model_accepts_loss_kwargs = False"), [(5, "GA004", "low")]),
         (trainer(body="loss_is_scaled_for_ga = False"), []),
         (trainer(imports="from mylib.engine import Trainer"), []),
+        (
+            trainer(imports="from transformers import AutoModelForCausalLM, Trainer"),
+            [(5, "GA004", "medium")],
+        ),
+        (
+            trainer(imports="from transformers import DataCollatorForSeq2Seq, Trainer"),
+            [(5, "GA004", "high")],
+        ),
     ],
     ids=[
         "ignored",
@@ -79,6 +87,8 @@ def trainer(
         "class-attribute-overwritten",
         "scaled-for-ga-false",
         "not-transformers",
+        "a-causal-lm-shows-tokens",
+        "a-padding-collator-shows-varying-counts",
     ],
 )
 def test_compute_loss_overrides(tmp_path, source, expected):
@@ -105,7 +115,7 @@ def test_subclass_of_a_same_file_trainer_and_inherited_opt_out(tmp_path):
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
                 return model(**inputs)["loss"]
         """
-    assert found(tmp_path, source) == [(16, "GA004", "medium")]
+    assert found(tmp_path, source) == [(16, "GA004", "low")]
 
 
 def test_training_step_divisions(tmp_path):
@@ -122,7 +132,7 @@ def test_training_step_divisions(tmp_path):
                 return loss.detach() / self.args.gradient_accumulation_steps
         """
     ga004 = [row for row in found(tmp_path, source) if row[1] == "GA004"]
-    assert ga004 == [(8, "GA004", "medium")]
+    assert ga004 == [(8, "GA004", "low")]
 
 
 def test_model_passed_to_trainer_through_a_name(tmp_path):
@@ -144,7 +154,7 @@ def test_model_passed_to_trainer_through_a_name(tmp_path):
             model = Head().to("cuda")
             Trainer(model=model, args=args).train()
         """
-    assert found(tmp_path, source) == [(6, "GA004", "medium")]
+    assert found(tmp_path, source) == [(6, "GA004", "low")]
 
 
 def test_ga004_finding_explains_itself(tmp_path):
@@ -190,7 +200,7 @@ def test_opt_out_counts_on_the_instance_after_the_base_init(tmp_path):
                 return loss.detach()
         """
     rows = [row for row in found(tmp_path, source) if row[1] == "GA004"]
-    assert rows == [(16, "GA004", "medium"), (22, "GA004", "medium"), (27, "GA004", "medium")]
+    assert rows == [(16, "GA004", "low"), (22, "GA004", "low"), (27, "GA004", "low")]
     path = tmp_path / "train.py"
     finding = next(f for f in check_file(path, ALL).findings if f.span.line == 22)
     assert any("line 20 is a class attribute" in e and "overwrites" in e for e in finding.evidence)

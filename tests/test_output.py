@@ -310,6 +310,7 @@ UNSAFE_PAIRS = (
     "ga002_nanogpt_micro_loop_no_division",
     # GA004 opt-outs: the Trainer then divides each micro-batch's mean by K
     "ga004_class_attribute_opt_out",
+    "ga004_exact_contrastive_embedder_compute_loss",
     "ga004_forward_kwargs_ignored_regression",
     "ga004_sft_old_compute_loss_signature",
     "ga004_weighted_classification_compute_loss",

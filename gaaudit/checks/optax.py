@@ -27,6 +27,7 @@ from gaaudit.tree import (
 from gaaudit.vocabulary import ACCUMULATION_NAMES
 
 CODE = "GA005"
+MEAN = "is a mean"
 # Function transforms whose first argument is the loss function.
 GRADS = {"grad", "value_and_grad", "filter_grad", "filter_value_and_grad"}
 JAX_HOMES = ("jax", "flax", "equinox")
@@ -175,7 +176,7 @@ class OptaxAudit:
             yield Site(
                 node,
                 "`optax.MultiSteps` averages the micro-gradients with equal weight (use_grad_mean=True) "
-                "while each micro-step's loss is a mean: micro-batches with fewer valid tokens are "
+                f"while each micro-step's loss {MEAN}: micro-batches with fewer valid tokens are "
                 "over-weighted",
                 f"accumulation: `{code(node.func)}` steps every {k} micro-steps "
                 f"(line {self.tree.line(node)})",
@@ -216,7 +217,7 @@ class OptaxAudit:
                     yield Site(
                         inner,
                         f"Gradients divided by the number of micro-steps `{code(inner.right)}` while "
-                        "each micro-step's loss is a mean: micro-batches are weighted equally instead "
+                        f"each micro-step's loss {MEAN}: micro-batches are weighted equally instead "
                         "of by their valid tokens",
                         f"accumulation: `{code(node.func)}` averages the micro-gradients "
                         f"(line {self.tree.line(node)})",
@@ -245,11 +246,17 @@ class OptaxAudit:
         return False
 
     def confidence(self, evidence: Evidence, text: str) -> tuple[Confidence, str]:
-        """High when the loss is masked, low for fixed-length data or an unknown loss, else medium."""
+        """High when a mean loss is masked, medium when a loss of unknown reduction is, low for
+        fixed-length data or an unknown loss, else as the loss's domain says."""
         origin, function = self.loss
+        mask = self._mask_sign(function) if origin.kind in ("mean", "unknown") else None
+        if origin.kind == "unknown" and mask is not None:
+            return Confidence.MEDIUM, (
+                f"the micro-step loss is computed under a mask ({mask}), so counts can vary; "
+                "its reduction is not visible here"
+            )
         if origin.kind != "mean":
             return Confidence.LOW, "gaaudit could not tell whether the micro-step loss is a mean"
-        mask = self._mask_sign(function)
         if mask is not None:
             return Confidence.HIGH, f"the loss is masked, so valid-token counts vary: {mask}"
         return Domains(self.tree, self.tracer, evidence, text).of(origin).confidence()
@@ -285,12 +292,13 @@ def findings(context) -> list[Finding]:
     if not sites:
         return []
     confidence, why = audit.confidence(context.evidence, context.text)
+    seen = audit.loss[0].kind == "mean"  # a message says "mean" only where gaaudit saw one
     hint = catalogue.load()[CODE].hint
     return [
         Finding(
             path=context.path,
             code=CODE,
-            message=site.message,
+            message=site.message if seen else site.message.replace(MEAN, "may be a mean"),
             span=context.tree.span(site.node),
             confidence=confidence,
             evidence=(

@@ -37,6 +37,7 @@ class Site:
     function: cst.FunctionDef
     owner: cst.ClassDef
     crashes: bool = False  # a TypeError on every call, whatever the data
+    scaled: bool = False  # the loss is K times too large, whatever the data
 
     @property
     def code(self) -> str:
@@ -274,9 +275,8 @@ class TrainerAudit:
                 "loss: the Trainer passes the count and skips its own division, so the loss is "
                 "K times too large"
             )
-        yield Site(
-            forward.name, message, (passed, f"loss: {origin.description}"), "forward", forward, cls
-        )
+        facts = (passed, f"loss: {origin.description}")
+        yield Site(forward.name, message, facts, "forward", forward, cls, scaled=kwargs is not None)
 
     def _reads(self, function: cst.FunctionDef, names: set[str | None]) -> bool:
         return any(
@@ -376,7 +376,12 @@ def findings(context) -> list[Finding]:
             why = "transformers >= 4.46 passes `num_items_in_batch` whatever the data"
         else:
             domains = Domains(tree, audit.tracer, context.evidence, context.text)
-            confidence, why = domains.model_loss().confidence()
+            confidence, why = domains.model_loss(returned=True).confidence()
+            if site.scaled and confidence < Confidence.MEDIUM:
+                confidence, why = (
+                    Confidence.MEDIUM,
+                    f"the loss is K times too large whatever the counts; {why}",
+                )
         found.append(
             Finding(
                 path=context.path,
