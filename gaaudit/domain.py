@@ -50,6 +50,9 @@ DENSE_LOSSES = {
 TOKEN_LOSSES = {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}
 # Models of images, latents or audio whose losses average over fixed-size tensors.
 DENSE_MODEL = re.compile(r"(?i)vae|autoencoder|unet|diffusion|discr|gan$|soundstream|codec")
+# Keywords of a model call that hand it the micro-batch's lengths or masks (`lens=`,
+# `target_mask=`): its loss then covers a varying number of positions.
+LENGTHS = re.compile(r"(?i)(?:^|_)(?:lens?|lengths?|mask)$")
 PAIRWISE = re.compile(r"\blogsigmoid\b|\blog_sigmoid\b")
 SQUARED = re.compile(r"\*\*\s*2\b|\.pow\(\s*2\s*\)|\.abs\(\)|\btorch\.abs\(|\.square\(\)")
 FLATTENED = re.compile(r"\.(?:view|reshape)\(\s*-1\s*\)|\.flatten\(\)|\.view\(\s*-1\s*,")
@@ -124,9 +127,9 @@ class Domains:
         if origin.configured is not None:
             return self._torch_loss(origin.configured)
         if isinstance(source, cst.Call) and origin.from_model:
-            return self.model_loss(source.func, returned=True)
+            return self.model_loss(source, returned=True)
         if isinstance(source, (cst.Attribute, cst.Subscript)):
-            return self.model_loss(self._model_of(source))
+            return self.model_loss(self._model_call(source))
         if isinstance(source, cst.Call) and isinstance(source.func, cst.Attribute):
             reduced = code(source.func.value)
             if PAIRWISE.search(reduced):
@@ -155,17 +158,17 @@ class Domains:
             return self._tokens(f"`{name}`")
         return Domain("unknown", None, f"`{name}` over targets gaaudit cannot see to be tokens")
 
-    def _model_of(self, node: cst.CSTNode) -> cst.BaseExpression | None:
-        """The callee of the model call whose output `node` reads (`out.loss`, `out[0]`)."""
+    def _model_call(self, node: cst.CSTNode) -> cst.Call | None:
+        """The model call whose output `node` reads (`out.loss`, `out[0]`)."""
         value = node.value if isinstance(node, (cst.Attribute, cst.Subscript)) else None
-        call = self.tracer.origin_call(value) if value is not None else None
-        return call.func if call is not None else None
+        return self.tracer.origin_call(value) if value is not None else None
 
-    def model_loss(self, model: cst.BaseExpression | None = None, returned: bool = False) -> Domain:
-        """The domain of the loss a model computes for its labels; `model` is the callee of
-        the model call, when known (else the file's model classes tell). A loss `returned`
-        by a model of no known task (`loss = net(x, y)`, not transformers' `out.loss`) is a
-        token loss only where the file shows tokens."""
+    def model_loss(self, call: cst.Call | None = None, returned: bool = False) -> Domain:
+        """The domain of the loss a model computes for its labels; `call` is the model call,
+        when known (else the file's model classes tell). A loss `returned` by a model of no
+        known task (`loss = net(x, y)`, not transformers' `out.loss`) is a token loss only
+        where the file shows tokens or hands the model the micro-batch's lengths or masks."""
+        model = call.func if call is not None else None
         if model is not None and DENSE_MODEL.search(last_name(model) or ""):
             return Domain("dense", False, f"`{code(model)}` models fixed-size images or signals")
         found = self._task(model, 4) if model is not None else None
@@ -176,6 +179,22 @@ class Domains:
                 "examples", False, "a classification model's loss, one element per example"
             )
         what = "a model's mean loss over its labels"
+        handed = (
+            next(
+                (
+                    a.keyword.value
+                    for a in call.args
+                    if a.keyword and LENGTHS.search(a.keyword.value)
+                ),
+                None,
+            )
+            if call is not None
+            else None
+        )
+        if handed is not None:
+            return Domain(
+                "tokens", True, f"{what}; the model is handed the micro-batch's `{handed}=`"
+            )
         evidence = self.evidence
         shown = found in TOKEN_TASKS or tasks(self.text) & TOKEN_TASKS
         if returned and not shown and not (evidence.padded or evidence.masked or evidence.fixed):

@@ -260,7 +260,9 @@ class Tracer:
                 and not positional(call)
                 and keyword(call, "dim") is None
             ):
-                return self._mean(call, f"`{code(call)}`")
+                # `loss = loss.mean()` over DataParallel's per-device means: still that mean
+                inner = self.origin(func.value, depth + 1)
+                return inner if inner.kind == "mean" else self._mean(call, f"`{code(call)}`")
             if (
                 method in ("sum", "nansum")
                 and not positional(call)
