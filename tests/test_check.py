@@ -77,6 +77,19 @@ def test_finding_carries_evidence_and_hint(tmp_path):
     assert finding.hint == catalogue.load()["GA001"].hint
 
 
+def test_messages_and_hints_speak_of_the_loss_gaaudit_saw():
+    """A headline says "Mean loss" only where gaaudit saw a mean, and a dense loss's hint
+    counts elements, not valid tokens."""
+    (unknown,) = check_file(FIXTURES / "ga001_unknown_loss_fn_param.py", ALL).findings
+    assert "could not tell" in unknown.evidence[-1]
+    assert unknown.message.startswith("Loss divided by")
+    (dense,) = check_file(FIXTURES / "ga003_exact_accelerate_mse_latents.py", ALL).findings
+    assert "valid-token" not in dense.hint and "element count" in dense.hint
+    assert "fewer elements" in dense.message
+    (tokens,) = check_file(FIXTURES / "ga001_padded_documents_ignore_index.py", ALL).findings
+    assert tokens.message.startswith("Mean loss") and "valid-token" in tokens.hint
+
+
 def test_step_after_a_skipping_guard_is_a_window(tmp_path):
     path = tmp_path / "train.py"
     path.write_text(
