@@ -90,6 +90,18 @@ def _is_weight(factor: cst.BaseExpression) -> bool:
     return bool(WEIGHT.search(last_name(factor) or ""))
 
 
+def _averages_itself(name: str, value: cst.BaseExpression) -> bool:
+    """`loss.mean()` assigned back to `loss`: the average of DataParallel's per-device losses."""
+    return (
+        isinstance(value, cst.Call)
+        and isinstance(value.func, cst.Attribute)
+        and value.func.attr.value == "mean"
+        and not value.args
+        and isinstance(value.func.value, cst.Name)
+        and value.func.value.value == name
+    )
+
+
 def _calls_a_model(value: cst.BaseExpression) -> bool:
     """`model(x, return_loss=True)`, `self.net(**batch)`: a call of a model that returns its loss."""
     if not isinstance(value, cst.Call):
@@ -177,7 +189,24 @@ class Tracer:
         binding = self.binding(expr.value, expr)
         if binding is None:
             return Origin("unknown", f"`{expr.value}`, whose origin is not visible here")
-        return self._from_binding(expr.value, binding, depth)
+        found = self._from_binding(expr.value, binding, depth)
+        earlier = self._bypassed(expr.value, binding, expr)
+        if found.kind == "unknown" and not found.divisions and earlier is not None:
+            untaken = self._from_binding(expr.value, earlier, depth)  # the branch not taken
+            return untaken if untaken.kind != "unknown" else found
+        return found
+
+    def _bypassed(self, name: str, binding: cst.CSTNode, use: cst.CSTNode) -> cst.CSTNode | None:
+        """The binding before `binding` that also reaches `use`, when `binding` sits in an `if`
+        that does not hold `use` (`loss = out[0]` / `if loss_fct: loss = loss_fct(...)`)."""
+        branch = next(
+            (a for a in self.tree.ancestors(binding) if isinstance(a, (cst.If, cst.FunctionDef))),
+            None,
+        )
+        if not isinstance(branch, cst.If) or self.tree.contains(branch, use):
+            return None
+        earlier = self.binding(name, branch)
+        return earlier if isinstance(earlier, (cst.Assign, cst.AnnAssign)) else None
 
     def _from_binding(self, name: str, stmt: cst.CSTNode, depth: int) -> Origin:
         if isinstance(stmt, cst.Param):
@@ -199,6 +228,10 @@ class Tracer:
         for target in targets:
             if isinstance(target, (cst.Tuple, cst.List)):
                 return self._unpacked(name, target, value, depth)
+        if _averages_itself(name, value):  # DataParallel's `loss = loss.mean()`
+            previous = self.binding(name, stmt)
+            if previous is not None:
+                return self._from_binding(name, previous, depth + 1)
         found = self.origin(value, depth + 1)
         if found.kind == "unknown" and "loss" in name and _calls_a_model(value):
             what = f"`{name}` returned by `{code(value.func)}(...)`, a model's mean loss"
@@ -260,7 +293,7 @@ class Tracer:
                 and not positional(call)
                 and keyword(call, "dim") is None
             ):
-                # `loss = loss.mean()` over DataParallel's per-device means: still that mean
+                # the mean of a mean (DataParallel's per-device means) is that mean
                 inner = self.origin(func.value, depth + 1)
                 return inner if inner.kind == "mean" else self._mean(call, f"`{code(call)}`")
             if (
