@@ -179,18 +179,7 @@ class Domains:
                 "examples", False, "a classification model's loss, one element per example"
             )
         what = "a model's mean loss over its labels"
-        handed = (
-            next(
-                (
-                    a.keyword.value
-                    for a in call.args
-                    if a.keyword and LENGTHS.search(a.keyword.value)
-                ),
-                None,
-            )
-            if call is not None
-            else None
-        )
+        handed = _handed_lengths(call) if call is not None else None
         if handed is not None:
             return Domain(
                 "tokens", True, f"{what}; the model is handed the micro-batch's `{handed}=`"
@@ -208,8 +197,8 @@ class Domains:
             return None
         if isinstance(expr, cst.Call):
             if isinstance(expr.func, cst.Attribute) and expr.func.attr.value.startswith("from_"):
-                return _task(code(expr.func.value))
-            return _task(code(expr.func)) or next(
+                return _task_of(code(expr.func.value))
+            return _task_of(code(expr.func)) or next(
                 (t for a in expr.args if (t := self._task(a.value, hops - 1))), None
             )
         if not isinstance(expr, (cst.Name, cst.Attribute)):
@@ -251,8 +240,17 @@ class Domains:
         return Domain("tokens", None, what)
 
 
-def _task(name: str) -> str | None:
+def _task_of(name: str) -> str | None:
+    """The task of the first model class `name` matches."""
     return next((task for task, pattern in TASKS if pattern.search(name)), None)
+
+
+def _handed_lengths(call: cst.Call) -> str | None:
+    """The keyword by which a model call is handed the micro-batch's lengths or masks."""
+    return next(
+        (a.keyword.value for a in call.args if a.keyword and LENGTHS.search(a.keyword.value)),
+        None,
+    )
 
 
 def _short(node: cst.CSTNode, limit: int = 60) -> str:

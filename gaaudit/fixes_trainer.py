@@ -133,7 +133,7 @@ class TrainerPlanner:
             )
         spread = self._model_spread(returned, function)
         # A model whose `forward` cannot take the count would raise a TypeError if handed it.
-        if spread is not None and self._forward_refusing_count() is None:
+        if spread is not None and not self._forward_refuses_count():
             statement, inputs = spread
             self.edits.insert_before(
                 statement,
@@ -149,28 +149,20 @@ class TrainerPlanner:
             MEAN_OVER_K,
         )
 
-    def _forward_refusing_count(self) -> str | None:
-        """A model class of this file whose `forward` cannot take `num_items_in_batch`, when
-        every model class here is such (the model is then most likely one of them)."""
-        refusing = []
-        for cls in self.tree.classes:
-            forward = next(
-                (
-                    m
-                    for m in cls.body.body
-                    if isinstance(m, cst.FunctionDef) and m.name.value == "forward"
-                ),
-                None,
-            )
-            if forward is None:
-                continue
-            params = forward.params
-            if isinstance(params.star_kwarg, cst.Param) or any(
-                p.name.value == COUNT for p in (*params.params, *params.kwonly_params)
-            ):
-                return None
-            refusing.append(cls.name.value)
-        return refusing[0] if refusing else None
+    def _forward_refuses_count(self) -> bool:
+        """Whether this file defines model classes and none of their `forward`s can take
+        `num_items_in_batch` (the model is then most likely one of them)."""
+        forwards = [
+            method
+            for cls in self.tree.classes
+            for method in cls.body.body
+            if isinstance(method, cst.FunctionDef) and method.name.value == "forward"
+        ]
+        return bool(forwards) and not any(
+            isinstance(f.params.star_kwarg, cst.Param)
+            or any(p.name.value == COUNT for p in (*f.params.params, *f.params.kwonly_params))
+            for f in forwards
+        )
 
     def _returned(self, function: cst.FunctionDef) -> cst.CSTNode | None:
         """The one expression every returned loss resolves to, through plain name bindings."""
