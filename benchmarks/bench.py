@@ -6,8 +6,9 @@
 The default corpus is the installed `transformers` and `torch` packages (found without
 importing them). Every tool runs N times on the same files; the tables show medians:
 
-- cold (no cache) and warm (a second run over the unchanged tree, each tool with its own
-  cache) for gaaudit and ruff; TorchFix and Fixit, much slower, run on a deterministic
+- cold (no cache; gaaudit and ruff `--isolated` take turns run by run, and the ratio is the
+  median of their run-by-run ratios) and warm (a second run over the unchanged tree, each
+  tool with its own cache) for gaaudit and ruff; TorchFix and Fixit, much slower, run on a deterministic
   sample (every k-th file in path order) and their time is extrapolated by lines;
 - gaaudit's peak memory on a quarter, half and all of the corpus: the main process and the
   largest worker apart (files named on the command line, every 4th, 2nd or each file);
@@ -45,6 +46,8 @@ LATENCY_RUNS = 15
 BUGGY_LINES = 500
 CONSOLE = Path(sys.executable).with_name("gaaudit")
 GAAUDIT = [str(CONSOLE)] if CONSOLE.exists() else [sys.executable, "-m", "gaaudit"]
+# The corpus may sit in a git-ignored virtualenv; ruff checks the folders it is handed there.
+CHECK = [*GAAUDIT, "check", "--no-respect-gitignore"]
 # Runs gaaudit in this interpreter and reports the peak RSS of the process and its workers.
 RSS_PROBE = """
 import resource, sys
@@ -89,7 +92,21 @@ def measure(command: list[str]) -> Run:
 
 def repeated(command: list[str], repeat: int, ok: tuple[int, ...]) -> tuple[float, int, str]:
     """Median seconds, largest peak RSS, and a note if an exit status was unexpected."""
-    runs = [measure(command) for _ in range(repeat)]
+    return summary([measure(command) for _ in range(repeat)], ok)
+
+
+def alternated(commands: list[list[str]], repeat: int) -> list[list[Run]]:
+    """Each command `repeat` times, taking turns run by run, so that a drift of the
+    machine's load touches every command alike."""
+    runs: list[list[Run]] = [[] for _ in commands]
+    for _ in range(repeat):
+        for command, own in zip(commands, runs):
+            own.append(measure(command))
+    return runs
+
+
+def summary(runs: list[Run], ok: tuple[int, ...]) -> tuple[float, int, str]:
+    """Median seconds, largest peak RSS, and a note if an exit status was unexpected."""
     codes = sorted({r.returncode for r in runs} - set(ok))
     note = f"exit status {codes}" if codes else ""
     return statistics.median(r.seconds for r in runs), max(r.peak_rss for r in runs), note
@@ -138,33 +155,38 @@ def version(command: list[str]) -> str:
 
 def gaaudit_files_checked(corpus: list[Path]) -> int:
     """Files gaaudit checks in `corpus` (an untimed run that also warms the file cache)."""
-    command = [*GAAUDIT, "check", *map(str, corpus), "--no-cache", "--exit-zero", "-f", "json"]
+    command = [*CHECK, *map(str, corpus), "--no-cache", "--exit-zero", "-f", "json"]
     output = subprocess.run(command, capture_output=True, text=True, check=False).stdout
     return json.loads(output)["summary"]["files_checked"]
 
 
-def corpus_runs(corpus, args, scratch: Path) -> tuple[list[Result], dict[str, str]]:
-    """gaaudit and ruff cold and warm, then the slow tools on a sample."""
+def corpus_runs(corpus, args, scratch: Path) -> tuple[list[Result], dict[str, str], list[str]]:
+    """gaaudit and ruff cold (taking turns) and warm, then the slow tools on a sample; also
+    the cold ratio, the median of gaaudit's time over ruff's run by run."""
     paths = list(map(str, corpus))
     checked = gaaudit_files_checked(corpus)
-    results = []
+    results, ratios = [], []
     versions = {"gaaudit": version([*GAAUDIT, "--version"])}
-    cold = [*GAAUDIT, "check", *paths, "--exit-zero", "-q", "--no-cache"]
-    seconds, rss, note = repeated(cold, args.repeat, (0,))
+    cold = [*CHECK, *paths, "--exit-zero", "-q", "--no-cache"]
+    ruff = executable("ruff")
+    ruff_cold = [ruff, "check", "--isolated", "--no-cache", "--exit-zero", "-q", *paths]
+    runs = alternated([cold, ruff_cold] if ruff else [cold], args.repeat)
+    seconds, rss, note = summary(runs[0], (0,))
     results.append(
         Result("gaaudit, cold", seconds, rss, note=f"{checked} files checked {note}".strip())
     )
-    warm = [*GAAUDIT, "check", *paths, "--exit-zero", "-q", "--cache-dir", str(scratch / "gaaudit")]
+    if ruff:
+        versions["ruff"] = version([ruff, "--version"])
+        seconds, rss, note = summary(runs[1], (0,))
+        results.append(Result("ruff (default rules), cold", seconds, rss, note=note))
+        pairs = statistics.median(ours.seconds / theirs.seconds for ours, theirs in zip(*runs))
+        ratios.append(f"gaaudit / ruff, cold, run by run: {pairs:.2f}x the time (median)")
+    warm = [*CHECK, *paths, "--exit-zero", "-q", "--cache-dir", str(scratch / "gaaudit")]
     measure(warm)  # fills the cache
     seconds, rss, note = repeated(warm, args.repeat, (0,))
     results.append(Result("gaaudit, warm cache", seconds, rss, note=note))
-    ruff = executable("ruff")
     if ruff:
-        versions["ruff"] = version([ruff, "--version"])
-        command = [ruff, "check", "--exit-zero", "-q", *paths]
-        seconds, rss, note = repeated([*command, "--no-cache"], args.repeat, (0,))
-        results.append(Result("ruff (default rules), cold", seconds, rss, note=note))
-        cached = [*command, "--cache-dir", str(scratch / "ruff")]
+        cached = [ruff, "check", "--exit-zero", "-q", *paths, "--cache-dir", str(scratch / "ruff")]
         measure(cached)
         seconds, rss, note = repeated(cached, args.repeat, (0,))
         results.append(Result("ruff (default rules), warm cache", seconds, rss, note=note))
@@ -186,10 +208,10 @@ def corpus_runs(corpus, args, scratch: Path) -> tuple[list[Result], dict[str, st
         where = f"sample of {len(few)} files, {few_lines} lines, extrapolated by lines"
         scale = total_lines / few_lines
         results.append(Result(name, seconds, rss, scale, f"{where} {note}".strip()))
-    return results, versions
+    return results, versions, ratios
 
 
-def corpus_table(results: list[Result], files: int, lines: int) -> list[str]:
+def corpus_table(results: list[Result], files: int, lines: int, ratios: list[str]) -> list[str]:
     out = [
         "| tool | wall (s) | files/s | lines/s | peak RSS (MiB) | note |",
         "|---|---:|---:|---:|---:|---|",
@@ -202,10 +224,10 @@ def corpus_table(results: list[Result], files: int, lines: int) -> list[str]:
         )
     by_tool = {r.tool: r.seconds * r.scale for r in results}
     out.append("")
-    for state in ("cold", "warm cache"):
-        ours, ruff = by_tool.get(f"gaaudit, {state}"), by_tool.get(f"ruff (default rules), {state}")
-        if ours and ruff:
-            out.append(f"gaaudit / ruff, {state}: {ours / ruff:.2f}x the time")
+    out += ratios
+    ours, ruff = by_tool.get("gaaudit, warm cache"), by_tool.get("ruff (default rules), warm cache")
+    if ours and ruff:
+        out.append(f"gaaudit / ruff, warm cache: {ours / ruff:.2f}x the time (medians)")
     for name in ("torchfix", "fixit"):
         if name in by_tool:
             out.append(
@@ -314,7 +336,7 @@ def main() -> None:
     total_files, total_lines = len(files), sum(lines for _, lines in files)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
-        results, versions = corpus_runs(corpus, args, Path(scratch))
+        results, versions, ratios = corpus_runs(corpus, args, Path(scratch))
         memory = memory_table(files)
         latencies = latency_table(Path(scratch))
     step = []
@@ -333,7 +355,12 @@ def main() -> None:
         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
     )
     print("versions: " + ", ".join(f"{name} {number}" for name, number in versions.items()))
-    for section in (corpus_table(results, total_files, total_lines), memory, latencies, step):
+    for section in (
+        corpus_table(results, total_files, total_lines, ratios),
+        memory,
+        latencies,
+        step,
+    ):
         if section:
             print()
             print("\n".join(section))

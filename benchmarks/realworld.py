@@ -10,7 +10,8 @@ the library's `fetch` leaves them, or `owner/name`) into one tree per repository
 `gaaudit check .` at each tree's root, as a user would, and prints precision and recall of the
 labelled files' verdicts at the default confidence and at any confidence, per rule, label and
 framework, the verdicts that changed since the last run (`realworld/last.json`, rewritten by
-every full run), and the wall time. A file is flagged when a finding of gaaudit starts in it.
+every full run), and the wall time. A file is flagged when a finding of gaaudit starts in it,
+or when a GA006 finding (a transformers pin without the Trainer's fix) names the Trainer it builds.
 This is a script that prints figures, not a test; no repository code is committed.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +53,7 @@ FRAMEWORKS = (
 RANK = {"low": 1, "medium": 2, "high": 3}
 DEFAULT = "medium"
 MAX_BYTES = 2_000_000  # larger blobs are data, not code
+TRAINER_SITE = re.compile(r"trainer: .* in (\S+) line \d+$")
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,16 @@ def run_gaaudit(tree: Path) -> tuple[dict[str, list[dict]], float, str]:
     found: dict[str, list[dict]] = defaultdict(list)
     for finding in json.loads(done.stdout)["findings"]:
         found[os.path.normpath(finding["path"])].append(finding)
+        for site in _trainer_sites(finding):
+            found[os.path.normpath(site)].append(finding)
     return found, seconds, ""
+
+
+def _trainer_sites(finding: dict) -> list[str]:
+    """The files whose Trainer a GA006 pin finding names (`trainer: ... in PATH line N`)."""
+    if finding["code"] != "GA006":
+        return []
+    return [m.group(1) for e in finding["evidence"] if (m := TRAINER_SITE.match(e))]
 
 
 def verdict(findings: list[dict], threshold: str) -> list[str]:

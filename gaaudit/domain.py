@@ -17,7 +17,7 @@ import libcst as cst
 
 from gaaudit.evidence import Evidence
 from gaaudit.findings import Confidence
-from gaaudit.provenance import Origin, Tracer
+from gaaudit.provenance import MASKED_MEAN, Origin, Tracer
 from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional
 
 Kind = Literal["tokens", "examples", "dense", "unknown"]
@@ -118,27 +118,44 @@ class Domains:
         self.tracer = tracer
         self.evidence = evidence
 
-    def of(self, origin: Origin) -> Domain:
+    def of(self, origin: Origin, returned: bool = False) -> Domain:
+        """The domain of a traced loss; `returned`: a model's loss handed back to a framework
+        (`compute_loss`), see `model_loss`."""
         if origin.kind == "unknown":
             return Domain("unknown", None, "its origin is not visible")
         if origin.variable:
             return Domain("tokens", True, f"{origin.variable}, where the loss is computed")
         source = origin.source
+        owner = origin.callee.split(".")[0]
+        if origin.module and DENSE_MODEL.search(owner):
+            return Domain("dense", False, f"`{owner}` models fixed-size images or signals")
         if origin.configured is not None:
             return self._torch_loss(origin.configured)
         if isinstance(source, cst.Call) and origin.from_model:
             return self.model_loss(source, returned=True)
         if isinstance(source, (cst.Attribute, cst.Subscript)):
-            return self.model_loss(self._model_call(source))
+            return self.model_loss(self._model_call(source), returned)
         if isinstance(source, cst.Call) and isinstance(source.func, cst.Attribute):
-            reduced = code(source.func.value)
+            reduced = self._spelled(source.func.value)
             if PAIRWISE.search(reduced):
                 return Domain("examples", False, "a pairwise preference loss, one element per pair")
             if SQUARED.search(reduced):
                 return Domain("dense", False, f"`{_short(source)}` averages a dense tensor")
-        if "masked mean" in origin.what:
+        if MASKED_MEAN in origin.what:
             return Domain("tokens", True, "a mask or count taken per micro-batch")
+        if tasks(self.text) == {"classification"}:
+            return Domain(
+                "examples", False, "a mean in a classifier's file, one element per example"
+            )
         return self._tokens("a mean whose elements gaaudit cannot name")
+
+    def _spelled(self, expr: cst.BaseExpression) -> str:
+        """The code of what `.mean()` reduces: a name's assigned value (`loss = -logsigmoid(z)`)."""
+        if isinstance(expr, cst.Name) and expr in self.tree.order:
+            stmt = self.tracer.binding(expr.value, expr)
+            if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1:
+                return code(stmt.value)
+        return code(expr)
 
     def _torch_loss(self, configured: cst.Call) -> Domain:
         name = (self.tree.qualified(configured.func) or dotted(configured.func) or "").rsplit(

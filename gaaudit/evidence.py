@@ -24,10 +24,13 @@ PADDED = {
 # Names that show padded inputs: weaker, since packed blocks carry an attention mask too.
 MASKED = {"attention_mask", "DataCollatorWithPadding"}
 # Names that show fixed-length, packed data, where mean/K is exact.
-FIXED = {"memmap", "group_texts", "block_size"}
+FIXED = {"memmap", "group_texts", "block_size", "ConstantLengthDataset"}
 PADDED_SIGNS = (
     (
-        re.compile(rb"(?<!ignore_index=)(?<!ignore_index = )-\s*(?P<sign>100)(?![\w.])"),
+        re.compile(
+            rb"(?<!ignore_index=)(?<!ignore_index = )(?<!default=)(?<!default = )"
+            rb"-\s*(?P<sign>100)(?![\w.])"
+        ),
         lambda match: "labels set to -100",
     ),
     (

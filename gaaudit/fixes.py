@@ -171,6 +171,11 @@ class Planner:
             )
         if origin.kind != "mean" or source is None:
             raise Unfixable("gaaudit could not tell what the loss averages over")
+        if origin.branch:
+            raise Unfixable(
+                "the loss is defined in both branches of an `if`, over different counts; "
+                "one count expression cannot cover both"
+            )
         if self.tree.scope_of(source) is not self.tree.scope_of(site.backward.call):
             raise Unfixable(
                 "the loss is computed in another function; its targets are not visible here"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from gaaudit.checks.optax import GRADS, JAX_HOMES, OptaxAudit, Site
+from gaaudit.checks.optax import OptaxAudit, Site, decorated_with_gradient, takes_gradient
 from gaaudit.cst_edits import (
     Edits,
     Unfixable,
@@ -169,12 +169,15 @@ class OptaxPlanner:
         """The calls that evaluate the gradient of `function`: `value_and_grad(f)(...)`, or
         `grad_fn(...)` after `grad_fn = jax.jit(jax.value_and_grad(f))`."""
         name = function.name.value
+        if decorated_with_gradient(self.tree, function):
+            raise Unfixable(
+                f"`{name}` is decorated (`@jax.value_and_grad` and kin); gaaudit rewrites a loss "
+                "function whose gradient is taken by a call, `jax.value_and_grad(f)`"
+            )
         transforms, found = [], []
         for call in self.tree.calls:
-            qualified = self.tree.qualified(call.func) or ""
             if (
-                qualified.split(".")[0] in JAX_HOMES
-                and qualified.rsplit(".", 1)[-1] in GRADS
+                takes_gradient(self.tree, call.func)
                 and positional(call)
                 and dotted(positional(call)[0]) == name
             ):

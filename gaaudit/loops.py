@@ -168,6 +168,8 @@ class Structure:
                 found = None
             if found is not None:
                 return found
+        if accumulate is None and loop is None and isinstance(scope, cst.FunctionDef):
+            accumulate = self._accumulating_call(scope)  # `with acc.accumulate(m): run(...)`
         if accumulate is not None:
             return Window("accumulate", loop, None, accumulate, (accumulate,))
         helpers, _ = self._helpers  # a helper's window is judged where it is called
@@ -189,10 +191,9 @@ class Structure:
         ):
             return None
         size = None
-        if isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call):
-            args = positional(loop.iter)
-            if dotted(loop.iter.func) == "range" and len(args) in (1, 2):
-                size = args[-1]
+        iterated = loop.iter if isinstance(loop, cst.For) else None
+        if isinstance(iterated, cst.Call) and dotted(iterated.func) == "range":
+            size = _range_length(positional(iterated))
         if size is None and isinstance(loop, cst.For) and dotted(loop.iter) is not None:
             size = cst.parse_expression(f"len({code(loop.iter)})")
         return Window("micro-loop", loop, size, loop, after)
@@ -301,6 +302,19 @@ class Structure:
             None,
         )
 
+    def _accumulating_call(self, function: cst.FunctionDef) -> cst.With | None:
+        """The `with accelerator.accumulate(...)` block holding a call of `function`, a
+        same-file function that computes the loss and calls backward itself."""
+        name = function.name.value
+        if self.tree.functions.get(name) is not function:
+            return None
+        for call in self.tree.calls:
+            if _helper_name(call.func) == name and not self._inside(call, function):
+                block = next((a for a in self.tree.ancestors(call) if self._is_accumulate(a)), None)
+                if block is not None:
+                    return block
+        return None
+
     @staticmethod
     def _is_accumulate(node: cst.CSTNode) -> bool:
         return isinstance(node, cst.With) and any(
@@ -381,8 +395,7 @@ class Structure:
     def _deepspeed_config(self) -> str | None:
         """Where the file's DeepSpeed config sets gradient_accumulation_steps above 1."""
         for node in self.tree.walk(self.tree.module):
-            value = _config_accumulation(node)
-            if value is not None and not (isinstance(value, cst.Integer) and int(value.value) <= 1):
+            if (value := self._config_accumulation(node)) is not None and _accumulates(value):
                 return f"a config dict (line {self.tree.line(node)})"
             if isinstance(node, cst.SimpleString) and (string_value(node) or "").endswith(".json"):
                 steps = _json_accumulation(self.directory / string_value(node))
@@ -449,6 +462,16 @@ class Structure:
                     return factor, label.format(code(factor))
         return None
 
+    def _config_accumulation(self, node: cst.CSTNode) -> cst.BaseExpression | None:
+        """K as a DeepSpeed config dict sets it: `gradient_accumulation_steps`, or the
+        accumulation factor of a `train_batch_size` product (micro-batch x world x K)."""
+        key, value = _config_setting(node)
+        if key == DEEPSPEED_ACCUMULATION:
+            return value
+        if key == "train_batch_size" and value is not None:
+            return next((f for f in _factors(value) if self.is_accumulation_name(f)), None)
+        return None
+
     def is_accumulation_name(self, expr: cst.CSTNode) -> bool:
         return (last_name(expr) or "") in self.names
 
@@ -486,18 +509,25 @@ def _accumulates(factor: cst.BaseExpression) -> bool:
     return not all(isinstance(f, cst.Integer) and int(f.value) <= 1 for f in factors)
 
 
-def _config_accumulation(node: cst.CSTNode) -> cst.BaseExpression | None:
-    """The value a config dict gives gradient_accumulation_steps: `{"gradient_accumulation_steps":
-    k}` or `config["gradient_accumulation_steps"] = k`."""
+def _config_setting(node: cst.CSTNode) -> tuple[str | None, cst.BaseExpression | None]:
+    """The key and value a config dict sets: `{"key": value}` or `config["key"] = value`."""
     if isinstance(node, cst.DictElement):
-        return node.value if string_value(node.key) == DEEPSPEED_ACCUMULATION else None
+        return string_value(node.key), node.value
     if isinstance(node, cst.Assign):
         for target in node.targets:
             key = target.target.slice if isinstance(target.target, cst.Subscript) else ()
-            index = key[0].slice if len(key) == 1 else None
-            if isinstance(index, cst.Index) and string_value(index.value) == DEEPSPEED_ACCUMULATION:
-                return node.value
-    return None
+            if len(key) == 1 and isinstance(key[0].slice, cst.Index):
+                return string_value(key[0].slice.value), node.value
+    return None, None
+
+
+def _factors(expr: cst.BaseExpression) -> Iterator[cst.BaseExpression]:
+    """The factors of a product (`a * b * c`), or the expression itself."""
+    if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Multiply):
+        yield from _factors(expr.left)
+        yield from _factors(expr.right)
+    else:
+        yield expr
 
 
 def _json_accumulation(path: Path) -> int | str | None:
@@ -507,6 +537,25 @@ def _json_accumulation(path: Path) -> int | str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if value == "auto" or (isinstance(value, int) and value > 1) else None
+
+
+def _range_length(args: list[cst.BaseExpression]) -> cst.BaseExpression | None:
+    """How many values `range(...)` gives, where the code spells it: `range(k)`,
+    `range(0, k)`, `range(1, k + 1)`."""
+    if len(args) == 1:
+        return args[0]
+    if len(args) != 2:
+        return None
+    start, stop = args
+    if isinstance(start, cst.Integer) and start.value == "0":
+        return stop
+    if (
+        isinstance(stop, cst.BinaryOperation)
+        and isinstance(stop.operator, cst.Add)
+        and code(stop.right) == code(start)
+    ):
+        return stop.left
+    return None
 
 
 def _helper_name(func: cst.BaseExpression) -> str | None:

@@ -49,6 +49,8 @@ class Origin:
     from_model: bool = False  # unpacked from a model call: `logits, loss = model(x, y)`
     tree: Tree | None = field(default=None, compare=False, repr=False)
     module: str = ""  # the file of another module that computes it (then `source` is None)
+    callee: str = ""  # there, the function or `Class.forward` that returns it
+    branch: bool = False  # one of the definitions of an `if`/`else` that reach the use
     variable: str = ""  # a sign of variable valid-token counts where that module computes it
     configured: cst.Call | None = field(default=None, compare=False, repr=False)  # a torch loss
 
@@ -63,6 +65,7 @@ class Origin:
 
 
 UNKNOWN = Origin("unknown", "an expression gaaudit cannot trace")
+MASKED_MEAN = "a masked mean"  # how `what` names a sum divided by its own per-micro-batch count
 
 
 def _unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
@@ -160,7 +163,7 @@ class Tracer:
         left = self.origin(expr.left, depth + 1)
         if isinstance(expr.operator, cst.Divide):
             if left.kind == "sum" and self._per_micro_batch(expr, expr.right):
-                return self._mean(expr, f"`{code(expr)}`, a sum over its own count (a masked mean)")
+                return self._mean(expr, f"`{code(expr)}`, a sum over its own count ({MASKED_MEAN})")
             return left.divided(Division(expr, expr.right))
         right = self.origin(expr.right, depth + 1)
         if isinstance(expr.operator, cst.Multiply):
@@ -194,7 +197,27 @@ class Tracer:
         if found.kind == "unknown" and not found.divisions and earlier is not None:
             untaken = self._from_binding(expr.value, earlier, depth)  # the branch not taken
             return untaken if untaken.kind != "unknown" else found
+        rival = self._rival(expr.value, binding) if found.kind == "mean" else None
+        if rival is not None:  # `if mask: loss = masked mean / else: loss = x.mean()`
+            other = self._from_binding(expr.value, rival, depth)
+            if other.kind == "mean" and MASKED_MEAN in other.what and MASKED_MEAN not in found.what:
+                return replace(other, branch=True)  # the one over its own count can vary
         return found
+
+    def _rival(self, name: str, binding: cst.CSTNode) -> cst.CSTNode | None:
+        """The last binding of `name` in the `if` body whose `else` holds `binding`."""
+        block = next((a for a in self.tree.ancestors(binding) if isinstance(a, cst.Else)), None)
+        branch = self.tree.parents.get(block) if block is not None else None
+        if not isinstance(branch, cst.If) or self.tree.scope_of(branch) is not self.tree.scope_of(
+            binding
+        ):
+            return None
+        bound = [
+            node
+            for node in self.tree.bindings(self.tree.scope_of(binding)).get(name, ())
+            if self.tree.contains(branch.body, node)
+        ]
+        return bound[-1] if bound else None
 
     def _bypassed(self, name: str, binding: cst.CSTNode, use: cst.CSTNode) -> cst.CSTNode | None:
         """The binding before `binding` that also reaches `use`, when `binding` sits in an `if`
@@ -249,9 +272,7 @@ class Tracer:
                 returned = [r for r in self.returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
                 if returned and index < len(returned[0].elements):
                     return self.origin(returned[0].elements[index].value, depth + 1)
-            imported = (
-                self.imports.origin(value.func, value, index) if self.imports is not None else None
-            )
+            imported = self._imported(value.func, value, index)
             if imported is not None:
                 return imported
             if "loss" in name:
@@ -335,7 +356,7 @@ class Tracer:
         if isinstance(value, cst.Lambda):
             return [(value.body, self._returned(value.body, depth, "the lambda"))]
         if not isinstance(value, cst.Call):
-            imported = self.imports.origin(func, call) if self.imports is not None else None
+            imported = self._imported(func, call)
             return [(None, imported)] if imported is not None else []
         if self._is_torch_loss(value):  # `loss_fn=nn.CrossEntropyLoss()`
             return [(value, self._reduction(value, value, f"a `{code(value.func)}` instance"))]
@@ -353,6 +374,42 @@ class Tracer:
     @cached_property
     def _classes(self) -> dict[str, cst.ClassDef]:
         return {s.name.value: s for s in self.tree.module.body if isinstance(s, cst.ClassDef)}
+
+    def _imported(
+        self, func: cst.BaseExpression, call: cst.Call | None, index: int | None = None
+    ) -> Origin | None:
+        """What calling `func` returns (element `index` of a returned tuple) when it is a
+        function imported from the repository, or an instance of an imported class handed in
+        as an annotated parameter (`model: SoundStorm`: its `forward`)."""
+        if self.imports is None:
+            return None
+        found = self.imports.origin(func, call, index)
+        annotated = self._annotated_class(func) if found is None else None
+        if annotated is not None:
+            found = self.imports.instance_origin(cst.Call(func=annotated), call, index)
+        return found
+
+    def _annotated_class(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
+        """The class a callee's parameter is annotated with (`model: SoundStorm`), followed
+        through `self.model = model` in the same class."""
+        name = dotted(func)
+        if name is None:
+            return None
+        if "." not in name:
+            params = [self.binding(name, func)]
+        else:
+            owner = _class_of(self.tree, func)
+            params = [
+                self.binding(v.value, v)
+                for v in self.tree.assigned_values.get(name, [])
+                if isinstance(v, cst.Name) and _class_of(self.tree, v) is owner
+            ]
+        for param in params:
+            if isinstance(param, cst.Param) and param.annotation is not None:
+                annotation = param.annotation.annotation
+                if isinstance(annotation, (cst.Name, cst.Attribute)):
+                    return annotation
+        return None
 
     def bound_value(self, func: cst.Name | cst.Attribute) -> cst.BaseExpression | None:
         """The lambda or call a callee name was assigned (`loss_fn = lambda ...`), else None."""
@@ -444,3 +501,8 @@ class Tracer:
                     if param.name.value == name:
                         return param
         return None
+
+
+def _class_of(tree: Tree, node: cst.CSTNode) -> cst.ClassDef | None:
+    """The class whose body holds `node`, if any."""
+    return next((a for a in tree.ancestors(node) if isinstance(a, cst.ClassDef)), None)

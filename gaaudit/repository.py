@@ -242,18 +242,18 @@ class Imports:
         found = self.summary(reference) if reference is not None else None
         if found is None or found.is_class:
             return None
-        if index is None:
-            return self._origin(found.value, found, reference, func, call)
-        returned = found.items[index] if index < len(found.items) else None
-        return self._origin(returned, found, reference, func, call)
+        return self._origin(_item(found, index), found, reference, func, call)
 
-    def instance_origin(self, constructor: cst.Call, call: cst.Call | None) -> Origin | None:
-        """What calling an instance of an imported loss class returns (its `forward`)."""
+    def instance_origin(
+        self, constructor: cst.Call, call: cst.Call | None, index: int | None = None
+    ) -> Origin | None:
+        """What calling an instance of an imported loss class returns (its `forward`;
+        element `index` of a returned tuple)."""
         reference = self.reference(constructor.func)
         found = self.summary(reference) if reference is not None else None
         if found is None or not found.is_class:
             return None
-        return self._origin(found.value, found, reference, constructor, call)
+        return self._origin(_item(found, index), found, reference, constructor, call)
 
     def _origin(
         self, returned: Returned | None, found: Summary, reference: Reference, func, call
@@ -267,8 +267,16 @@ class Imports:
             divisions=tuple(_division(d, found, func, call) for d in returned.divisors),
             via=f", returned by `{found.name}()` imported from `{reference.spelled}`",
             module=shown(found.path),
+            callee=found.name,
             variable=found.variable,
         )
+
+
+def _item(found: Summary, index: int | None) -> Returned | None:
+    """What a summarised callable returns, or element `index` of its returned tuple."""
+    if index is None:
+        return found.value
+    return found.items[index] if index < len(found.items) else None
 
 
 def _division(

@@ -289,6 +289,8 @@ class _Judge:
                     continue
                 start = getattr(child, "lineno", None)
                 if start is not None:
+                    decorators = getattr(child, "decorator_list", None)
+                    start = decorators[0].lineno if decorators else start  # `@jax.grad` above
                     index = bisect_left(numbers, start)
                     if index == len(numbers) or numbers[index] > child.end_lineno:
                         continue

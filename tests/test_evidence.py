@@ -83,7 +83,10 @@ def padded(token, previous) -> str | None:
                 and previous[opening].start[0] == token.start[0]
             ):
                 return f"`{name.string}[...] = -N` writes ignored targets"
-        if strings[-3:-1] != ["ignore_index", "="] and token.string == "100":
+        if (
+            strings[-3:-1] not in (["ignore_index", "="], ["default", "="])
+            and token.string == "100"
+        ):
             return "labels set to -100"
     if what := named(token, PADDED):
         return what
@@ -118,6 +121,7 @@ SNIPPETS = {
     "prefixed strings": "a = rb'attention_mask' + U'loss_mask' + Rb'ignore_index'\n",
     "minus one hundred": "y[y == pad] = - 100\nz = -100.0\nw = -1000\nv -= 100\n",
     "a loss's ignore_index is not a data sign": "f(x, ignore_index=-100)\ng(ignore_index = -100)\n",
+    "an option's default is not a data sign": 'parser.add_argument("--ignore", default=-100)\n',
     "targets written with an ignore value": "y[row, n - 1 :] = -1\nlabels[:, :p] = -3\n",
     "other subscripts": "x[0] = -1\ny[a[0]] = -1\nlabels[i] = 1\n",
     "random windows": "i = torch.randint(len(data) - T, (B,))\nj = randint(0, n)\n",

@@ -61,7 +61,7 @@ def trainer(
             [(5, "GA004", "medium")],
         ),
         (trainer(params=", **kwargs"), [(5, "GA004", "low")]),
-        (trainer(params=""), [(5, "GA004", "high")]),
+        (trainer(params=""), [(5, "GA004", "low")]),
         (trainer(params=", **kwargs", passed=", **kwargs"), []),
         (trainer(passed=", num_items_in_batch=num_items_in_batch"), []),
         (trainer(body="model_accepts_loss_kwargs = False"), [(5, "GA004", "low")]),
@@ -440,6 +440,52 @@ def test_pin_reported_with_column_evidence_and_suppression(tmp_path):
     assert finding.confidence is Confidence.HIGH and "transformers>=4.46.2" in finding.message
     assert any("train.py line 2" in e for e in finding.evidence)
     assert finding.hint == catalogue.load()["GA006"].hint
+
+
+def test_singular_requirement_file_names_the_trainer_it_concerns(tmp_path):
+    files = write(
+        tmp_path,
+        {
+            "requirement.txt": "transformers==4.36.2\n",
+            "scripts/train.sh": "python src/train.py --gradient_accumulation_steps 32\n",
+            "src/train.py": """\
+                from transformers import Trainer
+
+
+                class LoggingTrainer(Trainer):  # a subclass is not where it is built
+                    pass
+
+
+                trainer = LoggingTrainer(model=None)
+            """,
+        },
+    )
+    (report,) = check_repository(files, [tmp_path])
+    (finding,) = report.findings
+    assert Path(report.path).name == "requirement.txt"
+    (site,) = [e for e in finding.evidence if e.startswith("trainer: ")]
+    assert site.startswith("trainer: `LoggingTrainer(...)` in ")
+    assert site.endswith("src/train.py line 8")
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ("blocks = dataset.map(group_texts)  # block_size tokens each", Confidence.LOW),
+        ("labels[prompt] = -100\nblocks = dataset.map(group_texts)", Confidence.HIGH),
+    ],
+)
+def test_pin_confidence_reads_the_trainers_data(tmp_path, data, expected):
+    files = write(
+        tmp_path,
+        {
+            "requirements.txt": "transformers==4.40.0\n",
+            "train.py": f"from transformers import Trainer, TrainingArguments\n{data}\n"
+            "Trainer(args=TrainingArguments('o', gradient_accumulation_steps=8))\n",
+        },
+    )
+    (report,) = check_repository(files, [tmp_path])
+    assert report.findings[0].confidence is expected
 
 
 @pytest.mark.parametrize(

@@ -306,11 +306,13 @@ def test_sarif_fingerprints_count_repeated_lines(train_py, sarif_schema):
 # sarif fixes
 
 UNSAFE_PAIRS = (
+    "ga001_exact_grad_division_range_from_one",
     "ga001_exact_nanogpt_memmap_scaler",
     "ga002_nanogpt_micro_loop_no_division",
     # GA004 opt-outs: the Trainer then divides each micro-batch's mean by K
     "ga004_class_attribute_opt_out",
     "ga004_exact_contrastive_embedder_compute_loss",
+    "ga004_exact_pairwise_reward_old_signature",
     "ga004_forward_kwargs_ignored_regression",
     "ga004_sft_old_compute_loss_signature",
     "ga004_weighted_classification_compute_loss",

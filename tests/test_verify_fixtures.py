@@ -51,6 +51,10 @@ NOT_REPLAYABLE = {
         "not replayable: RuntimeError: random_ expects",
         ("random_ expects 'from' to be less than 'to'",),
     ),
+    "ga001_exact_grad_division_range_from_one": (
+        "not replayable: RuntimeError: random_ expects",
+        ("random_ expects 'from' to be less than 'to'",),
+    ),
     # Batches indexed by position (`batch[0]`): the harness hands in a dict of tensors.
     "ga001_exact_dataparallel_mean_classifier": (
         "not replayable: KeyError",

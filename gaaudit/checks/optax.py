@@ -131,15 +131,15 @@ class OptaxAudit:
         return origins[0] if origins else (NO_LOSS, None)
 
     def _loss_functions(self) -> list[cst.FunctionDef | cst.Lambda]:
-        """Functions given to `jax.value_and_grad` and kin; else the file's `*loss*` functions."""
+        """Functions given to `jax.value_and_grad` and kin, or decorated with them; else the
+        file's `*loss*` functions."""
         found = []
         for node in self.tree.calls:
-            if positional(node):
-                qualified = self.tree.qualified(node.func) or ""
-                if qualified.split(".")[0] in JAX_HOMES and qualified.rsplit(".", 1)[-1] in GRADS:
-                    function = self._function_of(positional(node)[0])
-                    if function is not None:
-                        found.append(function)
+            if positional(node) and takes_gradient(self.tree, node.func):
+                function = self._function_of(positional(node)[0])
+                if function is not None:
+                    found.append(function)
+        found += [f for f in self.tree.functions.values() if decorated_with_gradient(self.tree, f)]
         return found or [f for name, f in self.tree.functions.items() if "loss" in name.lower()]
 
     def _function_of(self, expr: cst.BaseExpression) -> cst.FunctionDef | cst.Lambda | None:
@@ -274,6 +274,27 @@ class OptaxAudit:
             if isinstance(node, (cst.Name, cst.Attribute, cst.SimpleString)) and MASK.search(text):
                 return f"`{text}` (line {self.tree.line(node)})"
         return None
+
+
+def takes_gradient(tree: Tree, func: cst.BaseExpression) -> bool:
+    """`jax.value_and_grad`, `eqx.filter_grad` and kin."""
+    qualified = tree.qualified(func) or ""
+    return qualified.split(".")[0] in JAX_HOMES and qualified.rsplit(".", 1)[-1] in GRADS
+
+
+def decorated_with_gradient(tree: Tree, function: cst.FunctionDef) -> bool:
+    """`@jax.value_and_grad def loss_fn(...)`: calling the function takes its gradient."""
+    return any(takes_gradient(tree, _decorating(d.decorator)) for d in function.decorators)
+
+
+def _decorating(decorator: cst.BaseExpression) -> cst.BaseExpression:
+    """The function a decorator applies: `jax.value_and_grad` of `@jax.value_and_grad`,
+    `@partial(jax.value_and_grad, has_aux=True)` or `@eqx.filter_value_and_grad(has_aux=True)`."""
+    if not isinstance(decorator, cst.Call):
+        return decorator
+    if (dotted(decorator.func) or "").endswith("partial") and positional(decorator):
+        return positional(decorator)[0]
+    return decorator.func
 
 
 def _first(expr: cst.BaseExpression) -> cst.BaseExpression:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from gaaudit import catalogue
-from gaaudit.domain import Domains
+from gaaudit.domain import Domain, Domains
 from gaaudit.findings import Confidence, Finding
 from gaaudit.provenance import Origin, Tracer
 from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional, string_value
@@ -370,18 +370,25 @@ def findings(context) -> list[Finding]:
     hint = catalogue.load()[CODE].hint
     found = []
     audit = TrainerAudit(tree)
+    domains = Domains(tree, audit.tracer, context.evidence, context.text)
     for site in audit.sites():
-        if site.crashes:
-            confidence = Confidence.HIGH
-            why = "transformers >= 4.46 passes `num_items_in_batch` whatever the data"
+        if site.kind != "compute-loss":
+            domain = domains.model_loss(returned=True)
+        elif (returned := audit.returned_mean(site.function)) is not None:
+            domain = domains.of(returned, returned=True)
         else:
-            domains = Domains(tree, audit.tracer, context.evidence, context.text)
-            confidence, why = domains.model_loss(returned=True).confidence()
-            if site.scaled and confidence < Confidence.MEDIUM:
-                confidence, why = (
-                    Confidence.MEDIUM,
-                    f"the loss is K times too large whatever the counts; {why}",
-                )
+            domain = Domain("unknown", None, "the loss it returns is not a mean gaaudit can see")
+        confidence, why = domain.confidence()
+        if site.crashes:
+            why = (
+                "before transformers 4.46 the Trainer divides this loss by K instead of raising; "
+                + why
+            )
+        elif site.scaled and confidence < Confidence.MEDIUM:
+            confidence, why = (
+                Confidence.MEDIUM,
+                f"the loss is K times too large whatever the counts; {why}",
+            )
         found.append(
             Finding(
                 path=context.path,

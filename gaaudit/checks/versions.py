@@ -21,7 +21,7 @@ from gaaudit import catalogue
 from gaaudit.config import DEFAULT_EXCLUDE
 from gaaudit.discovery import Excluded
 from gaaudit.engine import display_path
-from gaaudit.evidence import SUPPRESSION
+from gaaudit.evidence import SUPPRESSION, scan
 from gaaudit.findings import Confidence, FileReport, Finding, Span
 
 if TYPE_CHECKING:  # packaging is imported where pins are judged: most runs find none
@@ -42,7 +42,12 @@ POETRY = re.compile(r"""^(\s*["']?)transformers["']?\s*=\s*(.+?)\s*$""", re.IGNO
 CONDA = re.compile(r"^(?:[\w-]+::)?transformers\s*(?:=|\s)\s*(\d[\w.*]*)$", re.IGNORECASE)
 SCRIPT = re.compile(r"(?m)^# /// script\s*$")  # PEP 723 inline script metadata
 FRAMEWORK = re.compile(rb"\b(?:transformers|trl)\b")
+TRAINER_CALL = re.compile(rb"(?<![\w.])((?:\w+\.)*\w*Trainer)\s*\(")  # `transformers.Trainer(`
 TRAINER_SEEN = "the code trains with a transformers Trainer"
+PACKED = (
+    "the Trainer trains on fixed-length blocks ({}), where the old Trainer's mean/K is exact; "
+    "it becomes wrong as soon as the blocks hold ignored or padded labels"
+)
 NO_TRAINER = (
     "no transformers Trainer seen in the code; the pin matters where a framework trains with one "
     "from this configuration"
@@ -143,7 +148,7 @@ def is_pin_file(path: Path) -> bool:
         return True
     text_file = path.suffix == ".txt"
     return text_file and (
-        name.startswith(("requirements", "constraints")) or path.parent.name == "requirements"
+        name.startswith(("requirement", "constraint")) or path.parent.name == "requirements"
     )
 
 
@@ -301,7 +306,15 @@ def _accumulations(path: Path, data: bytes, root: Path) -> Iterator[Accumulation
 # Findings -----------------------------------------------------------------------------------
 
 
-def _finding(shown: str, pin: Pin, kind: str, accumulation: str, trainer: bool) -> Finding:
+def _finding(
+    shown: str,
+    pin: Pin,
+    kind: str,
+    accumulation: str,
+    trainer: bool,
+    sites: Iterable[str] = (),
+    packed: str | None = None,
+) -> Finding:
     if kind == "old":
         problem = (
             "admits only transformers releases before 4.46, whose Trainer divides each "
@@ -312,9 +325,12 @@ def _finding(shown: str, pin: Pin, kind: str, accumulation: str, trainer: bool) 
             "admits transformers 4.46.0/4.46.1 at best, whose Trainer over-scales the loss of "
             "models that ignore `num_items_in_batch`"
         )
-    confidence, why = (
-        (Confidence.HIGH, TRAINER_SEEN) if trainer else (Confidence.MEDIUM, NO_TRAINER)
-    )
+    if packed is not None:
+        confidence, why = Confidence.LOW, PACKED.format(packed)
+    elif trainer:
+        confidence, why = Confidence.HIGH, TRAINER_SEEN
+    else:
+        confidence, why = Confidence.MEDIUM, NO_TRAINER
     return Finding(
         path=shown,
         code=CODE,
@@ -324,14 +340,24 @@ def _finding(shown: str, pin: Pin, kind: str, accumulation: str, trainer: bool) 
         evidence=(
             f"pin: `{pin.shown}`",
             f"accumulation: {accumulation}",
+            *(f"trainer: {site}" for site in sites),
             f"confidence {confidence}: {why}",
         ),
         hint=catalogue.load()[CODE].hint,
     )
 
 
-def _uses_trainer(data: bytes) -> bool:
-    return b"Trainer" in data and FRAMEWORK.search(data) is not None
+def _trainer_sites(path: Path, data: bytes) -> Iterator[str]:
+    """Where a file of the code builds a transformers or trl Trainer: `SFTTrainer(` in
+    train.py line 150 (the first such call of the file)."""
+    if b"Trainer" not in data or FRAMEWORK.search(data) is None:
+        return
+    for number, line in enumerate(data.splitlines(), 1):
+        call = TRAINER_CALL.search(line)
+        if call and not line.lstrip().startswith((b"#", b"class ", b"def ")):
+            name = call.group(1).decode("utf-8", "replace")
+            yield f"`{name}(...)` in {display_path(path)} line {number}"
+            return
 
 
 def _suppressed(raw: str) -> bool:
@@ -411,17 +437,39 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
         here = [a for a in accumulations if a.path.is_relative_to(path.parent)]
         if not here:
             continue
-        trainer = any(a.trainer for a in here) or any(
-            p.suffix == ".py" and p.is_relative_to(path.parent) and _uses_trainer(data[p])
+        trainers = {
+            p: site
             for p in scanned
-        )
+            if p.suffix == ".py" and p.is_relative_to(path.parent)
+            for site in _trainer_sites(p, data[p])
+        }
+        trainer = any(a.trainer for a in here) or bool(trainers)
+        packed = _packed(trainers, data)
         shown = display_path(path)
+        sites = [*trainers.values()]
         reports.append(
             FileReport(
-                shown, [_finding(shown, pin, kind, here[0].where, trainer) for pin, kind in found]
+                shown,
+                [
+                    _finding(shown, pin, kind, here[0].where, trainer, sites, packed)
+                    for pin, kind in found
+                ],
             )
         )
     return reports
+
+
+def _packed(trainers: dict[Path, str], data: dict[Path, bytes]) -> str | None:
+    """A sign of fixed-length blocks in every file that builds a Trainer, none of them showing
+    padded or masked targets: the old Trainer's mean/K is then exact."""
+    signs = []
+    for path in trainers:
+        evidence = scan(data[path].decode("utf-8", "replace"))
+        if evidence.fixed is None or evidence.padded is not None:
+            return None
+        line, what = evidence.fixed
+        signs.append(f"{what} in {display_path(path)} line {line}")
+    return "; ".join(signs) or None
 
 
 def findings(context) -> list[Finding]:
