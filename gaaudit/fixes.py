@@ -151,7 +151,9 @@ class Planner:
         """(count expression, caveat) and whether the fix is safe."""
         origin = site.origin
         source = origin.source
-        if site.kind == "framework-division" and self._accelerator(site) is None:
+        if site.kind == "framework-division" and (
+            self._accelerator(site) is None or site.window.kind == "framework"
+        ):  # DeepSpeed's engine, or accelerate handing the loss to it
             raise Unfixable(FRAMEWORK_ONLY[site.backward.call is None])
         if site.window.kind == "calls":
             function = self.tree.scope_of(site.window.anchor).name.value

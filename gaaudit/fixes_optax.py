@@ -78,6 +78,11 @@ class OptaxPlanner:
         return outcomes
 
     def _fix(self, site: Site) -> str:
+        if site.kind == "multisteps-sum":
+            raise Unfixable(
+                "MultiSteps already sums the micro-gradients: return each micro-batch's loss sum "
+                "divided by the window's total count (counted before the window runs)"
+            )
         mean = self._masked_mean()
         (call,) = self._invocations(mean.function)
         if site.kind == "multisteps":

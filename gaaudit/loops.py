@@ -174,7 +174,11 @@ class Structure:
             return Window("accumulate", loop, None, accumulate, (accumulate,))
         helpers, _ = self._helpers  # a helper's window is judged where it is called
         if loop is None and isinstance(scope, cst.FunctionDef) and scope.name.value not in helpers:
-            return self._calls_window(scope)
+            found = self._calls_window(scope)
+            if found is not None:
+                return found
+        if self._accelerate_deepspeed(backward):  # the engine accumulates behind `optimizer.step()`
+            return Window("framework", None, None, backward.call, ())
         return None
 
     def _zeroes_gradients(self, loop: cst.CSTNode) -> bool:
@@ -329,6 +333,8 @@ class Structure:
         if self._deepspeed_engine(backward):
             where = self.deepspeed_accumulation()
             return f"DeepSpeed, gradient_accumulation_steps in {where}" if where else None
+        if window.kind == "framework" and self._accelerate_deepspeed(backward):
+            return "accelerate with DeepSpeed, gradient_accumulation_steps in the config given at launch"
         receiver = self._receiver(backward)
         if receiver is None or not self._is_accelerator(receiver):
             return None
@@ -373,6 +379,24 @@ class Structure:
             keyword(c, "gradient_accumulation_steps") is not None for c in accelerators
         )
 
+    def _accelerate_deepspeed(self, backward: Backward) -> bool:
+        """An accelerator's backward in a file that runs it with DeepSpeed configured at launch
+        (`accelerator.state.deepspeed_plugin`), K set nowhere in the file."""
+        receiver = self._receiver(backward)
+        return (
+            receiver is not None
+            and self._is_accelerator(receiver)
+            and self._deepspeed_plugin_at_launch
+        )
+
+    @cached_property
+    def _deepspeed_plugin_at_launch(self) -> bool:
+        plugin = any(
+            isinstance(node, cst.Attribute) and node.attr.value == "deepspeed_plugin"
+            for node in self.tree.walk(self.tree.module)
+        )
+        return plugin and not self._configured_accelerator() and not self._deepspeed_config[0]
+
     def _deepspeed_engine(self, backward: Backward) -> bool:
         """Whether the backward's receiver was unpacked from `deepspeed.initialize(...)`."""
         return self._receiver(backward) in self._deepspeed_engines
@@ -392,22 +416,41 @@ class Structure:
         return engines - {None}
 
     @cached_property
-    def _deepspeed_config(self) -> str | None:
-        """Where the file's DeepSpeed config sets gradient_accumulation_steps above 1."""
+    def _deepspeed_config(self) -> tuple[str | None, bool]:
+        """Where the file's DeepSpeed config sets gradient_accumulation_steps above 1, and
+        whether that config is only given at run time (K not visible in the file)."""
+        sizes_set = False  # the file fixes K itself, or the batch sizes that imply it
         for node in self.tree.walk(self.tree.module):
+            sizes_set = sizes_set or _config_setting(node)[0] in (
+                DEEPSPEED_ACCUMULATION,
+                "train_batch_size",
+            )
             if (value := self._config_accumulation(node)) is not None and _accumulates(value):
-                return f"a config dict (line {self.tree.line(node)})"
+                return f"a config dict (line {self.tree.line(node)})", False
             if isinstance(node, cst.SimpleString) and (string_value(node) or "").endswith(".json"):
                 steps = _json_accumulation(self.directory / string_value(node))
                 if steps:
-                    return f"{string_value(node)} (gradient_accumulation_steps={steps})"
+                    return f"{string_value(node)} (gradient_accumulation_steps={steps})", False
         for call in self._constructors.get("deepspeed.initialize", []):
             if keyword(call, "gradient_accumulation_steps") is not None:
-                return f"deepspeed.initialize(...) (line {self.tree.line(call)})"
-        return None
+                return f"deepspeed.initialize(...) (line {self.tree.line(call)})", False
+            for name in ("config", "config_params", "args"):
+                value = keyword(call, name)  # a dict or a JSON file named here was read above
+                shown = isinstance(value, (cst.Dict, cst.SimpleString))
+                if value is not None and not shown and not sizes_set:
+                    line = self.tree.line(call)
+                    return (
+                        f"the config given at run time (`{name}={code(value)}`, line {line})",
+                        True,
+                    )
+        return None, False
 
     def deepspeed_accumulation(self) -> str | None:
-        return self._deepspeed_config
+        return self._deepspeed_config[0]
+
+    def deepspeed_at_run_time(self) -> bool:
+        """Whether DeepSpeed's K comes from a config the file does not show (it may be 1)."""
+        return self._deepspeed_config[1] or self._deepspeed_plugin_at_launch
 
     def pipelines(self) -> Iterator[Pipeline]:
         """Pipeline schedules given a loss function: torch.distributed.pipelining's divide the

@@ -292,9 +292,12 @@ def optax_source(
             optax_source(
                 call="optax.MultiSteps(optax.adam(1e-3), every_k_schedule=k, use_grad_mean=False)"
             ),
-            [],
+            [(10, "GA005", "medium")],  # K micro-gradients of means summed: K times too large
         ),
-        (optax_source(call="optax.MultiSteps(optax.adam(1e-3), k, False)"), []),
+        (
+            optax_source(call="optax.MultiSteps(optax.adam(1e-3), k, False)"),
+            [(10, "GA005", "medium")],
+        ),
         (optax_source(call="optax.MultiSteps(optax.adam(1e-3), every_k_schedule=1)"), []),
         (optax_source(loss="jnp.sum(losses)"), []),
         (optax_source(loss='jnp.sum(losses * batch["mask"]) / batch["window_tokens"]'), []),
@@ -486,6 +489,34 @@ def test_pin_confidence_reads_the_trainers_data(tmp_path, data, expected):
     )
     (report,) = check_repository(files, [tmp_path])
     assert report.findings[0].confidence is expected
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        'TrainingArguments("o", gradient_accumulation_steps=cfg.batch // cfg.micro)',
+        "Seq2SeqTrainingArguments(**config['training_args'])",
+        "HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()[1]",
+    ],
+    ids=["expression", "mapping", "command-line"],
+)
+def test_accumulation_steps_set_at_run_time_are_medium(tmp_path, arguments):
+    files = write(
+        tmp_path,
+        {
+            "requirements.txt": "transformers==4.35.*\n",
+            "train.py": f"""\
+                from transformers import Trainer, TrainingArguments
+
+                args = {arguments}
+                Trainer(args=args).train()
+            """,
+        },
+    )
+    (report,) = check_repository(files, [tmp_path])
+    (finding,) = report.findings
+    assert finding.confidence is Confidence.MEDIUM
+    assert "sets the accumulation steps at run time" in finding.message
 
 
 @pytest.mark.parametrize(

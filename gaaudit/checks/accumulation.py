@@ -87,6 +87,15 @@ class Auditor:
                     Confidence.MEDIUM,
                     (f"the gradient is K times too large whatever the counts; {why}"),
                 )
+            if (
+                site.window.kind == "framework"
+                and self.structure.deepspeed_at_run_time()
+                and confidence > Confidence.MEDIUM
+            ):
+                confidence, why = (
+                    Confidence.MEDIUM,
+                    f"{why}; DeepSpeed's K is set in a config given at run time and may be 1",
+                )
             found.append(
                 Finding(
                     path=path,

@@ -13,7 +13,7 @@ from gaaudit import catalogue
 from gaaudit.domain import Domains
 from gaaudit.evidence import Evidence
 from gaaudit.findings import Confidence, Finding
-from gaaudit.provenance import Origin, Tracer
+from gaaudit.provenance import MASKED_MEAN, Origin, Tracer
 from gaaudit.tree import (
     Tree,
     code,
@@ -89,8 +89,9 @@ class JaxTracer(Tracer):
 class Site:
     """One reportable node, what GA005 says about it, and the accumulation it belongs to.
 
-    `kind` is "multisteps" (`node` is the `MultiSteps(...)` call) or "average" (`node` is the
-    `g / k` inside the lambda of `call`, a `tree_map`).
+    `kind` is "multisteps" (`node` is the `MultiSteps(...)` call), "multisteps-sum" (the same,
+    summing the micro-gradients of mean losses) or "average" (`node` is the `g / k` inside
+    the lambda of `call`, a `tree_map`).
     """
 
     node: cst.CSTNode
@@ -126,9 +127,53 @@ class OptaxAudit:
         ]
         for kind in ("mean", "sum"):
             for origin, function in origins:
+                if origin.kind == kind == "sum" and (normalised := self._normalised_grads()):
+                    return normalised, function
                 if origin.kind == kind:
                     return origin, function
         return origins[0] if origins else (NO_LOSS, None)
+
+    def _normalised_grads(self) -> Origin | None:
+        """A summed loss whose gradients are then divided by the micro-batch's own count,
+        returned beside the loss: `(loss, n), grads = grad_fn(...)`, then
+        `tree_map(lambda g: g / n, grads)` (`n` perhaps `psum`-ed over devices first)."""
+        for node in self.tree.calls:
+            if not (self._is_tree_map(node.func) and positional(node)):
+                continue
+            function = positional(node)[0]
+            if not isinstance(function, cst.Lambda):
+                continue
+            leaves = {p.name.value for p in function.params.params}
+            for inner in self.tree.walk(function.body):
+                if (
+                    isinstance(inner, cst.BinaryOperation)
+                    and isinstance(inner.operator, cst.Divide)
+                    and depends_on(inner.left, leaves)
+                    and isinstance(inner.right, cst.Name)
+                    and self._returned_count(inner.right)
+                ):
+                    return Origin(
+                        "mean",
+                        f"a summed loss whose gradients are divided by `{inner.right.value}`, "
+                        "the count its own micro-batch returned beside it "
+                        f"({MASKED_MEAN})",
+                        inner,
+                        tree=self.tree,
+                    )
+        return None
+
+    def _returned_count(self, name: cst.Name, hops: int = 3) -> bool:
+        """Whether `name` was unpacked from a gradient call's output (`(loss, n), g = f(...)`),
+        perhaps through `n = jax.lax.psum(n, ...)`."""
+        stmt = self.tracer.binding(name.value, name)
+        if not isinstance(stmt, cst.Assign) or hops == 0:
+            return False
+        value = stmt.value
+        if isinstance(value, cst.Call) and last_name(value.func) in ("psum", "pmean"):
+            inner = positional(value)[0] if positional(value) else None
+            return isinstance(inner, cst.Name) and self._returned_count(inner, hops - 1)
+        unpacked = isinstance(stmt.targets[0].target, (cst.Tuple, cst.List))
+        return unpacked and isinstance(value, cst.Call)
 
     def _loss_functions(self) -> list[cst.FunctionDef | cst.Lambda]:
         """Functions given to `jax.value_and_grad` and kin, or decorated with them; else the
@@ -168,11 +213,21 @@ class OptaxAudit:
             args = positional(node)
             every = keyword(node, "every_k_schedule") or (args[1] if len(args) > 1 else None)
             mean = keyword(node, "use_grad_mean") or (args[2] if len(args) > 2 else None)
-            if (every is not None and code(every) == "1") or (
-                mean is not None and code(mean) != "True"
-            ):
+            if every is not None and code(every) == "1":
                 continue
             k = f"`{code(every)}`" if every is not None else "K"
+            if mean is not None and code(mean) != "True":
+                if code(mean) == "False" and self.loss[0].kind == "mean":
+                    yield Site(
+                        node,
+                        "`optax.MultiSteps` sums the micro-gradients (use_grad_mean=False) while "
+                        f"each micro-step's loss {MEAN}: the gradient is about K times too large",
+                        f"accumulation: `{code(node.func)}` steps every {k} micro-steps "
+                        f"(line {self.tree.line(node)})",
+                        "multisteps-sum",
+                        node,
+                    )
+                continue
             yield Site(
                 node,
                 "`optax.MultiSteps` averages the micro-gradients with equal weight (use_grad_mean=True) "
@@ -312,23 +367,28 @@ def findings(context) -> list[Finding]:
     sites = list(audit.sites())
     if not sites:
         return []
-    confidence, why = audit.confidence(context.evidence, context.text)
+    judged = audit.confidence(context.evidence, context.text)
     seen = audit.loss[0].kind == "mean"  # a message says "mean" only where gaaudit saw one
     hint = catalogue.load()[CODE].hint
-    return [
-        Finding(
-            path=context.path,
-            code=CODE,
-            message=site.message if seen else site.message.replace(MEAN, "may be a mean"),
-            span=context.tree.span(site.node),
-            confidence=confidence,
-            evidence=(
-                f"loss: {audit.loss[0].description}",
-                site.accumulation,
-                f"confidence {confidence}: {why}",
-            ),
-            hint=hint,
-            fixable=True,
+    found = []
+    for site in sites:
+        confidence, why = judged
+        if site.kind == "multisteps-sum" and confidence < Confidence.MEDIUM:
+            confidence, why = Confidence.MEDIUM, f"K times too large whatever the counts; {why}"
+        found.append(
+            Finding(
+                path=context.path,
+                code=CODE,
+                message=site.message if seen else site.message.replace(MEAN, "may be a mean"),
+                span=context.tree.span(site.node),
+                confidence=confidence,
+                evidence=(
+                    f"loss: {audit.loss[0].description}",
+                    site.accumulation,
+                    f"confidence {confidence}: {why}",
+                ),
+                hint=hint,
+                fixable=site.kind != "multisteps-sum",
+            )
         )
-        for site in sites
-    ]
+    return found

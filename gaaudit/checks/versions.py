@@ -71,6 +71,7 @@ class Accumulation:
     path: Path
     where: str
     trainer: bool  # set on a TrainingArguments-like call
+    run_time: bool = False  # from a value known only at run time (`cfg.accumulation`)
 
 
 @dataclass(frozen=True)
@@ -243,9 +244,11 @@ def _environment(lines: list[str]) -> Iterator[Pin]:
 # Accumulation -------------------------------------------------------------------------------
 
 
-def accumulation_in(source: str | bytes) -> list[tuple[int, str, bool]]:
-    """(line, what, on a TrainingArguments-like call) for each `gradient_accumulation_steps > 1`
-    in Python source, in line order. Read with `ast`: these files are only scanned, not audited."""
+def accumulation_in(source: str | bytes) -> list[tuple[int, str, bool, bool]]:
+    """(line, what, on a TrainingArguments-like call, known only at run time) for each
+    `gradient_accumulation_steps > 1` in Python source, and each given on a TrainingArguments-
+    like call by an expression (`cfg.accumulation`), in line order. Read with `ast`: these
+    files are only scanned, not audited."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -257,6 +260,13 @@ def accumulation_in(source: str | bytes) -> list[tuple[int, str, bool]]:
         for target in node.targets
         if isinstance(target, ast.Name) and type(node.value.value) is int
     }
+    options = {  # `args.gradient_accumulation_steps` is read where its option is declared
+        flag.lstrip("-").replace("-", "_")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+        for flag in (a.value for a in node.args if isinstance(a, ast.Constant))
+        if flag in FLAGS
+    }
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -264,19 +274,43 @@ def accumulation_in(source: str | bytes) -> list[tuple[int, str, bool]]:
         name = getattr(node.func, "attr", None) or getattr(node.func, "id", "")
         given = {k.arg: k.value for k in node.keywords if k.arg}
         value = given.get("gradient_accumulation_steps")
-        if value is not None and name.endswith(("Arguments", "Config")):
+        spread = next((k.value for k in node.keywords if k.arg is None), None)
+        if value is None and spread is not None and name.endswith("TrainingArguments"):
+            what = f"`{name}(**{ast.unparse(spread)})`, whose mapping may set it"
+            found.append((node.lineno, what, True, True))
+        elif name == "HfArgumentParser" and "TrainingArguments" in ast.unparse(node):
+            what = (
+                "`HfArgumentParser` reading `--gradient_accumulation_steps` from the command line"
+            )
+            found.append((node.lineno, what, True, True))
+        elif value is not None and name.endswith(("Arguments", "Config")):
+            what = f"`{name}(gradient_accumulation_steps={ast.unparse(value)})`"
             if _steps(value, constants) > 1:
-                what = f"`{name}(gradient_accumulation_steps={ast.unparse(value)})`"
-                found.append((node.lineno, what, True))
+                found.append((node.lineno, what, True, False))
+            elif _set_at_run_time(value, constants, options):
+                found.append((node.lineno, what, True, True))
         elif name == "add_argument" and any(
             isinstance(a, ast.Constant) and a.value in FLAGS for a in node.args
         ):
             steps = _steps(given.get("default"), constants)
             if steps > 1:
                 found.append(
-                    (node.lineno, f"`--gradient_accumulation_steps` defaulting to {steps}", False)
+                    (
+                        node.lineno,
+                        f"`--gradient_accumulation_steps` defaulting to {steps}",
+                        False,
+                        False,
+                    )
                 )
     return sorted(found)
+
+
+def _set_at_run_time(value: ast.expr, constants: dict[str, int], options: set[str]) -> bool:
+    """An expression known only at run time (`cfg.accumulation`), but not a constant nor a
+    command-line option the file declares (its default was judged where it is declared)."""
+    if isinstance(value, ast.Constant) or _steps(value, constants):
+        return False
+    return not (isinstance(value, ast.Attribute) and value.attr in options)
 
 
 def _steps(value: ast.expr | None, constants: dict[str, int]) -> int:
@@ -289,9 +323,9 @@ def _steps(value: ast.expr | None, constants: dict[str, int]) -> int:
 def _accumulations(path: Path, data: bytes, root: Path) -> Iterator[Accumulation]:
     shown = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
     if path.suffix == ".py":
-        if re.search(rb"gradient[_-]accumulation[_-]steps", data):
-            for line, what, trainer in accumulation_in(data):
-                yield Accumulation(path, f"{what} in {shown} line {line}", trainer)
+        if re.search(rb"gradient[_-]accumulation[_-]steps|TrainingArguments", data):
+            for line, what, trainer, run_time in accumulation_in(data):
+                yield Accumulation(path, f"{what} in {shown} line {line}", trainer, run_time)
         return
     for number, raw in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
         match = SETTING.search(raw)
@@ -310,7 +344,7 @@ def _finding(
     shown: str,
     pin: Pin,
     kind: str,
-    accumulation: str,
+    accumulation: Accumulation | str,
     trainer: bool,
     sites: Iterable[str] = (),
     packed: str | None = None,
@@ -331,10 +365,17 @@ def _finding(
         confidence, why = Confidence.HIGH, TRAINER_SEEN
     else:
         confidence, why = Confidence.MEDIUM, NO_TRAINER
+    accumulates = "the code accumulates gradients"
+    if isinstance(accumulation, Accumulation):
+        if accumulation.run_time:
+            accumulates = "the code sets the accumulation steps at run time"
+            if confidence > Confidence.MEDIUM:
+                confidence, why = Confidence.MEDIUM, f"{why}; K may be 1"
+        accumulation = accumulation.where
     return Finding(
         path=shown,
         code=CODE,
-        message=f"`{pin.shown}` {problem}, and the code accumulates gradients: require `transformers>=4.46.2`",
+        message=f"`{pin.shown}` {problem}, and {accumulates}: require `transformers>=4.46.2`",
         span=Span(pin.line, pin.column, pin.line, pin.column + len(pin.shown)),
         confidence=confidence,
         evidence=(
@@ -434,7 +475,10 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     accumulations = [a for path in scanned for a in _accumulations(path, data[path], base)]
     reports = []
     for path, found in sorted(bad.items()):
-        here = [a for a in accumulations if a.path.is_relative_to(path.parent)]
+        here = sorted(
+            (a for a in accumulations if a.path.is_relative_to(path.parent)),
+            key=lambda a: a.run_time,
+        )
         if not here:
             continue
         trainers = {
@@ -451,7 +495,7 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
             FileReport(
                 shown,
                 [
-                    _finding(shown, pin, kind, here[0].where, trainer, sites, packed)
+                    _finding(shown, pin, kind, here[0], trainer, sites, packed)
                     for pin, kind in found
                 ],
             )
@@ -481,7 +525,7 @@ def findings(context) -> list[Finding]:
     ):
         return []
     text = tree.module.code
-    settings = accumulation_in(text)
+    settings = [s for s in accumulation_in(text) if not s[3]]
     start = SCRIPT.search(text)
     if start is None or not settings:
         return []
@@ -491,7 +535,7 @@ def findings(context) -> list[Finding]:
         if line.rstrip() == "# ///":
             break
         block.append(line)
-    line, what, trainer = settings[0]
+    line, what, trainer, _ = settings[0]
     trainer = trainer or any(
         q.startswith(("transformers.", "trl.")) and q.endswith("Trainer") for q in imports
     )
