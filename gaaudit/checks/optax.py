@@ -137,29 +137,16 @@ class OptaxAudit:
         """A summed loss whose gradients are then divided by the micro-batch's own count,
         returned beside the loss: `(loss, n), grads = grad_fn(...)`, then
         `tree_map(lambda g: g / n, grads)` (`n` perhaps `psum`-ed over devices first)."""
-        for node in self.tree.calls:
-            if not (self._is_tree_map(node.func) and positional(node)):
-                continue
-            function = positional(node)[0]
-            if not isinstance(function, cst.Lambda):
-                continue
-            leaves = {p.name.value for p in function.params.params}
-            for inner in self.tree.walk(function.body):
-                if (
-                    isinstance(inner, cst.BinaryOperation)
-                    and isinstance(inner.operator, cst.Divide)
-                    and depends_on(inner.left, leaves)
-                    and isinstance(inner.right, cst.Name)
-                    and self._returned_count(inner.right)
-                ):
-                    return Origin(
-                        "mean",
-                        f"a summed loss whose gradients are divided by `{inner.right.value}`, "
-                        "the count its own micro-batch returned beside it "
-                        f"({MASKED_MEAN})",
-                        inner,
-                        tree=self.tree,
-                    )
+        for _, division in self._leaf_divisions():
+            count = division.right
+            if isinstance(count, cst.Name) and self._returned_count(count):
+                return Origin(
+                    "mean",
+                    f"a summed loss whose gradients are divided by `{count.value}`, the count "
+                    f"its own micro-batch returned beside it ({MASKED_MEAN})",
+                    division,
+                    tree=self.tree,
+                )
         return None
 
     def _returned_count(self, name: cst.Name, hops: int = 3) -> bool:
@@ -254,6 +241,22 @@ class OptaxAudit:
 
     def _tree_divisions(self) -> Iterator[Site]:
         """`tree_map(lambda g: g / k, grads)`, `tree_map(lambda a, g: a + g / k, acc, grads)`."""
+        for node, division in self._leaf_divisions():
+            if self._is_steps(division.right):
+                yield Site(
+                    division,
+                    f"Gradients divided by the number of micro-steps `{code(division.right)}` "
+                    f"while each micro-step's loss {MEAN}: micro-batches are weighted equally "
+                    "instead of by their valid tokens",
+                    f"accumulation: `{code(node.func)}` averages the micro-gradients "
+                    f"(line {self.tree.line(node)})",
+                    "average",
+                    node,
+                )
+
+    def _leaf_divisions(self) -> Iterator[tuple[cst.Call, cst.BinaryOperation]]:
+        """Each `tree_map(lambda ...: ... g / d ...)` call and its division of a leaf by a
+        value that is not a leaf."""
         for node in self.tree.calls:
             if not (self._is_tree_map(node.func) and positional(node)):
                 continue
@@ -267,18 +270,8 @@ class OptaxAudit:
                     and isinstance(inner.operator, cst.Divide)
                     and depends_on(inner.left, leaves)
                     and not depends_on(inner.right, leaves)
-                    and self._is_steps(inner.right)
                 ):
-                    yield Site(
-                        inner,
-                        f"Gradients divided by the number of micro-steps `{code(inner.right)}` while "
-                        f"each micro-step's loss {MEAN}: micro-batches are weighted equally instead "
-                        "of by their valid tokens",
-                        f"accumulation: `{code(node.func)}` averages the micro-gradients "
-                        f"(line {self.tree.line(node)})",
-                        "average",
-                        node,
-                    )
+                    yield node, inner
 
     def _is_tree_map(self, func: cst.BaseExpression) -> bool:
         qualified = self.tree.qualified(func) or ""
