@@ -182,10 +182,10 @@ class Planner:
             raise Unfixable(
                 "the loss is computed in another function; its targets are not visible here"
             )
+        if origin.count is not None:  # a masked mean: the count it divides by
+            return (code(origin.count), ""), True
         if isinstance(source, (cst.Attribute, cst.Subscript)):
             return self._model_count(source), True
-        if isinstance(source, cst.BinaryOperation):
-            return (code(source.right), ""), True
         if isinstance(source, cst.Call):
             return self._call_count(source, origin)
         raise Unfixable("gaaudit could not tell what the loss averages over")

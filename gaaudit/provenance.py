@@ -51,6 +51,9 @@ class Origin:
     module: str = ""  # the file of another module that computes it (then `source` is None)
     callee: str = ""  # there, the function or `Class.forward` that returns it
     branch: bool = False  # one of the definitions of an `if`/`else` that reach the use
+    count: cst.BaseExpression | None = field(
+        default=None, compare=False, repr=False
+    )  # of a masked mean
     variable: str = ""  # a sign of variable valid-token counts where that module computes it
     configured: cst.Call | None = field(default=None, compare=False, repr=False)  # a torch loss
 
@@ -163,7 +166,8 @@ class Tracer:
         left = self.origin(expr.left, depth + 1)
         if isinstance(expr.operator, cst.Divide):
             if left.kind == "sum" and self._per_micro_batch(expr, expr.right):
-                return self._mean(expr, f"`{code(expr)}`, a sum over its own count ({MASKED_MEAN})")
+                what = f"`{code(expr)}`, a sum over its own count ({MASKED_MEAN})"
+                return replace(self._mean(expr, what), count=expr.right)
             return left.divided(Division(expr, expr.right))
         right = self.origin(expr.right, depth + 1)
         if isinstance(expr.operator, cst.Multiply):
@@ -351,7 +355,10 @@ class Tracer:
         helper = self._helper(func)
         if helper is not None:
             label = f"`{helper.name.value}()`"
-            return [(r, self._returned(r, depth, label)) for r in self.returns(helper)]
+            return [
+                (r, self._at_call(self._returned(r, depth, label), helper, call))
+                for r in self.returns(helper)
+            ]
         value = self.bound_value(func) if isinstance(func, (cst.Name, cst.Attribute)) else func
         if isinstance(value, cst.Lambda):
             return [(value.body, self._returned(value.body, depth, "the lambda"))]
@@ -366,6 +373,27 @@ class Tracer:
             return [(r, self._returned(r, depth, label)) for r in self.returns(method)]
         imported = self.imports.instance_origin(value, call) if self.imports is not None else None
         return [(None, imported)] if imported is not None else []
+
+    def _at_call(self, found: Origin, helper: cst.FunctionDef, call: cst.Call | None) -> Origin:
+        """A same-file helper's loss seen from its call: a division by one of its parameters
+        is a division by the argument passed; a sum divided by a count the caller takes from
+        its micro-batch (`masked_nll(lp, m, m.sum())`) is a mean."""
+        if call is None or not found.divisions:
+            return found
+        names = [p.name.value for p in helper.params.params]
+        names = names[1:] if names[:1] == ["self"] else names
+        divisions = []
+        for division in found.divisions:
+            name = division.divisor.value if isinstance(division.divisor, cst.Name) else None
+            passed = argument_for(call, names.index(name), name) if name in names else None
+            if passed is None:
+                divisions.append(division)
+            elif found.kind == "sum" and self._per_micro_batch(call, passed):
+                what = f"`{code(call)}`, a sum over the count it is handed ({MASKED_MEAN})"
+                return replace(self._mean(call, what), via=found.via, count=passed)
+            else:
+                divisions.append(Division(call, passed))
+        return replace(found, divisions=tuple(divisions))
 
     def _returned(self, expr: cst.BaseExpression, depth: int, by: str) -> Origin:
         found = self.origin(expr, depth + 1)
