@@ -12,14 +12,17 @@ from __future__ import annotations
 import os
 import sys
 
-# The fast path's flags: each is a typer flag of `check` with this parameter name.
+# The fast path's flags: each is a typer flag of `check` (or the `--no-` side of one) with
+# this parameter name, and the value it gives.
 FLAGS = {
-    "-q": "quiet",
-    "--quiet": "quiet",
-    "--exit-zero": "exit_zero",
-    "--statistics": "statistics",
-    "--no-cache": "no_cache",
-    "--force-exclude": "force_exclude",
+    "-q": ("quiet", True),
+    "--quiet": ("quiet", True),
+    "--exit-zero": ("exit_zero", True),
+    "--statistics": ("statistics", True),
+    "--no-cache": ("no_cache", True),
+    "--force-exclude": ("force_exclude", True),
+    "--respect-gitignore": ("respect_gitignore", True),
+    "--no-respect-gitignore": ("respect_gitignore", False),
 }
 
 
@@ -27,10 +30,11 @@ def plain_check(arguments: list[str]):
     """The options of a plain `check` command line, or None when it is not one."""
     if not arguments or arguments[0] != "check":
         return None
-    flags, paths = set(), []
+    flags, paths = {}, []
     for argument in arguments[1:]:
         if argument in FLAGS:
-            flags.add(FLAGS[argument])
+            name, value = FLAGS[argument]
+            flags[name] = value  # the last one wins, as with click
         elif argument.startswith("-") or not argument:
             return None
         else:
@@ -39,7 +43,7 @@ def plain_check(arguments: list[str]):
 
     from gaaudit.checking import CheckOptions
 
-    return CheckOptions(paths=tuple(map(Path, paths)), **dict.fromkeys(flags, True))
+    return CheckOptions(paths=tuple(map(Path, paths)), **flags)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ Kind = Literal["tokens", "examples", "dense", "unknown"]
 
 # Model classes by the task their `.loss` serves, strongest first (transformers' naming).
 TASKS = (
-    ("causal", re.compile(r"ForCausalLM|LMHeadModel|CausalLM\b|SFTTrainer")),
+    ("causal", re.compile(r"ForCausalLM|LMHeadModel|DoubleHeadsModel|CausalLM\b|SFTTrainer")),
     (
         "seq2seq",
         re.compile(

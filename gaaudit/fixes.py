@@ -182,6 +182,11 @@ class Planner:
             raise Unfixable(
                 "the loss is computed in another function; its targets are not visible here"
             )
+        if origin.added:
+            raise Unfixable(
+                f"the loss adds `{origin.added}` to its mean: weighting the sum by the mean's count "
+                "would weight that term too; weight only the mean's term by its count"
+            )
         if origin.count is not None:  # a masked mean: the count it divides by
             return (code(origin.count), ""), True
         if isinstance(source, (cst.Attribute, cst.Subscript)):

@@ -28,6 +28,7 @@ from gaaudit.checks.trainer import (
     Site,
     TrainerAudit,
     class_attribute,
+    is_super,
     is_super_init,
     loss_parts,
     methods_of,
@@ -48,7 +49,6 @@ from gaaudit.tree import Tree, code, dotted, keyword, positional, string_value
 COUNT = "num_items_in_batch"
 TOKEN_LOSSES = {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}
 SHAPERS = {"view", "reshape", "flatten", "contiguous", "long"}  # keep which targets count
-PASS_THROUGH = {"mean", "float", "to", "clone", "contiguous", "squeeze"}
 MEAN_OVER_K = (
     "the Trainer then divides each micro-batch's mean by the accumulation steps, exact only when "
     "every micro-batch holds the same number of valid targets"
@@ -115,6 +115,8 @@ class TrainerPlanner:
             return Choice("`training_step` accepts `num_items_in_batch` and passes it on")
         if site.kind == "training-step-division":
             return self._training_step_division(site)
+        if site.kind == "loss-function":
+            return self._loss_function(site)
         return self._forward(site)
 
     # --- compute_loss -------------------------------------------------------------------------
@@ -122,8 +124,12 @@ class TrainerPlanner:
     def _compute_loss(self, site: Site) -> Choice:
         function = site.function
         self._accept(function)
+        dropped = self.audit.count_dropped(function)
+        if dropped is not None:
+            self._add_argument(dropped, COUNT, keyword_name=COUNT)
+            return Choice("`compute_loss` passes `num_items_in_batch` on to `super().compute_loss`")
         returned = self._returned(function)
-        loss = self._token_loss(returned, function, in_trainer=True)
+        loss = self._token_loss(returned, function, labels="inputs")
         if isinstance(loss, TokenLoss):
             self._sum(loss)
             return Choice(
@@ -147,6 +153,20 @@ class TrainerPlanner:
             f"the loss cannot be made a token sum ({loss}): `self.{OPT_OUT} = False` is set after "
             "`super().__init__()`",
             MEAN_OVER_K,
+        )
+
+    def _loss_function(self, site: Site) -> Choice:
+        """A `compute_loss_func` returning a token mean: summed over the Trainer's count."""
+        function = site.function
+        loss = self._token_loss(self._returned(function), function, labels="labels")
+        if not isinstance(loss, TokenLoss):
+            raise Unfixable(f"the loss cannot be made a token sum: {loss}")
+        self._accept(function)
+        self._sum(loss)
+        return Choice(
+            f"`{function.name.value}` sums its `{_name(loss.configured)}` and divides by "
+            "`num_items_in_batch`, or by its own count when the Trainer passes none",
+            loss.caveat,
         )
 
     def _forward_refuses_count(self) -> bool:
@@ -188,9 +208,12 @@ class TrainerPlanner:
         return expr
 
     def _token_loss(
-        self, expr: cst.CSTNode | None, function: cst.FunctionDef, in_trainer: bool
+        self, expr: cst.CSTNode | None, function: cst.FunctionDef, labels: str
     ) -> TokenLoss | str:
-        """The token loss `expr` is, or why it is not one gaaudit can sum."""
+        """The token loss `expr` is, or why it is not one gaaudit can sum. `labels` says
+        where `function` takes the labels the Trainer counts: from its `inputs` (a
+        `compute_loss`), as its second parameter (a `compute_loss_func`), or as its `labels`
+        parameter (a custom model's `forward`, whose count the Trainer does not shift)."""
         if not isinstance(expr, cst.Call):
             return "it is not one explicit token loss" if expr is not None else "its returns differ"
         configured = self._configured(expr, function)
@@ -211,15 +234,15 @@ class TrainerPlanner:
         caveat = ""
         if ignore is not None and code(ignore) != "-100":
             caveat = f"the Trainer counts labels != -100 but this loss ignores `{code(ignore)}`"
-        root, shifted = self._labels(targets, function, in_trainer)
+        root, shifted = self._labels(targets, function, labels)
         if not caveat and not root:
             caveat = "its targets do not visibly come from the batch's `labels`, which the Trainer counts"
-        elif not caveat and in_trainer and shifted != self._causal():
+        elif not caveat and labels != "forward" and shifted != self._causal():
             caveat = (
                 "cannot tell whether the Trainer counts the same positions (`labels[..., 1:]` for a "
                 "causal LM, `labels` otherwise)"
             )
-        elif not caveat and not in_trainer and shifted:
+        elif not caveat and labels == "forward" and shifted:
             caveat = "the Trainer counts every label of a custom model, but this loss shifts them"
         return TokenLoss(expr, configured, targets, caveat)
 
@@ -247,9 +270,14 @@ class TrainerPlanner:
         return constructor if len(uses) == 2 else None  # bound once, called once
 
     def _labels(
-        self, targets: cst.BaseExpression, function: cst.FunctionDef, in_trainer: bool
+        self, targets: cst.BaseExpression, function: cst.FunctionDef, labels: str
     ) -> tuple[bool, bool]:
-        """Whether the targets are the batch's labels, and whether they were shifted (`[:, 1:]`)."""
+        """Whether the targets are the labels the Trainer counts (`_token_loss`), and whether
+        they were shifted (`[:, 1:]`)."""
+        names = parameters_in_order(function)
+        in_inputs = labels == "inputs"
+        own = names[1:] if names[:1] == ["self"] else names
+        parameter = "labels" if labels == "forward" else next(iter(own[1:2]), None)
         shifted, expr = False, targets
         for _ in range(12):
             if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
@@ -260,16 +288,14 @@ class TrainerPlanner:
             elif isinstance(expr, cst.Name):
                 stmt = self.audit.tracer.binding(expr.value, expr)
                 if isinstance(stmt, cst.Param):
-                    return (not in_trainer and expr.value == "labels"), shifted
+                    return (not in_inputs and expr.value == parameter), shifted
                 if not (isinstance(stmt, cst.Assign) and len(stmt.targets) == 1):
                     return False, shifted
-                if in_trainer and _reads_labels(stmt.value, parameters_in_order(function)[2:3]):
+                if in_inputs and _reads_labels(stmt.value, names[2:3]):
                     return True, shifted
                 expr = stmt.value
             else:
-                return in_trainer and _reads_labels(
-                    expr, parameters_in_order(function)[2:3]
-                ), shifted
+                return in_inputs and _reads_labels(expr, names[2:3]), shifted
         return False, shifted
 
     def _causal(self) -> bool:
@@ -381,7 +407,7 @@ class TrainerPlanner:
         function = site.function
         division = site.node
         value = division.left if isinstance(division, cst.BinaryOperation) else division.target
-        call = self._compute_loss_call(value)
+        call = self.audit.compute_loss_call(value)
         if call is None:
             raise Unfixable(
                 "the divided loss does not come from `self.compute_loss(...)` in this method; gaaudit "
@@ -396,26 +422,6 @@ class TrainerPlanner:
             "window; the second division by the accumulation steps is removed",
             self._override_ignores_count(site.owner),
         )
-
-    def _compute_loss_call(self, expr: cst.BaseExpression) -> cst.Call | None:
-        """The `self.compute_loss(...)` / `super().compute_loss(...)` call a value comes from."""
-        for _ in range(12):
-            if isinstance(expr, cst.Name):
-                stmt = self.audit.tracer.binding(expr.value, expr)
-                if not isinstance(stmt, cst.Assign) or len(stmt.targets) != 1:
-                    return None
-                expr = stmt.value
-            elif isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
-                if expr.func.attr.value == "compute_loss" and (
-                    dotted(expr.func.value) == "self" or _is_super(expr.func.value)
-                ):
-                    return expr
-                if expr.func.attr.value not in PASS_THROUGH:
-                    return None
-                expr = expr.func.value
-            else:
-                return None
-        return None
 
     def _override_ignores_count(self, owner: cst.ClassDef) -> str:
         for cls in self.audit.lineage(owner):
@@ -458,7 +464,7 @@ class TrainerPlanner:
     def _forward(self, site: Site) -> Choice:
         forward, model = site.function, site.owner
         returned = self._returned(forward)
-        loss = self._token_loss(returned, forward, in_trainer=False)
+        loss = self._token_loss(returned, forward, labels="forward")
         _, kwargs = parameters(forward)
         if isinstance(loss, TokenLoss):
             self._accept(forward, var_keyword=True)
@@ -509,7 +515,7 @@ class TrainerPlanner:
             if isinstance(n, cst.Call)
             and isinstance(n.func, cst.Attribute)
             and n.func.attr.value == method
-            and _is_super(n.func.value)
+            and is_super(n.func.value)
         ]
 
 
@@ -558,10 +564,6 @@ def _reads_labels(expr: cst.BaseExpression, inputs: list[str]) -> bool:
         key = expr.slice[0].slice
         return isinstance(key, cst.Index) and string_value(key.value) == "labels"
     return False
-
-
-def _is_super(expr: cst.BaseExpression) -> bool:
-    return isinstance(expr, cst.Call) and dotted(expr.func) == "super"
 
 
 def _is_docstring(statement: cst.CSTNode) -> bool:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from stat import S_ISREG
 
 # Third-party packages, never part of the repository being checked.
 # fmt: off
@@ -45,7 +47,7 @@ def file_digest(path: Path) -> str:
         status = path.stat()
     except (OSError, ValueError):
         return ""
-    if not path.is_file():
+    if not S_ISREG(status.st_mode):
         return ""
     key = (status.st_mtime_ns, status.st_size, status.st_ino)
     known = _DIGESTS.get(str(path))
@@ -61,15 +63,15 @@ def file_digest(path: Path) -> str:
     return digest
 
 
-def bases(directory: Path, level: int, parts: list[str]) -> list[Path]:
+def bases(directory: Path, level: int, parts: list[str]) -> tuple[Path, ...]:
     """The folders the module `parts` (after `level` dots) imported by a file in `directory`
     may lie under; none for a third-party package."""
     if level:
         base = directory
         for _ in range(level - 1):
             base = base.parent
-        return [base]
-    return _roots(directory, parts[0]) if parts and parts[0] not in EXTERNAL else []
+        return (base,)
+    return _roots(directory, parts[0]) if parts and parts[0] not in EXTERNAL else ()
 
 
 def locate(directory: Path, level: int, module: str, seen: set[Dependency]) -> Path | None:
@@ -91,7 +93,8 @@ def locate(directory: Path, level: int, module: str, seen: set[Dependency]) -> P
     return None
 
 
-def _roots(directory: Path, top: str) -> list[Path]:
+@lru_cache(maxsize=256)  # asked for every import of every file of a folder
+def _roots(directory: Path, top: str) -> tuple[Path, ...]:
     """Folders an absolute import may start from: the one holding the file's own top-level
     package (for that package only), then the file's folder and its parents up to the
     project root (a folder with `.git`, `pyproject.toml`, `setup.py` or `setup.cfg`), each
@@ -108,4 +111,4 @@ def _roots(directory: Path, top: str) -> list[Path]:
         roots += [folder, folder / "src"]
         if any((folder / marker).exists() for marker in PROJECT_MARKERS):
             break
-    return list(dict.fromkeys(roots))
+    return tuple(dict.fromkeys(roots))

@@ -56,6 +56,7 @@ class Origin:
     )  # of a masked mean
     variable: str = ""  # a sign of variable valid-token counts where that module computes it
     configured: cst.Call | None = field(default=None, compare=False, repr=False)  # a torch loss
+    added: str = ""  # another term added to (or subtracted from) it: `aux_loss * coef`
 
     @property
     def description(self) -> str:
@@ -177,9 +178,9 @@ class Tracer:
             return loss
         if isinstance(expr.operator, (cst.Add, cst.Subtract)):
             for kind in ("mean", "sum", "elementwise"):
-                for side in (left, right):
+                for side, other in ((left, expr.right), (right, expr.left)):
                     if side.kind == kind:
-                        return side
+                        return replace(side, added=side.added or code(other))
         return UNKNOWN
 
     def _per_micro_batch(self, expr: cst.CSTNode, divisor: cst.BaseExpression) -> bool:

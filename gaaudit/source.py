@@ -70,16 +70,16 @@ def read(path: Path, data: bytes | None = None) -> Source:
     """Read a file's bytes (or take `data`, the file's text from standard input); OS errors,
     bytes that are not text and files too large to analyse become a `SourceError`."""
     if data is None:
-        if path.is_dir():
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            if not path.is_dir():
+                raise SourceError(f"cannot read file: {exc.strerror or exc}") from None
             if not os.access(path, os.R_OK | os.X_OK):
                 raise SourceError(
                     "cannot list directory: permission denied; its files are not checked"
                 )
             raise SourceError("is a directory, not a Python file; exclude it or rename it")
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise SourceError(f"cannot read file: {exc.strerror or exc}") from None
     source = Source(path, data)
     if len(data) > MAX_BYTES and source.may_have_findings:
         raise _too_large(data)

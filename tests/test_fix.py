@@ -274,6 +274,15 @@ def test_a_loss_module_called_once_is_built_with_a_sum_and_a_weighted_one_refuse
     assert "class weights" in report.outcomes[0].reason
 
 
+def test_a_mean_mixed_with_another_term_is_refused_with_the_term():
+    """Weighting `lm_loss * a + mc_loss * b` by the token count would weight the
+    multiple-choice term by tokens too (issue 16, item 6)."""
+    script = FIXTURES / "ga001_weighted_sum_of_means.py"
+    report = fix_source(script.read_bytes(), script, ALL, True)
+    assert report.after == script.read_bytes()
+    assert "adds `mc_loss * args.mc_coef` to its mean" in report.outcomes[0].reason
+
+
 def test_a_log_between_the_steps_reports_the_micro_batch_mean():
     source = EXPLICIT.replace(
         "    loss.backward()\n",

@@ -26,10 +26,16 @@ def check_command():
 
 
 def test_fast_flags_are_flags_of_the_check_command():
-    params = {option: param for param in check_command().params for option in param.opts}
-    for flag, name in FLAGS.items():
-        param = params[flag]
-        assert (param.name, param.is_flag, param.default) == (name, True, False), flag
+    params = {
+        option: (param, side)
+        for param in check_command().params
+        for side, options in ((True, param.opts), (False, param.secondary_opts))
+        for option in options
+    }
+    for flag, (name, value) in FLAGS.items():
+        param, side = params[flag]
+        assert (param.name, param.is_flag, value) == (name, True, side), flag
+        assert param.default in (False, None), flag  # the flag changes what the default is
 
 
 def test_every_check_option_has_its_field():
@@ -63,6 +69,8 @@ def test_plain_check_options():
         paths=(Path("a.py"), Path("src")), quiet=True, no_cache=True, exit_zero=True
     )
     assert options == expected
+    both = ["check", "--respect-gitignore", "--no-respect-gitignore", "a.py"]
+    assert plain_check(both) == CheckOptions(paths=(Path("a.py"),), respect_gitignore=False)
 
 
 def run(cwd, *arguments: str) -> tuple[int, str, str]:

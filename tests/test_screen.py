@@ -191,13 +191,24 @@ TRAINER_SHAPES = {
     "class Net(nn.Module):\n    def forward(self, x, labels=None):\n"
     "        return {'loss': F.cross_entropy(self.head(x), labels, ignore_index=-100)}\n\n\n"
     "def main(args, data):\n    net = Net()\n    T(model=net, args=args, train_dataset=data).train()\n",
+    "a compute_loss_func handed to a Trainer": HEAD + "from transformers import Trainer\n\n\n"
+    "def token_loss(outputs, labels, num_items_in_batch=None):\n"
+    "    return F.cross_entropy(outputs.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)\n\n\n"
+    "def main(model, args, data):\n"
+    "    Trainer(model=model, args=args, train_dataset=data, compute_loss_func=token_loss).train()\n",
+    "a compute_loss_func set in a subclass": HEAD + "from transformers import Trainer\n\n\n"
+    "def token_loss(outputs, labels, num_items_in_batch=None):\n"
+    "    return F.cross_entropy(outputs.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)\n\n\n"
+    "class Run(Trainer):\n    def __init__(self, *args, **kwargs):\n"
+    "        super().__init__(*args, **kwargs)\n        self.compute_loss_func = token_loss\n",
 }
 
 
 @pytest.mark.parametrize("shape", TRAINER_SHAPES)
 def test_what_ga004_reads_is_kept(tmp_path, shape):
     """Trainer subclasses (through an alias, a module or a same-file base) are kept whole,
-    a call handing a model to a Trainer with them; all but the opt-out hold a finding."""
+    a call handing a model or a `compute_loss_func` to a Trainer with them, and the
+    function; all but the opt-out hold a finding."""
     screened, whole = findings(project_file(tmp_path, TRAINER_HEAD + TRAINER_SHAPES[shape]))
     assert screened == whole
     assert bool(whole) != ("opt-out" in shape)

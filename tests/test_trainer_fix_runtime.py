@@ -217,3 +217,40 @@ def test_class_attribute_opt_out_moved_to_the_instance(tmp_path):
     assert (
         relative_error(train_one_step(fixed, tmp_path / "fixed", classifier=True), reference) < 1e-5
     )
+
+
+def test_super_compute_loss_given_the_count_matches_the_full_batch(tmp_path):
+    """`super().compute_loss(...)` without `num_items_in_batch` (issue 16, item 7): the
+    model averages per micro-batch and the Trainer skips its division (the model takes loss
+    kwargs); the fix passes the count on. The L2-SP penalty is zero at the first step."""
+    fixture = FIXTURES / "ga004_super_compute_loss_drops_count"
+    original = trainer_class(fixture.with_suffix(".py"), "L2SPTrainer")
+    fixed = trainer_class(fixture.with_suffix(".fixed.py"), "L2SPTrainer")
+    reference = full_batch_gradients()
+    assert relative_error(train_one_step(original, tmp_path / "original"), reference) > 1.0
+    assert relative_error(train_one_step(fixed, tmp_path / "fixed"), reference) < 1e-5
+
+
+def test_compute_loss_func_summed_over_the_trainers_count_matches_the_full_batch(tmp_path):
+    """A `compute_loss_func` that returns a mean (issue 16, item 7): with one set, the
+    Trainer skips its division by K. The fixed function, given no count, is the full
+    batch's label-smoothed token mean."""
+    fixture = FIXTURES / "ga004_compute_loss_func_ignores_count"
+    name = "label_smoothed_loss"
+    original, fixed = (
+        trainer_class(fixture.with_suffix(suffix), name) for suffix in (".py", ".fixed.py")
+    )
+    model = tiny_model()
+    batch = collate(examples())
+    labels = batch.pop("labels")
+    fixed(model(**batch), labels).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    runs = {}
+    for label, function in (("original", original), ("fixed", fixed)):
+
+        def trainer(loss=function, **kwargs):
+            return Trainer(compute_loss_func=loss, **kwargs)
+
+        runs[label] = relative_error(train_one_step(trainer, tmp_path / label), reference)
+    assert runs["original"] > 1.0
+    assert runs["fixed"] < 1e-5

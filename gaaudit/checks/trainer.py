@@ -10,24 +10,28 @@ import libcst as cst
 from gaaudit import catalogue
 from gaaudit.domain import Domain, Domains
 from gaaudit.findings import Confidence, Finding
-from gaaudit.provenance import Origin, Tracer
+from gaaudit.provenance import PASS_THROUGH, Origin, Tracer
 from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional, string_value
 from gaaudit.vocabulary import TRAINER_MODULES
 
 CODE = "GA004"
+COUNT = "num_items_in_batch"
 # Tests under which a division by K is the Trainer's own fallback for models without loss kwargs.
 FALLBACK_GUARDS = {"num_items_in_batch", "model_accepts_loss_kwargs", "compute_loss_func"}
 OPT_OUT = "model_accepts_loss_kwargs"  # a Trainer attribute; `Trainer.__init__` sets it
 MODEL_OPT_OUT = "accepts_loss_kwargs"  # a model class attribute the Trainer reads
 SCALED = "loss_is_scaled_for_ga"  # a Trainer class attribute (transformers 5.x)
+OWN_LOSS = ("compute-loss", "loss-function")  # sites whose function computes the loss
+KEEPS_LOSS = PASS_THROUGH | {"mean"}  # methods whose result is still the loss
 
 
 @dataclass(frozen=True)
 class Site:
     """One reportable node, what GA004 says about it, and where it sits for the fixer.
 
-    `kind` is "compute-loss", "training-step-signature", "training-step-division" or
-    "forward"; `function` is the method holding `node`, `owner` its class.
+    `kind` is "compute-loss", "training-step-signature", "training-step-division",
+    "forward" or "loss-function"; `function` is the function holding `node`, `owner` its
+    class (None for a module-level `compute_loss_func`).
     """
 
     node: cst.CSTNode
@@ -35,9 +39,10 @@ class Site:
     facts: tuple[str, ...]
     kind: str
     function: cst.FunctionDef
-    owner: cst.ClassDef
+    owner: cst.ClassDef | None
     crashes: bool = False  # a TypeError on every call, whatever the data
     scaled: bool = False  # the loss is K times too large, whatever the data
+    hint: str = ""  # what to do, where the catalogue's hint does not fit
 
     @property
     def code(self) -> str:
@@ -75,6 +80,7 @@ class TrainerAudit:
             if "training_step" in methods:
                 yield from self._training_step(cls, methods["training_step"], where)
         yield from self._models()
+        yield from self._loss_functions()
 
     def _is_trainer(self, expr: cst.BaseExpression) -> bool:
         """A Trainer class from transformers or trl, or a same-file subclass of one."""
@@ -102,6 +108,21 @@ class TrainerAudit:
             )
             return
         if self._reads(function, {"num_items_in_batch", kwargs}) or self.opts_out(cls):
+            return
+        dropped = self.count_dropped(function)
+        if dropped is not None:
+            yield Site(
+                function.name,
+                "`compute_loss` accepts `num_items_in_batch` but calls `super().compute_loss` "
+                "without it: the model averages over its own micro-batch, and the Trainer, which "
+                "passed a count, skips its division by the accumulation steps for a model that "
+                "takes loss kwargs, so the loss is K times too large",
+                (*facts, f"loss: `{code(dropped)}` (line {self.tree.line(dropped)})"),
+                "compute-loss",
+                function,
+                cls,
+                hint="Pass num_items_in_batch=num_items_in_batch on to super().compute_loss(...).",
+            )
             return
         origin = self.returned_mean(function)
         if origin is not None:
@@ -278,6 +299,114 @@ class TrainerAudit:
         facts = (passed, f"loss: {origin.description}")
         yield Site(forward.name, message, facts, "forward", forward, cls, scaled=kwargs is not None)
 
+    def _loss_functions(self) -> Iterator[Site]:
+        """Same-file functions handed to a Trainer as `compute_loss_func` that take
+        `num_items_in_batch` but return a mean without it: with such a function set, the
+        Trainer skips its division by the accumulation steps."""
+        seen: set[cst.FunctionDef] = set()
+        for function, where in self.loss_functions():
+            names, kwargs = parameters(function)
+            if function in seen or (COUNT not in names and kwargs is None):
+                continue  # one that cannot take the count raises TypeError on the first step
+            seen.add(function)
+            if self._reads(function, {COUNT, kwargs}):
+                continue
+            origin = self.returned_mean(function)
+            if origin is None:
+                continue
+            message = (
+                f"`{function.name.value}` is the Trainer's `compute_loss_func` and returns a mean "
+                "loss without using `num_items_in_batch`: with a `compute_loss_func` set, the "
+                "Trainer skips its division by the accumulation steps, so the loss is K times too "
+                "large and still weighted per micro-batch"
+            )
+            facts = (where, f"loss: {origin.description}")
+            owner = next(
+                (a for a in self.tree.ancestors(function) if isinstance(a, cst.ClassDef)), None
+            )
+            hint = (
+                "Return the micro-batch's token-loss sum divided by num_items_in_batch, the "
+                "Trainer's count of valid targets in the whole window."
+            )
+            yield Site(
+                function.name,
+                message,
+                facts,
+                "loss-function",
+                function,
+                owner,
+                scaled=True,
+                hint=hint,
+            )
+
+    def loss_functions(self) -> Iterator[tuple[cst.FunctionDef, str]]:
+        """The same-file functions a Trainer is given as `compute_loss_func`, by
+        `Trainer(..., compute_loss_func=f)` or `self.compute_loss_func = f` in a subclass, and
+        where."""
+        for call in self.tree.calls:
+            given = keyword(call, "compute_loss_func") if self._is_trainer(call.func) else None
+            function = self._function(given, None)
+            if function is not None:
+                where = f"trainer: `{code(call.func)}(..., compute_loss_func={code(given)})` (line {self.tree.line(call)})"
+                yield function, where
+        for cls in self.trainers.values():
+            for node in self.tree.walk(cls.body):
+                if not (isinstance(node, cst.Assign) and len(node.targets) == 1):
+                    continue
+                target = node.targets[0].target
+                if code(target) == "self.compute_loss_func":
+                    function = self._function(node.value, cls)
+                    if function is not None:
+                        where = f"trainer: `class {cls.name.value}` sets `{code(node)}` (line {self.tree.line(node)})"
+                        yield function, where
+
+    def _function(
+        self, expr: cst.BaseExpression | None, cls: cst.ClassDef | None
+    ) -> cst.FunctionDef | None:
+        """The same-file function `f` or method `self.f` an expression names."""
+        if isinstance(expr, cst.Name):
+            function = self.tree.functions.get(expr.value)
+            methods = (s for c in self.tree.classes for s in c.body.body)
+            return None if function is None or function in set(methods) else function
+        if cls is not None and isinstance(expr, cst.Attribute) and code(expr.value) == "self":
+            return methods_of(cls).get(expr.attr.value)
+        return None
+
+    def count_dropped(self, function: cst.FunctionDef) -> cst.Call | None:
+        """A `super().compute_loss(...)` call of a `compute_loss` override that never reads
+        `num_items_in_batch`: the call goes without the count."""
+        for node in self.tree.walk(function.body):
+            if (
+                isinstance(node, cst.Call)
+                and isinstance(node.func, cst.Attribute)
+                and node.func.attr.value == "compute_loss"
+                and is_super(node.func.value)
+                and len(positional(node)) < 4
+                and not any(a.star == "**" for a in node.args)
+            ):
+                return node
+        return None
+
+    def compute_loss_call(self, expr: cst.BaseExpression) -> cst.Call | None:
+        """The `self.compute_loss(...)` / `super().compute_loss(...)` call a value comes from."""
+        for _ in range(12):
+            if isinstance(expr, cst.Name):
+                stmt = self.tracer.binding(expr.value, expr)
+                if not isinstance(stmt, cst.Assign) or len(stmt.targets) != 1:
+                    return None
+                expr = stmt.value
+            elif isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+                if expr.func.attr.value == "compute_loss" and (
+                    dotted(expr.func.value) == "self" or is_super(expr.func.value)
+                ):
+                    return expr
+                if expr.func.attr.value not in KEEPS_LOSS:
+                    return None
+                expr = expr.func.value
+            else:
+                return None
+        return None
+
     def _reads(self, function: cst.FunctionDef, names: set[str | None]) -> bool:
         return any(
             isinstance(n, cst.Name) and n.value in names for n in self.tree.walk(function.body)
@@ -314,8 +443,7 @@ def is_super_init(node: cst.CSTNode) -> bool:
         isinstance(node, cst.Call)
         and isinstance(node.func, cst.Attribute)
         and node.func.attr.value == "__init__"
-        and isinstance(node.func.value, cst.Call)
-        and dotted(node.func.value.func) == "super"
+        and is_super(node.func.value)
     )
 
 
@@ -353,6 +481,10 @@ def _division(node: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpression
     return None
 
 
+def is_super(expr: cst.BaseExpression) -> bool:
+    return isinstance(expr, cst.Call) and dotted(expr.func) == "super"
+
+
 def _detached(value: cst.BaseExpression) -> bool:
     """`loss.detach() / k` or `loss.item() / k`: a value for logging, not for backward."""
     return (
@@ -372,12 +504,13 @@ def findings(context) -> list[Finding]:
     audit = TrainerAudit(tree)
     domains = Domains(tree, audit.tracer, context.evidence, context.text)
     for site in audit.sites():
-        if site.kind != "compute-loss":
-            domain = domains.model_loss(returned=True)
-        elif (returned := audit.returned_mean(site.function)) is not None:
+        returned = audit.returned_mean(site.function) if site.kind in OWN_LOSS else None
+        if returned is not None:
             domain = domains.of(returned, returned=True)
-        else:
+        elif site.kind in OWN_LOSS and audit.count_dropped(site.function) is None:
             domain = Domain("unknown", None, "the loss it returns is not a mean gaaudit can see")
+        else:  # the model's loss: through the Trainer, or `super().compute_loss` without the count
+            domain = domains.model_loss(returned=True)
         confidence, why = domain.confidence()
         if site.crashes:
             why = (
@@ -397,7 +530,7 @@ def findings(context) -> list[Finding]:
                 span=tree.span(site.node),
                 confidence=confidence,
                 evidence=(*site.facts, f"confidence {confidence}: {why}"),
-                hint=hint,
+                hint=site.hint or hint,
                 fixable=True,
             )
         )
