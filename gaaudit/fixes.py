@@ -267,14 +267,15 @@ class Planner:
 
     def _rewrite(self, site: Site, count: str) -> None:
         """Make the micro-batch's loss its token sum, then prepare the window's one division."""
-        summed = self._summed(site)
+        kept = self._kept_for_reads(site)
+        summed = None if kept else self._summed(site)
         factor = self._framework_factor(site)
         if summed is None:
             factor = self.micro + factor
         else:
             self.edits.replace[summed] = with_argument(summed, "reduction", '"sum"')
             factor = factor.removeprefix(" * ")
-        if site.kind == "loss-division":
+        if site.kind == "loss-division" and not kept:
             node = site.division.node
             anchor = statement_line(self.tree, node)
             new = self._undivided(node, anchor, factor)
@@ -282,6 +283,9 @@ class Planner:
         else:
             node = site.backward.loss
             anchor = statement_line(self.tree, site.backward.call)
+            if kept:  # the name keeps the divided mean its readers log; the backward undoes `/ k`
+                anchor = statement_line(self.tree, site.division.node)
+                factor = f"{code(site.division.divisor)} * {factor}"
             text = code(self._applied(node))
             text = f"({text})" if isinstance(node, cst.BinaryOperation) else text
             new = cst.parse_expression(f"{text} * {factor}") if factor else node
@@ -298,6 +302,28 @@ class Planner:
                 anchor, f"{self.micro} = {count}\n{self.window_total} += {self.micro}\n"
             )
         self._prepare_window(site)
+
+    def _kept_for_reads(self, site: Site) -> bool:
+        """`loss = out.loss / k` whose `loss` something besides the backward reads (a running
+        total, a log, a returned value): the name keeps its value, and the backward gets the
+        weighted term instead."""
+        if site.kind != "loss-division" or not isinstance(site.backward.loss, cst.Name):
+            return False
+        statement = statement_line(self.tree, site.division.node)
+        assign = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) else None
+        if not (
+            isinstance(assign, cst.Assign)
+            and assign.value is site.division.node
+            and len(assign.targets) == 1
+            and isinstance(assign.targets[0].target, cst.Name)
+            and not _assigns_to_itself(statement, site.division.node)
+        ):
+            return False
+        name = assign.targets[0].target
+        if site.backward.loss.value != name.value:
+            return False
+        uses = self.tree.uses(self.tree.scope_of(statement), name.value)
+        return any(node is not name and node is not site.backward.loss for node in uses)
 
     def _undivided(self, node: cst.CSTNode, statement: cst.CSTNode, factor: str):
         """`loss / k` (or `loss /= k`) times `factor`; REMOVE when nothing is left of the statement."""
@@ -383,8 +409,8 @@ class Planner:
         later_ok = site.kind == "loss-division" and _assigns_to_itself(
             statement_line(self.tree, used), site.division.node
         )
-        for node in self.tree.in_scope(self.tree.scope_of(statement)):
-            if isinstance(node, cst.Name) and node.value == target.value and node is not target:
+        for node in self.tree.uses(self.tree.scope_of(statement), target.value):
+            if node is not target:
                 inside = self.tree.contains(used, node)
                 if not inside and not (later_ok and self.tree.order[node] > self.tree.last[used]):
                     return True
@@ -473,7 +499,7 @@ class Planner:
         """(read, replacement) pairs for logging reads of a loss that was divided by K: at the
         step, the window's mean; in the micro-step after the rewrite, the micro-batch's mean."""
         at_step, in_micro_step = [], []
-        window_mean = f"({self.window_loss} / max({self.window_total}, 1))"
+        window_mean = f"({self.window_loss} / {self.window_total})"  # clamped by then
         for weighted in self._weighted.get(window.anchor, ()):
             micro_mean = f"({weighted.name} / max({self.micro}, 1))"
             after = self.tree.last[weighted.statement]
@@ -592,8 +618,11 @@ class Planner:
         )
 
     def _normalization(self, site: Site, optimizer: str, tracked: list[str]) -> str:
-        """Divide the window's gradients once by its token count (gathered across processes)."""
-        scale = f"max({self.window_total}, 1)"
+        """Divide the window's gradients once by its token count (gathered across processes),
+        read into a Python number once: a tensor compared per parameter would synchronise
+        the device once per parameter."""
+        total = self.window_total
+        scale = total
         gather = ""
         receiver = self._accelerator(site)
         fabric = self._backward_owner(site, "fabric")
@@ -602,21 +631,23 @@ class Planner:
             gather = "".join(
                 f'{name} = {fabric}.all_reduce({name}, reduce_op="sum")\n' for name in tracked
             )
-            scale = f"{scale} / {fabric}.world_size"
+            scale = f"{total} / {fabric}.world_size"
         elif receiver:
             gather = "".join(
                 f'{name} = {receiver}.reduce({name}, reduction="sum")\n' for name in tracked
             )
-            scale = f"{scale} / {receiver}.num_processes"
-        elif dist:
+            scale = f"{total} / {receiver}.num_processes"
+        elif dist:  # guarded: the same loop may run in a single process
             device = f'{optimizer}.param_groups[0]["params"][0].device'
-            gather = "".join(
-                f"{name} = torch.as_tensor({name}, device={device})\n{dist}.all_reduce({name})\n"
+            gather = f"if {dist}.is_initialized():\n" + "".join(
+                f"    {name} = torch.as_tensor({name}, device={device})\n"
+                f"    {dist}.all_reduce({name})\n"
                 for name in tracked
             )
-            scale = f"{scale} / {dist}.get_world_size()"
+            scale = f"{total} / ({dist}.get_world_size() if {dist}.is_initialized() else 1)"
         return (
             gather
+            + f"{total} = max(float({total}), 1.0)\n"
             + f"for group in {optimizer}.param_groups:\n"
             + '    for param in group["params"]:\n'
             + "        if param.grad is not None:\n"

@@ -267,6 +267,18 @@ class Tree:
         body = scope if isinstance(scope, cst.Module) else scope.body
         return self.walk(body, into_defs=False)
 
+    def uses(self, scope: Scope, name: str) -> Iterator[cst.Name]:
+        """The `Name` nodes of one scope that are the variable `name` (not `x.name`, nor the
+        keyword of `f(name=...)`)."""
+        for node in self.in_scope(scope):
+            if isinstance(node, cst.Name) and node.value == name:
+                parent = self.parents.get(node)
+                if not (
+                    (isinstance(parent, cst.Attribute) and parent.attr is node)
+                    or (isinstance(parent, cst.Arg) and parent.keyword is node)
+                ):
+                    yield node
+
     @cached_property
     def functions(self) -> dict[str, cst.FunctionDef]:
         """Functions and methods defined in the file, by name (first definition wins)."""

@@ -63,6 +63,19 @@ def test_pair_is_exact_compiles_is_clean_and_idempotent(pair: Path):
     assert b"gaaudit" not in after
 
 
+def test_the_window_divisor_is_read_once_not_per_parameter():
+    """A tensor count compared or converted per parameter would synchronise the device once
+    per parameter (issue 17, item 6): the divisor is a Python number by then."""
+    divisions = [
+        line
+        for pair in PAIRS
+        for line in pair.read_text().splitlines()
+        if "param.grad.div_(" in line
+    ]
+    assert len(divisions) >= 20
+    assert not [line for line in divisions if "max(" in line or "float(" in line]
+
+
 @pytest.mark.parametrize(
     "script", [s for s in fixture_scripts() if not expected(s)], ids=lambda p: p.stem
 )
@@ -75,7 +88,10 @@ def test_rewrite_keeps_comments_and_divides_before_the_step():
     assert "# forward" in after
     assert 'micro_tokens = (batch["labels"][..., 1:] != -100).sum()' in after
     assert "loss = outputs.loss * micro_tokens" in after
-    assert after.index("param.grad.div_(max(window_tokens, 1))") < after.index("optimizer.step()")
+    assert after.index("window_tokens = max(float(window_tokens), 1.0)") < after.index(
+        "param.grad.div_(window_tokens)"
+    )
+    assert after.index("param.grad.div_(window_tokens)") < after.index("optimizer.step()")
     assert after.index("window_tokens = 0") < after.index("for step, batch")
 
 
@@ -240,7 +256,7 @@ def test_explicit_token_loss_becomes_a_sum_and_the_log_the_window_mean():
     assert '        y.view(-1),\n        reduction="sum",\n    )\n' in after
     assert "loss = loss" not in after and "micro_tokens = (y.view(-1) != -100).sum()" in after
     assert "window_loss += loss.detach()\n" in after
-    mean = "(window_loss / max(window_tokens, 1))"
+    mean = "(window_loss / window_tokens)"
     assert f'print(f"loss {{{mean}.item():.3f}}", float({mean[1:-1]}))' in after
     # the counts are reset after the step's log has read them, not before
     assert (

@@ -92,17 +92,34 @@ def test_rank_shards_hold_unequal_token_counts():
     assert counts[0] != counts[1]
 
 
-def test_a_ddp_loop_replayed_in_one_process_says_how_to_replay_it():
-    original = FIXTURES / "ga001_ddp_no_sync_chunks.py"
-    patched = original.with_name("ga001_ddp_no_sync_chunks.fixed.py")
-    before, after = original.read_bytes(), patched.read_bytes()
+def replayed_in_one_process(original: str, patched: str) -> dict:
     job = {
-        "original": before.decode(),
-        "patched": after.decode(),
-        "targets": [asdict(t) for t in targets(before, after)],
+        "original": original,
+        "patched": patched,
+        "targets": [asdict(t) for t in targets(original.encode(), patched.encode())],
         "options": asdict(Options(ks=(2,), device="cpu", timeout=60)),
-        "filename": str(original),
+        "filename": str(FIXTURES / "ga001_ddp_no_sync_chunks.py"),
     }
     ((row,),) = [outcome["rows"] for outcome in _replay_all([job])[0]]
+    return row
+
+
+def test_the_fixed_ddp_loop_also_runs_in_one_process():
+    """The fix guards its collectives with `dist.is_initialized()` (issue 17, item 2): the
+    patched loop runs without a process group, and matches that process's full batch."""
+    original = FIXTURES / "ga001_ddp_no_sync_chunks.py"
+    patched = original.with_name("ga001_ddp_no_sync_chunks.fixed.py").read_text()
+    assert "if dist.is_initialized():\n" in patched
+    row = replayed_in_one_process(original.read_text(), patched)
+    assert row["verdict"] == VERIFIED and row["patched_error"] < 1e-5, row
+
+
+def test_a_ddp_loop_replayed_in_one_process_says_how_to_replay_it():
+    """An unguarded collective (the user's own) needs a process group: the verdict says how
+    to give it one."""
+    original = FIXTURES / "ga001_ddp_no_sync_chunks.py"
+    patched = original.with_name("ga001_ddp_no_sync_chunks.fixed.py").read_text()
+    unguarded = patched.replace("if dist.is_initialized():\n", "if True:\n", 1)
+    row = replayed_in_one_process(original.read_text(), unguarded)
     assert row["verdict"].startswith("not replayable: ")
     assert row["verdict"].endswith("replay it with --distributed 2"), row

@@ -30,13 +30,10 @@ UNSAFE = {"ga001_exact_nanogpt_memmap_scaler", "ga002_nanogpt_micro_loop_no_divi
 MISMODELLED = {"ga001_exact_seq_classifier_attention_mask"}
 
 # Loops this replay cannot verify: the original's verdict (None: not run) and what the patched
-# verdict must say. The patched DDP loop all-reduces its token count, which needs a process
-# group: `--distributed 2` verifies it (tests/test_harness_ddp.py).
+# verdict must say. (The patched DDP loop all-reduces its token count only under a process
+# group: here it runs as one process; `--distributed 2` proves it on two, in
+# tests/test_harness_ddp.py.)
 NOT_REPLAYABLE = {
-    "ga001_ddp_no_sync_chunks": (
-        "bug reproduced",
-        ("Default process group has not been initialized", "replay it with --distributed 2"),
-    ),
     "ga004_training_step_double_division": (
         "not replayable: the statement is in a method of `NoisyEmbeddingTrainer`",
         ("a subclass of `Trainer` from transformers", "statement replay does not reproduce"),
