@@ -2,6 +2,7 @@
 
     python benchmarks/realworld.py restore MIRROR_ROOT [--trees DIR]
     python benchmarks/realworld.py score [--trees DIR] [--only REPO ...]
+    python benchmarks/realworld.py fixes [--trees DIR] [--only REPO ...]
 
 `manifest.jsonl` (beside this script, in `realworld/`) holds one labelled file a row: repo,
 commit, path, label, lines, loss_source, data_path, reason, framework. `restore` exports the
@@ -12,6 +13,9 @@ labelled files' verdicts at the default confidence and at any confidence, per ru
 framework, the verdicts that changed since the last run (`realworld/last.json`, rewritten by
 every full run), and the wall time. A file is flagged when a finding of gaaudit starts in it,
 or when a GA006 finding (a transformers pin without the Trainer's fix) names the Trainer it builds.
+`fixes` runs `gaaudit fix` on each labelled file at its tree's root and prints how many buggy
+files a safe fix changed, whether they compile, which correct or benign files it changed (it
+should change none), and why findings were not fixed; each file is restored afterwards.
 This is a script that prints figures, not a test; no repository code is committed.
 """
 
@@ -25,7 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -310,6 +314,59 @@ def score(trees: Path, only: list[str]) -> int:
     return 0
 
 
+def fixes(trees: Path, only: list[str]) -> int:
+    """`gaaudit fix` (its safe fixes, at the default confidence) on each labelled file, run at
+    its tree's root as a user would: which files it changed, whether they still compile, and
+    why the findings of buggy files were not fixed. Each file is put back afterwards."""
+    rows = [row for row in load_manifest() if not only or row.repo in only]
+    changed: dict[Row, bool] = {}  # -> compiles
+    reasons: Counter[str] = Counter()
+    started = time.perf_counter()
+    for row in rows:
+        target = tree_of(trees, row.repo) / row.path
+        if not target.is_file():
+            print(f"missing: {row.repo}/{row.path} (run `restore`)", file=sys.stderr)
+            continue
+        before = target.read_bytes()
+        try:
+            result = subprocess.run(
+                [*GAAUDIT, "fix", row.path],
+                check=False,
+                cwd=tree_of(trees, row.repo),
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            after = target.read_bytes()
+        finally:
+            target.write_bytes(before)
+        if after != before:
+            try:
+                compile(after, row.path, "exec")
+                changed[row] = True
+            except SyntaxError:
+                changed[row] = False
+        if row.positive:
+            for line in result.stdout.splitlines():
+                found = re.search(r": GA\d+ not fixed: (.*)$", line)
+                if found:
+                    reasons[re.sub(r"`[^`]*`", "`...`", found.group(1))[:100]] += 1
+    positives = [row for row in rows if row.positive]
+    negatives = [row for row in rows if row.label in NEGATIVE]
+    fixed = [row for row in positives if row in changed]
+    print(f"buggy files            {len(positives):>4}: changed by a safe fix {len(fixed)}", end="")
+    print(f" ({ratio(len(fixed), len(positives))}), compiling {sum(changed[r] for r in fixed)}")
+    wrong = [row for row in negatives if row in changed]
+    print(f"correct or benign files {len(negatives):>3}: changed {len(wrong)}")
+    for row in wrong:
+        print(f"  changed {row.label:<20} {row.repo}/{row.path}")
+    print("\nwhy findings of buggy files were not fixed (at the default confidence):")
+    for reason, count in reasons.most_common(12):
+        print(f"  {count:>3}  {reason}")
+    print(f"\n{len(rows)} files; wall time {time.perf_counter() - started:.1f}s")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", type=Path, default=TREES, help="where restored trees live")
@@ -320,9 +377,15 @@ def main() -> int:
     scoring.add_argument(
         "--only", nargs="+", default=[], metavar="REPO", help="score these repositories only"
     )
+    fixing = commands.add_parser("fixes", help="run `gaaudit fix` on each labelled file")
+    fixing.add_argument(
+        "--only", nargs="+", default=[], metavar="REPO", help="these repositories only"
+    )
     args = parser.parse_args()
     if args.command == "restore":
         return 1 if restore(args.mirrors, args.trees) else 0
+    if args.command == "fixes":
+        return fixes(args.trees, args.only)
     return score(args.trees, args.only)
 
 

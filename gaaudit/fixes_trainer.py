@@ -47,6 +47,10 @@ from gaaudit.fixes import Outcome
 from gaaudit.tree import Tree, code, dotted, keyword, positional, string_value
 
 COUNT = "num_items_in_batch"
+# The stock `compute_loss`'s factor for a count gathered over every process.
+ACROSS, PROCESSES = "self.args.average_tokens_across_devices", "self.accelerator.num_processes"
+# When the stock `training_step` divides the loss by the accumulation steps (4.46 and later).
+STOCK_DIVIDES = f"({COUNT} is None or not self.{OPT_OUT}) and self.compute_loss_func is None"
 TOKEN_LOSSES = {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}
 SHAPERS = {"view", "reshape", "flatten", "contiguous", "long"}  # keep which targets count
 MEAN_OVER_K = (
@@ -131,7 +135,7 @@ class TrainerPlanner:
         returned = self._returned(function)
         loss = self._token_loss(returned, function, labels="inputs")
         if isinstance(loss, TokenLoss):
-            self._sum(loss)
+            self._sum(loss, processes=True)
             return Choice(
                 f"`compute_loss` sums its `{_name(loss.configured)}` and divides by "
                 "`num_items_in_batch`, or by its own count when the Trainer passes none",
@@ -301,9 +305,12 @@ class TrainerPlanner:
     def _causal(self) -> bool:
         return bool(shifts_labels(self.text))
 
-    def _sum(self, loss: TokenLoss) -> None:
+    def _sum(self, loss: TokenLoss, processes: bool = False) -> None:
         """`loss_fn(x, y)` -> `loss_fn(x, y) / (n if n is not None else (y != -100).sum())`, the
-        loss summed; the count is the Trainer's when it passes one."""
+        loss summed; the count is the Trainer's when it passes one. `processes`: the loss
+        replaces the stock `compute_loss`, which multiplies by the process count when the
+        Trainer's count covers every process (`average_tokens_across_devices`), as DDP then
+        averages the gradients."""
         ignore = keyword(loss.configured, "ignore_index")
         fallback = (
             f"({code(loss.targets)} != {code(ignore) if ignore is not None else '-100'}).sum()"
@@ -324,13 +331,18 @@ class TrainerPlanner:
             name = code(assign.targets[0].target)  # `loss = f(...)`: count and divide below it
             if call is not loss.call:
                 self.edits.replace[loss.call] = call
+            scaled = f"elif {ACROSS}:\n    {name} = {name} * {PROCESSES}\n" if processes else ""
             self.edits.insert_after(
                 statement,
-                f"if {COUNT} is None:\n    {COUNT} = {fallback}\n{name} = {name} / {COUNT}\n",
+                f"if {COUNT} is None:\n    {COUNT} = {fallback}\n{scaled}{name} = {name} / {COUNT}\n",
             )
             return
+        left = call.with_changes(lpar=(), rpar=())
+        if processes:
+            factor = f"({PROCESSES} if {COUNT} is not None and {ACROSS} else 1)"
+            left = cst.parse_expression(f"{code(left)} * {factor}")
         divided = cst.BinaryOperation(
-            left=call.with_changes(lpar=(), rpar=()),
+            left=left,
             operator=cst.Divide(),
             right=cst.parse_expression(f"({COUNT} if {COUNT} is not None else {fallback})"),
         )
@@ -416,10 +428,11 @@ class TrainerPlanner:
         self._accept(function)
         if keyword(call, COUNT) is None and len(positional(call)) < 4:
             self._add_argument(call, COUNT, keyword_name=COUNT)
-        self._undivide(division)
+        self._guard(division)
         return Choice(
             "`compute_loss` gets `num_items_in_batch`, so its loss is already normalised over the "
-            "window; the second division by the accumulation steps is removed",
+            "window; the division by the accumulation steps is kept only where the stock Trainer "
+            "divides (no count, a model without loss kwargs, no `compute_loss_func`)",
             self._override_ignores_count(site.owner),
         )
 
@@ -434,30 +447,29 @@ class TrainerPlanner:
                 return f"`{cls.name.value}.compute_loss` does not use `num_items_in_batch`"
         return ""
 
-    def _undivide(self, division: cst.CSTNode) -> None:
-        """Drop `loss = loss / k` or `loss /= k` (and an `if` left empty); `f(loss / k)` -> `f(loss)`."""
+    def _guard(self, division: cst.CSTNode) -> None:
+        """`loss = loss / k` (or `loss /= k`) under the stock Trainer's condition for dividing;
+        `f(loss / k)` -> `f(loss / k if <condition> else loss)`."""
         statement = statement_line(self.tree, division)
         if isinstance(statement, cst.SimpleStatementLine) and len(statement.body) > 1:
             raise Unfixable("the division shares its line with other statements; split the line")
         small = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) else None
-        drops = isinstance(division, cst.AugAssign) or (
-            isinstance(small, cst.Assign)
-            and small.value is division
-            and len(small.targets) == 1
-            and code(small.targets[0].target) == code(division.left)
+        whole = isinstance(division, cst.AugAssign) or (
+            isinstance(small, cst.Assign) and small.value is division and len(small.targets) == 1
         )
-        if not drops:
-            self.edits.replace[division] = division.left.with_changes(
-                lpar=division.lpar, rpar=division.rpar
+        if whole:
+            self.edits.replace[statement] = cst.If(
+                test=cst.parse_expression(STOCK_DIVIDES),
+                body=cst.IndentedBlock([statement.with_changes(leading_lines=())]),
+                leading_lines=statement.leading_lines,
             )
             return
-        while True:
-            block = self.tree.parents[statement]
-            owner = self.tree.parents.get(block)
-            if not (isinstance(owner, cst.If) and owner.orelse is None and len(block.body) == 1):
-                break
-            statement = owner
-        self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
+        kept = cst.parse_expression(
+            f"{code(division)} if {STOCK_DIVIDES} else {code(division.left)}"
+        )
+        if not isinstance(self.tree.parents.get(division), (cst.Arg, cst.Assign, cst.Return)):
+            kept = kept.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        self.edits.replace[division] = kept
 
     # --- a model's forward ----------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from gaaudit.config import Settings
 from gaaudit.engine import check_file
 from gaaudit.findings import Confidence
 from gaaudit.fixer import fix_source
+from gaaudit.fixes_trainer import STOCK_DIVIDES
 
 ALL = Settings(min_confidence=Confidence.LOW)
 
@@ -52,7 +53,11 @@ SFT = """\
 def test_token_sum_keeps_a_one_per_line_signature(tmp_path):
     text, outcomes = fix(SFT.format(ignore=""), unsafe=False)
     assert "        return_outputs=False,\n        num_items_in_batch=None,\n    ):" in text
-    assert 'reduction="sum") / (num_items_in_batch if num_items_in_batch is not None else' in text
+    factor = (
+        "(self.accelerator.num_processes if num_items_in_batch is not None and "
+        "self.args.average_tokens_across_devices else 1)"
+    )
+    assert f'reduction="sum") * {factor} / (num_items_in_batch if num_items_in_batch' in text
     assert "(labels[:, 1:].flatten() != -100).sum())" in text
     ((line, code, applied, reason),) = outcomes
     assert (line, code, applied) == (5, "GA004", True) and "sums its `cross_entropy`" in reason
@@ -83,6 +88,27 @@ def test_training_step_signature_and_super_call():
     assert outcomes == [
         (4, "GA004", True, "`training_step` accepts `num_items_in_batch` and passes it on")
     ]
+
+
+def test_an_inline_training_step_division_keeps_the_stock_condition(tmp_path):
+    """`backward(loss / K)` becomes `backward(loss / K if <stock condition> else loss)`,
+    which GA004 and GA001 then read as the Trainer's own fallback."""
+    text, outcomes = fix(
+        """\
+        from transformers import Trainer
+
+        class T(Trainer):
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+                self.accelerator.backward(loss / self.args.gradient_accumulation_steps)
+                return loss.detach()
+        """
+    )
+    condition = STOCK_DIVIDES
+    expected = f"backward(loss / self.args.gradient_accumulation_steps if {condition} else loss)"
+    assert expected in text
+    assert [o[1:3] for o in outcomes] == [("GA001", True), ("GA004", True)]
+    assert clean(text, tmp_path)
 
 
 def test_division_of_a_loss_computed_elsewhere_is_refused():

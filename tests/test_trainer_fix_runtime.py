@@ -10,6 +10,8 @@ with one full-batch step on the same weights and data.
 from __future__ import annotations
 
 import ast
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -109,8 +111,10 @@ def trainer_class(path: Path, name: str) -> type:
     return namespace[name]
 
 
-def train_one_step(cls: type, tmp_path: Path, classifier: bool = False) -> dict[str, torch.Tensor]:
-    model = tiny_model(classifier)
+def train_one_step(
+    cls: type, tmp_path: Path, classifier: bool = False, model: torch.nn.Module | None = None
+) -> dict[str, torch.Tensor]:
+    model = tiny_model(classifier) if model is None else model
     capture = GradientsAtStep()
     args = TrainingArguments(
         output_dir=str(tmp_path),
@@ -254,3 +258,105 @@ def test_compute_loss_func_summed_over_the_trainers_count_matches_the_full_batch
         runs[label] = relative_error(train_one_step(trainer, tmp_path / label), reference)
     assert runs["original"] > 1.0
     assert runs["fixed"] < 1e-5
+
+
+class WithoutLossKwargs(torch.nn.Module):
+    """The tiny causal LM behind a `forward` without `**kwargs`: the Trainer cannot hand it
+    `num_items_in_batch` (`model_accepts_loss_kwargs` is False)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = tiny_model()
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    def get_input_embeddings(self):
+        return self.lm.get_input_embeddings()
+
+
+def test_training_step_division_is_kept_where_the_stock_trainer_divides(tmp_path):
+    """Issue 17, item 3: for a model without loss kwargs the stock Trainer still divides
+    each micro-batch's mean by K; the fixed `training_step` does the same (removing the
+    division would make the loss K times too large)."""
+    path = FIXTURES / "ga004_training_step_double_division.fixed.py"
+    fixed = trainer_class(path, "NoisyEmbeddingTrainer")
+    guard = "if (num_items_in_batch is None or not self.model_accepts_loss_kwargs)"
+    removed = path.read_text().replace(guard, "if False and (num_items_in_batch is None)")
+    assert removed != path.read_text()
+    unguarded_path = tmp_path / path.name
+    unguarded_path.write_text(removed)
+    unguarded = trainer_class(unguarded_path, "NoisyEmbeddingTrainer")
+    fixed.noise_alpha = unguarded.noise_alpha = 0.0
+    stock = train_one_step(Trainer, tmp_path / "stock", model=WithoutLossKwargs())
+    patched = train_one_step(fixed, tmp_path / "fixed", model=WithoutLossKwargs())
+    assert relative_error(patched, stock) < 1e-6
+    assert (
+        relative_error(train_one_step(unguarded, tmp_path / "u", model=WithoutLossKwargs()), stock)
+        > 1.0
+    )
+
+
+def _rank(rank: int, port: int, fixture: str, out: str) -> None:
+    """One of two gloo processes training `ResponseOnlyTrainer` for one step; rank 0 saves
+    the gradients DDP averaged at the optimizer step."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    capture = GradientsAtStep()
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=EXAMPLES // (2 * MICRO),
+        max_steps=1,
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        ddp_backend="gloo",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        average_tokens_across_devices=True,
+    )
+    cls = trainer_class(Path(fixture), "ResponseOnlyTrainer")
+    trainer = cls(
+        model=tiny_model(),
+        args=args,
+        train_dataset=examples(),
+        data_collator=collate,
+        callbacks=[capture],
+    )
+    trainer.train()
+    if rank == 0:
+        torch.save(capture.grads, Path(out) / "grads.pt")
+
+
+def two_process_gradients(fixture: Path, out: Path) -> dict[str, torch.Tensor]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out.mkdir()
+    torch.multiprocessing.spawn(_rank, args=(port, str(fixture), str(out)), nprocs=2)
+    return torch.load(out / "grads.pt")
+
+
+def test_token_sum_override_carries_the_stock_process_factor_on_two_processes(tmp_path):
+    """Issue 17, item 3: under `average_tokens_across_devices` the Trainer's count covers
+    both processes and DDP averages their gradients; the stock `compute_loss` multiplies by
+    the process count, and so does the fixed override (without it: half the gradient)."""
+    fixed = FIXTURES / "ga004_sft_cross_entropy_ignores_count.fixed.py"
+    factor = (
+        "        elif self.args.average_tokens_across_devices:\n"
+        "            loss = loss * self.accelerator.num_processes\n"
+    )
+    assert factor in fixed.read_text()
+    without = tmp_path / "without_factor.py"
+    without.write_text(fixed.read_text().replace(factor, ""))
+    reference = full_batch_gradients()
+    assert relative_error(two_process_gradients(fixed, tmp_path / "fixed"), reference) < 1e-5
+    assert relative_error(two_process_gradients(without, tmp_path / "without"), reference) > 0.3

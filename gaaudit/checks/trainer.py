@@ -241,10 +241,10 @@ class TrainerAudit:
         for parent in self.tree.ancestors(node):
             if parent is function:
                 return False
-            if isinstance(parent, cst.If) and any(
+            if isinstance(parent, (cst.If, cst.IfExp)) and any(
                 last_name(n) in FALLBACK_GUARDS for n in self.tree.walk(parent.test)
             ):
-                return True
+                return isinstance(parent, cst.If) or self.tree.contains(parent.body, node)
         return False
 
     def _models(self) -> Iterator[Site]:
