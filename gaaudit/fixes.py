@@ -101,6 +101,7 @@ class Planner:
         self.micro = self._fresh("micro_tokens")
         self.window_total = self._fresh("window_tokens")
         self.window_loss = self._fresh("window_loss")
+        self.reference = self._fresh("window_reference")  # under a GradScaler
         self._prepared: dict[
             cst.CSTNode, tuple[Site, str]
         ] = {}  # window -> (first site, optimizer)
@@ -268,10 +269,15 @@ class Planner:
     def _rewrite(self, site: Site, count: str) -> None:
         """Make the micro-batch's loss its token sum, then prepare the window's one division."""
         kept = self._kept_for_reads(site)
-        summed = None if kept else self._summed(site)
+        scaled = self._scaled(site)
+        first = self._prepared.get(site.window.anchor)
+        if first is not None and self._scaled(first[0]) != scaled:
+            raise Unfixable("the window mixes backward calls with and without the GradScaler")
+        summed = None if kept or scaled else self._summed(site)
         factor = self._framework_factor(site)
         if summed is None:
-            factor = self.micro + factor
+            weight = f"({self.micro} / {self.reference})" if scaled else self.micro
+            factor = weight + factor
         else:
             self.edits.replace[summed] = with_argument(summed, "reduction", '"sum"')
             factor = factor.removeprefix(" * ")
@@ -298,10 +304,33 @@ class Planner:
         if node not in self.edits.replace and new is not node:
             self.edits.replace[node] = new
         if anchor not in self.edits.before:
+            reference = (
+                f"if {self.reference} is None:\n"
+                f"    {self.reference} = max(float({self.micro}), 1.0)\n"
+                if scaled
+                else ""
+            )
             self.edits.insert_before(
-                anchor, f"{self.micro} = {count}\n{self.window_total} += {self.micro}\n"
+                anchor,
+                f"{self.micro} = {count}\n{self.window_total} += {self.micro}\n{reference}",
             )
         self._prepare_window(site)
+
+    @staticmethod
+    def _scaled(site: Site) -> bool:
+        """Whether the backward goes through a GradScaler (`scaler.scale(loss).backward()`):
+        its fp16 gradients must stay near the original's magnitude, so each micro-batch is
+        weighted by its count over the window's first count (a constant of the window), not
+        by its count, which would be thousands of times the original."""
+        call = site.backward.call
+        receiver = (
+            call.func.value if call is not None and isinstance(call.func, cst.Attribute) else None
+        )
+        return (
+            isinstance(receiver, cst.Call)
+            and isinstance(receiver.func, cst.Attribute)
+            and receiver.func.attr.value == "scale"
+        )
 
     def _kept_for_reads(self, site: Site) -> bool:
         """`loss = out.loss / k` whose `loss` something besides the backward reads (a running
@@ -566,6 +595,8 @@ class Planner:
         reads, micro_reads = self._logged_reads(window)
         tracked = [total, self.window_loss] if reads else [total]
         start = "".join(f"{name} = 0\n" for name in tracked)
+        if self._scaled(site):
+            start += f"{self.reference} = None\n"
         normalize = self._normalization(site, optimizer, tracked)
         if window.kind == "modulo":
             self.edits.insert_before(statement_line(self.tree, window.loop), start)
@@ -622,7 +653,8 @@ class Planner:
         read into a Python number once: a tensor compared per parameter would synchronise
         the device once per parameter."""
         total = self.window_total
-        scale = total
+        count = f"{total} / {self.reference}" if self._scaled(site) else total
+        scale = count
         gather = ""
         receiver = self._accelerator(site)
         fabric = self._backward_owner(site, "fabric")
@@ -631,12 +663,12 @@ class Planner:
             gather = "".join(
                 f'{name} = {fabric}.all_reduce({name}, reduce_op="sum")\n' for name in tracked
             )
-            scale = f"{total} / {fabric}.world_size"
+            scale = f"{count} / {fabric}.world_size"
         elif receiver:
             gather = "".join(
                 f'{name} = {receiver}.reduce({name}, reduction="sum")\n' for name in tracked
             )
-            scale = f"{total} / {receiver}.num_processes"
+            scale = f"{count} / {receiver}.num_processes"
         elif dist:  # guarded: the same loop may run in a single process
             device = f'{optimizer}.param_groups[0]["params"][0].device'
             gather = f"if {dist}.is_initialized():\n" + "".join(
@@ -644,7 +676,7 @@ class Planner:
                 f"    {dist}.all_reduce({name})\n"
                 for name in tracked
             )
-            scale = f"{total} / ({dist}.get_world_size() if {dist}.is_initialized() else 1)"
+            scale = f"{count} / ({dist}.get_world_size() if {dist}.is_initialized() else 1)"
         return (
             gather
             + f"{total} = max(float({total}), 1.0)\n"

@@ -1,0 +1,85 @@
+"""A fix under fp16 autocast and a GradScaler keeps the original's magnitude (issue 17, item 6).
+
+Weighting each micro-batch's mean by its token count makes the backward's loss thousands of
+times larger; fp16 activation gradients then overflow, and the GradScaler skips the step and
+halves its scale. The fix weights by the count over the window's first count instead, and
+divides by the same ratio at the step. Real torch on CPU: fp16 autocast, `torch.amp.GradScaler`.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import torch
+
+from gaaudit.config import Settings
+from gaaudit.fixer import fix_source
+
+LOOP = textwrap.dedent(
+    """\
+    import torch
+    import torch.nn.functional as F
+
+
+    def train(model, batches, optimizer, scaler, accum_steps):
+        for step, (x, y) in enumerate(batches):
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+            scaler.scale(loss / accum_steps).backward()
+            if (step + 1) % accum_steps == 0:
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+    """
+)
+K, MICRO, LENGTH, VOCAB, SCALE = 4, 4, 24, 16, 2.0**17
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(K):
+        x = torch.randint(0, VOCAB, (MICRO, LENGTH), generator=generator)
+        y = torch.randint(0, VOCAB, (MICRO, LENGTH), generator=generator)
+        y[:, : int(torch.randint(1, LENGTH - 1, (1,), generator=generator))] = -100
+        out.append((x, y))
+    return out
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
+
+
+def run(source: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """The GradScaler's scale after one window, and the unscaled gradients it stepped with."""
+    namespace: dict = {}
+    exec(compile(source, "train.py", "exec"), namespace)  # noqa: S102
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    grads: list[dict[str, torch.Tensor]] = []
+    optimizer.register_step_pre_hook(
+        lambda *_: grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    namespace["train"](net, batches(), optimizer, scaler, K)
+    return scaler.get_scale(), grads[0] if grads else {}
+
+
+def test_the_fix_under_a_grad_scaler_keeps_the_scale_and_matches_the_full_batch():
+    patched = fix_source(LOOP.encode(), Path("train.py"), Settings(), False).after.decode()
+    assert "(micro_tokens / window_reference)" in patched
+    by_count = patched.replace("(micro_tokens / window_reference)", "micro_tokens").replace(
+        "div_(window_tokens / window_reference)", "div_(window_tokens)"
+    )
+    assert run(LOOP)[0] == SCALE
+    assert run(by_count)[0] < SCALE  # an overflow: the step was skipped, the scale halved
+    scale, grads = run(patched)
+    assert scale == SCALE
+    net, data = model(), batches()
+    x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
+    torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+    for name, param in net.named_parameters():
+        assert torch.allclose(grads[name], param.grad, rtol=1e-2, atol=1e-4), name
