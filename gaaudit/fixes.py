@@ -619,11 +619,18 @@ class Planner:
             )
             receiver = self._accelerator(site)
             self.edits.insert_before(statement_line(self.tree, outer), start)
-            body = "\n".join("    " + line for line in (normalize + start).splitlines())
-            self.edits.insert_after(
-                statement_line(self.tree, site.backward.call),
-                f"if {receiver}.sync_gradients:\n{body}\n",
-            )
+            backward = statement_line(self.tree, site.backward.call)
+            following = self._following(backward)
+            if (  # the user's own `if accelerator.sync_gradients:` block, at its top
+                isinstance(following, cst.If)
+                and following.orelse is None
+                and code(following.test) == f"{receiver}.sync_gradients"
+                and isinstance(following.body, cst.IndentedBlock)
+            ):
+                self.edits.insert_before(following.body.body[0], normalize + start)
+            else:
+                body = "\n".join("    " + line for line in (normalize + start).splitlines())
+                self.edits.insert_after(backward, f"if {receiver}.sync_gradients:\n{body}\n")
         for read, replacement in micro_reads:
             self.edits.replace[read] = cst.parse_expression(replacement).with_changes(
                 lpar=read.lpar, rpar=read.rpar
@@ -636,6 +643,15 @@ class Planner:
         for weighted in self._weighted[window.anchor]:
             value = f"{weighted.name}.detach()" + ("" if weighted.summed else f" * {self.micro}")
             self.edits.insert_before(weighted.statement, f"{self.window_loss} += {value}\n")
+
+    def _following(self, statement: cst.CSTNode) -> cst.CSTNode | None:
+        """The statement after `statement` in its block, if any."""
+        block = self.tree.parents.get(statement)
+        body = getattr(block, "body", ())
+        if isinstance(body, (list, tuple)) and statement in body:
+            index = body.index(statement) + 1
+            return body[index] if index < len(body) else None
+        return None
 
     def _optimizer(self, window: Window) -> str:
         regions = window.step_region if window.kind != "accumulate" else (window.anchor,)

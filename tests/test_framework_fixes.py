@@ -255,3 +255,15 @@ def test_the_readme_test_command_is_what_ci_runs():
     assert "[verify,test,jax]" in command
     ci_command = command.split("&& ", 2)[2]  # after making and activating the virtualenv
     assert ci_command in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_accelerate_fix_reuses_the_users_sync_gradients_block():
+    """Issue 17, item 6: the one division goes at the top of the user's own
+    `if accelerator.sync_gradients:` block after the backward, before its clipping."""
+    original = (FIXTURES / "ga003_accelerate_accumulate_clm.py").read_text()
+    text, outcomes = fix(original)
+    assert [o[2] for o in outcomes] == [True]
+    guard = "if accelerator.sync_gradients:"
+    assert text.count(guard) == original.count(guard) == 2
+    block = text[text.index(guard) :]
+    assert block.index("param.grad.div_(") < block.index("accelerator.clip_grad_norm_(")
