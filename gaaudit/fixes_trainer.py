@@ -398,8 +398,11 @@ class TrainerPlanner:
                 + line
             )
             (new,) = cst.parse_module(source).body
-            if first == 0:
-                self.edits.before.setdefault(body[0], []).append(new)
+            if first == 0:  # a blank line closes it, before the method that was first
+                footer = [cst.EmptyLine(indent=False)]
+                self.edits.before.setdefault(body[0], []).append(
+                    new.with_changes(body=new.body.with_changes(footer=footer))
+                )
             else:  # after what precedes the first method, which keeps its blank line above
                 blank = cst.EmptyLine(indent=False)
                 self.edits.after.setdefault(body[first - 1], []).append(

@@ -321,9 +321,7 @@ class TrainerAudit:
                 "large and still weighted per micro-batch"
             )
             facts = (where, f"loss: {origin.description}")
-            owner = next(
-                (a for a in self.tree.ancestors(function) if isinstance(a, cst.ClassDef)), None
-            )
+            owner = self._class_of(function)
             hint = (
                 "Return the micro-batch's token-loss sum divided by num_items_in_batch, the "
                 "Trainer's count of valid targets in the whole window."
@@ -366,11 +364,15 @@ class TrainerAudit:
         """The same-file function `f` or method `self.f` an expression names."""
         if isinstance(expr, cst.Name):
             function = self.tree.functions.get(expr.value)
-            methods = (s for c in self.tree.classes for s in c.body.body)
-            return None if function is None or function in set(methods) else function
+            return function if function is not None and self._class_of(function) is None else None
         if cls is not None and isinstance(expr, cst.Attribute) and code(expr.value) == "self":
             return methods_of(cls).get(expr.attr.value)
         return None
+
+    def _class_of(self, function: cst.FunctionDef) -> cst.ClassDef | None:
+        """The class a function is a method of."""
+        holder = self.tree.parents.get(self.tree.parents.get(function))
+        return holder if isinstance(holder, cst.ClassDef) else None
 
     def count_dropped(self, function: cst.FunctionDef) -> cst.Call | None:
         """A `super().compute_loss(...)` call of a `compute_loss` override that never reads
