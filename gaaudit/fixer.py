@@ -19,6 +19,7 @@ COVERED = "by the GA004/GA005 rewrite of the same code"
 def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False) -> FileFix:
     """Rewrite every reported, fixable finding of one file's bytes; raises `SourceError`."""
     from gaaudit.checks.accumulation import Auditor
+    from gaaudit.domain import Domains
     from gaaudit.fixes import Outcome, Planner
 
     shown = display_path(path)
@@ -43,7 +44,8 @@ def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False
     outcomes += [Outcome(s, *_start(tree, s.node), True, COVERED) for s in covered]
     sites = [s for s in sites if s not in covered]
     if sites:
-        planner = Planner(tree, auditor, unsafe)
+        domains = Domains(tree, auditor.tracer, context.evidence, text)
+        planner = Planner(tree, auditor, unsafe, domains)
         outcomes += planner.plan(sites)
         edits = _merged(edits, planner.edits)
     outcomes.sort(key=lambda o: (o.line, o.column, o.site.code))

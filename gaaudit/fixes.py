@@ -9,7 +9,7 @@ import libcst as cst
 
 from gaaudit.checks.accumulation import Auditor, Site
 from gaaudit.cst_edits import Edits, Unfixable, copy_edits, statement_line, with_argument
-from gaaudit.domain import shifts_labels
+from gaaudit.domain import Domains, shifts_labels
 from gaaudit.loops import Window, is_step
 from gaaudit.provenance import Origin
 from gaaudit.tree import Tree, code, dotted, keyword, positional
@@ -94,8 +94,10 @@ def _assigns_to_itself(statement: cst.CSTNode, division: cst.CSTNode) -> bool:
 class Planner:
     """Turns the sites of one file into edits, one accumulation window at a time."""
 
-    def __init__(self, tree: Tree, auditor: Auditor, unsafe: bool = False) -> None:
-        self.tree, self.auditor, self.unsafe = tree, auditor, unsafe
+    def __init__(
+        self, tree: Tree, auditor: Auditor, unsafe: bool = False, domains: Domains | None = None
+    ) -> None:
+        self.tree, self.auditor, self.unsafe, self.domains = tree, auditor, unsafe, domains
         self.edits = Edits()
         self.text = tree.module.code
         self.micro = self._fresh("micro_tokens")
@@ -116,6 +118,13 @@ class Planner:
         return candidate
 
     def plan(self, sites: list[Site]) -> list[Outcome]:
+        if (
+            self.domains is not None
+            and sites
+            and all(self.domains.of(site.origin).kind in ("examples", "dense") for site in sites)
+        ):  # not tokens: images, examples or elements are counted
+            self.micro = self._fresh("micro_count")
+            self.window_total = self._fresh("window_count")
         outcomes = []
         for site in sites:
             saved = self._snapshot()

@@ -277,7 +277,7 @@ class _Judge:
         """The numbers of the lines holding one of `words` (str), in order: a search per
         word runs at memory speed, where one alternation of them crawls."""
         data, starts, numbers = self.data, self._starts, set()
-        for word in words:
+        for word in filter(None, words):
             needle = word.encode()
             at = data.find(needle)
             while at >= 0:

@@ -334,6 +334,8 @@ def _rank(rank: int, port: int, fixture: str, out: str) -> None:
     trainer.train()
     if rank == 0:
         torch.save(capture.grads, Path(out) / "grads.pt")
+    torch.distributed.barrier()  # both done before the group goes: gloo aborts a process
+    torch.distributed.destroy_process_group()  # that exits with it still up
 
 
 def two_process_gradients(fixture: Path, out: Path) -> dict[str, torch.Tensor]:
