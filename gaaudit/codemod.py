@@ -38,7 +38,9 @@ class _Apply(cst.CSTTransformer):
             if inserted:  # blank lines and a notebook cell marker stay above what is inserted
                 lines = updated.leading_lines
                 moved = len(lines) if removed or _opens_cell(updated) else _blank_prefix(lines)
-                inserted[0] = inserted[0].with_changes(leading_lines=lines[:moved])
+                inserted[0] = inserted[0].with_changes(
+                    leading_lines=[*lines[:moved], *inserted[0].leading_lines]
+                )
                 updated = updated.with_changes(leading_lines=lines[moved:])
             body.extend(inserted)
             if not removed:

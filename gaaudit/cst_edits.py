@@ -24,10 +24,20 @@ class Edits:
     after: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
 
     def insert_before(self, anchor: cst.CSTNode, source: str) -> None:
-        self.before.setdefault(anchor, []).extend(cst.parse_module(source).body)
+        self.before.setdefault(anchor, []).extend(_statements(source))
 
     def insert_after(self, anchor: cst.CSTNode, source: str) -> None:
-        self.after.setdefault(anchor, []).extend(cst.parse_module(source).body)
+        self.after.setdefault(anchor, []).extend(_statements(source))
+
+
+def _statements(source: str) -> list[cst.BaseStatement]:
+    """The statements of `source`, a leading comment kept on the first (libcst gives it to
+    the module's header)."""
+    module = cst.parse_module(source)
+    body = list(module.body)
+    if module.header and body:
+        body[0] = body[0].with_changes(leading_lines=[*module.header, *body[0].leading_lines])
+    return body
 
 
 NO_SPACE = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))

@@ -15,6 +15,9 @@ from gaaudit.provenance import Origin
 from gaaudit.tree import Tree, code, dotted, keyword, positional
 
 TOKEN_LOSSES = ("cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss")
+# One line on each block a fix inserts, saying why it is there.
+WEIGHT_NOTE = "# sum and count: each micro-batch's loss counts its valid targets"
+DIVIDE_NOTE = "# one division per window, by the window's total count"
 
 
 @dataclass(frozen=True)
@@ -321,7 +324,8 @@ class Planner:
             )
             self.edits.insert_before(
                 anchor,
-                f"{self.micro} = {count}\n{self.window_total} += {self.micro}\n{reference}",
+                f"{WEIGHT_NOTE}\n{self.micro} = {count}\n{self.window_total} += {self.micro}\n"
+                + reference,
             )
         self._prepare_window(site)
 
@@ -703,7 +707,8 @@ class Planner:
             )
             scale = f"{count} / ({dist}.get_world_size() if {dist}.is_initialized() else 1)"
         return (
-            gather
+            f"{DIVIDE_NOTE}\n"
+            + gather
             + f"{total} = max(float({total}), 1.0)\n"
             + f"for group in {optimizer}.param_groups:\n"
             + '    for param in group["params"]:\n'

@@ -16,6 +16,7 @@ from gaaudit.config import Settings
 from gaaudit.engine import check_file
 from gaaudit.findings import Confidence
 from gaaudit.fixer import fix_source
+from gaaudit.fixes import DIVIDE_NOTE, WEIGHT_NOTE
 
 ALL = Settings(min_confidence=Confidence.LOW)
 PAIRS = sorted(FIXTURES.glob("*.fixed.py"))
@@ -93,6 +94,9 @@ def test_rewrite_keeps_comments_and_divides_before_the_step():
     )
     assert after.index("param.grad.div_(window_tokens)") < after.index("optimizer.step()")
     assert after.index("window_tokens = 0") < after.index("for step, batch")
+    # each inserted block says why in one line, right above it
+    assert f"    {WEIGHT_NOTE}\n    micro_tokens = " in after
+    assert f"        {DIVIDE_NOTE}\n        window_tokens = max(" in after
 
 
 @pytest.mark.parametrize(
