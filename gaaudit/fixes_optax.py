@@ -142,7 +142,7 @@ class OptaxPlanner:
             if (
                 not isinstance(node, cst.Name)
                 or node.value in values
-                or self._is_attribute_name(node)
+                or not self.tree.is_variable(node)
             ):
                 continue
             stmt = self.tracer.binding(node.value, node)
@@ -163,12 +163,6 @@ class OptaxPlanner:
                 )
             values[node.value] = self._inline(stmt.value, function, depth + 1)
         return _renamed(expr, values)
-
-    def _is_attribute_name(self, node: cst.Name) -> bool:
-        parent = self.tree.parents.get(node)
-        return (isinstance(parent, cst.Attribute) and parent.attr is node) or (
-            isinstance(parent, cst.Arg) and parent.keyword is node
-        )
 
     def _invocations(self, function: cst.FunctionDef) -> list[cst.Call]:
         """The calls that evaluate the gradient of `function`: `value_and_grad(f)(...)`, or

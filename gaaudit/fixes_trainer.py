@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from gaaudit.checks.trainer import (
+    COUNT,
     MODEL_OPT_OUT,
     OPT_OUT,
     Site,
@@ -46,7 +47,6 @@ from gaaudit.domain import shifts_labels
 from gaaudit.fixes import Outcome
 from gaaudit.tree import Tree, code, dotted, keyword, positional, string_value
 
-COUNT = "num_items_in_batch"
 # The stock `compute_loss`'s factor for a count gathered over every process.
 ACROSS, PROCESSES = "self.args.average_tokens_across_devices", "self.accelerator.num_processes"
 # When the stock `training_step` divides the loss by the accumulation steps (4.46 and later).

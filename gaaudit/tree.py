@@ -267,17 +267,20 @@ class Tree:
         body = scope if isinstance(scope, cst.Module) else scope.body
         return self.walk(body, into_defs=False)
 
+    def is_variable(self, node: cst.Name) -> bool:
+        """Whether a `Name` is a variable: not the `name` of `x.name`, nor the keyword of
+        `f(name=...)`."""
+        parent = self.parents.get(node)
+        return not (
+            (isinstance(parent, cst.Attribute) and parent.attr is node)
+            or (isinstance(parent, cst.Arg) and parent.keyword is node)
+        )
+
     def uses(self, scope: Scope, name: str) -> Iterator[cst.Name]:
-        """The `Name` nodes of one scope that are the variable `name` (not `x.name`, nor the
-        keyword of `f(name=...)`)."""
+        """The `Name` nodes of one scope that are the variable `name`."""
         for node in self.in_scope(scope):
-            if isinstance(node, cst.Name) and node.value == name:
-                parent = self.parents.get(node)
-                if not (
-                    (isinstance(parent, cst.Attribute) and parent.attr is node)
-                    or (isinstance(parent, cst.Arg) and parent.keyword is node)
-                ):
-                    yield node
+            if isinstance(node, cst.Name) and node.value == name and self.is_variable(node):
+                yield node
 
     @cached_property
     def functions(self) -> dict[str, cst.FunctionDef]:

@@ -17,7 +17,7 @@ from gaaudit.vocabulary import TRAINER_MODULES
 CODE = "GA004"
 COUNT = "num_items_in_batch"
 # Tests under which a division by K is the Trainer's own fallback for models without loss kwargs.
-FALLBACK_GUARDS = {"num_items_in_batch", "model_accepts_loss_kwargs", "compute_loss_func"}
+FALLBACK_GUARDS = {COUNT, "model_accepts_loss_kwargs", "compute_loss_func"}
 OPT_OUT = "model_accepts_loss_kwargs"  # a Trainer attribute; `Trainer.__init__` sets it
 MODEL_OPT_OUT = "accepts_loss_kwargs"  # a model class attribute the Trainer reads
 SCALED = "loss_is_scaled_for_ga"  # a Trainer class attribute (transformers 5.x)
@@ -95,7 +95,7 @@ class TrainerAudit:
         names, kwargs = parameters(function)
         overwritten = self._class_level_opt_out(cls)
         facts = (where,) if overwritten is None else (where, overwritten)
-        if "num_items_in_batch" not in names and kwargs is None:
+        if COUNT not in names and kwargs is None:
             yield Site(
                 function.name,
                 "`compute_loss` does not accept `num_items_in_batch`: transformers >= 4.46 passes it "
@@ -107,7 +107,7 @@ class TrainerAudit:
                 crashes=True,
             )
             return
-        if self._reads(function, {"num_items_in_batch", kwargs}) or self.opts_out(cls):
+        if self._reads(function, {COUNT, kwargs}) or self.opts_out(cls):
             return
         dropped = self.count_dropped(function)
         if dropped is not None:
@@ -280,7 +280,7 @@ class TrainerAudit:
 
     def _forward(self, cls: cst.ClassDef, forward: cst.FunctionDef, passed: str) -> Iterator[Site]:
         _, kwargs = parameters(forward)
-        if kwargs is not None and self._reads(forward, {"num_items_in_batch", kwargs}):
+        if kwargs is not None and self._reads(forward, {COUNT, kwargs}):
             return
         origin = self.returned_mean(forward)
         if origin is None:
