@@ -158,9 +158,8 @@ class Domains:
         return code(expr)
 
     def _torch_loss(self, configured: cst.Call) -> Domain:
-        name = (self.tree.qualified(configured.func) or dotted(configured.func) or "").rsplit(
-            ".", 1
-        )[-1]
+        func = self.tracer.default(configured.func) or configured.func
+        name = (self.tree.qualified(func) or dotted(func) or "").rsplit(".", 1)[-1]
         if name in DENSE_LOSSES:
             return Domain(
                 "dense", False, f"`{name}` averages over every element of fixed-size tensors"

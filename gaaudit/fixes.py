@@ -668,11 +668,19 @@ class Planner:
 
     def _optimizer(self, window: Window) -> str:
         regions = window.step_region if window.kind != "accumulate" else (window.anchor,)
+        helpers = []
         for region in regions:
             for call in self.auditor.structure.steps_in(region):
                 if is_step(call):
                     args = positional(call)
                     return code(args[0]) if args else code(call.func.value)
+                helpers.append(call)
+        if helpers:
+            raise Unfixable(
+                f"the optimizer steps inside `{code(helpers[0].func)}()` (line "
+                f"{self.tree.line(helpers[0])}); gaaudit rewrites a window whose step it sees "
+                "in the same function: divide the gradients there by the window's token count"
+            )
         raise Unfixable(
             "no optimizer step is visible for this window; gaaudit cannot tell whose gradients to divide"
         )

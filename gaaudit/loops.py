@@ -72,9 +72,12 @@ def is_step(call: cst.Call) -> bool:
 
 
 def backward_of(call: cst.Call) -> cst.BaseExpression | None:
-    """The loss a `backward` (or Lightning `manual_backward`) call differentiates, else None."""
+    """The loss a `backward` (or Lightning `manual_backward`) call differentiates, else None;
+    never a tensor's `backward(gradient=...)`, which passes a gradient on (a pipeline stage)."""
     func = call.func
     if not (isinstance(func, cst.Attribute) and func.attr.value in BACKWARDS):
+        return None
+    if keyword(call, "gradient") is not None:
         return None
     args = positional(call)
     if args:
@@ -188,12 +191,15 @@ class Structure:
         )
 
     def _micro_window(self, loop: cst.For | cst.While) -> Window | None:
-        """A loop of backward calls whose summed gradient is used after it (a step, a `.grad`)."""
-        after = tuple(self._after(loop))
-        if self._reads_grad(loop) or not any(
-            self.steps_in(s) or self._reads_grad(s) for s in after
-        ):
+        """A loop of backward calls whose summed gradient is used after it (a step, a `.grad`),
+        in its function or, past the function's end, after a same-file call of it."""
+        if self._reads_grad(loop, activations=False):
             return None
+        after = tuple(self._after(loop))
+        if not any(self.steps_in(s) or self._reads_grad(s) for s in after):
+            after = self._after_calls(loop)
+            if not any(self.steps_in(s) for s in after):
+                return None
         size = None
         iterated = loop.iter if isinstance(loop, cst.For) else None
         if isinstance(iterated, cst.Call) and dotted(iterated.func) == "range":
@@ -202,9 +208,29 @@ class Structure:
             size = cst.parse_expression(f"len({code(loop.iter)})")
         return Window("micro-loop", loop, size, loop, after)
 
-    def _reads_grad(self, region: cst.CSTNode) -> bool:
+    def _after_calls(self, node: cst.CSTNode) -> tuple[cst.CSTNode, ...]:
+        """The statements after each same-file call of the function holding `node` (its
+        caller steps once the micro-step loop has run)."""
+        function = self.tree.scope_of(node)
+        if not isinstance(function, cst.FunctionDef):
+            return ()
+        name = function.name.value
+        if self.tree.functions.get(name) is not function:
+            return ()
+        return tuple(
+            statement
+            for call in self.tree.calls
+            if _helper_name(call.func) == name and not self._inside(call, function)
+            for statement in self._after(call)
+        )
+
+    def _reads_grad(self, region: cst.CSTNode, activations: bool = True) -> bool:
+        """Whether `region` reads a `.grad`; not `activations`: leave out a micro-batch's
+        input gradient (`inputs[i].grad`, sent on by a pipeline stage)."""
         return any(
-            isinstance(n, cst.Attribute) and n.attr.value == "grad"
+            isinstance(n, cst.Attribute)
+            and n.attr.value == "grad"
+            and (activations or not isinstance(n.value, cst.Subscript))
             for n in self.tree.walk(region, into_defs=False)
         )
 

@@ -331,13 +331,17 @@ class Tracer:
             if method in PASS_THROUGH or (method == "scale" and len(call.args) == 1):
                 target = func.value if method in PASS_THROUGH else call.args[0].value
                 return self.origin(target, depth + 1)
-        qualified = self.tree.qualified(func) or ""
+        default = self.default(func)
+        qualified = self.tree.qualified(default or func) or ""
         if qualified in ("torch.mean", "torch.nanmean"):
             return self._mean(call, f"`{code(call)}`")
         if qualified in ("torch.sum", "torch.nansum"):
             return self._sum(call, f"`{code(call)}`")
         if qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES:
-            return self._reduction(call, call, f"`{qualified.rsplit('.', 1)[-1]}`")
+            what = f"`{qualified.rsplit('.', 1)[-1]}`"
+            if default is not None:
+                what = f"`{code(func)}`, by default {what}"
+            return self._reduction(call, call, what)
         constructor = self.loss_instance(func)
         if constructor is not None:
             return self._reduction(constructor, call, f"a `{code(constructor.func)}` instance")
@@ -493,6 +497,16 @@ class Tracer:
     def _is_torch_loss(self, call: cst.Call) -> bool:
         qualified = self.tree.qualified(call.func) or ""
         return qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES
+
+    def default(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
+        """The default of the parameter a callee names (`loss_func=F.cross_entropy`): what
+        runs unless the caller hands in another function."""
+        if not isinstance(func, cst.Name) or func not in self.tree.order:
+            return None
+        param = self.binding(func.value, func)
+        if isinstance(param, cst.Param) and isinstance(param.default, (cst.Name, cst.Attribute)):
+            return param.default
+        return None
 
     def _helper(self, func: cst.BaseExpression) -> cst.FunctionDef | None:
         """The same-file function (or `self.` method) a callee names."""

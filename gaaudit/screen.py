@@ -145,6 +145,7 @@ class _Judge:
         self.parents: dict[ast.AST, ast.AST] = {}
         self._region_steps: dict[ast.AST, list[ast.Call]] = {}
         self._windows: dict[ast.AST, bool] = {}
+        self._callers: list[ast.Call] = []  # calls of a micro-step loop's function that step after
         self.functions: dict[str, list[ast.AST]] = {}
         self.classes: list[ast.ClassDef] = []
         self.imports: list[ast.Import | ast.ImportFrom] = []
@@ -169,7 +170,7 @@ class _Judge:
             sites += backwards
         else:
             sites += [c for c in backwards if self._in_window(c)]
-        return {self._owner(site, members) for site in sites}
+        return {self._owner(site, members) for site in (*sites, *self._callers)}
 
     def family_words(self) -> tuple[bytes, ...]:
         """The triggers of the rule families, but GA004's, that can fire in this file."""
@@ -403,17 +404,40 @@ class _Judge:
 
     def _micro_loop(self, loop: ast.AST) -> bool:
         """Whether a loop of backward calls may be a micro-step loop: it neither clears nor
-        reads the gradients, and a step or a gradient read may follow it."""
+        reads the gradients, and a step or a gradient read may follow it, in its function or
+        after a call of that function (`loops.Structure._micro_window`)."""
         if any(
-            _reads_grad(n) or (isinstance(n, ast.Call) and _last(n.func) == "zero_grad")
+            _reads_grad(n, activations=False)
+            or (isinstance(n, ast.Call) and _last(n.func) == "zero_grad")
             for n in self._own_nodes(loop)
         ):
             return False
-        return any(
+        if any(
             _reads_grad(n) or self._may_step(n)
             for statement in self._after(loop)
             for n in self._own_nodes(statement)
-        )
+        ):
+            return True
+        function = next((a for a in self._ancestors(loop) if isinstance(a, FUNCTIONS)), None)
+        if function is None:
+            return False
+        callers = [
+            c
+            for c in self._calls_on({function.name})
+            if _last(c.func) == function.name
+            and function not in self._ancestors(c)
+            and any(
+                self._may_step(n)
+                for statement in self._after(self._statement(c))
+                for n in self._own_nodes(statement)
+            )
+        ]
+        self._callers += callers
+        return bool(callers)
+
+    def _statement(self, node: ast.AST) -> ast.AST:
+        """The statement holding `node`."""
+        return next((a for a in (node, *self._ancestors(node)) if isinstance(a, ast.stmt)), node)
 
     def _after(self, node: ast.AST) -> Iterator[ast.AST]:
         """The statements following `node` in its block, and after its enclosing blocks, up
@@ -646,8 +670,13 @@ def _is_modulo(node: ast.AST) -> bool:
     return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
 
 
-def _reads_grad(node: ast.AST) -> bool:
-    return isinstance(node, ast.Attribute) and node.attr == "grad"
+def _reads_grad(node: ast.AST, activations: bool = True) -> bool:
+    """`loops.Structure._reads_grad` on one node."""
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "grad"
+        and (activations or not isinstance(node.value, ast.Subscript))
+    )
 
 
 def _last(func: ast.expr) -> str | None:
