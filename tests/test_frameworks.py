@@ -10,7 +10,7 @@ from conftest import FIXTURES
 from packaging.specifiers import SpecifierSet
 
 from gaaudit import catalogue
-from gaaudit.checks.versions import check_repository, verdict
+from gaaudit.checks.versions import Pin, bad_pin, check_repository, verdict
 from gaaudit.config import Settings
 from gaaudit.engine import check_file
 from gaaudit.findings import Confidence
@@ -419,6 +419,24 @@ def test_repository_python_files_have_no_per_file_findings():
 )
 def test_verdict(specifier, expected):
     assert verdict(SpecifierSet(specifier)) == expected
+
+
+@pytest.mark.parametrize(
+    "requirement, expected",
+    [
+        ("transformers @ git+https://github.com/huggingface/transformers@v4.28.1", "old"),
+        ("transformers @ git+https://github.com/huggingface/transformers.git@v4.46.0", "early"),
+        ("transformers @ git+https://github.com/huggingface/transformers.git@v4.47.1", None),
+        ("transformers @ git+https://github.com/huggingface/transformers@0dcb46e7a4a9e5", "commit"),
+        ("transformers @ git+https://github.com/huggingface/transformers.git", None),
+        ("transformers @ git+https://github.com/someone/transformers.git@0dcb46e7", None),
+        ("peft @ git+https://github.com/huggingface/transformers@0dcb46e7", None),
+    ],
+)
+def test_git_pins(requirement, expected):
+    """A git tag of transformers is that release; a commit cannot be dated offline; the default
+    branch, a fork or another package is no pin of transformers' releases."""
+    assert bad_pin(Pin(1, 1, requirement, requirement, requirement)) == expected
 
 
 def write(root: Path, files: dict[str, str]) -> list[Path]:

@@ -40,6 +40,10 @@ SETTING = re.compile(r"""gradient[_-]accumulation[_-]steps["']?\s*(?:[:=]|\s)\s*
 QUOTED = re.compile(r"""(["'])\s*(transformers(?![\w-])[^"']*)\1""", re.IGNORECASE)
 POETRY = re.compile(r"""^(\s*["']?)transformers["']?\s*=\s*(.+?)\s*$""", re.IGNORECASE)
 CONDA = re.compile(r"^(?:[\w-]+::)?transformers\s*(?:=|\s)\s*(\d[\w.*]*)$", re.IGNORECASE)
+# The ref of a git URL of transformers itself: a release tag (`@v4.28.0`) or a commit.
+GIT_REF = re.compile(
+    r"huggingface/transformers(?:\.git)?@(?:v(?P<release>\d+\.\d+\.\d+)|[0-9a-f]{7,40})(?:[#&]|$)"
+)
 SCRIPT = re.compile(r"(?m)^# /// script\s*$")  # PEP 723 inline script metadata
 FRAMEWORK = re.compile(rb"\b(?:transformers|trl)\b")
 TRAINER_CALL = re.compile(rb"(?<![\w.])((?:\w+\.)*\w*Trainer)\s*\(")  # `transformers.Trainer(`
@@ -109,16 +113,25 @@ def _version(text: str) -> Version | None:
 
 
 def bad_pin(pin: Pin) -> str | None:
-    """The verdict on a pin that names transformers with a version specifier."""
+    """The verdict on a pin that names transformers with a version specifier, or installs it
+    from a git tag (judged as that release) or commit (`commit`: it cannot be dated here)."""
     from packaging.requirements import InvalidRequirement, Requirement  # only where pins are
+    from packaging.specifiers import SpecifierSet
 
     try:
         requirement = Requirement(pin.requirement)
     except InvalidRequirement:
         return None
-    if requirement.name.lower() != "transformers" or requirement.url or not requirement.specifier:
+    if requirement.name.lower() != "transformers":
         return None
-    return verdict(requirement.specifier)
+    if requirement.url:
+        ref = GIT_REF.search(requirement.url)
+        if ref is None:
+            return None  # the default branch, which has the fix
+        if ref.group("release"):
+            return verdict(SpecifierSet(f"=={ref.group('release')}"))
+        return "commit"
+    return verdict(requirement.specifier) if requirement.specifier else None
 
 
 # Pins -------------------------------------------------------------------------------------
@@ -354,6 +367,11 @@ def _finding(
             "admits only transformers releases before 4.46, whose Trainer divides each "
             "micro-batch's mean loss by the accumulation steps"
         )
+    elif kind == "commit":
+        problem = (
+            "installs transformers from a git commit, which may predate 4.46 and its Trainer's "
+            "division of each micro-batch's mean loss by the accumulation steps"
+        )
     else:
         problem = (
             "admits transformers 4.46.0/4.46.1 at best, whose Trainer over-scales the loss of "
@@ -365,6 +383,8 @@ def _finding(
         confidence, why = Confidence.HIGH, TRAINER_SEEN
     else:
         confidence, why = Confidence.MEDIUM, NO_TRAINER
+    if kind == "commit" and confidence > Confidence.MEDIUM:
+        confidence, why = Confidence.MEDIUM, f"{why}; gaaudit cannot date the commit offline"
     accumulates = "the code accumulates gradients"
     if isinstance(accumulation, Accumulation):
         if accumulation.run_time:
