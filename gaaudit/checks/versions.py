@@ -33,7 +33,7 @@ FIXED = "4.46.2"
 EARLY = "4.46.0"
 FLAGS = {"--gradient_accumulation_steps", "--gradient-accumulation-steps"}
 CONFIGS = {".yaml", ".yml", ".json", ".toml", ".cfg", ".ini", ".sh"}
-WANTED = (*CONFIGS, ".txt", "setup.py")  # the endings of every file `_walk` may keep
+WANTED = (*CONFIGS, ".txt", ".md", ".rst", "setup.py")  # the endings of every file `_walk` may keep
 MAX_BYTES = 1 << 20
 # `gradient_accumulation_steps: 8`, `"gradient_accumulation_steps": 8`, `= 8`, `--gradient-accumulation-steps 8`
 SETTING = re.compile(r"""gradient[_-]accumulation[_-]steps["']?\s*(?:[:=]|\s)\s*["']?(\d+)\b""")
@@ -44,6 +44,10 @@ CONDA = re.compile(r"^(?:[\w-]+::)?transformers\s*(?:=|\s)\s*(\d[\w.*]*)$", re.I
 GIT_REF = re.compile(
     r"huggingface/transformers(?:\.git)?@(?:v(?P<release>\d+\.\d+\.\d+)|[0-9a-f]{7,40})(?:[#&]|$)"
 )
+# A README's pin, in a `pip install` line or a code span: `transformers==4.29.2` (a lower
+# bound alone never excludes the fix).
+TRANSFORMERS = re.compile(r"(?i)transformers(?![\w-])")  # a requirement that names it
+README_PIN = re.compile(r"\btransformers(?:\[[\w,]+\])?\s*(?:==|<=|<|~=)\s*\d[\w.*]*")
 SCRIPT = re.compile(r"(?m)^# /// script\s*$")  # PEP 723 inline script metadata
 FRAMEWORK = re.compile(rb"\b(?:transformers|trl)\b")
 TRAINER_CALL = re.compile(rb"(?<![\w.])((?:\w+\.)*\w*Trainer)\s*\(")  # `transformers.Trainer(`
@@ -149,6 +153,8 @@ def pins(path: Path, text: str) -> list[Pin]:
         return list(_setup_cfg(lines))
     if name.startswith("environment"):
         return list(_environment(lines))
+    if _is_readme(path):
+        return list(_readme(lines))
     return [
         pin for number, raw in enumerate(lines, 1) if (pin := _requirement_line(number, raw, 0))
     ]
@@ -160,10 +166,24 @@ def is_pin_file(path: Path) -> bool:
         return True
     if name.startswith("environment") and path.suffix in (".yml", ".yaml"):
         return True
+    if _is_readme(path):
+        return True
     text_file = path.suffix == ".txt"
     return text_file and (
         name.startswith(("requirement", "constraint")) or path.parent.name == "requirements"
     )
+
+
+def _is_readme(path: Path) -> bool:
+    return path.name.lower().startswith("readme") and path.suffix in (".md", ".rst", ".txt")
+
+
+def _readme(lines: list[str]) -> Iterator[Pin]:
+    """The transformers versions a README tells its users to install."""
+    for number, raw in enumerate(lines, 1):
+        for match in README_PIN.finditer(raw):
+            text = match.group(0)
+            yield Pin(number, match.start() + 1, text, text.replace(" ", ""), raw)
 
 
 def _requirement_line(number: int, raw: str, start: int) -> Pin | None:
@@ -361,6 +381,7 @@ def _finding(
     trainer: bool,
     sites: Iterable[str] = (),
     packed: str | None = None,
+    documented: str = "",
 ) -> Finding:
     if kind == "old":
         problem = (
@@ -383,8 +404,9 @@ def _finding(
         confidence, why = Confidence.HIGH, TRAINER_SEEN
     else:
         confidence, why = Confidence.MEDIUM, NO_TRAINER
-    if kind == "commit" and confidence > Confidence.MEDIUM:
-        confidence, why = Confidence.MEDIUM, f"{why}; gaaudit cannot date the commit offline"
+    capped = {"commit": "gaaudit cannot date the commit offline"}.get(kind) or documented
+    if capped and confidence > Confidence.MEDIUM:
+        confidence, why = Confidence.MEDIUM, f"{why}; {capped}"
     accumulates = "the code accumulates gradients"
     if isinstance(accumulation, Accumulation):
         if accumulation.run_time:
@@ -475,13 +497,18 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     settings found in its own folder and below. Nothing else is read unless a bad pin exists.
     """
     walked = sorted({_real(p) for root in roots if root.is_dir() for p in _walk(root)})
-    bad = {}
-    for path in {p for p in walked if is_pin_file(p)} | {_real(p) for p in files if is_pin_file(p)}:
+    bad, declared = {}, set()  # the folders whose dependency files name transformers
+    pin_files = {p for p in walked if is_pin_file(p)} | {_real(p) for p in files if is_pin_file(p)}
+    for path in sorted(pin_files, key=_is_readme):  # READMEs last: see `declared`
         text = _read(path).decode("utf-8", "replace")
+        named = pins(path, text)
+        if not _is_readme(path):
+            if any(TRANSFORMERS.match(pin.requirement) for pin in named):
+                declared.add(path.parent)
+        elif any(path.parent.is_relative_to(folder) for folder in declared):
+            continue  # a dependency file rules; a README's version is advice
         found = [
-            (pin, kind)
-            for pin in pins(path, text)
-            if (kind := bad_pin(pin)) and not _suppressed(pin.raw)
+            (pin, kind) for pin in named if (kind := bad_pin(pin)) and not _suppressed(pin.raw)
         ]
         if found:
             bad[path] = found
@@ -511,11 +538,14 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
         packed = _packed(trainers, data)
         shown = display_path(path)
         sites = [*trainers.values()]
+        documented = (
+            "the README names the version, not a dependency file" if _is_readme(path) else ""
+        )
         reports.append(
             FileReport(
                 shown,
                 [
-                    _finding(shown, pin, kind, here[0], trainer, sites, packed)
+                    _finding(shown, pin, kind, here[0], trainer, sites, packed, documented)
                     for pin, kind in found
                 ],
             )
