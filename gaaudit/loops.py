@@ -118,12 +118,23 @@ class Structure:
             loss = backward_of(node)
             if isinstance(loss, cst.BaseExpression):
                 params = [p.name.value for p in function.params.params]
-                root = next(
-                    (n.value for n in self.tree.walk(loss) if isinstance(n, cst.Name)), None
+                root = self._alias(
+                    function,
+                    next((n.value for n in self.tree.walk(loss) if isinstance(n, cst.Name)), None),
                 )
                 if root in params:
                     backward[name] = params.index(root) - (params[:1] == ["self"])
         return backward, stepping
+
+    def _alias(self, function: cst.FunctionDef, name: str | None) -> str | None:
+        """The name `name` stands for in `function` when its one binding there copies another
+        name (`loss = lm_loss`), else `name`."""
+        bound = self.tree.bindings(function).get(name or "", ())
+        if len(bound) == 1 and isinstance(bound[0], cst.Assign):
+            value = bound[0].value
+            if isinstance(value, cst.Name) and len(bound[0].targets) == 1:
+                return value.value
+        return name
 
     def backwards(self) -> Iterator[Backward]:
         helpers, _ = self._helpers
