@@ -174,6 +174,13 @@ class Planner:
             raise Unfixable(
                 ACROSS_CALLS.format(function=function, optimizer=optimizer, code=site.code)
             )
+        if site.window.kind == "callable":
+            raise Unfixable(
+                f"`{code(site.window.anchor.func)}(...)` backpropagates the loss and steps the "
+                "optimizer out of sight; weight each micro-batch's loss by its valid-token count "
+                "here and divide the gradients by the window's count before that step "
+                f"(see `gaaudit explain {site.code}`)"
+            )
         if site.window.kind == "pipeline":
             raise Unfixable(
                 "the pipeline schedule calls the loss function per micro-batch and the window's "

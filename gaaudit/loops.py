@@ -21,7 +21,7 @@ from gaaudit.vocabulary import (
 )
 
 WindowKind = Literal[
-    "modulo", "micro-loop", "accumulate", "framework", "pipeline", "calls", "named"
+    "modulo", "micro-loop", "accumulate", "framework", "pipeline", "calls", "callable", "named"
 ]
 DEEPSPEED_ACCUMULATION = "gradient_accumulation_steps"  # the DeepSpeed config key
 
@@ -148,6 +148,20 @@ class Structure:
                 args = positional(node)
                 if 0 <= helpers[name] < len(args):
                     yield Backward(node, args[helpers[name]])
+            elif self.stepping_callable(node) is not None:
+                yield Backward(node, positional(node)[0])
+
+    def stepping_callable(self, call: cst.Call) -> cst.BinaryOperation | None:
+        """For a call handed the loss first, an optimizer, and a flag computed from `a % k`
+        (MAE's and timm's `loss_scaler(loss, optimizer, update_grad=(i + 1) % k == 0)`, an
+        `amp_step(loss, opt, update=...)` of another module): the `a % k`. Such a callable
+        backpropagates the loss and steps the optimizer when the flag holds."""
+        values = [a.value for a in call.args]
+        if not positional(call) or backward_of(call) is not None:
+            return None
+        if not any(OPTIMIZER.search(last_name(v) or "") for v in values[1:]):
+            return None
+        return next((m for v in values[1:] if (m := self._modulo(v)) is not None), None)
 
     def _inside(self, node: cst.CSTNode, outer: cst.CSTNode) -> bool:
         return self.tree.contains(outer, node)
@@ -165,6 +179,12 @@ class Structure:
         """The accumulation window a backward call belongs to, if the code shows one."""
         if self._deepspeed_engine(backward) and self.deepspeed_accumulation():
             return Window("framework", None, None, backward.call, ())
+        flag = self.stepping_callable(backward.call) if backward.call is not None else None
+        if flag is not None:
+            loop = next(
+                (a for a in self.tree.ancestors(backward.call) if isinstance(a, LOOPS)), None
+            )
+            return Window("callable", loop, flag.right, backward.call, ())
         scope = self.tree.scope_of(backward.call)
         ancestors = []
         for node in self.tree.ancestors(backward.call):

@@ -89,6 +89,14 @@ def _unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
     return count
 
 
+def _per_window(count: cst.Subscript) -> bool:
+    """Whether a subscript reads one entry per window: its index is a floor division
+    (`totals[step // accum_iter]`), the same for the K micro-steps of a window."""
+    index = count.slice[0].slice if len(count.slice) == 1 else None
+    value = index.value if isinstance(index, cst.Index) else None
+    return isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.FloorDivide)
+
+
 def _is_weight(factor: cst.BaseExpression) -> bool:
     """A number, or a configured loss weight (`args.loss_multiplier`, `self.aux_weight`): a
     factor that keeps a mean a mean, unlike a count."""
@@ -191,7 +199,11 @@ class Tracer:
         if loop is None:
             count = _unguarded(divisor)
             return not isinstance(count, (cst.Name, cst.Attribute, cst.Integer, cst.Float))
-        return depends_on(divisor, self.tree.assigned_in(loop))
+        assigned = self.tree.assigned_in(loop)
+        count = _unguarded(divisor)
+        if isinstance(count, cst.Subscript) and _per_window(count):  # `totals[step // k]`
+            return depends_on(count.value, assigned)
+        return depends_on(divisor, assigned)
 
     def _name(self, expr: cst.Name, depth: int) -> Origin:
         binding = self.binding(expr.value, expr)
@@ -420,7 +432,26 @@ class Tracer:
         annotated = self._annotated_class(func) if found is None else None
         if annotated is not None:
             found = self.imports.instance_origin(cst.Call(func=annotated), call, index)
+        if found is None and call is not None:
+            found = self._passed(func, call, index)
         return found
+
+    def _passed(self, func: cst.BaseExpression, call: cst.Call, index: int | None) -> Origin | None:
+        """What a parameter of a top-level function returns when called: the instance the
+        function's callers in other modules pass for it (`train_one_epoch(model, ...)` with
+        `model = MetaModel(...)`; see `repository.Imports.passed_origin`)."""
+        if not isinstance(func, cst.Name) or func not in self.tree.order:
+            return None
+        param = self.binding(func.value, func)
+        function = self.tree.scope_of(func)
+        if not isinstance(param, cst.Param) or not isinstance(function, cst.FunctionDef):
+            return None
+        if self.tree.module.body.count(function) == 0:  # a method or a nested function
+            return None
+        names = [p.name.value for p in function.params.params]
+        return self.imports.passed_origin(
+            function.name.value, names.index(func.value), func.value, call, index
+        )
 
     def _annotated_class(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
         """The class a callee's parameter is annotated with (`model: SoundStorm`), followed

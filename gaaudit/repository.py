@@ -27,7 +27,7 @@ from gaaudit.focus import focus
 from gaaudit.modules import MAX_HOPS, Dependency, file_digest, locate
 from gaaudit.provenance import Division, Kind, Origin, Tracer, argument_for
 from gaaudit.source import SourceError, parse
-from gaaudit.tree import Tree, code, dotted
+from gaaudit.tree import Tree, code, dotted, positional
 
 LOSS_METHODS = ("forward", "__call__")
 LOSS_METHOD_DEFS = tuple(f"def {m}(".encode() for m in LOSS_METHODS)  # kept by `focus`
@@ -194,12 +194,18 @@ class Imports:
     """
 
     def __init__(
-        self, tree: Tree | None, directory: Path, repository: Repository = SHARED, hops: int = 0
+        self,
+        tree: Tree | None,
+        directory: Path,
+        repository: Repository = SHARED,
+        hops: int = 0,
+        name: str = "",
     ) -> None:
         self.tree = tree
         self.directory = Path(os.path.abspath(directory))  # relative folders have no parents
         self.repository = repository
         self.hops = hops
+        self.name = name  # the file's own name in `directory`, when it is a file of its own
         self.dependencies: set[Dependency] = set()
         self._bindings: dict[str, Reference] | None = None
 
@@ -255,6 +261,62 @@ class Imports:
             return None
         return self._origin(_item(found, index), found, reference, constructor, call)
 
+    def passed_origin(
+        self, function: str, position: int, parameter: str, call: cst.Call, index: int | None
+    ) -> Origin | None:
+        """What calling the instance that callers of this file's `function` pass for its
+        `parameter` returns (element `index` of a returned tuple): callers are the modules
+        beside this file that import `function` and call it with an instance of a class of
+        the repository, through wrappers that take it first (`FSDP(model, ...)`). Every
+        file beside this one is a dependency: a caller edited re-judges this file."""
+        if not self.name or self.hops > MAX_HOPS:
+            return None
+        needle = function.encode() + b"("
+        for path in sorted(self.directory.glob("*.py")):
+            digest = file_digest(path)
+            self.dependencies.add(Dependency(str(path), digest))
+            if path.name == self.name or not digest:
+                continue
+            try:
+                data = path.read_bytes()
+                if needle not in data:
+                    continue
+                tree = Tree(parse(data), data)
+            except (OSError, SourceError, RecursionError):
+                continue
+            caller = Imports(tree, path.parent, self.repository, self.hops + 1)
+            found = caller._passed(function, position, parameter, self, call, index)
+            self.dependencies |= caller.dependencies
+            if found is not None:
+                return found
+        return None
+
+    def _passed(
+        self,
+        function: str,
+        position: int,
+        parameter: str,
+        callee: Imports,
+        call: cst.Call,
+        index: int | None,
+    ) -> Origin | None:
+        """In a caller's file: the origin of the instance its calls of `function` (imported
+        from `callee`'s file) pass for `parameter`."""
+        tracer = Tracer(self.tree, self)
+        target = callee.directory / callee.name
+        for site in self.tree.calls:
+            reference = self.reference(site.func)
+            if reference is None or reference.name != function:
+                continue
+            module = locate(self.directory, reference.level, reference.module, self.dependencies)
+            if module is None or module.resolve() != target.resolve():
+                continue
+            argument = argument_for(site, position, parameter)
+            constructor = _constructor(tracer, argument, self) if argument is not None else None
+            if constructor is not None:
+                return self.instance_origin(constructor, call, index)
+        return None
+
     def _origin(
         self, returned: Returned | None, found: Summary, reference: Reference, func, call
     ) -> Origin | None:
@@ -270,6 +332,29 @@ class Imports:
             callee=found.name,
             variable=found.variable,
         )
+
+
+def _constructor(
+    tracer: Tracer, value: cst.BaseExpression, imports: Imports, hops: int = 4
+) -> cst.Call | None:
+    """The call that built the instance `value` names: a class this file imports from the
+    repository, found through the names it is bound to and the wrappers that take it first
+    (`model = DDP(model, ...)`, `torch.compile(model)`)."""
+    if hops < 0:
+        return None
+    if isinstance(value, cst.Name) and value in tracer.tree.order:
+        bound = tracer.binding(value.value, value)
+        if not isinstance(bound, cst.Assign) or len(bound.targets) != 1:
+            return None
+        value = bound.value
+    if not isinstance(value, cst.Call):
+        return None
+    reference = imports.reference(value.func)
+    found = imports.summary(reference) if reference is not None else None
+    if found is not None and found.is_class:
+        return value
+    first = positional(value)[:1]
+    return _constructor(tracer, first[0], imports, hops - 1) if first else None
 
 
 def _item(found: Summary, index: int | None) -> Returned | None:

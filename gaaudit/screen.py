@@ -35,9 +35,11 @@ from gaaudit.source import TRIGGERS
 from gaaudit.vocabulary import (
     ACCUMULATION_NAMES,
     BACKWARDS,
+    OPTIMIZER,
     PIPELINE_CLASSES,
     TRAINER_MODULES,
     steps_optimizer,
+    window_guards,
 )
 
 # The other rule families, each with the triggers that mark the definitions it reads. A
@@ -123,7 +125,7 @@ def _trigger_offsets(data: bytes) -> list[int]:
     silent = {
         w for words, signs in FAMILY_SIGNS if not any(s in data for s in signs) for w in words
     }
-    found = []
+    found = window_guards(data)
     for trigger in TRIGGERS:
         if trigger not in silent:
             at = data.find(trigger)
@@ -170,6 +172,7 @@ class _Judge:
             sites += backwards
         else:
             sites += [c for c in backwards if self._in_window(c)]
+        sites += self._stepping_callables()
         return {self._owner(site, members) for site in (*sites, *self._callers)}
 
     def family_words(self) -> tuple[bytes, ...]:
@@ -435,6 +438,17 @@ class _Judge:
         self._callers += callers
         return bool(callers)
 
+    def _stepping_callables(self) -> list[ast.Call]:
+        """Calls handed the loss, an optimizer and a flag computed from `a % k`
+        (`loops.Structure.stepping_callable`), on lines that name an optimizer."""
+        return [
+            call
+            for call in self._calls_on({"opt"})
+            if call.args
+            and any(OPTIMIZER.search(_last(a) or "") for a in _arguments(call))
+            and any(self._modular(a) for a in _arguments(call)[1:])
+        ]
+
     def _statement(self, node: ast.AST) -> ast.AST:
         """The statement holding `node`."""
         return next((a for a in (node, *self._ancestors(node)) if isinstance(a, ast.stmt)), node)
@@ -677,6 +691,11 @@ def _reads_grad(node: ast.AST, activations: bool = True) -> bool:
         and node.attr == "grad"
         and (activations or not isinstance(node.value, ast.Subscript))
     )
+
+
+def _arguments(call: ast.Call) -> list[ast.expr]:
+    """A call's argument values, positional first."""
+    return [*call.args, *(k.value for k in call.keywords)]
 
 
 def _last(func: ast.expr) -> str | None:

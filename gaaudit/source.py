@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gaaudit.focus import DEFINITIONS
+from gaaudit.vocabulary import window_guards
 
-# Byte patterns without which no rule can fire: files lacking all of them are never parsed.
+# Byte patterns without which no rule can fire (besides a window's guard, `% accum_iter`:
+# `vocabulary.window_guards`): files lacking all of them are never parsed.
 TRIGGERS = (
     b".backward(",
     b"accumulate_grad_batches",
@@ -63,7 +65,9 @@ class Source:
     @property
     def may_have_findings(self) -> bool:
         data = self.data
-        return any(key in data and any(t in data for t in group) for key, group in PROBES)
+        return any(key in data and any(t in data for t in group) for key, group in PROBES) or bool(
+            window_guards(data)
+        )
 
 
 def read(path: Path, data: bytes | None = None) -> Source:

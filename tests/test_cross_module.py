@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -18,6 +19,7 @@ from gaaudit.fixer import fix_source
 from gaaudit.modules import Dependency, current, file_digest
 from gaaudit.source import parse
 from gaaudit.tree import Tree
+from gaaudit.vocabulary import window_guards
 
 ALL = Settings(min_confidence=Confidence.LOW)
 PACKAGES = sorted(p for p in FIXTURES.glob("*_xmod_*") if p.is_dir())
@@ -97,14 +99,17 @@ def test_package_fixtures_are_varied():
 
 def test_correct_packages_are_clean_because_the_helper_was_read(tmp_path):
     """Without its helper module, the correct package's loss is unknown (or guessed from its
-    name) and reported."""
+    name) and reported. A helper holds definitions, and neither a backward nor a window's
+    step guard (`% accum_iter`)."""
     for folder in (p for p in PACKAGES if not expected_rows(p)):
         copy = tmp_path / folder.name
         write(copy, {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*.py")})
         helpers = [
             p
             for p in copy.rglob("*.py")
-            if "def " in p.read_text() and ".backward(" not in p.read_text()
+            if "def " in p.read_text()
+            and ".backward(" not in p.read_text()
+            and not window_guards(p.read_bytes())
         ]
         for helper in helpers:
             helper.unlink()
@@ -512,3 +517,41 @@ def test_deepspeed_pipeline_names_its_configured_micro_batches(tmp_path):
     (finding,) = check_file(tmp_path / "ds.py", ALL).findings
     assert (finding.code, finding.span.line, finding.confidence) == ("GA003", 6, Confidence.MEDIUM)
     assert "gradient_accumulation_steps (a config dict (line 5))" in finding.message
+
+
+# Callers: a parameter bound where the function is called ----------------------------------
+
+
+def test_the_callers_instance_decides_and_its_files_are_dependencies(tmp_path):
+    """`train_one_epoch(model, ...)` in engine.py: the class main.py passes (through a
+    wrapper) is read for the loss; main.py and its class's module are dependencies, so an
+    edit of the caller re-judges engine.py."""
+    folder = tmp_path / "pkg"
+    shutil.copytree(FIXTURES / "ga001_xmod_loss_scaler_callers", folder)
+    engine = folder / "engine.py"
+    report = check_file(engine, ALL)
+    assert rows(report) == [(12, "GA001", "medium")]
+    assert "returned by `TinyLM.forward()` imported from `model`" in report.findings[0].evidence[0]
+    dependencies = context_of(engine).dependencies
+    assert {"main.py", "model.py"} <= {Path(d.path).name for d in dependencies}
+    main = folder / "main.py"
+    main.write_text(main.read_text().replace("model = TinyLM()", "model = build_model()"))
+    assert not current(dependencies)
+    assert rows(check_file(engine, ALL)) == [(12, "GA001", "low")]
+
+
+@pytest.mark.parametrize(
+    "line, found",
+    [
+        (b"if (step + 1) % accum_iter == 0:", True),
+        (b"update = i % args.gradient_accumulation_steps == 0", True),
+        (b"flag = (i + 1) % (cfg['train'].grad_accum) == 0", True),
+        (b"if step % accumulation == 0:", False),  # not an accumulation name
+        (b"if accum_iter % 2:", False),  # the name is the dividend
+        (b"if step % accum_iter_x == 0:", False),  # a longer name
+    ],
+)
+def test_window_guards_are_a_modulo_by_an_accumulation_name(line, found):
+    """The byte prefilter admits a file that guards a window, though its backward hides in a
+    callable handed the loss."""
+    assert bool(window_guards(b"x = 1\n" + line + b"\n")) == found

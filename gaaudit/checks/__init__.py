@@ -42,7 +42,7 @@ class Context:
         """Helpers imported from other modules of the repository, summarised when a rule asks."""
         from gaaudit.repository import Imports
 
-        return Imports(self.tree, self.directory)
+        return Imports(self.tree, self.directory, name=Path(self.path).name)
 
     @property
     def dependencies(self) -> frozenset[Dependency]:

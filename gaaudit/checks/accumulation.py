@@ -173,7 +173,7 @@ class Auditor:
                 f"Gradients divided by the constant accumulation divisor `{code(divisor)}` "
                 "after backward on per-micro-batch mean losses",
             )
-        if not scaled and window.kind in ("modulo", "micro-loop", "calls"):
+        if not scaled and window.kind in ("modulo", "micro-loop", "calls", "callable"):
             yield Site(
                 "no-division",
                 backward.call,
@@ -354,6 +354,12 @@ class Auditor:
             return f"micro-step loop over `{head}` (line {line}) before one optimizer step"
         if window.kind == "accumulate":
             return f"`accumulate()` context (line {line})"
+        if window.kind == "callable":
+            flag = self.structure.stepping_callable(window.anchor)
+            return (
+                f"`{code(window.anchor.func)}(...)` (line {line}) is handed the loss and the "
+                f"optimizer, and steps every `{code(flag.right)}` calls (`{code(flag)}`)"
+            )
         if window.kind == "framework":
             return f"the framework accumulates gradients for you (line {line})"
         if window.kind == "pipeline":
