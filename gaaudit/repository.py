@@ -284,7 +284,7 @@ class Imports:
                 tree = Tree(parse(data), data)
             except (OSError, SourceError, RecursionError):
                 continue
-            caller = Imports(tree, path.parent, self.repository, self.hops + 1)
+            caller = Imports(tree, path.parent, self.repository, self.hops + 1, path.name)
             found = caller._passed(function, position, parameter, self, call, index)
             self.dependencies |= caller.dependencies
             if found is not None:
@@ -312,13 +312,42 @@ class Imports:
             if module is None or module.resolve() != target.resolve():
                 continue
             argument = argument_for(site, position, parameter)
-            constructor = _constructor(tracer, argument, self) if argument is not None else None
+            if argument is None:
+                continue
+            constructor = _constructor(tracer, argument, self)
             if constructor is not None:
                 return self.instance_origin(constructor, call, index)
+            found = self._function_origin(argument, call, index)
+            if found is not None:
+                return found
         return None
 
+    def _function_origin(
+        self, argument: cst.BaseExpression, call: cst.Call, index: int | None
+    ) -> Origin | None:
+        """What calling a function passed as `argument` returns: one this file defines at
+        its top level, or imports from the repository."""
+        if not isinstance(argument, cst.Name):
+            return None
+        defined = _top_level(self.tree, argument.value)
+        if not isinstance(defined, cst.FunctionDef):
+            return self.origin(argument, call, index)
+        path = self.directory / self.name
+        found = self.repository.summary(path, argument.value, self.dependencies, self.hops)
+        if found is None:
+            return None
+        reference = Reference(0, path.stem, argument.value)
+        via = f", returned by `{found.name}()` that `{self.name}` passes"
+        return self._origin(_item(found, index), found, reference, argument, call, via)
+
     def _origin(
-        self, returned: Returned | None, found: Summary, reference: Reference, func, call
+        self,
+        returned: Returned | None,
+        found: Summary,
+        reference: Reference,
+        func,
+        call,
+        via: str = "",
     ) -> Origin | None:
         if returned is None or returned.kind == "unknown":
             return None
@@ -327,7 +356,7 @@ class Imports:
             returned.kind,
             f"{returned.what}{where}{returned.via}",
             divisions=tuple(_division(d, found, func, call) for d in returned.divisors),
-            via=f", returned by `{found.name}()` imported from `{reference.spelled}`",
+            via=via or f", returned by `{found.name}()` imported from `{reference.spelled}`",
             module=shown(found.path),
             callee=found.name,
             variable=found.variable,
