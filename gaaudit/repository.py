@@ -256,7 +256,12 @@ class Imports:
         """What calling an instance of an imported loss class returns (its `forward`;
         element `index` of a returned tuple)."""
         reference = self.reference(constructor.func)
-        found = self.summary(reference) if reference is not None else None
+        return self._instance(reference, constructor, call, index) if reference else None
+
+    def _instance(
+        self, reference: Reference, constructor: cst.Call, call: cst.Call | None, index: int | None
+    ) -> Origin | None:
+        found = self.summary(reference)
         if found is None or not found.is_class:
             return None
         return self._origin(_item(found, index), found, reference, constructor, call)
@@ -314,12 +319,35 @@ class Imports:
             argument = argument_for(site, position, parameter)
             if argument is None:
                 continue
-            constructor = _constructor(tracer, argument, self)
-            if constructor is not None:
-                return self.instance_origin(constructor, call, index)
+            built = _constructor(tracer, argument, self)
+            if built is not None:
+                maker, reference, constructor = built
+                found = maker._instance(reference, constructor, call, index)
+                self.dependencies |= maker.dependencies
+                return found
             found = self._function_origin(argument, call, index)
             if found is not None:
                 return found
+        return None
+
+    def built_by(self, factory: Summary, hops: int) -> Built | None:
+        """The class instance a factory function of the repository returns, with the imports
+        of the factory's module."""
+        path = factory.path
+        try:
+            data = path.read_bytes()
+            tree = Tree(parse(data), data)
+        except (OSError, SourceError, RecursionError):
+            return None
+        function = _top_level(tree, factory.name)
+        if not isinstance(function, cst.FunctionDef):
+            return None
+        maker = Imports(tree, path.parent, self.repository, self.hops + 1, path.name)
+        tracer = Tracer(tree, maker)
+        for returned in tracer.returns(function):
+            built = _constructor(tracer, returned, maker, hops)
+            if built is not None:
+                return built
         return None
 
     def _function_origin(
@@ -363,12 +391,17 @@ class Imports:
         )
 
 
+Built = tuple["Imports", Reference, cst.Call]  # whose imports, which class, which call
+
+
 def _constructor(
     tracer: Tracer, value: cst.BaseExpression, imports: Imports, hops: int = 4
-) -> cst.Call | None:
-    """The call that built the instance `value` names: a class this file imports from the
-    repository, found through the names it is bound to and the wrappers that take it first
-    (`model = DDP(model, ...)`, `torch.compile(model)`)."""
+) -> Built | None:
+    """The call that built the instance `value` names, the class it names and the imports
+    of the file that makes it: a class of the repository, found through the names it is
+    bound to, the wrappers that take it first (`model = DDP(model, ...)`,
+    `torch.compile(model)`) and the factory functions of the repository that return it
+    (`model = build_model(args)`)."""
     if hops < 0:
         return None
     if isinstance(value, cst.Name) and value in tracer.tree.order:
@@ -379,9 +412,14 @@ def _constructor(
     if not isinstance(value, cst.Call):
         return None
     reference = imports.reference(value.func)
+    own = isinstance(value.func, cst.Name) and _top_level(tracer.tree, value.func.value)
+    if reference is None and imports.name and isinstance(own, cst.ClassDef):
+        reference = Reference(1, Path(imports.name).stem, own.name.value)  # the file's own
     found = imports.summary(reference) if reference is not None else None
     if found is not None and found.is_class:
-        return value
+        return imports, reference, value
+    if found is not None:
+        return imports.built_by(found, hops - 1)
     first = positional(value)[:1]
     return _constructor(tracer, first[0], imports, hops - 1) if first else None
 
