@@ -53,7 +53,9 @@ DENSE_MODEL = re.compile(r"(?i)vae|autoencoder|unet|diffusion|discr|gan$|soundst
 # Keywords of a model call that hand it the micro-batch's lengths or masks (`lens=`,
 # `target_mask=`): its loss then covers a varying number of positions.
 LENGTHS = re.compile(r"(?i)(?:^|_)(?:lens?|lengths?|mask)$")
-PAIRWISE = re.compile(r"\blogsigmoid\b|\blog_sigmoid\b")
+# A pairwise preference loss: a log-sigmoid of margins, or a loss of the chosen and the
+# rejected answers' log-probabilities (DPO and kin): one element per pair.
+PAIRWISE = re.compile(r"\blogsigmoid\b|\blog_sigmoid\b|\bchosen\w*\W.*\brejected")
 SQUARED = re.compile(r"\*\*\s*2\b|\.pow\(\s*2\s*\)|\.abs\(\)|\btorch\.abs\(|\.square\(\)")
 FLATTENED = re.compile(r"\.(?:view|reshape)\(\s*-1\s*\)|\.flatten\(\)|\.view\(\s*-1\s*,")
 
@@ -153,6 +155,8 @@ class Domains:
         """The code of what `.mean()` reduces: a name's assigned value (`loss = -logsigmoid(z)`)."""
         if isinstance(expr, cst.Name) and expr in self.tree.order:
             stmt = self.tracer.binding(expr.value, expr)
+            while isinstance(stmt, cst.AugAssign):  # `losses += aux`: what was there before
+                stmt = self.tracer.binding(expr.value, stmt)
             if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1:
                 return code(stmt.value)
         return code(expr)

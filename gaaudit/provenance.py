@@ -24,7 +24,7 @@ TORCH_LOSSES = {
 # fmt: on
 PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half", "bfloat16"}
 MAX_DEPTH = 16
-WEIGHT = re.compile(r"(?i)weight|multiplier|coef|lambda|alpha|beta")
+WEIGHT = re.compile(r"(?i)weight|multiplier|coef|lambda|alpha|beta|temperature|^temp(?:_sq)?$")
 MODEL = re.compile(r"(?i)^(?:model|net|network|transformer|gpt|llm|lm|module)$|_model$|_wrapper$")
 GUARDS = {"clamp", "clamp_min", "clamp_", "clamp_min_", "float", "double", "to", "item", "detach"}
 
@@ -154,6 +154,9 @@ class Tracer:
         if isinstance(expr, cst.Name):
             return self._name(expr, depth)
         if isinstance(expr, cst.Attribute):
+            packed = self._packed_loss(expr) if expr.attr.value == "loss" else None
+            if packed is not None:  # `metrics = LossMetrics(loss=losses.mean())`
+                return self.origin(packed, depth + 1)
             if expr.attr.value == "loss":
                 return self._mean(
                     expr, f"`{code(expr)}`, the mean loss a model returns for its labels"
@@ -164,6 +167,16 @@ class Tracer:
         if isinstance(expr, cst.Call):
             return self._call(expr, depth)
         return UNKNOWN
+
+    def _packed_loss(self, expr: cst.Attribute) -> cst.BaseExpression | None:
+        """For `x.loss` where `x` is bound to a call handed `loss=...` in this file (a metrics
+        record): the value handed."""
+        if not isinstance(expr.value, cst.Name) or expr.value not in self.tree.order:
+            return None
+        stmt = self.binding(expr.value.value, expr.value)
+        if isinstance(stmt, cst.Assign) and isinstance(stmt.value, cst.Call):
+            return keyword(stmt.value, "loss")
+        return None
 
     def _mean(self, node: cst.CSTNode, what: str) -> Origin:
         return Origin("mean", what, node, tree=self.tree)

@@ -79,6 +79,7 @@ class Repository:
             tuple[str, str, str], tuple[Summary | None, frozenset[Dependency]]
         ] = {}
         self._visiting: set[tuple[str, str]] = set()
+        self._averaging: dict[tuple[str, str, str], tuple[int, str] | None] = {}
 
     def summary(
         self, path: Path, name: str, seen: set[Dependency], hops: int = 0
@@ -98,6 +99,19 @@ class Repository:
         found, dependencies = self._summaries[key]
         seen |= dependencies
         return found
+
+    def averaging(self, path: Path, name: str) -> tuple[int, str] | None:
+        """`checks.optax.averaged_steps` of the function `name` of the module at `path`."""
+        from gaaudit.checks.optax import averaged_steps
+
+        key = (str(path), file_digest(path), name)
+        if key not in self._averaging:
+            try:
+                data = focus(path.read_bytes(), (b"def " + name.encode() + b"(",))
+                self._averaging[key] = averaged_steps(Tree(parse(data), data), name)
+            except (OSError, SourceError, RecursionError, UnicodeEncodeError):
+                self._averaging[key] = None
+        return self._averaging[key]
 
     def _summarise(
         self, path: Path, name: str, hops: int
@@ -329,6 +343,21 @@ class Imports:
             if found is not None:
                 return found
         return None
+
+    def averaging(self, func: cst.BaseExpression) -> tuple[str, str] | None:
+        """Where a function of the repository that `func` names averages the gradients of
+        the micro-steps it runs (see `checks.optax.averaged_steps`), and by what."""
+        reference = self.reference(func)
+        if reference is None:
+            return None
+        path = locate(self.directory, reference.level, reference.module, self.dependencies)
+        if path is None:
+            return None
+        found = self.repository.averaging(path, reference.name)
+        if found is None:
+            return None
+        line, divisor = found
+        return f"{shown(path)} line {line}", divisor
 
     def built_by(self, factory: Summary, hops: int) -> Built | None:
         """The class instance a factory function of the repository returns, with the imports

@@ -90,8 +90,9 @@ class Site:
     """One reportable node, what GA005 says about it, and the accumulation it belongs to.
 
     `kind` is "multisteps" (`node` is the `MultiSteps(...)` call), "multisteps-sum" (the same,
-    summing the micro-gradients of mean losses) or "average" (`node` is the `g / k` inside
-    the lambda of `call`, a `tree_map`).
+    summing the micro-gradients of mean losses), "average" (`node` is the `g / k` inside
+    the lambda of `call`, a `tree_map`) or "combinator" (`node` is the call of another
+    module's function that averages the micro-gradients for the caller).
     """
 
     node: cst.CSTNode
@@ -108,10 +109,11 @@ class Site:
 class OptaxAudit:
     """GA005 over one file: `optax.MultiSteps`, and hand-written averages of micro-gradients."""
 
-    def __init__(self, tree: Tree, accumulation_names: frozenset[str]) -> None:
+    def __init__(self, tree: Tree, accumulation_names: frozenset[str], imports=None) -> None:
         self.tree = tree
-        self.tracer = JaxTracer(tree)
+        self.tracer = JaxTracer(tree, imports)
         self.names = ACCUMULATION_NAMES | accumulation_names
+        self.imports = imports  # a `repository.Imports`, to read combinators of other modules
 
     @cached_property
     def loss(self) -> tuple[Origin, cst.CSTNode | None]:
@@ -191,6 +193,31 @@ class OptaxAudit:
         yield from self._multisteps()
         if self._accumulates():
             yield from self._tree_divisions()
+        yield from self._combinators()
+
+    def _combinators(self) -> Iterator[Site]:
+        """A function of another module of the repository handed a gradient function
+        (`minibatch_call(..., grad_fn=jax.value_and_grad(loss_fn))`) that runs it over
+        micro-batches and divides the summed gradients by their number."""
+        if self.imports is None:
+            return
+        for node in self.tree.calls:
+            handed = any(
+                isinstance(a.value, cst.Call) and takes_gradient(self.tree, a.value.func)
+                for a in node.args
+            )
+            found = self.imports.averaging(node.func) if handed else None
+            if found is not None:
+                where, divisor = found
+                yield Site(
+                    node,
+                    f"`{code(node.func)}` divides the micro-gradients' sum by the number of "
+                    f"micro-steps `{divisor}` while each micro-step's loss {MEAN}: micro-batches "
+                    "are weighted equally instead of by their valid tokens",
+                    f"accumulation: `{code(node.func)}` averages the micro-gradients ({where})",
+                    "combinator",
+                    node,
+                )
 
     def _multisteps(self) -> Iterator[Site]:
         for node in self.tree.calls:
@@ -324,6 +351,21 @@ class OptaxAudit:
         return None
 
 
+def averaged_steps(tree: Tree, name: str) -> tuple[int, str] | None:
+    """Whether the top-level function `name` of `tree` runs the micro-steps (a loop or a
+    `lax.scan`) and divides a tree of gradients by their number: the line and the divisor."""
+    function = tree.functions.get(name)
+    if function is None or tree.enclosing_function(function) is not None:
+        return None
+    audit = OptaxAudit(tree, frozenset())
+    if not audit._accumulates():
+        return None
+    for _, division in audit._leaf_divisions():
+        if tree.contains(function, division) and audit._is_steps(division.right):
+            return tree.line(division), code(division.right)
+    return None
+
+
 def takes_gradient(tree: Tree, func: cst.BaseExpression) -> bool:
     """`jax.value_and_grad`, `eqx.filter_grad` and kin."""
     qualified = tree.qualified(func) or ""
@@ -356,7 +398,7 @@ def findings(context) -> list[Finding]:
     """GA005 for one file."""
     if not any(q.split(".")[0] in (*JAX_HOMES, "optax") for q in context.tree.imports.values()):
         return []
-    audit = OptaxAudit(context.tree, context.accumulation_names)
+    audit = OptaxAudit(context.tree, context.accumulation_names, context.imports)
     sites = list(audit.sites())
     if not sites:
         return []
@@ -381,7 +423,7 @@ def findings(context) -> list[Finding]:
                     f"confidence {confidence}: {why}",
                 ),
                 hint=hint,
-                fixable=site.kind != "multisteps-sum",
+                fixable=site.kind not in ("multisteps-sum", "combinator"),
             )
         )
     return found
