@@ -74,6 +74,9 @@ NESTED = (*FUNCTIONS, ast.ClassDef, ast.Lambda)
 LOOPS = (ast.For, ast.AsyncFor, ast.While)
 BLOCKS = ("body", "orelse", "finalbody")
 ASSIGNMENTS = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr)
+# An argument named like an optimizer (`vocabulary.OPTIMIZER`) before a comma or a bracket:
+# `optimizer,`, `opt)`, not `Optional[`.
+PASSED = re.compile(rb"opt\w*\s*[,)]")
 RELATIVE = re.compile(rb"\bfrom\s+(\.+)\s*(?!import\b)([A-Za-z_][\w.]*)?")
 DOTTED = re.compile(rb"(?<![\w.])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 # Nodes with nothing below them worth visiting (shared singletons such as `ast.Load()`).
@@ -440,11 +443,17 @@ class _Judge:
 
     def _stepping_callables(self) -> list[ast.Call]:
         """Calls handed the loss, an optimizer and a flag computed from `a % k`
-        (`loops.Structure.stepping_callable`), on lines that name an optimizer."""
+        (`loops.Structure.stepping_callable`), on the lines that pass an argument named like
+        an optimizer."""
+        if b"%" not in self.data:
+            return []
+        starts = self._starts
+        numbers = sorted({bisect_right(starts, m.start()) for m in PASSED.finditer(self.data)})
         return [
             call
-            for call in self._calls_on({"opt"})
-            if call.args
+            for call in self._nodes_on(numbers)
+            if isinstance(call, ast.Call)
+            and call.args
             and any(OPTIMIZER.search(_last(a) or "") for a in _arguments(call))
             and any(self._modular(a) for a in _arguments(call)[1:])
         ]

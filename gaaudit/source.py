@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gaaudit.focus import DEFINITIONS
-from gaaudit.vocabulary import window_guards
+from gaaudit.vocabulary import WINDOW_GUARD
 
 # Byte patterns without which no rule can fire (besides a window's guard, `% accum_iter`:
 # `vocabulary.window_guards`): files lacking all of them are never parsed.
@@ -66,8 +66,8 @@ class Source:
     @property
     def may_have_findings(self) -> bool:
         data = self.data
-        return any(key in data and any(t in data for t in group) for key, group in PROBES) or bool(
-            window_guards(data)
+        return any(key in data and any(t in data for t in group) for key, group in PROBES) or (
+            b"%" in data and WINDOW_GUARD.search(data) is not None
         )
 
 
