@@ -11,6 +11,7 @@ from typing import Literal
 
 import libcst as cst
 
+from gaaudit.modules import Dependency, configured_accumulation, shown
 from gaaudit.tree import LOOPS, Tree, code, dotted, keyword, last_name, positional, string_value
 from gaaudit.vocabulary import (
     ACCUMULATION_NAMES,
@@ -97,11 +98,16 @@ class Structure:
     """Backward calls, steps and windows of one file, same-file helpers included."""
 
     def __init__(
-        self, tree: Tree, accumulation_names: frozenset[str], directory: Path = Path(".")
+        self,
+        tree: Tree,
+        accumulation_names: frozenset[str],
+        directory: Path = Path("."),
+        seen: set[Dependency] | None = None,
     ) -> None:
         self.tree = tree
         self.names = ACCUMULATION_NAMES | accumulation_names
         self.directory = directory  # where config files named in the source are looked up
+        self.seen = seen if seen is not None else set()  # the config files read
 
     @cached_property
     def _helpers(self) -> tuple[dict[str, int], set[str]]:
@@ -542,10 +548,12 @@ class Structure:
                 if loss_fn is not None and code(loss_fn) != "None":
                     yield Pipeline(call, loss_fn, micro, framework, divides)
 
-    def lightning_accumulation(self) -> tuple[cst.BaseExpression, str] | None:
+    @cached_property
+    def lightning_accumulation(self) -> tuple[cst.BaseExpression, str, bool] | None:
         """The accumulation factor of a Lightning `Trainer(accumulate_grad_batches=k)` or of a
         `GradientAccumulationScheduler(scheduling={epoch: k})` in the file, unless always 1,
-        with how the code sets it."""
+        else of the project's YAML configs (`trainer = hydra.utils.instantiate(cfg.trainer)`
+        elsewhere), with how it is set and whether a config file sets it."""
         for name, calls in self._constructors.items():
             if name.endswith("GradientAccumulationScheduler"):
                 factors = [keyword(c, "scheduling") or _argument(c, 0) for c in calls]
@@ -559,8 +567,13 @@ class Structure:
                 continue
             for factor in factors:
                 if factor is not None and _accumulates(factor):
-                    return factor, label.format(code(factor))
-        return None
+                    return factor, label.format(code(factor)), False
+        found = configured_accumulation(self.directory, self.seen)
+        if found is None:
+            return None
+        path, line, value = found
+        factor = cst.Integer(value) if value.isdigit() else cst.Name("accumulate_grad_batches")
+        return factor, f"`accumulate_grad_batches: {value}` in {shown(path)} line {line}", True
 
     def _config_accumulation(self, node: cst.CSTNode) -> cst.BaseExpression | None:
         """K as a DeepSpeed config dict sets it: `gradient_accumulation_steps`, or the

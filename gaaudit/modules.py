@@ -6,6 +6,8 @@ its findings stay current as long as those files hold the same bytes (or stay ab
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,6 +24,11 @@ EXTERNAL = frozenset({
 PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
 INSTALLED = ("site-packages", "dist-packages")
 MAX_HOPS = 4  # a helper calling an imported helper calling ...: modules followed at most
+CONFIG_FOLDERS = ("configs", "config", "conf")  # where Hydra and OmegaConf projects keep YAML
+MAX_CONFIGS = 400  # YAML files read at most for one project
+MAX_LEVELS = 6  # folders climbed at most from a file to its project's configs
+# Lightning's accumulation factor as a YAML config sets it: a number or an interpolation.
+ACCUMULATE = re.compile(rb"(?m)^[ \t]*accumulate_grad_batches[ \t]*:[ \t]*([^\s#]+)")
 
 
 @dataclass(frozen=True, order=True)
@@ -112,3 +119,44 @@ def _roots(directory: Path, top: str) -> tuple[Path, ...]:
         if any((folder / marker).exists() for marker in PROJECT_MARKERS):
             break
     return tuple(dict.fromkeys(roots))
+
+
+def configured_accumulation(directory: Path, seen: set[Dependency]) -> tuple[Path, int, str] | None:
+    """A YAML config of the project holding `directory` (its `configs/`, `config/` or `conf/`
+    folder, as Hydra and OmegaConf projects keep them) that sets Lightning's
+    `accumulate_grad_batches` above 1 or from an interpolation (`${...}`): the file, the
+    line and the value. Every YAML file read is recorded in `seen`."""
+    directory = Path(os.path.abspath(directory))
+    for folder in (directory, *directory.parents)[:MAX_LEVELS]:
+        if folder.name in INSTALLED or folder == folder.parent:  # never the filesystem's root
+            return None
+        for name in CONFIG_FOLDERS:
+            if (folder / name).is_dir():
+                return _accumulation_in(folder / name, seen)
+        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+            return None
+    return None
+
+
+def _accumulation_in(configs: Path, seen: set[Dependency]) -> tuple[Path, int, str] | None:
+    paths = sorted(p for p in configs.rglob("*.y*ml") if p.suffix in (".yaml", ".yml"))
+    for path in paths[:MAX_CONFIGS]:
+        digest = file_digest(path)
+        seen.add(Dependency(str(path), digest))
+        try:
+            data = path.read_bytes() if digest else b""
+        except OSError:
+            continue
+        for match in ACCUMULATE.finditer(data):
+            value = match.group(1).decode("utf-8", "replace").strip("'\"")
+            if value.startswith("${") or (value.isdigit() and int(value) > 1):
+                return path, data.count(b"\n", 0, match.start()) + 1, value
+    return None
+
+
+def shown(path: Path) -> str:
+    """A path relative to the current directory when under it, with `/`."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except (ValueError, OSError, RuntimeError):
+        return path.as_posix()

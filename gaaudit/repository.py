@@ -24,7 +24,7 @@ import libcst as cst
 
 from gaaudit.evidence import scan
 from gaaudit.focus import focus
-from gaaudit.modules import MAX_HOPS, Dependency, file_digest, locate
+from gaaudit.modules import MAX_HOPS, Dependency, file_digest, locate, shown
 from gaaudit.provenance import Division, Kind, Origin, Tracer, argument_for
 from gaaudit.source import SourceError, parse
 from gaaudit.tree import Tree, code, dotted, positional
@@ -188,14 +188,6 @@ def _variable_sign(tree: Tree, function: cst.FunctionDef, label: str, path: Path
     if found is None:
         return ""
     return f"{found[1]} in `{label}()` ({shown(path)} line {tree.line(function)})"
-
-
-def shown(path: Path) -> str:
-    """A path relative to the current directory when under it, with `/`."""
-    try:
-        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
-    except (ValueError, OSError, RuntimeError):
-        return path.as_posix()
 
 
 SHARED = Repository()

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from gaaudit.focus import blank, units, with_members
 from gaaudit.lexical import any_in_code
-from gaaudit.modules import MAX_HOPS, Dependency, bases, file_digest
+from gaaudit.modules import MAX_HOPS, Dependency, bases, configured_accumulation, file_digest
 from gaaudit.source import TRIGGERS
 from gaaudit.vocabulary import (
     ACCUMULATION_NAMES,
@@ -96,8 +96,10 @@ class Screened:
 def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
     """`data` focused on what can hold a finding; `names` are the configured accumulation
     names, `directory` the file's folder (for the modules it imports)."""
-    if SCRIPT not in data and not any_in_code(data, _trigger_offsets(data)):
-        return Screened(None)  # its triggers are all in strings and comments: no parse
+    read: set[Dependency] = set()
+    configured = b"LightningModule" in data and configured_accumulation(directory, read)
+    if SCRIPT not in data and not any_in_code(data, _trigger_offsets(data, bool(configured))):
+        return Screened(None, frozenset(read))  # triggers only in strings and comments: no parse
     try:
         tree = ast.parse(data)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -109,7 +111,7 @@ def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
 
     # The other triggers count for the rule families that can fire here, where code spells
     # them (not in strings or comments).
-    words = judge.family_words()
+    words = judge.family_words(bool(configured))
     kept = judge.naming(words, found) if words else set()
     if judge.imports_any(TRAINER_HOMES):
         kept |= judge.trainer_units(found)
@@ -117,16 +119,21 @@ def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
     def matters(unit) -> bool:
         return unit in owners or unit in kept
 
+    dependencies = judge.dependencies | read
     if not (owners or kept) and SCRIPT not in data:
-        return Screened(None, judge.dependencies)
-    return Screened(blank(data, lines, tree, found, matters), judge.dependencies, tree)
+        return Screened(None, dependencies)
+    return Screened(blank(data, lines, tree, found, matters), dependencies, tree)
 
 
-def _trigger_offsets(data: bytes) -> list[int]:
+def _trigger_offsets(data: bytes, lightning: bool = False) -> list[int]:
     """Where the prefilter's triggers that can matter in this file start, in order: a rule
-    family's words count only when the bytes also show what the family needs."""
+    family's words count only when the bytes also show what the family needs (`lightning`:
+    the project's YAML configs set Lightning's accumulation)."""
     silent = {
-        w for words, signs in FAMILY_SIGNS if not any(s in data for s in signs) for w in words
+        w
+        for words, signs in FAMILY_SIGNS
+        if not any(s in data for s in signs) and not (lightning and words is TRAINER_WORDS)
+        for w in words
     }
     found = window_guards(data)
     for trigger in TRIGGERS:
@@ -178,12 +185,13 @@ class _Judge:
         sites += self._stepping_callables()
         return {self._owner(site, members) for site in (*sites, *self._callers)}
 
-    def family_words(self) -> tuple[bytes, ...]:
-        """The triggers of the rule families, but GA004's, that can fire in this file."""
+    def family_words(self, configured: bool = False) -> tuple[bytes, ...]:
+        """The triggers of the rule families, but GA004's, that can fire in this file
+        (`configured`: the project's YAML configs set Lightning's accumulation)."""
         words: tuple[bytes, ...] = ()
         if self.imports_any(JAX_HOMES):
             words += JAX_WORDS
-        if self.naming(LIGHTNING_WORDS, {}):
+        if configured or self.naming(LIGHTNING_WORDS, {}):
             words += LIGHTNING_KEPT
         return words
 

@@ -104,6 +104,8 @@ def test_correct_packages_are_clean_because_the_helper_was_read(tmp_path):
     transform, a scan over micro-batches nor a window's step guard (`% accum_iter`)."""
     checked = 0
     for folder in (p for p in PACKAGES if not expected_rows(p)):
+        if any(folder.rglob("*.yaml")):  # clean because of its configuration
+            continue
         copy = tmp_path / folder.name
         write(copy, {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*.py")})
         helpers = [
@@ -561,3 +563,22 @@ def test_window_guards_are_a_modulo_by_an_accumulation_name(line, found):
     """The byte prefilter admits a file that guards a window, though its backward hides in a
     callable handed the loss."""
     assert bool(window_guards(b"x = 1\n" + line + b"\n")) == found
+
+
+def test_a_projects_yaml_sets_lightnings_accumulation_and_is_a_dependency(tmp_path):
+    """`accumulate_grad_batches` in the project's Hydra configs reaches the LightningModule of
+    another folder (at most medium: the run chooses its config); editing it re-judges."""
+    folder = tmp_path / "project"
+    shutil.copytree(FIXTURES / "ga003_xmod_lightning_hydra_config", folder)
+    module = folder / "src/models/lm_module.py"
+    (finding,) = check_file(module, ALL).findings
+    assert (finding.code, str(finding.confidence)) == ("GA003", "medium")
+    assert "`accumulate_grad_batches: 4` in" in finding.message
+    dependencies = context_of(module).dependencies
+    config = folder / "configs/trainer/default.yaml"
+    assert Dependency(str(config), file_digest(config)) in dependencies
+    config.write_text(
+        config.read_text().replace("accumulate_grad_batches: 4", "accumulate_grad_batches: 1")
+    )
+    assert not current(dependencies)
+    assert check_file(module, ALL).findings == []

@@ -55,8 +55,8 @@ class Auditor:
         imports: Imports | None = None,
     ) -> None:
         self.tree = tree
-        self.structure = Structure(tree, accumulation_names, directory)
         self.imports = imports if imports is not None else Imports(tree, directory)
+        self.structure = Structure(tree, accumulation_names, directory, self.imports.dependencies)
         self.tracer = Tracer(tree, self.imports)
 
     def sites(self) -> Iterator[Site]:
@@ -95,6 +95,18 @@ class Auditor:
                 confidence, why = (
                     Confidence.MEDIUM,
                     f"{why}; DeepSpeed's K is set in a config given at run time and may be 1",
+                )
+            lightning = self.structure.lightning_accumulation
+            if (
+                site.window.kind == "framework"
+                and site.backward.call is None
+                and lightning is not None
+                and lightning[2]
+                and confidence > Confidence.MEDIUM
+            ):
+                confidence, why = (
+                    Confidence.MEDIUM,
+                    f"{why}; K is set in a config file, which the run may not choose",
                 )
             found.append(
                 Finding(
@@ -186,12 +198,12 @@ class Auditor:
             )
 
     def _lightning(self) -> Iterator[Site]:
-        """`training_step` returning a mean loss under `Trainer(accumulate_grad_batches=k)` or a
-        `GradientAccumulationScheduler`."""
-        accumulation = self.structure.lightning_accumulation()
+        """`training_step` returning a mean loss under `Trainer(accumulate_grad_batches=k)`, a
+        `GradientAccumulationScheduler`, or the project's YAML configs setting K."""
+        accumulation = self.structure.lightning_accumulation
         if accumulation is None:
             return
-        factor, setting = accumulation
+        factor, setting, _ = accumulation
         size = None if isinstance(factor, cst.Dict) else factor  # a schedule: K varies by epoch
         for cls in self.tree.classes:
             if not _is_lightning_module(cls):
