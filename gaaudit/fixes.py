@@ -411,7 +411,9 @@ class Planner:
         configured = source
         if qualified not in SUMMABLE:
             configured = self.auditor.tracer.loss_instance(source.func)
-            if configured is None or not self._called_once(source.func):
+            if configured is None or configured not in self.tree.order:  # built by a config
+                return None
+            if not self._called_once(source.func):
                 return None
             if (self.tree.qualified(configured.func) or "").rsplit(".", 1)[
                 -1

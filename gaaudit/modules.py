@@ -121,37 +121,87 @@ def _roots(directory: Path, top: str) -> tuple[Path, ...]:
     return tuple(dict.fromkeys(roots))
 
 
-def configured_accumulation(directory: Path, seen: set[Dependency]) -> tuple[Path, int, str] | None:
-    """A YAML config of the project holding `directory` (its `configs/`, `config/` or `conf/`
-    folder, as Hydra and OmegaConf projects keep them) that sets Lightning's
-    `accumulate_grad_batches` above 1 or from an interpolation (`${...}`): the file, the
-    line and the value. Every YAML file read is recorded in `seen`."""
+def project_configs(directory: Path, seen: set[Dependency]) -> list[tuple[Path, bytes]]:
+    """The YAML files of the project holding `directory` (its `configs/`, `config/` or
+    `conf/` folder, as Hydra and OmegaConf projects keep them), each with its bytes; every
+    file read is recorded in `seen`."""
     directory = Path(os.path.abspath(directory))
     for folder in (directory, *directory.parents)[:MAX_LEVELS]:
         if folder.name in INSTALLED or folder == folder.parent:  # never the filesystem's root
-            return None
+            return []
         for name in CONFIG_FOLDERS:
             if (folder / name).is_dir():
-                return _accumulation_in(folder / name, seen)
+                return _read_configs(folder / name, seen)
         if any((folder / marker).exists() for marker in PROJECT_MARKERS):
-            return None
-    return None
+            return []
+    return []
 
 
-def _accumulation_in(configs: Path, seen: set[Dependency]) -> tuple[Path, int, str] | None:
+def _read_configs(configs: Path, seen: set[Dependency]) -> list[tuple[Path, bytes]]:
+    found = []
     paths = sorted(p for p in configs.rglob("*.y*ml") if p.suffix in (".yaml", ".yml"))
     for path in paths[:MAX_CONFIGS]:
         digest = file_digest(path)
         seen.add(Dependency(str(path), digest))
         try:
-            data = path.read_bytes() if digest else b""
+            found.append((path, path.read_bytes() if digest else b""))
         except OSError:
             continue
+    return found
+
+
+def configured_accumulation(directory: Path, seen: set[Dependency]) -> tuple[Path, int, str] | None:
+    """A YAML config of the project (`project_configs`) that sets Lightning's
+    `accumulate_grad_batches` above 1 or from an interpolation (`${...}`): the file, the
+    line and the value."""
+    for path, data in project_configs(directory, seen):
         for match in ACCUMULATE.finditer(data):
             value = match.group(1).decode("utf-8", "replace").strip("'\"")
             if value.startswith("${") or (value.isdigit() and int(value) > 1):
-                return path, data.count(b"\n", 0, match.start()) + 1, value
+                return path, _line(data, match.start()), value
     return None
+
+
+def configured_target(
+    directory: Path, key: str, seen: set[Dependency]
+) -> tuple[str, dict[str, str], Path, int] | None:
+    """What the project's YAML configs build for `key` (`hydra.utils.instantiate(cfg.key)`):
+    the `_target_` (or torchtune's `_component_`) of the config group `key/` or of a `key:`
+    block, its scalar arguments, and where; None unless every config names the same."""
+    found = []
+    for path, data in project_configs(directory, seen):
+        text = data.decode("utf-8", "replace")
+        if path.parent.name == key:
+            found += _targets(text, "", path, 0)
+        for block in re.finditer(rf"(?m)^([ \t]*){re.escape(key)}[ \t]*:[ \t]*(?:#.*)?$", text):
+            found += _targets(text, block.group(1), path, block.end())
+    if len({(target, tuple(sorted(args.items()))) for target, args, _, _ in found}) != 1:
+        return None
+    return found[0]
+
+
+def _targets(
+    text: str, outer: str, path: Path, start: int
+) -> list[tuple[str, dict[str, str], Path, int]]:
+    """The `_target_` and scalar arguments of the block that begins at `start` and is
+    indented deeper than `outer` (the whole file when `outer` is "" and `start` is 0)."""
+    target, args, line, indent = None, {}, 0, None
+    for match in re.finditer(r"(?m)^([ \t]*)([\w.-]+)[ \t]*:[ \t]*([^#\n]*)", text[start:]):
+        here, name, value = match.group(1), match.group(2), match.group(3).strip()
+        if start and len(here) <= len(outer):
+            break  # the block ended
+        indent = here if indent is None else indent
+        if here != indent:
+            continue  # a deeper block
+        if name in ("_target_", "_component_"):
+            target, line = value.strip("'\""), text.count("\n", 0, start + match.start()) + 1
+        elif value and name != "defaults":
+            args[name] = value
+    return [(target, args, path, line)] if target else []
+
+
+def _line(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
 
 
 def shown(path: Path) -> str:

@@ -9,6 +9,7 @@ from typing import Literal
 
 import libcst as cst
 
+from gaaudit.modules import configured_target
 from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional, string_value
 
 Kind = Literal["mean", "sum", "elementwise", "unknown"]
@@ -534,9 +535,28 @@ class Tracer:
         if not candidates:
             stmt = self.binding(name, func)
             candidates = [stmt.value] if isinstance(stmt, cst.Assign) else []
-        return next(
-            (v for v in candidates if isinstance(v, cst.Call) and self._is_torch_loss(v)), None
-        )
+        calls = [v for v in candidates if isinstance(v, cst.Call)]
+        built = next((v for v in calls if self._is_torch_loss(v)), None)
+        return built or next((b for v in calls if (b := self._configured_loss(v))), None)
+
+    def _configured_loss(self, call: cst.Call) -> cst.Call | None:
+        """The torch loss `hydra.utils.instantiate(cfg.criterion)` builds, as the project's
+        YAML configs name it (`_target_: torch.nn.CrossEntropyLoss`, its arguments)."""
+        args = positional(call)
+        if self.imports is None or last_name(call.func) != "instantiate" or not args:
+            return None
+        key = string_value(args[0].slice[0].slice.value) if _subscript(args[0]) else None
+        key = key or last_name(args[0])
+        found = configured_target(self.imports.directory, key or "", self.imports.dependencies)
+        if found is None or not found[0].startswith("torch."):
+            return None
+        target, arguments, _, _ = found
+        spelled = ", ".join(f"{k}={_literal(v)}" for k, v in arguments.items())
+        try:
+            built = cst.parse_expression(f"{target}({spelled})")
+        except cst.ParserSyntaxError:
+            return None
+        return built if isinstance(built, cst.Call) and self._is_torch_loss(built) else None
 
     def _is_torch_loss(self, call: cst.Call) -> bool:
         qualified = self.tree.qualified(call.func) or ""
@@ -588,6 +608,27 @@ class Tracer:
                     if param.name.value == name:
                         return param
         return None
+
+
+def _subscript(expr: cst.BaseExpression) -> bool:
+    """`cfg["criterion"]`: one index."""
+    return (
+        isinstance(expr, cst.Subscript)
+        and len(expr.slice) == 1
+        and isinstance(expr.slice[0].slice, cst.Index)
+    )
+
+
+def _literal(value: str) -> str:
+    """A YAML scalar as Python code: numbers and booleans as they are, the rest quoted."""
+    lowered = value.lower()
+    if lowered in ("true", "false", "null", "none"):
+        return {"true": "True", "false": "False"}.get(lowered, "None")
+    try:
+        float(value)
+        return value
+    except ValueError:
+        return repr(value.strip("'\""))
 
 
 def _class_of(tree: Tree, node: cst.CSTNode) -> cst.ClassDef | None:

@@ -16,7 +16,7 @@ from gaaudit.config import Settings
 from gaaudit.engine import check_file
 from gaaudit.findings import Confidence
 from gaaudit.fixer import fix_source
-from gaaudit.modules import Dependency, current, file_digest
+from gaaudit.modules import Dependency, configured_target, current, file_digest
 from gaaudit.source import parse
 from gaaudit.tree import Tree
 from gaaudit.vocabulary import window_guards
@@ -582,3 +582,37 @@ def test_a_projects_yaml_sets_lightnings_accumulation_and_is_a_dependency(tmp_pa
     )
     assert not current(dependencies)
     assert check_file(module, ALL).findings == []
+
+
+@pytest.mark.parametrize(
+    "configs, expected",
+    [
+        (
+            {"criterion/ce.yaml": "_target_: torch.nn.CrossEntropyLoss\nignore_index: -100\n"},
+            ("torch.nn.CrossEntropyLoss", {"ignore_index": "-100"}),
+        ),
+        (
+            {
+                "train.yaml": "lr: 1\ncriterion:\n  _target_: torch.nn.MSELoss\n  reduction: sum\n"
+                "model:\n  _target_: Net\n"
+            },
+            ("torch.nn.MSELoss", {"reduction": "sum"}),
+        ),
+        (
+            {
+                "criterion/ce.yaml": "_target_: torch.nn.CrossEntropyLoss\n",
+                "criterion/mse.yaml": "_target_: torch.nn.MSELoss\n",
+            },
+            None,
+        ),  # the run chooses
+    ],
+)
+def test_the_configs_target_is_what_instantiate_builds(tmp_path, configs, expected):
+    for name, text in configs.items():
+        (tmp_path / "configs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "configs" / name).write_text(text)
+    (tmp_path / "pyproject.toml").write_text("")
+    seen: set[Dependency] = set()
+    found = configured_target(tmp_path / "src", "criterion", seen)
+    assert (found[:2] if found else None) == expected
+    assert len(seen) == len(configs)
