@@ -244,7 +244,10 @@ class Planner:
         if origin.from_model:
             return self._returned_count(call)
         configured = self.auditor.tracer.loss_instance(func) or call
-        name = (self.tree.qualified(configured.func) or "").rsplit(".", 1)[-1]
+        named = (
+            self.auditor.tracer.default(configured.func) or configured.func
+        )  # `loss_fn=F.nll_loss`
+        name = (self.tree.qualified(named) or "").rsplit(".", 1)[-1]
         args = positional(call)
         target = (
             keyword(call, "target")
@@ -254,7 +257,10 @@ class Planner:
         if target is None:
             raise Unfixable("the target tensor of the loss is not visible")
         if name not in TOKEN_LOSSES:
-            return (f"{_atom(target)}.numel()", ""), True
+            caveat = (
+                f"assumes `{code(func)}` is its default" if named is not configured.func else ""
+            )
+            return (f"{_atom(target)}.numel()", caveat), not caveat
         if keyword(configured, "weight") is not None or (
             configured is not call and keyword(call, "weight")
         ):
@@ -262,7 +268,10 @@ class Planner:
                 "the loss has class weights: its mean divides by the targets' summed weights"
             )
         ignore = keyword(configured, "ignore_index")
-        return (f"({code(target)} != {code(ignore) if ignore else '-100'}).sum()", ""), True
+        count = f"({code(target)} != {code(ignore) if ignore else '-100'}).sum()"
+        if named is not configured.func:
+            return (count, f"assumes `{code(func)}` is its default, `{code(named)}`"), False
+        return (count, ""), True
 
     def _returned_count(self, call: cst.Call) -> tuple[tuple[str, str], bool]:
         args = positional(call)
