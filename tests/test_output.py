@@ -309,6 +309,7 @@ UNSAFE_PAIRS = (
     "ga001_exact_grad_division_range_from_one",
     "ga001_exact_nanogpt_memmap_scaler",
     "ga002_nanogpt_micro_loop_no_division",
+    "ga001_loss_fn_parameter_default",  # assumes the parameter's default loss function
     # GA004 opt-outs: the Trainer then divides each micro-batch's mean by K
     "ga004_class_attribute_opt_out",
     "ga004_exact_contrastive_embedder_compute_loss",
