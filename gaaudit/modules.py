@@ -1,4 +1,5 @@
-"""Where the modules a file imports live, when they belong to its repository (no libcst here).
+"""Where the modules a file imports live, when they belong to its repository, and what the
+project's YAML configs set (no libcst here).
 
 Every file looked at on the way is recorded as a `Dependency` of the file being checked:
 its findings stay current as long as those files hold the same bytes (or stay absent).

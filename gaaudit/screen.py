@@ -9,6 +9,8 @@ belong to an accumulation window only
 - outside loops, in a function that steps under an `a % k` guard;
 - anywhere, when the file names an accumulation divisor, mentions DeepSpeed, or imports a
   module of its repository (whose loss helper may divide by one).
+A call handed the loss, an optimizer and a flag computed from `a % k` (a loss scaler) is a
+backward and a step of its own.
 A pipeline schedule matters where it is built; a Trainer override in a class deriving from
 a transformers or trl Trainer, and a Trainer where it is called; the other triggers (a JAX
 tree map, ...) where code spells them, in a file that gives their rule what it needs.
