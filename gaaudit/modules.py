@@ -159,7 +159,7 @@ def configured_accumulation(directory: Path, seen: set[Dependency]) -> tuple[Pat
         for match in ACCUMULATE.finditer(data):
             value = match.group(1).decode("utf-8", "replace").strip("'\"")
             if value.startswith("${") or (value.isdigit() and int(value) > 1):
-                return path, _line(data, match.start()), value
+                return path, data.count(b"\n", 0, match.start()) + 1, value
     return None
 
 
@@ -199,10 +199,6 @@ def _targets(
         elif value and name != "defaults":
             args[name] = value
     return [(target, args, path, line)] if target else []
-
-
-def _line(data: bytes, offset: int) -> int:
-    return data.count(b"\n", 0, offset) + 1
 
 
 def shown(path: Path) -> str:

@@ -44,9 +44,9 @@ CONDA = re.compile(r"^(?:[\w-]+::)?transformers\s*(?:=|\s)\s*(\d[\w.*]*)$", re.I
 GIT_REF = re.compile(
     r"huggingface/transformers(?:\.git)?@(?:v(?P<release>\d+\.\d+\.\d+)|[0-9a-f]{7,40})(?:[#&]|$)"
 )
+TRANSFORMERS = re.compile(r"(?i)transformers(?![\w-])")  # a requirement that names it
 # A README's pin, in a `pip install` line or a code span: `transformers==4.29.2` (a lower
 # bound alone never excludes the fix).
-TRANSFORMERS = re.compile(r"(?i)transformers(?![\w-])")  # a requirement that names it
 README_PIN = re.compile(r"\btransformers(?:\[[\w,]+\])?\s*(?:==|<=|<|~=)\s*\d[\w.*]*")
 SCRIPT = re.compile(r"(?m)^# /// script\s*$")  # PEP 723 inline script metadata
 FRAMEWORK = re.compile(rb"\b(?:transformers|trl)\b")
