@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from transformers import (
 )
 
 K, MICRO, EXAMPLES = 4, 2, 8
+TWO_PROCESS_LIMIT = 180  # seconds; a hung rendezvous fails the test, not the suite
 
 
 def tiny_model(classifier: bool = False) -> GPT2LMHeadModel | GPT2ForSequenceClassification:
@@ -306,6 +308,7 @@ def _rank(rank: int, port: int, fixture: str, out: str) -> None:
         WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",  # meet on loopback, whatever the host name resolves to
     )
     capture = GradientsAtStep()
     args = TrainingArguments(
@@ -319,6 +322,7 @@ def _rank(rank: int, port: int, fixture: str, out: str) -> None:
         report_to="none",
         use_cpu=True,
         ddp_backend="gloo",
+        ddp_timeout=TWO_PROCESS_LIMIT,
         disable_tqdm=True,
         remove_unused_columns=False,
         average_tokens_across_devices=True,
@@ -343,7 +347,19 @@ def two_process_gradients(fixture: Path, out: Path) -> dict[str, torch.Tensor]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     out.mkdir()
-    torch.multiprocessing.spawn(_rank, args=(port, str(fixture), str(out)), nprocs=2)
+    ranks = torch.multiprocessing.spawn(
+        _rank, args=(port, str(fixture), str(out)), nprocs=2, join=False
+    )
+    deadline = time.monotonic() + TWO_PROCESS_LIMIT
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            errors = [Path(f).read_bytes() for f in ranks.error_files if Path(f).exists()]
+            pytest.fail(
+                f"the two gloo processes did not finish within {TWO_PROCESS_LIMIT} s; "
+                f"their errors: {errors or 'none recorded'}"
+            )
     return torch.load(out / "grads.pt")
 
 
