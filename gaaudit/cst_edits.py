@@ -72,7 +72,8 @@ def with_parameter(params: cst.Parameters, name: str, default: str | None = None
 
 def _appended(items: list, new):
     """`items + [new]`, commas arranged: after a trailing comma the new item takes the last
-    one's comma (and its line break before the closing bracket)."""
+    one's comma (and its line break before the closing bracket); one item per line without a
+    trailing comma, the new item gets a line of its own."""
     if items and isinstance(items[-1].comma, cst.Comma):
         before = (
             items[-2].comma if len(items) > 1 and isinstance(items[-2].comma, cst.Comma) else None
@@ -84,8 +85,12 @@ def _appended(items: list, new):
     elif items:  # the whitespace before the closing bracket moves behind the new item
         last, space = items[-1], _SPACE_AFTER[type(items[-1])]
         new = new.with_changes(**{space: getattr(last, space)})
+        before = items[-2].comma if len(items) > 1 else None
+        one_per_line = isinstance(before, cst.Comma) and isinstance(
+            before.whitespace_after, cst.ParenthesizedWhitespace
+        )
         items[-1] = last.with_changes(
-            comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
+            comma=before if one_per_line else cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
             **{space: cst.SimpleWhitespace("")},
         )
     return [*items, new]

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 import libcst as cst
 
 from gaaudit.checks.accumulation import Auditor, Site
-from gaaudit.cst_edits import Edits, Unfixable, copy_edits, statement_line, with_argument
+from gaaudit.cst_edits import (
+    Edits,
+    Unfixable,
+    copy_edits,
+    statement_line,
+    with_argument,
+    with_parameter,
+)
 from gaaudit.domain import Domains, shifts_labels
 from gaaudit.loops import Window, is_step
 from gaaudit.provenance import Origin
@@ -18,6 +25,8 @@ TOKEN_LOSSES = ("cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss")
 # One line on each block a fix inserts, saying why it is there.
 WEIGHT_NOTE = "# sum and count: each micro-batch's loss counts its valid targets"
 DIVIDE_NOTE = "# one division per window, by the window's total count"
+COUNT_NOTE = "# the caller weights this mean by its count: sum and count per micro-batch"
+RETURN_COUNT = "return_count"
 
 
 @dataclass(frozen=True)
@@ -198,22 +207,94 @@ class Planner:
                 "the loss is defined in both branches of an `if`, over different counts; "
                 "one count expression cannot cover both"
             )
-        if self.tree.scope_of(source) is not self.tree.scope_of(site.backward.call):
-            raise Unfixable(
-                "the loss is computed in another function; its targets are not visible here"
-            )
+        helper = self._helper_call(site)
         if origin.added:
             raise Unfixable(
                 f"the loss adds `{origin.added}` to its mean: weighting the sum by the mean's count "
                 "would weight that term too; weight only the mean's term by its count"
             )
         if origin.count is not None:  # a masked mean: the count it divides by
-            return (code(origin.count), ""), True
-        if isinstance(source, (cst.Attribute, cst.Subscript)):
-            return self._model_count(source), True
-        if isinstance(source, cst.Call):
-            return self._call_count(source, origin)
-        raise Unfixable("gaaudit could not tell what the loss averages over")
+            counted = (code(origin.count), ""), True
+        elif isinstance(source, (cst.Attribute, cst.Subscript)):
+            counted = self._model_count(source), True
+        elif isinstance(source, cst.Call):
+            counted = self._call_count(source, origin)
+        else:
+            raise Unfixable("gaaudit could not tell what the loss averages over")
+        if helper is None:
+            return counted
+        (count, caveat), safe = counted
+        self._return_count(helper, count)
+        return (self.micro, caveat), safe
+
+    def _helper_call(self, site: Site) -> cst.Assign | None:
+        """`loss = helper(...)` in the loop when the mean is made in `helper`, a function of
+        this file that returns it from its one `return` (None when the loop makes it)."""
+        source = site.origin.source
+        helper = self.tree.scope_of(source)
+        loop = self.tree.scope_of(site.backward.call)
+        if helper is loop:
+            return None
+        call = self._binding_call(
+            site.division.node if site.kind == "loss-division" else site.backward.loss, helper
+        )
+        returns = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
+        if not isinstance(helper, cst.FunctionDef) or call is None:
+            raise Unfixable(
+                "the loss is computed in another function; its targets are not visible here"
+            )
+        if len(returns) != 1 or returns[0].value is None:
+            raise Unfixable(
+                f"`{helper.name.value}` has more than one `return`; make it return its loss "
+                "from one place, or return the loss's valid-target count beside it"
+            )
+        if RETURN_COUNT in {
+            p.name.value for p in self.tree.walk(helper.params) if isinstance(p, cst.Param)
+        }:
+            raise Unfixable(f"`{helper.name.value}` already takes a `{RETURN_COUNT}` parameter")
+        return call
+
+    def _binding_call(self, use: cst.CSTNode, helper, depth: int = 0) -> cst.Assign | None:
+        """The `name = helper(...)` whose value reaches `use`, through a few assignments."""
+        for name in self.tree.walk(use):
+            if not (isinstance(name, cst.Name) and self.tree.is_variable(name)):
+                continue
+            bound = self.auditor.tracer.binding(name.value, use)
+            if not isinstance(bound, cst.Assign) or len(bound.targets) != 1:
+                continue
+            if (
+                isinstance(bound.value, cst.Call)
+                and self.auditor.tracer.helper(bound.value.func) is helper
+                and isinstance(bound.targets[0].target, cst.Name)
+            ):
+                return bound
+            if depth < 3:
+                found = self._binding_call(bound.value, helper, depth + 1)
+                if found is not None:
+                    return found
+        return None
+
+    def _return_count(self, call: cst.Assign, count: str) -> None:
+        """`helper` also returns the micro-batch's count when the loop asks for it
+        (`return_count=True`); its other callers get the mean as before."""
+        helper = self.auditor.tracer.helper(call.value.func)
+        (returned,) = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
+        self.edits.replace[helper.params] = with_parameter(helper.params, RETURN_COUNT, "False")
+        line = statement_line(self.tree, returned)
+        value = returned.value
+        if not isinstance(value, cst.Name):
+            mean = cst.Name(self._fresh("mean_loss"))
+            bind = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(mean)], value)])
+            self.edits.before.setdefault(line, []).append(bind)  # the value's layout kept
+            self.edits.replace[value] = value = mean
+        self.edits.insert_before(
+            line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {code(value)}, {count}"
+        )
+        target = call.targets[0].target.value
+        self.edits.replace[call] = call.with_changes(
+            targets=[cst.AssignTarget(cst.parse_expression(f"{target}, {self.micro}"))],
+            value=with_argument(call.value, RETURN_COUNT, "True"),
+        )
 
     def _model_count(self, source: cst.CSTNode) -> tuple[str, str]:
         call = self.auditor.tracer.origin_call(source.value)
@@ -338,10 +419,10 @@ class Planner:
                 if scaled
                 else ""
             )
+            counted = "" if count == self.micro else f"{self.micro} = {count}\n"
             self.edits.insert_before(
                 anchor,
-                f"{WEIGHT_NOTE}\n{self.micro} = {count}\n{self.window_total} += {self.micro}\n"
-                + reference,
+                f"{WEIGHT_NOTE}\n{counted}{self.window_total} += {self.micro}\n" + reference,
             )
         self._prepare_window(site)
 
@@ -416,6 +497,8 @@ class Planner:
         source = site.origin.source
         if not isinstance(source, cst.Call) or site.origin.from_model:
             return None
+        if self.tree.scope_of(source) is not self.tree.scope_of(site.backward.call):
+            return None  # a helper's mean: its other callers still read it
         qualified = self.tree.qualified(source.func) or ""
         configured = source
         if qualified not in SUMMABLE:

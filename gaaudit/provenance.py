@@ -298,7 +298,7 @@ class Tracer:
         if isinstance(value, (cst.Tuple, cst.List)) and index < len(value.elements):
             return self.origin(value.elements[index].value, depth + 1)
         if isinstance(value, cst.Call):
-            helper = self._helper(value.func)
+            helper = self.helper(value.func)
             if helper is not None:
                 returned = [r for r in self.returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
                 if returned and index < len(returned[0].elements):
@@ -383,7 +383,7 @@ class Tracer:
         same-file loss class, or a helper or loss class imported from another module: each
         returned expression of this file (None for another module's) with its origin.
         `call` is the call site, when there is one."""
-        helper = self._helper(func)
+        helper = self.helper(func)
         if helper is not None:
             label = f"`{helper.name.value}()`"
             return [
@@ -572,7 +572,7 @@ class Tracer:
             return param.default
         return None
 
-    def _helper(self, func: cst.BaseExpression) -> cst.FunctionDef | None:
+    def helper(self, func: cst.BaseExpression) -> cst.FunctionDef | None:
         """The same-file function (or `self.` method) a callee names."""
         name = dotted(func)
         if (

@@ -139,12 +139,12 @@ def test_unsafe_fixes_are_held_back_with_a_reason(tmp_path, cli):
 
 
 def test_unfixable_finding_says_why_with_its_position(tmp_path, cli):
-    script = FIXTURES / "ga001_custom_compute_loss_helper.py"
+    script = FIXTURES / "ga001_optional_loss_fct_token_tagger.py"
     (tmp_path / script.name).write_bytes(script.read_bytes())
     result = cli("fix", ".", cwd=tmp_path)
     assert result.exit_code == 1
     assert (
-        f"{script.name}:75:20: GA001 not fixed: the loss is computed in another function"
+        f"{script.name}:31:24: GA001 not fixed: the loss is computed in another function"
         in result.output
     )
     assert "Fixed 0 findings in 0 files; 1 not fixed." in result.output
@@ -310,3 +310,44 @@ def test_a_log_between_the_steps_reports_the_micro_batch_mean():
     )
     after = fixed(source.encode()).decode()
     assert "print((loss / max(micro_tokens, 1)).item())" in after
+
+
+def test_a_helpers_mean_is_counted_in_the_helper_and_its_other_callers_see_no_change():
+    """`loss = compute_loss(model, batch)` in the loop: the helper returns its count beside
+    the mean when asked; the evaluation's call still gets the mean."""
+    script = FIXTURES / "ga001_custom_compute_loss_helper.py"
+    after = fixed(script.read_bytes(), unsafe=False).decode()
+    assert "def compute_loss(model, batch, return_count=False):" in after
+    assert "        return loss, (shift_labels.view(-1) != -100).sum()\n    return loss\n" in after
+    assert "loss, micro_tokens = compute_loss(model, batch, return_count=True)" in after
+    assert "compute_loss(model, {k: v.to(device) for k, v in b.items()}).item()" in after
+    assert fixed(after.encode()) == after.encode()
+
+
+HELPER_TWO_RETURNS = """
+import torch.nn.functional as F
+
+
+def compute_loss(model, batch):
+    logits = model(batch["input_ids"]).logits
+    if batch.get("labels") is None:
+        return logits.new_zeros(())
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+def train(model, loader, optimizer, accum):
+    for step, batch in enumerate(loader):
+        loss = compute_loss(model, batch)
+        (loss / accum).backward()
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_helper_with_two_returns_is_refused_with_what_to_do():
+    report = fix_source(HELPER_TWO_RETURNS.encode(), Path("x.py"), ALL, True)
+    assert report.after == report.before
+    (outcome,) = report.outcomes
+    assert not outcome.applied
+    assert "`compute_loss` has more than one `return`" in outcome.reason
