@@ -14,7 +14,7 @@ framework, the verdicts that changed since the last run (`realworld/last.json`, 
 every full run), and the wall time. A file is flagged when a finding of gaaudit starts in it,
 or when a GA006 finding (a transformers pin without the Trainer's fix) names the Trainer it builds.
 `fixes` runs `gaaudit fix` on each labelled file at its tree's root and prints how many buggy
-files a safe fix changed, whether they compile, which correct or benign files it changed (it
+files a safe fix changed, whether they compile, what `gaaudit verify` says of them, which correct or benign files it changed (it
 should change none), and why findings were not fixed; each file is restored afterwards.
 This is a script that prints figures, not a test; no repository code is committed.
 """
@@ -356,6 +356,9 @@ def fixes(trees: Path, only: list[str]) -> int:
     fixed = [row for row in positives if row in changed]
     print(f"buggy files            {len(positives):>4}: changed by a safe fix {len(fixed)}", end="")
     print(f" ({ratio(len(fixed), len(positives))}), compiling {sum(changed[r] for r in fixed)}")
+    verdicts = Counter(replayed(trees, row) for row in fixed)
+    for verdict, count in verdicts.most_common():
+        print(f"  {count:>3}  gaaudit verify: {verdict}")
     wrong = [row for row in negatives if row in changed]
     print(f"correct or benign files {len(negatives):>3}: changed {len(wrong)}")
     for row in wrong:
@@ -365,6 +368,33 @@ def fixes(trees: Path, only: list[str]) -> int:
         print(f"  {count:>3}  {reason}")
     print(f"\n{len(rows)} files; wall time {time.perf_counter() - started:.1f}s")
     return 0
+
+
+def replayed(trees: Path, row: Row) -> str:
+    """`gaaudit verify` (K = 4, CPU) on a file a safe fix changes, at its tree's root: whether
+    the patched loop matches the full batch, and whether it is worse than the original."""
+    result = subprocess.run(
+        [*GAAUDIT, "verify", "--format", "json", "-k", "4", "--device", "cpu", row.path],
+        check=False,
+        cwd=tree_of(trees, row.repo),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    try:
+        entry = json.loads(result.stdout)
+    except ValueError:
+        return f"error: {(result.stderr.strip().splitlines() or ['no output'])[-1][:80]}"
+    if not entry["loops"]:
+        return "no loop replayed"
+    verdicts = []
+    for loop in entry["loops"]:
+        rows = loop.get("rows") or [{}]
+        original, patched = rows[0].get("original_error"), rows[0].get("patched_error")
+        worse = original is not None and patched is not None and patched > original
+        verdict = loop["verdict"].splitlines()[0][:90]
+        verdicts.append("patched WORSE than the original" if worse else verdict)
+    return "; ".join(sorted(set(verdicts)))
 
 
 def main() -> int:

@@ -325,6 +325,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     "patched_error": result.patched.error,
                     "verdict": _hinted(result.verdict, options),
                     "original_verdict": result.original.verdict,
+                    "first_window": result.patched.window or result.original.window,
                     "dtype": result.dtype,
                     "processes": options.distributed or 1,
                 }
@@ -380,6 +381,13 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
                         f"{'':>5}  {row['k'] or '-':>3}  {_number(row['original_error']):>14}  "
                         f"{_number(row['patched_error']):>13}  {row['verdict']}"
                     )
+                    if row.get("first_window"):
+                        held = row["first_window"]
+                        print(
+                            f"{'':>5}  {'':>3}  the loop's first window holds {held} "
+                            f"micro-batch{'es' if held > 1 else ''}, not {row['k']}: "
+                            "compared with the full batch of those"
+                        )
             if not outcomes:
                 print(f"{path}: no accumulation loop to replay")
     everything = [o for _, outcomes in results for o in outcomes]

@@ -696,3 +696,26 @@ def test_assignments_before_the_loop_run_only_when_they_build_a_torch_module(tmp
     assert result.verdict == "bug reproduced", result
     assert result.replay.bindings["criterion"] == "`nn.CrossEntropyLoss()`, evaluated"
     assert result.replay.bindings["log"] == "stub" and not marker.exists()
+
+
+def test_a_first_window_of_one_micro_batch_is_compared_with_that_batch():
+    """`if step % K == 0` from step 0 steps after one micro-batch (issue 18, item 2): the
+    patched loop is judged against the full batch of that one, not of K micro-batches."""
+    guard = "== args.gradient_accumulation_steps - 1:"
+    buggy = HF_BUGGY.replace(guard, "== 0:")
+    fixed = HF_FIXED.replace(guard, "== 0:")
+    assert buggy != HF_BUGGY and fixed != HF_FIXED
+    result = compare(
+        buggy,
+        fixed,
+        line_of(buggy, "for step"),
+        line_of(fixed, "for step"),
+        k=4,
+        divisor_names=["args.gradient_accumulation_steps"],
+        device="cpu",
+    )
+    assert result.patched.window == result.original.window == 1
+    assert result.verdict == "verified" and result.patched.error < 1e-5, result.patched
+    # the original divides its one micro-batch's mean by K: 3/4 of the gradient is missing
+    assert result.original.verdict == "bug reproduced"
+    assert abs(result.original.error - 0.75) < 1e-3

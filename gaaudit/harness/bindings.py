@@ -44,6 +44,7 @@ class Objects:
         from transformers import BatchEncoding
 
         self.plan, self.bindings, self.values, self.filename = plan, bindings, {}, filename
+        self.sources: list[DataSource] = []  # the data the loop reads, to count what it drew
         roles = {
             c: r
             for c, r in plan.roles.items()
@@ -172,6 +173,7 @@ class Objects:
     def _bind_data(self, chain, role: str, items: list, namespace: dict) -> None:
         prefetched = self.plan.prefetch.get(chain, [])
         source = DataSource(".".join(chain), items, start=1 if prefetched else 0)
+        self.sources.append(source)
         shape = "(input_ids, labels) tuples" if self.plan.data_arity else "dict batches"
         text = f"{len(items)} micro-batches as {shape}"
         if self.plan.splits_batch:
@@ -185,6 +187,14 @@ class Objects:
         for index, (name,) in enumerate(prefetched):
             self.values[name] = items[0] if len(prefetched) == 1 else items[0][index]
             self.bindings[name] = "the first micro-batch (prefetched)"
+
+    def drawn(self) -> int:
+        """How many micro-batches the loop drew before its step, when that is the window it
+        formed (0 when unknown: a prefetching loop, a loop that splits one batch, or several
+        data sources)."""
+        if len(self.sources) != 1 or self.plan.splits_batch or self.plan.prefetch:
+            return 0
+        return self.sources[0].served
 
     def _bind(self, chain, value, text: str, namespace: dict) -> None:
         root = chain[0]

@@ -267,9 +267,9 @@ class _RankSession(_Session):
         )
         self.ranks, self.per_rank = ranks, k
 
-    def replay(self, plan, filename: str, whole: bool = False) -> Replay:
-        if not whole:
-            return self.ranks.run(
+    def replay(self, plan, filename: str, whole: int = 0) -> Replay:
+        if not whole:  # each rank's draws are a shard of the window: no short-window check
+            result = self.ranks.run(
                 plan,
                 filename,
                 self.window.micro,
@@ -279,6 +279,7 @@ class _RankSession(_Session):
                 self.dtype,
                 self.timeout,
             )
+            return replace(result, drawn=0)
         with _alone(self.ranks.backend):
             return _execute(
                 plan,

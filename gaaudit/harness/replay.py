@@ -16,14 +16,15 @@ import threading
 import traceback
 import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gaaudit.harness.analysis import NotReplayable, Plan, analyse
 from gaaudit.harness.bindings import Objects
-from gaaudit.harness.data import make_window
+from gaaudit.harness.data import Window, make_window, merge_batches
 from gaaudit.harness.gradcheck import (
     AGREEMENT,
     TOLERANCE,
@@ -73,6 +74,7 @@ class Replay:
     bindings: dict[str, str] = field(default_factory=dict)
     model_kind: str = ""
     output: str = ""
+    drawn: int = 0  # micro-batches the loop drew before its step (0: unknown)
 
     @property
     def ok(self) -> bool:
@@ -90,6 +92,7 @@ class Check:
     error: float | None
     k1_error: float | None
     replay: Replay
+    window: int | None = None  # micro-batches of the window the loop formed, when not K
 
 
 @dataclass(frozen=True)
@@ -130,13 +133,29 @@ class _Session:
             label_smoothing=getattr(plan, "label_smoothing", 0.0),
         )
         self.window = self.window.to(self.device)
-        with deterministic(seed, self.device):
-            model = build_model(self.kind, seed, self.window.ignore_index).to(self.device)
-            self.reference = full_batch_grads(model, self.window)
+        self.references = {k: self._reference(self.window)}
 
-    def replay(self, plan: Plan, filename: str, whole: bool = False) -> Replay:
-        """Replay `plan` on the window, or on the whole window as one micro-batch."""
-        batches, k = ([self.window.full], 1) if whole else (self.window.micro, self.k)
+    def _reference(self, window: Window) -> list[torch.Tensor]:
+        with deterministic(self.seed, self.device):
+            model = build_model(self.kind, self.seed, self.window.ignore_index).to(self.device)
+            return full_batch_grads(model, window)
+
+    def reference(self, n: int) -> list[torch.Tensor]:
+        """The full-batch gradient of the window's first `n` micro-batches."""
+        if n not in self.references:
+            micro = self.window.micro[:n]
+            full = merge_batches(micro, self.window.ignore_index)
+            self.references[n] = self._reference(replace(self.window, micro=micro, full=full))
+        return self.references[n]
+
+    def replay(self, plan: Plan, filename: str, whole: int = 0) -> Replay:
+        """Replay `plan` on the window, or (`whole` = n) on its first n micro-batches as one."""
+        if whole == self.k:
+            batches, k = [self.window.full], 1
+        elif whole:
+            batches, k = [merge_batches(self.window.micro[:whole], self.window.ignore_index)], 1
+        else:
+            batches, k = self.window.micro, self.k
         return _execute(
             plan,
             filename,
@@ -159,34 +178,35 @@ class _Session:
         result = self.replay(plan, filename)
         if not result.ok:
             return Check(f"not replayable: {result.reason}", None, None, result)
+        short = result.drawn if 0 < result.drawn < self.k else None  # `step % K == 0` from 0
+        check = partial(Check, replay=result, window=short)
         exact = self.dtype == torch.float32
-        error = relative_error(result.grads, self.reference) if exact else None
+        error = relative_error(result.grads, self.reference(short or self.k)) if exact else None
         if error is not None and error < self.tolerance:
-            return Check("verified", error, None, result)
-        whole = self.replay(plan, filename, whole=True) if self.k > 1 else result
-        k1_error = relative_error(whole.grads, self.reference) if whole.ok else None
+            return check("verified", error, None)
+        n = short or self.k
+        whole = self.replay(plan, filename, whole=n) if self.k > 1 else result
+        k1_error = relative_error(whole.grads, self.reference(n)) if whole.ok else None
         if k1_error is None or k1_error >= AGREEMENT[self.dtype]:
             detail = whole.reason or f"error {k1_error:.1e}"
-            return Check(
+            return check(
                 "not replayable: with the whole window as one micro-batch the loop "
                 f"does not match the full batch either ({detail}); its loss is not "
                 "the token mean the harness models",
                 error,
                 k1_error,
-                result,
             )
         if not exact:
             error = relative_error(result.grads, whole.grads)
         if error < self.tolerance:
-            return Check("verified", error, k1_error, result)
+            return check("verified", error, k1_error)
         if error > bug_threshold(self.dtype):
-            return Check("bug reproduced", error, k1_error, result)
-        return Check(
+            return check("bug reproduced", error, k1_error)
+        return check(
             f"inconclusive: error {error:.1e} is above the tolerance "
             f"{self.tolerance:.0e} but within numerical noise",
             error,
             k1_error,
-            result,
         )
 
 
@@ -320,7 +340,7 @@ def _execute(
     """Run the planned statement once; never raises for what the user's code does. `wrap`
     (e.g. DistributedDataParallel) is applied to the fresh model."""
     output, bindings = io.StringIO(), {}
-    grads, where, reason = None, "", ""
+    grads, where, reason, drawn = None, "", "", 0
     with (
         deterministic(seed, device),
         contextlib.redirect_stdout(output),
@@ -362,7 +382,7 @@ def _execute(
                     for _ in result:
                         pass
         except StepReached as stop:
-            grads, where = optimizer.grads, stop.where
+            grads, where, drawn = optimizer.grads, stop.where, objects.drawn()
         except Exhausted as exc:
             reason = f"the loop did not reach an optimizer step ({exc})"
         except _TimedOut:
@@ -389,6 +409,7 @@ def _execute(
         bindings,
         plan.model_kind,
         output.getvalue()[-4000:],
+        drawn,
     )
 
 

@@ -176,6 +176,10 @@ class DataSource(Stub):
             raise Exhausted(f"{self._path} served {self._served - 1} micro-batches")
         return self._items[index % len(self._items)]
 
+    @property
+    def served(self) -> int:
+        return self._served
+
     def __iter__(self):
         return (self._serve(i) for i in range(len(self._items)))
 
