@@ -18,7 +18,7 @@ from gaaudit.cst_edits import (
 )
 from gaaudit.domain import Domains, shifts_labels
 from gaaudit.loops import Window, is_step
-from gaaudit.provenance import Origin
+from gaaudit.provenance import Origin, argument_for
 from gaaudit.tree import Tree, code, dotted, keyword, positional
 
 TOKEN_LOSSES = ("cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss")
@@ -190,6 +190,13 @@ class Planner:
                 "here and divide the gradients by the window's count before that step "
                 f"(see `gaaudit explain {site.code}`)"
             )
+        if self._passes_gradients(site.window):
+            raise Unfixable(
+                "a pipeline stage: the other stages get their gradients through "
+                "`backward(gradient=...)`, so weighting the last stage's loss would scale theirs "
+                "too; make the last stage's loss `loss_sum / N` with N the step's valid-token "
+                "count, counted before the schedule runs (see `gaaudit explain GA002`)"
+            )
         if site.window.kind == "pipeline":
             raise Unfixable(
                 "the pipeline schedule calls the loss function per micro-batch and the window's "
@@ -226,6 +233,16 @@ class Planner:
         (count, caveat), safe = counted
         self._return_count(helper, count)
         return (self.micro, caveat), safe
+
+    def _passes_gradients(self, window: Window) -> bool:
+        """Whether the window also backpropagates a gradient handed in (a pipeline stage)."""
+        return any(
+            isinstance(node, cst.Call)
+            and isinstance(node.func, cst.Attribute)
+            and node.func.attr.value == "backward"
+            and keyword(node, "gradient") is not None
+            for node in self.tree.walk(window.loop or window.anchor)
+        )
 
     def _helper_call(self, site: Site) -> cst.Assign | None:
         """`loss = helper(...)` in the loop when the mean is made in `helper`, a function of
@@ -477,7 +494,12 @@ class Planner:
             if _assigns_to_itself(statement, node):
                 self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
                 return node
-            return left.with_changes(lpar=node.lpar, rpar=node.rpar) if node.lpar else left
+            atom = isinstance(left, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
+            return (
+                left.with_changes(lpar=node.lpar, rpar=node.rpar)
+                if node.lpar and not atom
+                else left
+            )
         new = cst.parse_expression(f"{code(left)} * {factor}")
         return new.with_changes(lpar=node.lpar, rpar=node.rpar)
 
@@ -776,6 +798,10 @@ class Planner:
                     args = positional(call)
                     return code(args[0]) if args else code(call.func.value)
                 helpers.append(call)
+        for call in helpers:
+            optimizer = self._stepped_by(call)
+            if optimizer is not None:
+                return optimizer
         if helpers:
             raise Unfixable(
                 f"the optimizer steps inside `{code(helpers[0].func)}()` (line "
@@ -785,6 +811,31 @@ class Planner:
         raise Unfixable(
             "no optimizer step is visible for this window; gaaudit cannot tell whose gradients to divide"
         )
+
+    def _stepped_by(self, call: cst.Call) -> str | None:
+        """The optimizer a same-file helper steps (`self.optimizers_step()`, `step(opt)`),
+        spelled as the caller sees it: the helper's parameter replaced by the argument, or a
+        `self.` attribute when the caller is a method of the same instance."""
+        helper = self.auditor.tracer.helper(call.func)
+        if helper is None:
+            return None
+        steps = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Call) and is_step(n)]
+        if len(steps) != 1:
+            return None
+        args = positional(steps[0])
+        optimizer = args[0] if args else steps[0].func.value
+        root = dotted(optimizer)
+        if root is None:
+            return None
+        first, _, rest = root.partition(".")
+        names = [p.name.value for p in helper.params.params]
+        if first == "self":
+            return root if dotted(call.func).startswith("self.") else None
+        if first in names:
+            index = names.index(first) - (names[:1] == ["self"])
+            passed = argument_for(call, index, first)
+            return None if passed is None else code(passed) + (f".{rest}" if rest else "")
+        return None
 
     def _normalization(self, site: Site, optimizer: str, tracked: list[str]) -> str:
         """Divide the window's gradients once by its token count (gathered across processes),

@@ -351,3 +351,14 @@ def test_a_helper_with_two_returns_is_refused_with_what_to_do():
     (outcome,) = report.outcomes
     assert not outcome.applied
     assert "`compute_loss` has more than one `return`" in outcome.reason
+
+
+def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_stages():
+    """Weighting the last stage's loss scales the gradients it sends to the other stages,
+    which never see the window's count: the fix says what to do instead."""
+    script = FIXTURES / "ga002_pipeline_stage_loss_func_default.py"
+    report = fix_source(script.read_bytes(), script, ALL, True)
+    assert report.after == report.before
+    (outcome,) = report.outcomes
+    assert not outcome.applied and "a pipeline stage" in outcome.reason
+    assert "backward(gradient=...)" in outcome.reason
