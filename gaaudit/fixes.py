@@ -407,11 +407,13 @@ class Planner:
         else:
             self.edits.replace[summed] = with_argument(summed, "reduction", '"sum"')
             factor = factor.removeprefix(" * ")
+        guard = None
         if site.kind == "loss-division" and not kept:
             node = site.division.node
             anchor = statement_line(self.tree, node)
             new = self._undivided(node, anchor, factor)
-            self._note_logged_reads(site, node, anchor, summed is not None)
+            guard = self._divisor_guard(anchor, site.division.divisor)
+            self._note_logged_reads(site, node, anchor, summed is not None, guard or anchor)
         else:
             node = site.backward.loss
             anchor = statement_line(self.tree, site.backward.call)
@@ -429,6 +431,17 @@ class Planner:
                 self._remove(site.division.node, site.window)
         if node not in self.edits.replace and new is not node:
             self.edits.replace[node] = new
+        if guard is not None:  # `if k > 1: loss = loss / k`: count at every k, K = 1 included
+            REMOVE = cst.RemovalSentinel.REMOVE
+            dropped = (self.edits.replace.pop(anchor, None), self.edits.replace.pop(node, None))
+            if any(edit is REMOVE for edit in dropped):
+                self.edits.replace[guard] = REMOVE
+            else:
+                rewritten = anchor.deep_replace(node, new)
+                self.edits.replace[guard] = rewritten.with_changes(
+                    leading_lines=guard.leading_lines
+                )
+            anchor = guard
         if anchor not in self.edits.before:
             reference = (
                 f"if {self.reference} is None:\n"
@@ -480,6 +493,19 @@ class Planner:
             return False
         uses = self.tree.uses(self.tree.scope_of(statement), name.value)
         return any(node is not name and node is not site.backward.loss for node in uses)
+
+    def _divisor_guard(self, statement: cst.CSTNode, divisor: cst.CSTNode) -> cst.If | None:
+        """The `if k > 1:` that holds only this division by `k`, when there is one: the
+        count must be taken on every path, since the loss is a sum (or weighted) at every k."""
+        guard = self.tree.parents.get(self.tree.parents.get(statement))
+        if (
+            isinstance(guard, cst.If)
+            and guard.orelse is None
+            and list(guard.body.body) == [statement]
+            and code(divisor) in code(guard.test)
+        ):
+            return guard
+        return None
 
     def _undivided(self, node: cst.CSTNode, statement: cst.CSTNode, factor: str):
         """`loss / k` (or `loss /= k`) times `factor`; REMOVE when nothing is left of the statement."""
@@ -645,9 +671,10 @@ class Planner:
     # --- the logged loss: the window's sum / count, not a mean of means ---------------------
 
     def _note_logged_reads(
-        self, site: Site, node: cst.CSTNode, statement: cst.CSTNode, summed: bool
+        self, site: Site, node: cst.CSTNode, statement: cst.CSTNode, summed: bool, at
     ) -> None:
-        """Remember `loss = loss / k`: logging reads of `loss` at the step get the window's mean."""
+        """Remember `loss = loss / k` (rewritten at `at`): logging reads of `loss` at the step
+        get the window's mean."""
         if site.window.kind not in ("modulo", "micro-loop"):
             return
         if isinstance(node, cst.AugAssign):
@@ -657,7 +684,7 @@ class Planner:
         else:
             return
         if isinstance(name, cst.Name):
-            weighted = Weighted(name.value, code(site.division.divisor), statement, summed)
+            weighted = Weighted(name.value, code(site.division.divisor), at, summed)
             self._weighted.setdefault(site.window.anchor, []).append(weighted)
 
     def _logged_reads(self, window: Window) -> tuple[list, list]:

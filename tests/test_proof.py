@@ -76,3 +76,16 @@ def test_demo_error_grows_with_k_and_sum_and_count_is_exact(tmp_path):
     assert all(r["mean_over_k"] > 1e-3 for r in rows[1:])
     assert rows[-1]["mean_over_k"] > rows[1]["mean_over_k"]
     assert all(r["sum_and_count"] < 1e-5 for r in rows)
+
+
+def test_a_division_taken_only_when_k_exceeds_one_is_fixed_for_every_k():
+    """`if K > 1: loss = loss / K` (issue 17, item 2): the fix counts on every path, so the
+    patched loop matches the full batch at K = 1 as well as at K = 4."""
+    script = FIXTURES / "ga001_division_guarded_by_k.py"
+    result = gaaudit("verify", str(script), "-k", "1,4", "--device", "cpu", "--format", "json")
+    (loop,) = json.loads(result.stdout)["loops"]
+    rows = {row["k"]: row for row in loop["rows"]}
+    assert rows[1]["original_error"] < 1e-5  # at K = 1 there is nothing to get wrong
+    assert rows[4]["original_error"] > 1e-2
+    assert all(row["verdict"] == VERIFIED and row["patched_error"] < 1e-5 for row in rows.values())
+    assert result.returncode == 0
