@@ -321,6 +321,7 @@ def fixes(trees: Path, only: list[str]) -> int:
     rows = [row for row in load_manifest() if not only or row.repo in only]
     changed: dict[Row, bool] = {}  # -> compiles
     reasons: Counter[str] = Counter()
+    outcome: dict[Row, str] = {}  # buggy file -> what fix did
     started = time.perf_counter()
     for row in rows:
         target = tree_of(trees, row.repo) / row.path
@@ -347,15 +348,28 @@ def fixes(trees: Path, only: list[str]) -> int:
             except SyntaxError:
                 changed[row] = False
         if row.positive:
-            for line in result.stdout.splitlines():
-                found = re.search(r": GA\d+ not fixed: (.*)$", line)
-                if found:
-                    reasons[re.sub(r"`[^`]*`", "`...`", found.group(1))[:100]] += 1
+            why = [
+                found.group(1)
+                for line in result.stdout.splitlines()
+                if (found := re.search(r": GA\d+ not fixed: (.*)$", line))
+            ]
+            reasons.update(re.sub(r"`[^`]*`", "`...`", reason)[:100] for reason in why)
+            outcome[row] = (
+                "fixed by a safe fix"
+                if after != before
+                else "only an unsafe fix (--unsafe-fixes)"
+                if any(reason.startswith("unsafe fix") for reason in why)
+                else "refused, with the reason"
+                if why
+                else "no finding gaaudit fixes (GA006 pins, or none at the default)"
+            )
     positives = [row for row in rows if row.positive]
     negatives = [row for row in rows if row.label in NEGATIVE]
     fixed = [row for row in positives if row in changed]
     print(f"buggy files            {len(positives):>4}: changed by a safe fix {len(fixed)}", end="")
     print(f" ({ratio(len(fixed), len(positives))}), compiling {sum(changed[r] for r in fixed)}")
+    for what, count in Counter(outcome.values()).most_common():
+        print(f"  {count:>3}  {what}")
     verdicts = Counter(replayed(trees, row) for row in fixed)
     for verdict, count in verdicts.most_common():
         print(f"  {count:>3}  gaaudit verify: {verdict}")
