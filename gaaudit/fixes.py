@@ -373,10 +373,12 @@ class Planner:
 
     def _returned_count(self, call: cst.Call) -> tuple[tuple[str, str], bool]:
         args = positional(call)
+        named = [arg for arg in args if re.search(r"(?i)label|target", code(arg))]
         target = (
             keyword(call, "targets")
             or keyword(call, "labels")
-            or (args[1] if len(args) > 1 else None)
+            or (named[0] if len(named) == 1 else None)  # `model(ids, pos, types, label_ids)`
+            or (args[1] if len(args) == 2 else None)  # `model(x, y)`
         )
         if target is None:
             raise Unfixable("the targets passed to the model are not visible")

@@ -362,3 +362,24 @@ def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_sta
     (outcome,) = report.outcomes
     assert not outcome.applied and "a pipeline stage" in outcome.reason
     assert "backward(gradient=...)" in outcome.reason
+
+
+POSITIONAL_LABELS = """
+def train(model, loader, optimizer, accum):
+    for step, (input_ids, position_ids, token_ids, label_ids) in enumerate(loader):
+        loss, ppl = model(input_ids, position_ids, token_ids, label_ids)
+        (loss / accum).backward()
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_models_labels_handed_by_position_are_found_by_their_name():
+    """`model(input_ids, position_ids, token_ids, label_ids)`: the count is taken over the
+    labels, not over the second argument (position ids count every position)."""
+    after = fixed(POSITIONAL_LABELS.encode()).decode()
+    assert "micro_tokens = label_ids.numel()" in after
+    assert "position_ids.numel()" not in after
+    report = fix_source(POSITIONAL_LABELS.encode(), Path("x.py"), ALL, False)
+    assert "no ignore_index is visible" in report.outcomes[0].reason  # unsafe: -100? -1?
