@@ -76,6 +76,7 @@ ACROSS_CALLS = (
 )
 SUMMABLE = ("torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss")
 SUMMABLE_MODULES = ("CrossEntropyLoss", "NLLLoss")
+CLIPPERS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm", "clip_gradients")
 LOGGING_METHODS = ("item", "detach", "float", "cpu", "clone")
 EXITS = (cst.Continue, cst.Break, cst.Return, cst.Raise)
 
@@ -220,6 +221,13 @@ class Planner:
                 f"the loss adds `{origin.added}` to its mean: weighting the sum by the mean's count "
                 "would weight that term too; weight only the mean's term by its count"
             )
+        clip = self._clips_each_micro_batch(site.window)
+        if clip is not None:
+            raise Unfixable(
+                f"the gradients are clipped after every micro-batch (`{code(clip.func)}`, line "
+                f"{self.tree.line(clip)}), before the window is complete: a token-weighted sum "
+                "would be clipped far harder than the mean it replaces; clip once, at the step"
+            )
         if origin.count is not None:  # a masked mean: the count it divides by
             counted = (code(origin.count), ""), True
         elif isinstance(source, (cst.Attribute, cst.Subscript)):
@@ -233,6 +241,27 @@ class Planner:
         (count, caveat), safe = counted
         self._return_count(helper, count)
         return (self.micro, caveat), safe
+
+    def _clips_each_micro_batch(self, window: Window) -> cst.Call | None:
+        """A gradient clipping the loop runs on every micro-batch, outside the step."""
+        body = window.loop if window.kind in ("modulo", "micro-loop") else window.anchor
+        for node in self.tree.walk(body) if body is not None else ():
+            if not (
+                isinstance(node, cst.Call)
+                and (dotted(node.func) or "").rsplit(".", 1)[-1] in CLIPPERS
+            ):
+                continue
+            if window.kind == "modulo" and any(
+                self.tree.contains(region, node) for region in window.step_region
+            ):
+                continue
+            if window.kind == "accumulate" and any(
+                isinstance(a, cst.If) and "sync_gradients" in code(a.test)
+                for a in self.tree.ancestors(node)
+            ):
+                continue
+            return node
+        return None
 
     def _passes_gradients(self, window: Window) -> bool:
         """Whether the window also backpropagates a gradient handed in (a pipeline stage)."""

@@ -383,3 +383,14 @@ def test_a_models_labels_handed_by_position_are_found_by_their_name():
     assert "position_ids.numel()" not in after
     report = fix_source(POSITIONAL_LABELS.encode(), Path("x.py"), ALL, False)
     assert "no ignore_index is visible" in report.outcomes[0].reason  # unsafe: -100? -1?
+
+
+def test_clipping_after_every_micro_batch_is_refused_with_what_to_do():
+    """Clipping inside the micro-steps would clip the token-weighted sum, far larger than the
+    mean the original clips: the fix is refused and says to clip once, at the step."""
+    script = FIXTURES / "ga001_clip_every_micro_batch.py"
+    report = fix_source(script.read_bytes(), script, ALL, True)
+    assert report.after == report.before
+    (outcome,) = report.outcomes
+    assert not outcome.applied
+    assert "clipped after every micro-batch" in outcome.reason and "line 18" in outcome.reason

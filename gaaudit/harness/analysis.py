@@ -66,7 +66,8 @@ class Plan:
     fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into micro-batches
     itself, so it is served the whole window at once. `owner`: the class whose method holds
     the statement. `derived`: assignments before the statement to evaluate. `stages`: two
-    models chained as encoder and decoder."""
+    models chained as encoder and decoder. `settings`: the script's option defaults, given
+    to the stubs that stand for its parsed arguments."""
 
     target: ast.stmt
     imports: list[ast.stmt]
@@ -86,6 +87,35 @@ class Plan:
     owner: Owner | None = None
     derived: list[Derived] = field(default_factory=list)
     stages: tuple[Chain, Chain] | None = None
+    settings: dict[str, object] = field(default_factory=dict)  # argparse defaults, by dest
+
+
+def _option_defaults(tree: ast.Module) -> dict[str, object]:
+    """The file's command-line options with a numeric or boolean literal default
+    (`parser.add_argument("--ignore_index", default=-100)`), by destination: the values a
+    user who runs the script without arguments gets."""
+    defaults = {}
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"
+        ):
+            continue
+        options = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        flags = [o for o in options if isinstance(o, str) and o.startswith("--")]
+        keywords = {k.arg: k.value for k in node.keywords if k.arg}
+        dest = keywords.get("dest")
+        name = dest.value if isinstance(dest, ast.Constant) else flags[0] if flags else None
+        value = keywords.get("default")
+        if isinstance(name, str) and isinstance(value, (ast.Constant, ast.UnaryOp)):
+            try:
+                literal = ast.literal_eval(value)
+            except ValueError:
+                continue
+            if isinstance(literal, (bool, int, float)):
+                defaults[name.lstrip("-").replace("-", "_")] = literal
+    return defaults
 
 
 def chain_of(node: ast.AST) -> Chain | None:
@@ -233,10 +263,13 @@ def _module_level(body: list[ast.stmt]):
                 yield from _module_level(getattr(node, field_name, []))
 
 
-def _initial_values(tree: ast.Module, target: ast.stmt, free: list[str]) -> dict[str, object]:
+def _initial_values(
+    tree: ast.Module, target: ast.stmt, free: list[str], settings: dict[str, object]
+) -> dict[str, object]:
     """Literal values the source assigns to the statement's free names before it, at module
-    level or in the functions enclosing it (`num_items = 0`); 0 for other names the statement
-    only augments (`total += n`)."""
+    level or in the functions enclosing it (`num_items = 0`), or option defaults it reads
+    into them (`ignore_index = args.ignore_index`); 0 for other names the statement only
+    augments (`total += n`)."""
     enclosing = [
         n
         for n in ast.walk(tree)
@@ -247,7 +280,18 @@ def _initial_values(tree: ast.Module, target: ast.stmt, free: list[str]) -> dict
         (n for n in nodes if isinstance(n, ast.Assign) and n.lineno < target.lineno),
         key=lambda n: n.lineno,
     )
-    found = {name: value for name, value in constants(before).items() if name in free}
+    options = {
+        n.targets[0].id: settings[n.value.attr]
+        for n in before
+        if len(n.targets) == 1
+        and isinstance(n.targets[0], ast.Name)
+        and isinstance(n.value, ast.Attribute)
+        and isinstance(n.value.value, ast.Name)
+        and n.value.attr in settings
+    }
+    found = {
+        name: value for name, value in {**options, **constants(before)}.items() if name in free
+    }
     augmented = {
         n.target.id
         for n in ast.walk(target)
@@ -595,6 +639,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
             f"the loop unpacks {arity} values from each batch; the harness "
             "serves dict batches or (input_ids, labels) pairs"
         )
+    settings = _option_defaults(tree)
     return Plan(
         target=target,
         imports=_imports(tree, target),
@@ -604,7 +649,8 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         optional=optional,
         roles=roles,
         prefetch=prefetch,
-        initial=_initial_values(tree, target, free),
+        initial=_initial_values(tree, target, free, settings),
+        settings=settings,
         model_kind=kind,
         ignore_index=_ignore_index(source, module_constants, kind),
         data_arity=arity,

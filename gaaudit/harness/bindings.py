@@ -120,6 +120,13 @@ class Objects:
             ):
                 self.values[name] = Stub(name)
                 self.bindings.setdefault(name, "stub")
+        for name, value in self.values.items():  # `args.ignore_index`: the script's default
+            if type(value) is Stub and plan.settings:
+                for option, default in plan.settings.items():
+                    if option not in value._children:
+                        setattr(value, option, default)
+                described = self.bindings.get(name, "stub")
+                self.bindings[name] = f"{described}, with the script's option defaults"
 
     def _instance(self, namespace: dict) -> None:
         """An instance of the class that owns the statement, made without running its

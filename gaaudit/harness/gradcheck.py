@@ -133,3 +133,13 @@ class RecordingOptimizer(torch.optim.SGD):
 
     def step(self, closure=None):
         self.record()
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        """`optimizer.backward(loss)` of fp16 optimizer wrappers (apex, Megatron, bmtrain's
+        OptimManager): in full precision there is no loss scale, so a plain backward."""
+        loss.backward()
+
+    def clip_grad_norm(self, *args, **kwargs) -> None:
+        """The wrappers' own clipping (`optim_manager.clip_grad_norm(...)`): the gradients
+        are captured before it, as before `torch.nn.utils.clip_grad_norm_`."""
+        self.record("clip_grad_norm")
