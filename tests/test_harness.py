@@ -719,3 +719,49 @@ def test_a_first_window_of_one_micro_batch_is_compared_with_that_batch():
     # the original divides its one micro-batch's mean by K: 3/4 of the gradient is missing
     assert result.original.verdict == "bug reproduced"
     assert abs(result.original.error - 0.75) < 1e-3
+
+
+OPTION_DEFAULTS = source("""
+    import argparse
+
+    import torch.nn.functional as F
+
+
+    def train(args, model, loader, optimizer):
+        ignore_index = args.ignore_index
+        window_tokens = 0
+        for step, batch in enumerate(loader):
+            logits = model(batch["input_ids"]).logits[:, :-1]
+            labels = batch["labels"][:, 1:]
+            loss = F.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum"
+            )
+            optimizer.backward(loss)
+            window_tokens += labels.ne(ignore_index).sum()
+            if (step + 1) % args.gradient_accumulation_steps == 0:
+                for param in model.parameters():
+                    param.grad.div_(window_tokens)
+                optimizer.clip_grad_norm(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                window_tokens = 0
+
+
+    if __name__ == "__main__":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--ignore_index", default=-100, type=int)
+        parser.add_argument("--max-grad-norm", dest="max_grad_norm", default=1.0, type=float)
+        parser.add_argument("--gradient_accumulation_steps", default=8, type=int)
+""")
+
+
+def test_option_defaults_and_an_fp16_optimizers_backward_and_clip_are_replayed():
+    """`ignore_index = args.ignore_index` reads the script's argparse default (a stub would
+    reach torch), and `optimizer.backward(loss)` / `optimizer.clip_grad_norm(...)` of fp16
+    optimizer wrappers backpropagate and capture the gradients (issue 18, item 4)."""
+    line = line_of(OPTION_DEFAULTS, "for step")
+    result = check(
+        OPTION_DEFAULTS, line, k=4, divisor_names=["args.gradient_accumulation_steps"], device="cpu"
+    )
+    assert result.verdict == "verified" and result.error < 1e-5, result.verdict
+    assert result.replay.captured_at == "clip_grad_norm"
+    assert result.replay.bindings["args"].endswith("with the script's option defaults")
