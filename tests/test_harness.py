@@ -765,3 +765,41 @@ def test_option_defaults_and_an_fp16_optimizers_backward_and_clip_are_replayed()
     assert result.verdict == "verified" and result.error < 1e-5, result.verdict
     assert result.replay.captured_at == "clip_grad_norm"
     assert result.replay.bindings["args"].endswith("with the script's option defaults")
+
+
+MISSING_LIBRARY = source("""
+    import torch.nn.functional as F
+    from beartype_not_installed import beartype
+
+
+    @beartype
+    def token_loss(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+    def train(model, loader, optimizer, accum):
+        for step, batch in enumerate(loader):
+            logits = model(batch["input_ids"]).logits[:, :-1]
+            loss = token_loss(logits, batch["labels"][:, 1:])
+            (loss / accum).backward()
+            if (step + 1) % accum == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+""")
+
+
+def test_a_library_that_is_not_installed_does_not_stop_the_replay():
+    """A failing import binds stubs, and a stub used as a decorator returns what it decorates
+    (issue 18, item 4): the loop runs, and its mean over K is reproduced as the bug."""
+    line = line_of(MISSING_LIBRARY, "for step")
+    result = check(MISSING_LIBRARY, line, k=4, divisor_names=["accum"], device="cpu")
+    assert result.verdict == "bug reproduced" and result.error > 1e-2, result.verdict
+
+
+def test_a_stub_decorates_by_returning_what_it_decorates_and_is_inert_otherwise():
+    def function():
+        return 1
+
+    assert Stub("beartype")(function) is function
+    assert Stub("register")(Stub) is Stub
+    assert isinstance(Stub("f")(1), Stub) and isinstance(Stub("f")(function, x=1), Stub)

@@ -414,14 +414,17 @@ def _execute(
 
 
 def _namespace(plan: Plan, filename: str) -> dict:
-    """Module globals: `range` that tolerates stub limits, the source's imports that work
-    (trackers and tqdm replaced), then the module-level helpers the statement uses."""
+    """Module globals: `range` that tolerates stub limits, the source's imports (stubs for
+    those that fail; trackers and tqdm replaced), then the module-level helpers the
+    statement uses."""
     namespace = {"__name__": "__gaaudit_replay__", "__builtins__": builtins, "range": stub_range}
     for node in plan.imports:
         try:
             exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
-        except (Exception, SystemExit):  # noqa: BLE001, S112 - a failing import is skipped
-            continue
+        except (Exception, SystemExit):  # noqa: BLE001 - its names become stubs
+            for alias in node.names:
+                name = alias.asname or alias.name.split(".")[0]
+                namespace.setdefault(name, Stub(name))
     for name, value in list(namespace.items()):
         module = (
             value.__name__

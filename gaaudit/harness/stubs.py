@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 
 
 class Stub:
-    """An inert stand-in: callable, attribute-able (attributes are stubs too, or the values
-    given in `children`), iterable-empty, falsy, a no-op context manager, absorbing in
+    """An inert stand-in: callable (as a decorator, it returns what it decorates),
+    attribute-able (attributes are stubs too, or the values given in `children`), iterable-empty, falsy, a no-op context manager, absorbing in
     arithmetic, unequal to everything else and larger than any number (a limit such as
     `args.max_steps` is never reached). Its repr names the expression it replaces."""
 
@@ -27,6 +28,9 @@ class Stub:
         self._children[name] = value
 
     def __call__(self, *args, **kwargs):
+        decorated = args[0] if len(args) == 1 and not kwargs else None
+        if inspect.isroutine(decorated) or inspect.isclass(decorated):
+            return decorated  # a decorator of a library that is not installed: `@beartype`
         return Stub(f"{self._path}()")
 
     def __getitem__(self, key):
