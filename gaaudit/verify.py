@@ -32,6 +32,7 @@ class Target:
     patched_line: int | None
     header: str
     divisors: tuple[str, ...]
+    flagged: bool = True  # False: a loop with no finding, replayed to show it matches
 
 
 @dataclass
@@ -113,36 +114,47 @@ def _project_root(path: Path) -> Path:
 def targets(
     original: bytes, patched: bytes, line: int | None = None, directory: Path = Path(".")
 ) -> list[Target]:
-    """The statements holding the file's accumulation windows (all confidences); `directory`
-    holds the file, for helpers imported from its sibling modules."""
+    """The statements holding the file's accumulation windows: those with findings (all
+    confidences), then those without, replayed to show that they match; `directory` holds
+    the file, for helpers imported from its sibling modules."""
     from gaaudit.checks.accumulation import Auditor
     from gaaudit.tree import Tree, code
 
     tree = Tree(parse(original), original)
     patched_lines = patched.decode("utf-8", "replace").splitlines()
     found: dict[int, Target] = {}
-    for site in Auditor(tree, directory=directory).sites():
-        statement = _replayed_statement(tree, site)
+    auditor = Auditor(tree, directory=directory)
+    windows = [
+        (site.window, site.backward.call or site.node, site.origin.divisions, True)
+        for site in auditor.sites()
+    ]
+    for backward in auditor.structure.backwards():
+        window = auditor.structure.window(backward)
+        if window is not None and window.kind in ("modulo", "micro-loop", "accumulate"):
+            windows.append((window, backward.call, (), False))
+    for window, anchor, divisions, flagged in windows:
+        statement = _replayed_statement(tree, window, anchor)
         if statement is None:
             continue
         start = tree.line(statement)
         if line is not None and not (start <= line <= tree.span(statement).end_line):
             continue
-        header = tree.module.code_for_node(statement).strip().splitlines()[0]
-        divisors = {code(d.divisor) for d in site.origin.divisions}
-        if site.window.size is not None:
-            divisors.add(code(site.window.size))
         previous = found.get(start)
+        if previous is not None and not flagged:
+            continue
+        header = tree.module.code_for_node(statement).strip().splitlines()[0]
+        divisors = {code(d.divisor) for d in divisions}
+        if window.size is not None:
+            divisors.add(code(window.size))
         merged = tuple(sorted(divisors | set(previous.divisors if previous else ())))
         occurrence = _occurrence(tree.module.code.splitlines(), header, start)
-        found[start] = Target(start, _find(patched_lines, header, occurrence), header, merged)
+        patched_line = _find(patched_lines, header, occurrence)
+        found[start] = Target(start, patched_line, header, merged, flagged)
     return sorted(found.values(), key=lambda t: t.line)
 
 
-def _replayed_statement(tree, site) -> cst.CSTNode | None:
+def _replayed_statement(tree, window, anchor: cst.CSTNode) -> cst.CSTNode | None:
     """The loop that holds both the backward calls and the optimizer step, else the function."""
-    window = site.window
-    anchor = site.backward.call if site.backward.call is not None else site.node
     loops = [a for a in tree.ancestors(anchor) if isinstance(a, (cst.For, cst.While))]
     if window.kind == "micro-loop" and window.loop in loops:
         outer = loops[loops.index(window.loop) + 1 :]  # the loop whose body also steps
@@ -286,7 +298,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
         target = Target(**{**raw, "divisors": tuple(raw["divisors"])})
         outcome = Outcome(target.line, target.header)
         for k in options.ks:
-            if target.patched_line is None:
+            if target.flagged and target.patched_line is None:
                 outcome.rows.append(
                     {
                         "k": k,
@@ -296,11 +308,11 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     }
                 )
                 continue
-            lines = (
+            lines = (  # a loop with no finding is its own patch: both replays are the loop
                 job["original"],
-                job["patched"],
+                job["patched"] if target.flagged else job["original"],
                 target.line,
-                target.patched_line,
+                target.patched_line if target.flagged else target.line,
                 k,
                 target.divisors,
             )
@@ -322,7 +334,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                 {
                     "k": k,
                     "original_error": result.original.error,
-                    "patched_error": result.patched.error,
+                    "patched_error": result.patched.error if target.flagged else None,
                     "verdict": _hinted(result.verdict, options),
                     "original_verdict": result.original.verdict,
                     "first_window": result.patched.window or result.original.window,

@@ -89,3 +89,23 @@ def test_a_division_taken_only_when_k_exceeds_one_is_fixed_for_every_k():
     assert rows[4]["original_error"] > 1e-2
     assert all(row["verdict"] == VERIFIED and row["patched_error"] < 1e-5 for row in rows.values())
     assert result.returncode == 0
+
+
+def test_a_correct_loop_is_replayed_and_matches_the_full_batch():
+    """A loop with no finding is replayed too (issue 18, item 1): sum and count matches the
+    full batch at every K, with no patched error (there is no patch), and verify exits 0."""
+    scripts = [
+        FIXTURES / "ok_division_guarded_by_k_window_tokens.py",
+        FIXTURES / "ok_clip_once_at_the_step.py",
+    ]
+    result = gaaudit(
+        "verify", *map(str, scripts), "-k", "1,4", "--device", "cpu", "--format", "json"
+    )
+    files = json.loads(result.stdout)
+    assert len(files) == 2
+    for entry in files:
+        (loop,) = entry["loops"]
+        assert loop["verdict"] == VERIFIED, loop
+        for row in loop["rows"]:
+            assert row["original_error"] < 1e-5 and row["patched_error"] is None, row
+    assert result.returncode == 0
