@@ -399,10 +399,10 @@ def replayed(trees: Path, row: Row) -> str:
         entry = json.loads(result.stdout)
     except ValueError:
         return f"error: {(result.stderr.strip().splitlines() or ['no output'])[-1][:80]}"
-    if not entry["loops"]:
+    if not any(loop.get("flagged", True) for loop in entry["loops"]):
         return "no loop replayed"
     verdicts = []
-    for loop in entry["loops"]:
+    for loop in (loop for loop in entry["loops"] if loop.get("flagged", True)):
         rows = loop.get("rows") or [{}]
         original, patched = rows[0].get("original_error"), rows[0].get("patched_error")
         worse = original is not None and patched is not None and patched > original

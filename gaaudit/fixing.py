@@ -152,6 +152,7 @@ def _held_back(path: Path, result) -> str:
         outcomes = verify_pair(path, result.before, result.after, None, options_for(path, ks=(4,)))
     except (ConfigError, VerifyError) as exc:
         return str(exc)
+    outcomes = [o for o in outcomes if o.flagged]  # the loops the fixes touch
     failed = [o for o in outcomes if o.verdict != VERIFIED]
     if not outcomes:
         return "no loop could be replayed"

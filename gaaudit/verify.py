@@ -42,6 +42,7 @@ class Outcome:
     line: int
     header: str
     rows: list[dict] = field(default_factory=list)  # k, original_error, patched_error, verdict
+    flagged: bool = True  # the loop has a finding (else it is replayed as it is)
 
     @property
     def verdict(self) -> str:
@@ -259,6 +260,7 @@ def _failed(target: Target, verdict: str) -> Outcome:
         target.line,
         target.header,
         [{"k": None, "original_error": None, "patched_error": None, "verdict": verdict}],
+        target.flagged,
     )
 
 
@@ -296,7 +298,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
     outcomes = []
     for raw in job["targets"]:
         target = Target(**{**raw, "divisors": tuple(raw["divisors"])})
-        outcome = Outcome(target.line, target.header)
+        outcome = Outcome(target.line, target.header, flagged=target.flagged)
         for k in options.ks:
             if target.flagged and target.patched_line is None:
                 outcome.rows.append(
