@@ -702,7 +702,7 @@ class Planner:
     # --- the logged loss: the window's sum / count, not a mean of means ---------------------
 
     def _note_logged_reads(
-        self, site: Site, node: cst.CSTNode, statement: cst.CSTNode, summed: bool, at
+        self, site: Site, node: cst.CSTNode, statement: cst.CSTNode, summed: bool, at: cst.CSTNode
     ) -> None:
         """Remember `loss = loss / k` (rewritten at `at`): logging reads of `loss` at the step
         get the window's mean."""
