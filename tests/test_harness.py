@@ -803,3 +803,45 @@ def test_a_stub_decorates_by_returning_what_it_decorates_and_is_inert_otherwise(
     assert Stub("beartype")(function) is function
     assert Stub("register")(Stub) is Stub
     assert isinstance(Stub("f")(1), Stub) and isinstance(Stub("f")(function, x=1), Stub)
+
+
+MODULE_TRAINER = source("""
+    import torch
+    from torch import nn
+
+
+    def noop(*args, **kwargs):
+        pass
+
+
+    class Trainer(nn.Module):
+        def __init__(self, model, optimizer, accum_steps):
+            super().__init__()
+            self.model, self.optimizer, self.accum_steps = model, optimizer, accum_steps
+
+        def train_step(self, loader):
+            for step, batch in enumerate(loader):
+                loss = self.model(**batch).loss
+                (loss / self.accum_steps).backward()
+                self.log(loss)
+                if (step + 1) % self.accum_steps == 0:
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+
+        def log(self, value):
+            noop(value.item())
+
+        def train(self, log_fn=noop):
+            log_fn(self.train_step(None))
+""")
+
+
+def test_a_trainer_that_is_a_torch_module_holding_its_model_is_replayed():
+    """A trainer subclassing `nn.Module` only to hold its parts (lucidrains style) is made
+    with `nn.Module.__init__`; a module function a called method uses (`noop` in `log`) is
+    defined, and one only the class's other methods read (`log_fn=noop`) would become a stub
+    (issue 18, item 4)."""
+    line = line_of(MODULE_TRAINER, "for step")
+    result = check(MODULE_TRAINER, line, k=4, divisor_names=["self.accum_steps"], device="cpu")
+    assert result.verdict == "bug reproduced" and result.error > 1e-2, result.verdict
+    assert result.replay.bindings["self.model"] == "tiny causal model"

@@ -584,27 +584,32 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
             f"{base[1]}: the loss, the accumulation and the optimizer step run inside {base[1]}, "
             "which statement replay does not reproduce"
         )
-    usage, helpers, pending = _Usage(), [], [target]
-    while pending:
-        usage.add(pending)
-        wanted = [n for n in free if n in defs and defs[n] not in helpers]
-        pending = [
-            defs[n]
-            for n in wanted
-            if not _no_grad(defs[n])
-            and not _harness_made((n,), _role((n,), usage, divisor_names, set()), usage)
-        ]
-        helpers += pending
-        for helper in pending:
-            inner = FreeNames()
-            inner.visit(helper)
-            free += [n for n in inner.free if n not in free]
+    usage, helpers = _Usage(), []
+
+    def gather(pending: list[ast.stmt]) -> None:
+        """Add the module-level functions the pending code reads, and what they read."""
+        while pending:
+            usage.add(pending)
+            wanted = [n for n in free if n in defs and defs[n] not in helpers]
+            pending = [
+                defs[n]
+                for n in wanted
+                if not _no_grad(defs[n])
+                and not _harness_made((n,), _role((n,), usage, divisor_names, set()), usage)
+            ]
+            helpers.extend(pending)
+            for helper in pending:
+                inner = FreeNames()
+                inner.visit(helper)
+                free.extend(n for n in inner.free if n not in free)
+
+    gather([target])
     methods = methods_called(owner, [target, *helpers]) if owner else []
-    usage.add(methods)
     for method in methods:
         inner = FreeNames()
         inner.visit(method)
         free += [n for n in inner.free if n not in free]
+    gather(methods)  # `log_fn=noop` in a method's signature: `noop` is a helper too
     helper_names = {h.name for h in helpers}
     free = [n for n in free if n not in helper_names]
     derived = assignments_before(tree, target, free, owner)

@@ -18,6 +18,8 @@ from gaaudit.harness.nets import output_width
 from gaaudit.harness.stubs import DataSource, Fabric, Stub
 from gaaudit.harness.surroundings import literal
 
+MISSING_NAMES = 8  # module names the owner class's definition reads that become stubs
+
 
 class Objects:
     """`values` maps the statement's free names to what they are bound to; `bindings`
@@ -132,15 +134,31 @@ class Objects:
         """An instance of the class that owns the statement, made without running its
         `__init__`: its methods are the user's, unknown attributes read as stubs."""
         owner = self.plan.owner
-        exec(compile(ast.Module([owner.node], []), self.filename, "exec"), namespace)  # noqa: S102
+        code = compile(ast.Module([owner.node], []), self.filename, "exec")
+        for _ in range(MISSING_NAMES):
+            try:
+                exec(code, namespace)  # noqa: S102
+                break
+            except NameError as exc:  # `def train(self, log_fn=noop)` in a method not replayed
+                if exc.name is None or exc.name in namespace:
+                    raise
+                namespace[exc.name] = Stub(exc.name)
         cls = namespace[owner.node.name]
-        if issubclass(cls, torch.nn.Module):
+        module = issubclass(cls, torch.nn.Module)
+        if module and any(  # `self(**batch)`: the instance is the model
+            isinstance(n, ast.Call) and chain_of(n.func) == (owner.instance,)
+            for n in ast.walk(self.plan.target)
+        ):
             raise TypeError(
                 f"the loop is a method of the torch module `{cls.__name__}`; the "
                 f"harness cannot bind its own model to `{owner.instance}`"
             )
-        stand_in = type(cls.__name__, (cls,), {"__getattr__": _stub_attribute})
-        self.values[owner.instance] = object.__new__(stand_in)
+        getter = _module_stub_attribute if module else _stub_attribute
+        stand_in = type(cls.__name__, (cls,), {"__getattr__": getter})
+        instance = object.__new__(stand_in)
+        if module:  # a trainer that is a torch module only to hold its parts: `self.model`
+            torch.nn.Module.__init__(instance)
+        self.values[owner.instance] = instance
         self.bindings[owner.instance] = (
             f"a {cls.__name__} made without __init__ (its methods "
             "run; unknown attributes are stubs)"
@@ -228,6 +246,14 @@ def _stub_attribute(self, name: str):
     value = Stub(f"{type(self).__name__}.{name}")
     object.__setattr__(self, name, value)
     return value
+
+
+def _module_stub_attribute(self, name: str):
+    """A torch module's submodules, parameters and buffers, else a stub."""
+    try:
+        return torch.nn.Module.__getattr__(self, name)
+    except AttributeError:
+        return _stub_attribute(self, name)
 
 
 def _builds_torch_module(node: ast.expr, scope: dict) -> bool:
