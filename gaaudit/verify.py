@@ -143,7 +143,7 @@ def targets(
         previous = found.get(start)
         if previous is not None and not flagged:
             continue
-        header = tree.module.code_for_node(statement).strip().splitlines()[0]
+        header = _first_line(tree, statement)
         divisors = {code(d.divisor) for d in divisions}
         if window.size is not None:
             divisors.add(code(window.size))
@@ -165,6 +165,13 @@ def _replayed_statement(tree, window, anchor: cst.CSTNode) -> cst.CSTNode | None
         return window.loop or loops[-1]
     scope = tree.scope_of(anchor)
     return scope if isinstance(scope, cst.FunctionDef) else None
+
+
+def _first_line(tree, statement: cst.CSTNode) -> str:
+    """The statement's own first line: not a comment or blank line above it."""
+    if hasattr(statement, "leading_lines"):
+        statement = statement.with_changes(leading_lines=[])
+    return tree.module.code_for_node(statement).strip().splitlines()[0]
 
 
 def _same_header(text: str, header: str) -> bool:

@@ -109,3 +109,23 @@ def test_a_correct_loop_is_replayed_and_matches_the_full_batch():
         for row in loop["rows"]:
             assert row["original_error"] < 1e-5 and row["patched_error"] is None, row
     assert result.returncode == 0
+
+
+def test_a_loop_under_a_comment_is_found_by_its_own_first_line():
+    """The header that finds a loop again in the patched file is the loop's own first line,
+    not the comment above it (which found nothing: "the patched loop was not found")."""
+    from gaaudit.verify import targets
+
+    script = (
+        b"import torch.nn.functional as F\n\n"
+        b"# training\n"
+        b"for step, (x, y) in enumerate(loader):\n"
+        b"    loss = F.cross_entropy(model(x), y, ignore_index=-100) / accum\n"
+        b"    loss.backward()\n"
+        b"    if (step + 1) % accum == 0:\n"
+        b"        optimizer.step()\n"
+        b"        optimizer.zero_grad()\n"
+    )
+    (target,) = targets(script, b"# moved\n" + script)
+    assert target.header == "for step, (x, y) in enumerate(loader):"
+    assert (target.line, target.patched_line) == (4, 5)
