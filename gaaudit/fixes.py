@@ -20,6 +20,7 @@ from gaaudit.domain import Domains, shifts_labels
 from gaaudit.loops import Window, is_step
 from gaaudit.provenance import Origin, argument_for
 from gaaudit.tree import Tree, code, dotted, keyword, positional
+from gaaudit.vocabulary import CLIPPERS
 
 TOKEN_LOSSES = ("cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss")
 # One line on each block a fix inserts, saying why it is there.
@@ -76,7 +77,7 @@ ACROSS_CALLS = (
 )
 SUMMABLE = ("torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss")
 SUMMABLE_MODULES = ("CrossEntropyLoss", "NLLLoss")
-CLIPPERS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm", "clip_gradients")
+CLIPS = (*CLIPPERS, "clip_gradients")  # torch's, and Lightning Fabric's
 LOGGING_METHODS = ("item", "detach", "float", "cpu", "clone")
 EXITS = (cst.Continue, cst.Break, cst.Return, cst.Raise)
 
@@ -247,8 +248,7 @@ class Planner:
         body = window.loop if window.kind in ("modulo", "micro-loop") else window.anchor
         for node in self.tree.walk(body) if body is not None else ():
             if not (
-                isinstance(node, cst.Call)
-                and (dotted(node.func) or "").rsplit(".", 1)[-1] in CLIPPERS
+                isinstance(node, cst.Call) and (dotted(node.func) or "").rsplit(".", 1)[-1] in CLIPS
             ):
                 continue
             if window.kind == "modulo" and any(

@@ -6,6 +6,7 @@ import re
 
 OPTIMIZER = re.compile(r"(^|_)opt|optim")
 BACKWARDS = ("backward", "manual_backward")
+CLIPPERS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")  # torch.nn.utils
 # torch.distributed.pipelining schedules: after the last backward of a step they divide the
 # gradients by `n_microbatches`, unless built with `scale_grads=False`.
 # fmt: off

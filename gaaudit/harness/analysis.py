@@ -19,6 +19,7 @@ from gaaudit.harness.surroundings import (
     constants,
     enclosing_owner,
     framework_base,
+    literal,
     methods_called,
 )
 
@@ -107,14 +108,9 @@ def _option_defaults(tree: ast.Module) -> dict[str, object]:
         keywords = {k.arg: k.value for k in node.keywords if k.arg}
         dest = keywords.get("dest")
         name = dest.value if isinstance(dest, ast.Constant) else flags[0] if flags else None
-        value = keywords.get("default")
-        if isinstance(name, str) and isinstance(value, (ast.Constant, ast.UnaryOp)):
-            try:
-                literal = ast.literal_eval(value)
-            except ValueError:
-                continue
-            if isinstance(literal, (bool, int, float)):
-                defaults[name.lstrip("-").replace("-", "_")] = literal
+        ok, value = literal(keywords["default"]) if "default" in keywords else (False, None)
+        if ok and isinstance(name, str) and isinstance(value, (bool, int, float)):
+            defaults[name.lstrip("-").replace("-", "_")] = value
     return defaults
 
 

@@ -48,6 +48,7 @@ from gaaudit.harness.stubs import (
     stub_range,
     trange,
 )
+from gaaudit.vocabulary import CLIPPERS
 
 TRACKERS = (
     "wandb",
@@ -61,7 +62,6 @@ TRACKERS = (
     "trackio",
     "torch.utils.tensorboard",
 )
-CLIPPERS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")
 
 
 @dataclass(frozen=True)
@@ -140,20 +140,25 @@ class _Session:
             model = build_model(self.kind, self.seed, self.window.ignore_index).to(self.device)
             return full_batch_grads(model, window)
 
+    def first(self, n: int) -> Window:
+        """The window of the first `n` micro-batches (the whole window when n is K)."""
+        if n == self.k:
+            return self.window
+        micro = self.window.micro[:n]
+        return replace(
+            self.window, micro=micro, full=merge_batches(micro, self.window.ignore_index)
+        )
+
     def reference(self, n: int) -> list[torch.Tensor]:
         """The full-batch gradient of the window's first `n` micro-batches."""
         if n not in self.references:
-            micro = self.window.micro[:n]
-            full = merge_batches(micro, self.window.ignore_index)
-            self.references[n] = self._reference(replace(self.window, micro=micro, full=full))
+            self.references[n] = self._reference(self.first(n))
         return self.references[n]
 
     def replay(self, plan: Plan, filename: str, whole: int = 0) -> Replay:
         """Replay `plan` on the window, or (`whole` = n) on its first n micro-batches as one."""
-        if whole == self.k:
-            batches, k = [self.window.full], 1
-        elif whole:
-            batches, k = [merge_batches(self.window.micro[:whole], self.window.ignore_index)], 1
+        if whole:
+            batches, k = [self.first(whole).full], 1
         else:
             batches, k = self.window.micro, self.k
         return _execute(
@@ -316,9 +321,11 @@ def compare(
     session = (make_session or _Session)(
         planned[0] if planned else "", k, micro_batch_size, seed, device, dtype, timeout, packed
     )
+    before = session.check(original, "<original>")
+    unchanged = (patched_source, loop_line_patched) == (original_source, loop_line_original)
     return Comparison(
-        session.check(original, "<original>"),
-        session.check(patched, "<patched>"),
+        before,
+        before if unchanged else session.check(patched, "<patched>"),
         k,
         str(session.dtype).removeprefix("torch."),
         session.tolerance,

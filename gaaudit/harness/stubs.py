@@ -9,9 +9,10 @@ import operator
 
 class Stub:
     """An inert stand-in: callable (as a decorator, it returns what it decorates),
-    attribute-able (attributes are stubs too, or the values given in `children`), iterable-empty, falsy, a no-op context manager, absorbing in
-    arithmetic, unequal to everything else and larger than any number (a limit such as
-    `args.max_steps` is never reached). Its repr names the expression it replaces."""
+    attribute-able (attributes are stubs too, or the values given in `children`),
+    iterable-empty, falsy, a no-op context manager, absorbing in arithmetic, unequal to
+    everything else and larger than any number (a limit such as `args.max_steps` is never
+    reached). Its repr names the expression it replaces."""
 
     def __init__(self, path: str = "stub", children: dict | None = None):
         object.__setattr__(self, "_path", path)
