@@ -18,11 +18,10 @@ from gaaudit.cst_edits import (
 )
 from gaaudit.domain import Domains, shifts_labels
 from gaaudit.loops import Window, is_step
-from gaaudit.provenance import Origin, argument_for
+from gaaudit.provenance import TOKEN_LOSSES, Origin, argument_for, loss_target, valid_targets
 from gaaudit.tree import Tree, code, dotted, keyword, positional
 from gaaudit.vocabulary import CLIPPERS
 
-TOKEN_LOSSES = ("cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss")
 # One line on each block a fix inserts, saying why it is there.
 WEIGHT_NOTE = "# sum and count: each micro-batch's loss counts its valid targets"
 DIVIDE_NOTE = "# one division per window, by the window's total count"
@@ -205,18 +204,27 @@ class Planner:
                 "token count is not known there; count the step's valid tokens N before the "
                 "schedule runs and make the loss `loss_sum / N` (see `gaaudit explain GA003`)"
             )
-        if origin.module:
+        if origin.module and origin.count is None:
             raise Unfixable(
                 f"the loss is computed in {origin.module}; its targets are not visible here"
             )
-        if origin.kind != "mean" or source is None:
+        if origin.kind != "mean" or (source is None and origin.count is None):
             raise Unfixable("gaaudit could not tell what the loss averages over")
         if origin.branch:
             raise Unfixable(
                 "the loss is defined in both branches of an `if`, over different counts; "
                 "one count expression cannot cover both"
             )
-        helper = self._helper_call(site)
+        kept = [
+            d for d in origin.divisions if site.division is None or d.node is not site.division.node
+        ]
+        if kept:
+            raise Unfixable(
+                f"the loss is also divided by `{code(kept[0].divisor)}` (line "
+                f"{self.tree.line(kept[0].node)}), which the token-weighted sum would keep; "
+                "weight each micro-batch by its valid-target count instead of that factor"
+            )
+        helper = self._helper_call(site) if source is not None else None
         if origin.added:
             raise Unfixable(
                 f"the loss adds `{origin.added}` to its mean: weighting the sum by the mean's count "
@@ -375,12 +383,7 @@ class Planner:
             self.auditor.tracer.default(configured.func) or configured.func
         )  # `loss_fn=F.nll_loss`
         name = (self.tree.qualified(named) or "").rsplit(".", 1)[-1]
-        args = positional(call)
-        target = (
-            keyword(call, "target")
-            or keyword(call, "targets")
-            or (args[1] if len(args) > 1 else None)
-        )
+        target = loss_target(call)
         if target is None:
             raise Unfixable("the target tensor of the loss is not visible")
         if name not in TOKEN_LOSSES:
@@ -394,8 +397,7 @@ class Planner:
             raise Unfixable(
                 "the loss has class weights: its mean divides by the targets' summed weights"
             )
-        ignore = keyword(configured, "ignore_index")
-        count = f"({code(target)} != {code(ignore) if ignore else '-100'}).sum()"
+        count = code(valid_targets(target, configured))
         if named is not configured.func:
             return (count, f"assumes `{code(func)}` is its default, `{code(named)}`"), False
         return (count, ""), True
@@ -767,21 +769,27 @@ class Planner:
         if not text.startswith(name.value):
             return None
         rest = text[len(name.value) :]
-        text = mean + rest
         arg = self.tree.parents.get(read)
         wrapper = self.tree.parents.get(arg)
-        if (
+        wrapped = (
             isinstance(arg, cst.Arg)
             and isinstance(wrapper, cst.Call)
             and code(wrapper.func) == "float"
-        ):
-            read, text = wrapper, f"float({text if rest else mean[1:-1]})"
-        product = self.tree.parents.get(read)
-        if isinstance(product, cst.BinaryOperation) and isinstance(product.operator, cst.Multiply):
-            other = product.right if product.left is read else product.left
-            if code(other) == divisor:
-                read = product
-        return (read, text) if read is not name else None
+        )
+        outer = wrapper if wrapped else read
+        product = self.tree.parents.get(outer)
+        if (
+            isinstance(product, cst.BinaryOperation)
+            and isinstance(product.operator, cst.Multiply)
+            and code(product.right if product.left is outer else product.left) == divisor
+        ):  # `loss.item() * k`: the mean itself
+            outer = product
+        else:  # the mean over k, as the original read it
+            mean = f"({mean[1:-1]} / {divisor})"
+        text = mean + rest
+        if wrapped:
+            text = f"float({text if rest else mean[1:-1]})"
+        return (outer, text) if outer is not name else None
 
     def _finish_window(self, site: Site, optimizer: str) -> None:
         """Start, normalise and reset the window's count (and its loss sum when a log reads it)."""

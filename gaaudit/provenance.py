@@ -10,7 +10,16 @@ from typing import Literal
 import libcst as cst
 
 from gaaudit.modules import configured_target
-from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional, string_value
+from gaaudit.tree import (
+    Tree,
+    code,
+    dotted,
+    keyword,
+    last_name,
+    positional,
+    string_value,
+    substituted,
+)
 
 Kind = Literal["mean", "sum", "elementwise", "unknown"]
 
@@ -71,6 +80,19 @@ class Origin:
 
 UNKNOWN = Origin("unknown", "an expression gaaudit cannot trace")
 MASKED_MEAN = "a masked mean"  # how `what` names a sum divided by its own per-micro-batch count
+
+
+def _uncast(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """`expr` without the casts and copies that leave a count unchanged: `m.ne(0).float()`."""
+
+    class Uncast(cst.CSTTransformer):
+        def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+            func = updated.func
+            if isinstance(func, cst.Attribute) and func.attr.value in CASTS:
+                return func.value
+            return updated
+
+    return expr.visit(Uncast())
 
 
 def _unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
@@ -137,6 +159,36 @@ def argument_for(call: cst.Call, index: int, name: str) -> cst.BaseExpression | 
         return by_name
     args = positional(call)
     return args[index] if index < len(args) else None
+
+
+TOKEN_LOSSES = ("cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss")
+CASTS = GUARDS | {"type", "half"}  # no effect on a count (integer, bool and view casts may)
+
+
+def loss_target(call: cst.Call) -> cst.BaseExpression | None:
+    """The target a torch loss call is given: `target=`, `targets=`, or its second argument."""
+    args = positional(call)
+    return (
+        keyword(call, "target") or keyword(call, "targets") or (args[1] if len(args) > 1 else None)
+    )
+
+
+def valid_targets(target: cst.BaseExpression, configured: cst.Call) -> cst.Call:
+    """`(target != ignore).sum()`: a token loss's targets that are not its ignore value
+    (torch's -100 unless `configured`, the call that sets it, says otherwise), built around
+    the nodes themselves."""
+    ignore = keyword(configured, "ignore_index") or cst.parse_expression("-100")
+    differs = cst.Comparison(
+        target,
+        [cst.ComparisonTarget(cst.NotEqual(), ignore)],
+        lpar=[cst.LeftParen()],
+        rpar=[cst.RightParen()],
+    )
+    return cst.Call(cst.Attribute(differs, cst.Name("sum")))
+
+
+class _Foreign(Exception):
+    """An expression reads something its function's caller cannot name."""
 
 
 class Tracer:
@@ -304,6 +356,8 @@ class Tracer:
                 if returned and index < len(returned[0].elements):
                     return self.origin(returned[0].elements[index].value, depth + 1)
             imported = self._imported(value.func, value, index)
+            if imported is None and self.imports is not None:
+                imported = self.imports.called(self, value, index)
             if imported is not None:
                 return imported
             if "loss" in name:
@@ -582,6 +636,68 @@ class Tracer:
         ):
             return None
         return self.tree.functions.get(name.rsplit(".", 1)[-1])
+
+    def valid_count(self, origin: Origin) -> cst.BaseExpression | None:
+        """What a mean loss divides by, where the code shows it: a masked mean's own count,
+        or the targets of a torch token loss (no class weights) that are not its ignore value."""
+        if origin.kind != "mean" or origin.count is not None:
+            return origin.count
+        call = origin.source
+        if not isinstance(call, cst.Call):
+            return None
+        configured = origin.configured or self.loss_instance(call.func) or call
+        name = (self.tree.qualified(configured.func) or "").rsplit(".", 1)[-1]
+        target = loss_target(call)
+        weighted = keyword(configured, "weight") or keyword(call, "weight")
+        if name not in TOKEN_LOSSES or target is None or weighted is not None:
+            return None
+        return valid_targets(target, configured)
+
+    def inlined(
+        self, expr: cst.BaseExpression, function: cst.FunctionDef, depth: int = 0
+    ) -> cst.BaseExpression | None:
+        """`expr` in the terms of `function`'s parameters (and `torch`): each local name
+        replaced by the one value it is bound to, casts dropped; None when it reads anything
+        else (`self`, a name bound twice, a module global)."""
+        bindings = self.tree.bindings(function)
+
+        def local(name: cst.Name) -> cst.BaseExpression | None:
+            bound = self.binding(name.value, name)
+            if name.value == "torch" or self._cast_argument(name, expr):  # kept, or dropped
+                return None
+            if isinstance(bound, cst.Param) and name.value != "self":
+                return None
+            if (
+                depth >= MAX_DEPTH // 4
+                or not isinstance(bound, cst.Assign)
+                or len(bound.targets) != 1
+                or not isinstance(bound.targets[0].target, cst.Name)
+                or len(bindings.get(name.value, ())) != 1
+            ):
+                raise _Foreign(name.value)
+            value = self.inlined(bound.value, function, depth + 1)
+            if value is None:
+                raise _Foreign(name.value)
+            return value
+
+        try:
+            return _uncast(substituted(expr, local))
+        except _Foreign:
+            return None
+
+    def _cast_argument(self, node: cst.CSTNode, within: cst.CSTNode) -> bool:
+        """Whether `node` is inside the arguments of a cast (`x.type(y.type())`) in `within`."""
+        for outer in self.tree.ancestors(node):
+            if (
+                isinstance(outer, cst.Call)
+                and isinstance(outer.func, cst.Attribute)
+                and outer.func.attr.value in CASTS
+                and not self.tree.contains(outer.func, node)
+            ):
+                return True
+            if outer is within:
+                return False
+        return False
 
     def returns(self, function: cst.FunctionDef) -> list[cst.BaseExpression]:
         return [

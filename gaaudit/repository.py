@@ -27,7 +27,7 @@ from gaaudit.focus import focus
 from gaaudit.modules import MAX_HOPS, Dependency, file_digest, locate, shown
 from gaaudit.provenance import Division, Kind, Origin, Tracer, argument_for
 from gaaudit.source import SourceError, parse
-from gaaudit.tree import Tree, code, dotted, positional
+from gaaudit.tree import Tree, code, dotted, positional, substituted, variables, walk
 
 LOSS_METHODS = ("forward", "__call__")
 LOSS_METHOD_DEFS = tuple(f"def {m}(".encode() for m in LOSS_METHODS)  # kept by `focus`
@@ -43,6 +43,7 @@ class Returned:
     via: str
     divisors: tuple[tuple[str, int | None], ...]  # each divisor's code, and which parameter it is
     variable: str  # a sign of variable valid-token counts where a further module computes it
+    count: str = ""  # what a mean divides by, in the helper's parameters ("" when not shown)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Summary:
     items: tuple[Returned, ...]  # the elements of a returned tuple
     parameters: tuple[str, ...]  # in call order, `self` left out
     variable: str  # a sign of variable valid-token counts in the helper's code, and where
+    passes: int | None = None  # the parameter it returns as it came (`return model`)
 
 
 @dataclass(frozen=True)
@@ -136,18 +138,22 @@ class Repository:
             return None, frozenset(imports.dependencies)
         tracer = Tracer(tree, imports)
         parameters = tuple(p.name.value for p in function.params.params if p.name.value != "self")
-        values = tracer.returns(function)
-        returned = [_returned(tracer, value, parameters) for value in values]
+        values = [_tupled(tracer, value) for value in tracer.returns(function)]
+        returned = [_returned(tracer, value, function, parameters) for value in values]
         tuples = [v for v in values if isinstance(v, (cst.Tuple, cst.List))]
         items = (
-            tuple(_returned(tracer, e.value, parameters) for e in tuples[0].elements)
+            tuple(_returned(tracer, e.value, function, parameters) for e in tuples[0].elements)
             if tuples
             else ()
         )
         label = f"{name}.{function.name.value}" if is_class else name
         value = next((r for r in returned if r.kind != "unknown"), None)
         variable = _variable_sign(tree, function, label, path) or (value.variable if value else "")
-        summary = Summary(path, label, is_class, value, items, parameters, variable)
+        passes = next(
+            (i for v in values if (i := _passed_through(tracer, v, parameters)) is not None),
+            None,
+        )
+        summary = Summary(path, label, is_class, value, items, parameters, variable, passes)
         return summary, frozenset(imports.dependencies)
 
 
@@ -164,8 +170,44 @@ def _loss_method(cls: cst.ClassDef) -> cst.FunctionDef | None:
     return next((methods[n] for n in LOSS_METHODS if n in methods), None)
 
 
-def _returned(tracer: Tracer, expr: cst.BaseExpression, parameters: tuple[str, ...]) -> Returned:
+def _passed_through(
+    tracer: Tracer, value: cst.BaseExpression, parameters: tuple[str, ...], hops: int = 4
+) -> int | None:
+    """The parameter a returned value is, through the names it is bound to and wrappers that
+    take it first (`model = DataParallel(model)`; `return model`)."""
+    if hops < 0:
+        return None
+    if isinstance(value, cst.Call):
+        first = positional(value)[:1]
+        return _passed_through(tracer, first[0], parameters, hops - 1) if first else None
+    if not isinstance(value, cst.Name):
+        return None
+    bound = tracer.binding(value.value, value)
+    if isinstance(bound, cst.Param):
+        return parameters.index(value.value) if value.value in parameters else None
+    if isinstance(bound, cst.Assign) and len(bound.targets) == 1:
+        return _passed_through(tracer, bound.value, parameters, hops - 1)
+    return None
+
+
+def _tupled(tracer: Tracer, value: cst.BaseExpression) -> cst.BaseExpression:
+    """A returned name bound to a tuple is that tuple: `outputs = loss, n; return outputs`."""
+    if isinstance(value, cst.Name):
+        bound = tracer.binding(value.value, value)
+        if isinstance(bound, cst.Assign) and isinstance(bound.value, (cst.Tuple, cst.List)):
+            return bound.value
+    return value
+
+
+def _returned(
+    tracer: Tracer,
+    expr: cst.BaseExpression,
+    function: cst.FunctionDef,
+    parameters: tuple[str, ...],
+) -> Returned:
     origin = tracer.origin(expr)
+    count = tracer.valid_count(origin)
+    lifted = tracer.inlined(count, function) if count is not None else None
     line = tracer.tree.line(origin.source) if origin.source is not None and origin.tree else None
     divisors = tuple(
         (
@@ -174,7 +216,15 @@ def _returned(tracer: Tracer, expr: cst.BaseExpression, parameters: tuple[str, .
         )
         for d in origin.divisions
     )
-    return Returned(origin.kind, origin.what, line, origin.via, divisors, origin.variable)
+    return Returned(
+        origin.kind,
+        origin.what,
+        line,
+        origin.via,
+        divisors,
+        origin.variable,
+        code(lifted) if lifted is not None else "",
+    )
 
 
 def _names_parameter(expr: cst.BaseExpression, parameters: tuple[str, ...]) -> bool:
@@ -351,6 +401,18 @@ class Imports:
         line, divisor = found
         return f"{shown(path)} line {line}", divisor
 
+    def called(self, tracer: Tracer, call: cst.Call, index: int | None = None) -> Origin | None:
+        """What calling an instance of a repository class returns (element `index` of a
+        returned tuple), the instance found through its bindings, wrappers and factories (see
+        `_constructor`): `model = load_model(Seq2Seq(cfg)); loss, _ = model(x, y)`."""
+        built = _constructor(tracer, call.func, self)
+        if built is None:
+            return None
+        maker, reference, constructor = built
+        found = maker._instance(reference, constructor, call, index)
+        self.dependencies |= maker.dependencies
+        return found
+
     def built_by(self, factory: Summary, hops: int) -> Built | None:
         """The class instance a factory function of the repository returns, with the imports
         of the factory's module."""
@@ -409,6 +471,7 @@ class Imports:
             module=shown(found.path),
             callee=found.name,
             variable=found.variable,
+            count=lifted_count(found, returned, call),
         )
 
 
@@ -439,10 +502,35 @@ def _constructor(
     found = imports.summary(reference) if reference is not None else None
     if found is not None and found.is_class:
         return imports, reference, value
+    if found is not None and found.passes is not None:  # `load_model(Model(cfg), path)`
+        passed = argument_for(value, found.passes, found.parameters[found.passes])
+        return _constructor(tracer, passed, imports, hops - 1) if passed is not None else None
     if found is not None:
         return imports.built_by(found, hops - 1)
     first = positional(value)[:1]
     return _constructor(tracer, first[0], imports, hops - 1) if first else None
+
+
+def lifted_count(
+    found: Summary, returned: Returned, call: cst.Call | None
+) -> cst.BaseExpression | None:
+    """The count a summarised callable divides `returned` by, written in the arguments of
+    `call`: each parameter it reads swapped for what the call passes (`batch["labels"]` for
+    `**batch`); None unless each is a name, attribute or subscript, safe to read again."""
+    if call is None or not returned.count:
+        return None
+    spread = next((a.value for a in call.args if a.star == "**"), None)
+    passed = {}
+    for index, parameter in enumerate(found.parameters):
+        argument = argument_for(call, index, parameter)
+        if argument is None and spread is not None:  # `model(**batch)`
+            argument = cst.parse_expression(f'{code(spread)}["{parameter}"]')
+        if argument is not None and not any(isinstance(n, cst.Call) for n in walk(argument)):
+            passed[parameter] = argument
+    count = cst.parse_expression(returned.count)
+    if not variables(count) - {"torch"} <= passed.keys():
+        return None
+    return substituted(count, lambda name: passed.get(name.value))
 
 
 def _item(found: Summary, index: int | None) -> Returned | None:

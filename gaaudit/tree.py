@@ -58,6 +58,53 @@ def depends_on(node: cst.CSTNode, bound: set[str]) -> bool:
     return any(chain == b or chain.startswith(b + ".") for chain in reads(node) for b in bound)
 
 
+ATOMS = (cst.Name, cst.Attribute, cst.Call, cst.Subscript, cst.Integer, cst.Float, cst.SimpleString)
+
+
+def substituted(expr: cst.BaseExpression, replace) -> cst.BaseExpression:
+    """`expr` with each variable `Name` (not `x.name`, nor the keyword of `f(name=...)`)
+    swapped for `replace(name)` (None keeps it), parenthesised where it would bind looser."""
+
+    def bare(before: cst.BaseExpression, after: cst.BaseExpression) -> cst.BaseExpression:
+        """A swapped name standing alone (an argument, an index) needs no parentheses."""
+        if not isinstance(before, cst.Name) or isinstance(after, (cst.Tuple, cst.GeneratorExp)):
+            return after
+        return after.with_changes(lpar=[], rpar=[])
+
+    class Swap(cst.CSTTransformer):
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            return False
+
+        def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+            return updated.with_changes(value=original.value.visit(self))
+
+        def visit_Arg(self, node: cst.Arg) -> bool:
+            return False
+
+        def leave_Arg(self, original: cst.Arg, updated: cst.Arg):
+            return updated.with_changes(value=bare(original.value, original.value.visit(self)))
+
+        def leave_Index(self, original: cst.Index, updated: cst.Index):
+            return updated.with_changes(value=bare(original.value, updated.value))
+
+        def leave_Name(self, original: cst.Name, updated: cst.Name):
+            value = replace(original)
+            if value is None:
+                return updated
+            if isinstance(value, ATOMS) or value.lpar:
+                return value
+            return value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+
+    return expr.visit(Swap())
+
+
+def variables(expr: cst.BaseExpression) -> set[str]:
+    """The variable names an expression reads (see `substituted`)."""
+    seen: set[str] = set()
+    substituted(expr, lambda name: seen.add(name.value))
+    return seen
+
+
 DEFS = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
 
 

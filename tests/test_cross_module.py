@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -616,3 +617,181 @@ def test_the_configs_target_is_what_instantiate_builds(tmp_path, configs, expect
     found = configured_target(tmp_path / "src", "criterion", seen)
     assert (found[:2] if found else None) == expected
     assert len(seen) == len(configs)
+
+
+# A count lifted through the repository model's `forward` ----------------------------------
+
+COUNTED = FIXTURES / "ga001_xmod_model_counts_its_targets"
+COUNTED_OK = FIXTURES / "ok_xmod_model_counts_its_targets_token_sum"
+
+
+def test_the_count_is_the_models_own_in_the_calls_arguments():
+    """`Seq2Seq.forward` (model.py) counts the shifted targets under the mask that are not -1;
+    the model reaches the loop through `load_model(Seq2Seq(), ...)` (checkpoints.py)."""
+    train = COUNTED / "train.py"
+    result = fix_source(train.read_bytes(), train, Settings())
+    assert [o.applied for o in result.outcomes] == [True]
+    after = result.after.decode()
+    assert (
+        "micro_tokens = (target_ids[..., 1:].contiguous().view(-1)"
+        "[target_mask[..., 1:].ne(0).view(-1) == 1] != -1).sum()" in after
+    )
+    # the running total keeps what it summed: each micro-batch's mean over K
+    assert "tr_loss += (loss / max(micro_tokens, 1) / args.gradient_accumulation_steps)" in after
+
+
+def _seq2seq(folder: Path, seed: int = 0):
+    """The fixture's model, built from `seed`."""
+    import torch
+
+    sys.path.insert(0, str(folder))
+    try:
+        from model import Seq2Seq
+
+        torch.manual_seed(seed)
+        return Seq2Seq()
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("model", None)
+
+
+def _pairs() -> list:
+    """K = 4 micro-batches of one width whose masks keep 2 to 11 targets per row."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for kept in (2, 11, 5, 8):
+        source = torch.randint(0, 64, (3, 12), generator=generator)
+        target = torch.randint(0, 64, (3, 12), generator=generator)
+        mask = torch.zeros(3, 12, dtype=torch.long)
+        mask[:, : kept + 1] = 1
+        batches.append((source, target, mask))
+    return batches
+
+
+def _step(folder: Path, tmp_path: Path, source: bytes | None = None) -> dict:
+    """The update `folder`'s train.py (or `source` in its place) makes in one window of
+    K = 4 micro-batches, run as a script from the seeded initial state."""
+    import torch
+
+    run_dir = tmp_path / folder.name
+    shutil.copytree(folder, run_dir)
+    if source is not None:
+        (run_dir / "train.py").write_bytes(source)
+    initial = _seq2seq(folder).state_dict()
+    torch.save(initial, run_dir / "init.pt")
+    torch.save(_pairs(), run_dir / "pairs.pt")
+    result = subprocess.run(
+        [sys.executable, "train.py", "--checkpoint", "init.pt"],
+        check=False,
+        cwd=run_dir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    trained = torch.load(run_dir / "trained.pt")
+    return torch.cat([(trained[k] - initial[k]).flatten() for k in initial])
+
+
+def _full_batch_step(folder: Path):
+    """The update of one SGD step (lr 0.1) on the four micro-batches as one batch."""
+    import torch
+
+    model = _seq2seq(folder)
+    source, target, mask = (torch.cat(parts) for parts in zip(*_pairs()))
+    loss, _, _ = model(source_ids=source, target_ids=target, target_mask=mask)
+    loss.backward()
+    return torch.cat([-0.1 * p.grad.flatten() for p in model.parameters()])
+
+
+def test_fixed_loop_and_its_correct_twin_step_like_the_full_batch(tmp_path):
+    reference = _full_batch_step(COUNTED)
+    train = COUNTED / "train.py"
+    patched = fix_source(train.read_bytes(), train, Settings()).after
+
+    def error(update) -> float:
+        return float((update - reference).norm() / reference.norm())
+
+    assert error(_step(COUNTED, tmp_path / "original")) > 0.05
+    assert error(_step(COUNTED, tmp_path / "fixed", patched)) < 1e-4  # float32 sums
+    assert error(_step(COUNTED_OK, tmp_path / "twin")) < 1e-4
+
+
+LIFTED_MODEL = """\
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(8, 16)
+            self.pad_id = -1
+
+        def forward(self, features, labels):
+            logits = self.head(features)
+            {body}
+    """
+LIFTED_LOOP = """\
+    from model import LM
+
+    model = LM()
+    for step, batch in enumerate(loader):
+        {call}
+        (loss / k).backward()
+        if (step + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    """
+
+
+@pytest.mark.parametrize(
+    "body, call, count",
+    [
+        (
+            "return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1)",
+            'loss = model(batch["x"], batch["y"])',
+            '(batch["y"].flatten() != -1).sum()',
+        ),
+        (
+            "return F.cross_entropy(logits.flatten(0, 1), labels.flatten())",
+            "loss = model(**batch)",
+            '(batch["labels"].flatten() != -100).sum()',
+        ),
+        (  # the ignore value is the instance's: not namable at the call
+            "return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=self.pad_id)",
+            'loss = model(batch["x"], batch["y"])',
+            None,
+        ),
+        (  # the argument would be drawn again
+            "return F.cross_entropy(logits.flatten(0, 1), labels.flatten())",
+            'loss = model(batch["x"], next(targets))',
+            None,
+        ),
+        (  # `labels` bound twice: which one the loss reads depends on the path
+            (
+                "labels = labels.flatten()\n        labels = labels[labels >= 0]\n"
+                "        return F.cross_entropy(logits.flatten(0, 1), labels)"
+            ),
+            'loss = model(batch["x"], batch["y"])',
+            None,
+        ),
+    ],
+)
+def test_a_count_is_lifted_only_when_the_call_can_name_it(tmp_path, body, call, count):
+    root = write(
+        tmp_path,
+        {
+            "model.py": LIFTED_MODEL.format(body=body),
+            "train.py": LIFTED_LOOP.format(call=call),
+        },
+    )
+    train = root / "train.py"
+    result = fix_source(train.read_bytes(), train, ALL)
+    (outcome,) = result.outcomes
+    if count is None:
+        assert not outcome.applied and outcome.reason
+    else:
+        assert outcome.applied and f"micro_tokens = {count}\n" in result.after.decode()

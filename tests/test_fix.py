@@ -38,8 +38,10 @@ BUGGY = textwrap.dedent(
 )
 
 
-def fixed(data: bytes, unsafe: bool = True, settings: Settings = ALL) -> bytes:
-    return fix_source(data, Path("x.py"), settings, unsafe).after
+def fixed(
+    data: bytes, unsafe: bool = True, settings: Settings = ALL, path: Path = Path("x.py")
+) -> bytes:
+    return fix_source(data, path, settings, unsafe).after
 
 
 def original_of(pair: Path) -> Path:
@@ -57,7 +59,7 @@ def test_every_fixable_shape_has_a_pair():
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.stem)
 def test_pair_is_exact_compiles_is_clean_and_idempotent(pair: Path):
     after = pair.read_bytes()
-    assert fixed(original_of(pair).read_bytes()) == after
+    assert fixed(original_of(pair).read_bytes(), path=original_of(pair)) == after
     compile(after, str(pair), "exec")
     assert check_file(pair, ALL).findings == []
     assert fixed(after) == after
@@ -261,7 +263,9 @@ def test_explicit_token_loss_becomes_a_sum_and_the_log_the_window_mean():
     assert "loss = loss" not in after and "micro_tokens = (y.view(-1) != -100).sum()" in after
     assert "window_loss += loss.detach()\n" in after
     mean = "(window_loss / window_tokens)"
-    assert f'print(f"loss {{{mean}.item():.3f}}", float({mean[1:-1]}))' in after
+    # `loss.item() * accum` read the mean: now the window's; `float(loss)` read the mean over
+    # `accum`: now the window's over `accum`, the scale the user had
+    assert f'print(f"loss {{{mean}.item():.3f}}", float({mean[1:-1]} / accum))' in after
     # the counts are reset after the step's log has read them, not before
     assert (
         after.index("float(") < after.rindex("window_tokens = 0") < after.rindex("window_loss = 0")
