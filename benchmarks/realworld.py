@@ -317,7 +317,7 @@ def score(trees: Path, only: list[str]) -> int:
 def fixes(trees: Path, only: list[str]) -> int:
     """`gaaudit fix` (its safe fixes, at the default confidence) on each labelled file, run at
     its tree's root as a user would: which files it changed, whether they still compile, and
-    why the findings of buggy files were not fixed. Each file is put back afterwards."""
+    why the findings of buggy files were not fixed. Each file, and any module a fix changed with it, is put back afterwards."""
     rows = [row for row in load_manifest() if not only or row.repo in only]
     changed: dict[Row, bool] = {}  # -> compiles
     reasons: Counter[str] = Counter()
@@ -328,19 +328,23 @@ def fixes(trees: Path, only: list[str]) -> int:
         if not target.is_file():
             print(f"missing: {row.repo}/{row.path} (run `restore`)", file=sys.stderr)
             continue
+        root = tree_of(trees, row.repo)
+        kept = {path: path.read_bytes() for path in root.rglob("*.py") if path.is_file()}
         before = target.read_bytes()
         try:
             result = subprocess.run(
                 [*GAAUDIT, "fix", row.path],
                 check=False,
-                cwd=tree_of(trees, row.repo),
+                cwd=root,
                 capture_output=True,
                 text=True,
                 timeout=600,
             )
             after = target.read_bytes()
-        finally:
-            target.write_bytes(before)
+        finally:  # the file, and any other module a fix changed with it
+            for path, data in kept.items():
+                if path.read_bytes() != data:
+                    path.write_bytes(data)
         if after != before:
             try:
                 compile(after, row.path, "exec")

@@ -80,6 +80,7 @@ class FileFix:
     before: bytes
     after: bytes
     outcomes: list[Outcome] = field(default_factory=list)
+    companions: list[FileFix] = field(default_factory=list)  # other files the fixes change
 
     @property
     def changed(self) -> bool:

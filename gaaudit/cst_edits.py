@@ -62,11 +62,11 @@ def with_argument(call: cst.Call, name: str | None, value: str) -> cst.Call:
 
 def with_parameter(params: cst.Parameters, name: str, default: str | None = None) -> cst.Parameters:
     """`params` plus `name` (`name=default` when given): the last positional parameter, or a
-    keyword-only one after `*args`. A one-per-line layout stays one per line."""
+    keyword-only one after `*args` or a bare `*`. A one-per-line layout stays one per line."""
     new = cst.Param(cst.Name(name))
     if default is not None:
         new = new.with_changes(default=cst.parse_expression(default), equal=NO_SPACE)
-    field = "kwonly_params" if isinstance(params.star_arg, cst.Param) else "params"
+    field = "params" if params.star_arg is cst.MaybeSentinel.DEFAULT else "kwonly_params"
     return params.with_changes(**{field: _appended(list(getattr(params, field)), new)})
 
 

@@ -64,8 +64,8 @@ FIXED_SIGNS = (
         lambda match: f"`{match['sign'].decode()}`",
     ),
     (
-        re.compile(rb"\b(?P<sign>randint)\(\s*len\("),
-        lambda match: "random fixed-length windows, `randint(len(...`",
+        re.compile(rb"\b(?P<sign>randint)\(\s*(?:0\s*,\s*)?(?:len\(|[\w.]+\.(?:size\(|shape\[))"),
+        lambda match: "random fixed-length windows drawn with `randint` over the data's length",
     ),
 )
 NEWLINE = re.compile(rb"\n")

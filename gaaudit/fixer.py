@@ -16,8 +16,12 @@ from gaaudit.source import Source, SourceError, parse, read
 COVERED = "by the GA004/GA005 rewrite of the same code"
 
 
-def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False) -> FileFix:
-    """Rewrite every reported, fixable finding of one file's bytes; raises `SourceError`."""
+def fix_source(
+    data: bytes, path: Path, settings: Settings, unsafe: bool = False, reach: bool = False
+) -> FileFix:
+    """Rewrite every reported, fixable finding of one file's bytes; raises `SourceError`.
+    With `reach`, a fix may change another module of the repository too (a loss function
+    there returns its count): those files are the result's `companions`."""
     from gaaudit.checks.accumulation import Auditor
     from gaaudit.domain import Domains
     from gaaudit.fixes import Outcome, Planner
@@ -43,15 +47,22 @@ def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False
     covered = [s for s in sites if any(tree.contains(node, s.node) for node in touched)]
     outcomes += [Outcome(s, *_start(tree, s.node), True, COVERED) for s in covered]
     sites = [s for s in sites if s not in covered]
+    companions = []
     if sites:
         domains = Domains(tree, auditor.tracer, context.evidence, text)
-        planner = Planner(tree, auditor, unsafe, domains)
+        planner = Planner(tree, auditor, unsafe, domains, reach)
         outcomes += planner.plan(sites)
         edits = _merged(edits, planner.edits)
+        companions = [_rewritten(p, t, e) for p, (t, e) in planner.companions.items()]
     outcomes.sort(key=lambda o: (o.line, o.column, o.site.code))
     if not any(o.applied for o in outcomes):
         return FileFix(shown, data, data, outcomes)
-    fixed = apply(module, edits).bytes
+    fixed = _compiled(apply(module, edits).bytes, shown)
+    return FileFix(shown, data, fixed, outcomes, [c for c in companions if c.changed])
+
+
+def _compiled(fixed: bytes, shown: str) -> bytes:
+    """`fixed`, once it is known to parse and compile."""
     try:
         parse(fixed)
         compile(fixed, shown, "exec")
@@ -59,7 +70,13 @@ def fix_source(data: bytes, path: Path, settings: Settings, unsafe: bool = False
         raise SourceError(
             f"internal error: the fix would not parse ({exc}); file left unchanged"
         ) from None
-    return FileFix(shown, data, fixed, outcomes)
+    return fixed
+
+
+def _rewritten(path: Path, tree, edits) -> FileFix:
+    """Another module of the repository with its planned edits applied."""
+    shown = display_path(path)
+    return FileFix(shown, tree.module.bytes, _compiled(apply(tree.module, edits).bytes, shown))
 
 
 def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool):
@@ -122,8 +139,8 @@ def fix_file(
     """Plan the fix of one file on disk, or of `data`, its text from standard input (nothing
     is written here); notebooks cell by cell."""
     raw = read(path, data).data
-    if path.suffix != ".ipynb":
-        return fix_source(raw, path, settings, unsafe)
+    if path.suffix != ".ipynb":  # other files are fixed too, unless the text came on stdin
+        return fix_source(raw, path, settings, unsafe, reach=data is None)
     notebook = load_notebook(raw)
     try:
         fixed = fix_source(notebook.text.encode("utf-8"), path, settings, unsafe)

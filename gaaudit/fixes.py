@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import libcst as cst
 
@@ -18,7 +19,15 @@ from gaaudit.cst_edits import (
 )
 from gaaudit.domain import Domains, shifts_labels
 from gaaudit.loops import Window, is_step
-from gaaudit.provenance import TOKEN_LOSSES, Origin, argument_for, loss_target, valid_targets
+from gaaudit.provenance import (
+    TOKEN_LOSSES,
+    Origin,
+    Tracer,
+    argument_for,
+    loss_target,
+    valid_targets,
+)
+from gaaudit.source import SourceError, parse
 from gaaudit.tree import Tree, code, dotted, keyword, positional
 from gaaudit.vocabulary import CLIPPERS
 
@@ -91,6 +100,52 @@ class Weighted:
     summed: bool
 
 
+def fresh(tree: Tree, name: str) -> str:
+    """`name`, or `name_2`, ... : one no name of the module already uses."""
+    taken = {n.value for n in tree.walk(tree.module) if isinstance(n, cst.Name)}
+    candidate, suffix = name, 1
+    while candidate in taken:
+        suffix += 1
+        candidate = f"{name}_{suffix}"
+    return candidate
+
+
+def returns_count(
+    tree: Tree, edits: Edits, function: cst.FunctionDef, returned: cst.Return, count: str
+) -> None:
+    """`function` also returns the count beside its mean at `returned` when its caller asks
+    (`return_count=True`); its other callers get the mean as before."""
+    edits.replace[function.params] = with_parameter(function.params, RETURN_COUNT, "False")
+    line = statement_line(tree, returned)
+    value = returned.value
+    if not isinstance(value, cst.Name):
+        mean = cst.Name(fresh(tree, "mean_loss"))
+        bind = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(mean)], value)])
+        edits.before.setdefault(line, []).append(bind)  # the value's layout kept
+        edits.replace[value] = value = mean
+    edits.insert_before(
+        line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {code(value)}, {count}"
+    )
+
+
+def _defined(tree: Tree, name: str) -> cst.FunctionDef | None:
+    """The top-level function `name`, or the method of `Class.method`."""
+    owner, _, method = name.rpartition(".")
+    for statement in tree.module.body:
+        if not owner and isinstance(statement, cst.FunctionDef) and statement.name.value == name:
+            return statement
+        if owner and isinstance(statement, cst.ClassDef) and statement.name.value == owner:
+            return next(
+                (
+                    m
+                    for m in statement.body.body
+                    if isinstance(m, cst.FunctionDef) and m.name.value == method
+                ),
+                None,
+            )
+    return None
+
+
 def _assigns_to_itself(statement: cst.CSTNode, division: cst.CSTNode) -> bool:
     """`loss = loss / k`: one name target, the same name divided."""
     return (
@@ -108,10 +163,17 @@ class Planner:
     """Turns the sites of one file into edits, one accumulation window at a time."""
 
     def __init__(
-        self, tree: Tree, auditor: Auditor, unsafe: bool = False, domains: Domains | None = None
+        self,
+        tree: Tree,
+        auditor: Auditor,
+        unsafe: bool = False,
+        domains: Domains | None = None,
+        reach: bool = False,
     ) -> None:
         self.tree, self.auditor, self.unsafe, self.domains = tree, auditor, unsafe, domains
+        self.reach = reach  # whether other files of the repository may change too
         self.edits = Edits()
+        self.companions: dict[Path, tuple[Tree, Edits]] = {}  # other files' edits
         self.text = tree.module.code
         self.micro = self._fresh("micro_tokens")
         self.window_total = self._fresh("window_tokens")
@@ -123,12 +185,7 @@ class Planner:
         self._weighted: dict[cst.CSTNode, list[Weighted]] = {}  # window -> losses divided by K
 
     def _fresh(self, name: str) -> str:
-        taken = {n.value for n in self.tree.walk(self.tree.module) if isinstance(n, cst.Name)}
-        candidate, suffix = name, 1
-        while candidate in taken:
-            suffix += 1
-            candidate = f"{name}_{suffix}"
-        return candidate
+        return fresh(self.tree, name)
 
     def plan(self, sites: list[Site]) -> list[Outcome]:
         if (
@@ -148,7 +205,7 @@ class Planner:
                 self._rewrite(site, count[0])
                 outcomes.append(Outcome(site, *self._position(site), True))
             except (Unfixable, cst.ParserSyntaxError) as exc:
-                self.edits, self._prepared, self._weighted = saved
+                self.edits, self._prepared, self._weighted, self.companions = saved
                 reason = (
                     str(exc)
                     if isinstance(exc, Unfixable)
@@ -166,7 +223,8 @@ class Planner:
     def _snapshot(self) -> tuple:
         """A copy to restore when a site turns out unfixable half-way through planning."""
         weighted = {k: list(v) for k, v in self._weighted.items()}
-        return copy_edits(self.edits), dict(self._prepared), weighted
+        companions = {p: (t, copy_edits(e)) for p, (t, e) in self.companions.items()}
+        return copy_edits(self.edits), dict(self._prepared), weighted, companions
 
     # --- the count of valid targets in one micro-batch -------------------------------------
 
@@ -204,11 +262,11 @@ class Planner:
                 "token count is not known there; count the step's valid tokens N before the "
                 "schedule runs and make the loss `loss_sum / N` (see `gaaudit explain GA003`)"
             )
-        if origin.module and origin.count is None:
+        if origin.module and origin.count is None and not self.reach:
             raise Unfixable(
                 f"the loss is computed in {origin.module}; its targets are not visible here"
             )
-        if origin.kind != "mean" or (source is None and origin.count is None):
+        if origin.kind != "mean" or (source is None and origin.count is None and not origin.module):
             raise Unfixable("gaaudit could not tell what the loss averages over")
         if origin.branch:
             raise Unfixable(
@@ -239,6 +297,9 @@ class Planner:
             )
         if origin.count is not None:  # a masked mean: the count it divides by
             counted = (code(origin.count), ""), True
+        elif origin.module:  # the other module's function returns its count too
+            self._companion_count(site)
+            return (self.micro, ""), True
         elif isinstance(source, (cst.Attribute, cst.Subscript)):
             counted = self._model_count(source), True
         elif isinstance(source, cst.Call):
@@ -290,7 +351,7 @@ class Planner:
         if helper is loop:
             return None
         call = self._binding_call(
-            site.division.node if site.kind == "loss-division" else site.backward.loss, helper
+            self._loss_use(site), lambda c: self.auditor.tracer.helper(c.func) is helper
         )
         returns = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
         if not isinstance(helper, cst.FunctionDef) or call is None:
@@ -308,8 +369,14 @@ class Planner:
             raise Unfixable(f"`{helper.name.value}` already takes a `{RETURN_COUNT}` parameter")
         return call
 
-    def _binding_call(self, use: cst.CSTNode, helper, depth: int = 0) -> cst.Assign | None:
-        """The `name = helper(...)` whose value reaches `use`, through a few assignments."""
+    @staticmethod
+    def _loss_use(site: Site) -> cst.CSTNode:
+        """Where the loop uses the loss: its division by K, else its backward."""
+        return site.division.node if site.kind == "loss-division" else site.backward.loss
+
+    def _binding_call(self, use: cst.CSTNode, matches, depth: int = 0) -> cst.Assign | None:
+        """The `name = f(...)` whose value reaches `use` (through a few assignments) with a
+        call that `matches`."""
         for name in self.tree.walk(use):
             if not (isinstance(name, cst.Name) and self.tree.is_variable(name)):
                 continue
@@ -318,37 +385,110 @@ class Planner:
                 continue
             if (
                 isinstance(bound.value, cst.Call)
-                and self.auditor.tracer.helper(bound.value.func) is helper
+                and matches(bound.value)
                 and isinstance(bound.targets[0].target, cst.Name)
             ):
                 return bound
             if depth < 3:
-                found = self._binding_call(bound.value, helper, depth + 1)
+                found = self._binding_call(bound.value, matches, depth + 1)
                 if found is not None:
                     return found
         return None
 
     def _return_count(self, call: cst.Assign, count: str) -> None:
-        """`helper` also returns the micro-batch's count when the loop asks for it
-        (`return_count=True`); its other callers get the mean as before."""
+        """`helper` also returns the micro-batch's count when the loop asks for it."""
         helper = self.auditor.tracer.helper(call.value.func)
         (returned,) = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
-        self.edits.replace[helper.params] = with_parameter(helper.params, RETURN_COUNT, "False")
-        line = statement_line(self.tree, returned)
-        value = returned.value
-        if not isinstance(value, cst.Name):
-            mean = cst.Name(self._fresh("mean_loss"))
-            bind = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(mean)], value)])
-            self.edits.before.setdefault(line, []).append(bind)  # the value's layout kept
-            self.edits.replace[value] = value = mean
-        self.edits.insert_before(
-            line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {code(value)}, {count}"
-        )
+        returns_count(self.tree, self.edits, helper, returned, count)
+        self._ask_count(call)
+
+    def _ask_count(self, call: cst.Assign) -> None:
+        """`loss = f(...)` becomes `loss, micro_tokens = f(..., return_count=True)`."""
         target = call.targets[0].target.value
         self.edits.replace[call] = call.with_changes(
             targets=[cst.AssignTarget(cst.parse_expression(f"{target}, {self.micro}"))],
             value=with_argument(call.value, RETURN_COUNT, "True"),
         )
+
+    def _companion_count(self, site: Site) -> None:
+        """The loss comes from a function (or a model's `forward`) of another module of the
+        repository: that function also returns the count its mean divides by when the loop
+        asks for it (`return_count=True`, planned in `companions`); the loop binds it."""
+        origin = site.origin
+        call = self._binding_call(
+            self._loss_use(site),
+            lambda c: (
+                (found := self.auditor.tracer.origin(c)).path == origin.path
+                and found.callee == origin.callee
+            ),
+        )
+        if call is None or origin.path is None:
+            raise Unfixable(
+                f"the loss is computed in {origin.module} and reaches the loop other than as "
+                "`loss = f(...)`; its count is not visible here"
+            )
+        if origin.path not in self.companions:
+            try:
+                data = origin.path.read_bytes()
+                self.companions[origin.path] = (Tree(parse(data), data), Edits())
+            except (OSError, SourceError) as exc:
+                raise Unfixable(f"cannot read {origin.module}: {exc}") from None
+        tree, edits = self.companions[origin.path]
+        function = _defined(tree, origin.callee)
+        if function is None:
+            raise Unfixable(f"cannot find `{origin.callee}` in {origin.module}")
+        if any(
+            p.name.value == RETURN_COUNT
+            for p in tree.walk(function.params)
+            if isinstance(p, cst.Param)
+        ):
+            if f"if {RETURN_COUNT}:" not in tree.module.code_for_node(function):
+                raise Unfixable(f"`{origin.callee}` already takes a `{RETURN_COUNT}` parameter")
+            self._ask_count(call)  # fixed for another caller already
+            return
+        tracer = Tracer(tree)
+        losses = [
+            (node, found)
+            for node in tree.in_scope(function)
+            if isinstance(node, cst.Return)
+            and node.value is not None
+            and (found := tracer.origin(node.value)).kind == "mean"
+        ]
+        if len(losses) != 1:
+            raise Unfixable(
+                f"`{origin.callee}` ({origin.module}) returns its loss from "
+                f"{'several places' if losses else 'no place gaaudit can trace'}; return the "
+                "loss's valid-target count beside it"
+            )
+        returned, found = losses[0]
+        count = tracer.valid_count(found)
+        if count is None or found.added or found.divisions:
+            raise Unfixable(
+                f"the loss is computed in {origin.module}; gaaudit cannot tell what "
+                f"`{origin.callee}` averages over there"
+            )
+        moved = [
+            n.value
+            for n in tree.walk(count)
+            if isinstance(n, cst.Name)
+            and n in tree.order
+            and tree.is_variable(n)
+            and (
+                not tree.contains(function, n)
+                or tracer.binding(n.value, n) is not tracer.binding(n.value, returned)
+            )
+        ]
+        if moved:
+            raise Unfixable(
+                f"`{moved[0]}`, which the loss's count reads, is not what it was at the "
+                f"`return` of `{origin.callee}` ({origin.module}); return the loss's "
+                "valid-target count beside it"
+            )
+        if returned in edits.before or function.params in edits.replace:
+            self._ask_count(call)  # this run already changed it, for an earlier call
+            return
+        returns_count(tree, edits, function, returned, code(count))
+        self._ask_count(call)
 
     def _model_count(self, source: cst.CSTNode) -> tuple[str, str]:
         call = self.auditor.tracer.origin_call(source.value)

@@ -103,6 +103,8 @@ def _fix_one(path: Path, settings, options: FixOptions, tally: Tally, data: byte
             sys.stdout.buffer.write(out)
             sys.stdout.flush()
         elif result.changed and not options.diff:
+            for companion in result.companions:  # the functions the file's loop now asks
+                write_atomic(Path(companion.path), companion.after, companion.before)
             write_atomic(path, result.after, result.before)
     except (SourceError, WriteError) as exc:
         tally.errors += 1
@@ -125,7 +127,7 @@ def _fix_one(path: Path, settings, options: FixOptions, tally: Tally, data: byte
     if result is None:
         return
     if result.changed:
-        tally.changed.append(result.path)
+        tally.changed += [result.path, *(c.path for c in result.companions)]
     for outcome in result.outcomes:
         where = f"{result.path}:{outcome.location}: {outcome.site.code}"
         if outcome.applied:
@@ -136,8 +138,8 @@ def _fix_one(path: Path, settings, options: FixOptions, tally: Tally, data: byte
             tally.skipped += 1
             _say(f"{where} not fixed: {outcome.reason}", stderr)
     if options.diff and result.changed and data is None:
-        coloured = use_color()
-        sys.stdout.write(_colour_diff(result.diff()) if coloured else result.diff())
+        diff = "".join(f.diff() for f in (result, *result.companions))
+        sys.stdout.write(_colour_diff(diff) if use_color() else diff)
 
 
 def _held_back(path: Path, result) -> str:

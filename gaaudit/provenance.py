@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Literal
 
 import libcst as cst
@@ -59,6 +60,7 @@ class Origin:
     from_model: bool = False  # unpacked from a model call: `logits, loss = model(x, y)`
     tree: Tree | None = field(default=None, compare=False, repr=False)
     module: str = ""  # the file of another module that computes it (then `source` is None)
+    path: Path | None = None  # that file, to read
     callee: str = ""  # there, the function or `Class.forward` that returns it
     branch: bool = False  # one of the definitions of an `if`/`else` that reach the use
     count: cst.BaseExpression | None = field(
@@ -185,6 +187,15 @@ def valid_targets(target: cst.BaseExpression, configured: cst.Call) -> cst.Call:
         rpar=[cst.RightParen()],
     )
     return cst.Call(cst.Attribute(differs, cst.Name("sum")))
+
+
+def _averaged(call: cst.Call, tree: Tree) -> cst.BaseExpression | None:
+    """What `x.mean()` or `torch.mean(x)` averages (every element), else None."""
+    if isinstance(call.func, cst.Attribute) and call.func.attr.value in ("mean", "nanmean"):
+        return None if call.args else call.func.value
+    if tree.qualified(call.func) in ("torch.mean", "torch.nanmean") and len(call.args) == 1:
+        return call.args[0].value
+    return None
 
 
 class _Foreign(Exception):
@@ -456,7 +467,11 @@ class Tracer:
         if method is not None:
             label = f"`{dotted(value.func)}.{method.name.value}()`"
             return [(r, self._returned(r, depth, label)) for r in self.returns(method)]
-        imported = self.imports.instance_origin(value, call) if self.imports is not None else None
+        if self.imports is None:
+            return []
+        imported = self.imports.instance_origin(value, call)
+        if imported is None and call is not None:  # `Model(...).cuda()`, `wrap(Model(...))`
+            imported = self.imports.called(self, call)
         return [(None, imported)] if imported is not None else []
 
     def _at_call(self, found: Origin, helper: cst.FunctionDef, call: cst.Call | None) -> Origin:
@@ -530,11 +545,10 @@ class Tracer:
         if "." not in name:
             params = [self.binding(name, func)]
         else:
-            owner = _class_of(self.tree, func)
             params = [
                 self.binding(v.value, v)
-                for v in self.tree.assigned_values.get(name, [])
-                if isinstance(v, cst.Name) and _class_of(self.tree, v) is owner
+                for v in self.assigned(name, func)
+                if isinstance(v, cst.Name)
             ]
         for param in params:
             if isinstance(param, cst.Param) and param.annotation is not None:
@@ -543,13 +557,22 @@ class Tracer:
                     return annotation
         return None
 
+    def assigned(self, name: str, use: cst.CSTNode) -> list[cst.BaseExpression]:
+        """The values the file assigns to a dotted `name`; for `self.x`, those of the class
+        that holds `use` (each trainer class of a file has its own `self.model`)."""
+        values = self.tree.assigned_values.get(name, [])
+        if name.split(".", 1)[0] != "self":
+            return values
+        owner = _class_of(self.tree, use)
+        return [v for v in values if _class_of(self.tree, v) is owner]
+
     def bound_value(self, func: cst.Name | cst.Attribute) -> cst.BaseExpression | None:
         """The lambda or call a callee name was assigned (`loss_fn = lambda ...`), else None."""
         name = dotted(func)
         if name is None:
             return None
         if "." in name:
-            values = self.tree.assigned_values.get(name, [])
+            values = self.assigned(name, func)
         else:
             stmt = self.binding(name, func)
             values = [stmt.value] if isinstance(stmt, cst.Assign) else []
@@ -585,7 +608,7 @@ class Tracer:
         name = dotted(func)
         if name is None:
             return None
-        candidates = self.tree.assigned_values.get(name, []) if "." in name else []
+        candidates = self.assigned(name, func) if "." in name else []
         if not candidates:
             stmt = self.binding(name, func)
             candidates = [stmt.value] if isinstance(stmt, cst.Assign) else []
@@ -645,6 +668,9 @@ class Tracer:
         call = origin.source
         if not isinstance(call, cst.Call):
             return None
+        averaged = _averaged(call, self.tree)
+        if averaged is not None:  # `x.mean()`: every element counts
+            return cst.Call(cst.Attribute(averaged, cst.Name("numel")))
         configured = origin.configured or self.loss_instance(call.func) or call
         name = (self.tree.qualified(configured.func) or "").rsplit(".", 1)[-1]
         target = loss_target(call)

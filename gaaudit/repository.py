@@ -30,6 +30,7 @@ from gaaudit.source import SourceError, parse
 from gaaudit.tree import Tree, code, dotted, positional, substituted, variables, walk
 
 LOSS_METHODS = ("forward", "__call__")
+MOVES = ("cuda", "cpu", "to", "half", "float", "bfloat16", "train", "eval")  # return the module
 LOSS_METHOD_DEFS = tuple(f"def {m}(".encode() for m in LOSS_METHODS)  # kept by `focus`
 
 
@@ -469,6 +470,7 @@ class Imports:
             divisions=tuple(_division(d, found, func, call) for d in returned.divisors),
             via=via or f", returned by `{found.name}()` imported from `{reference.spelled}`",
             module=shown(found.path),
+            path=found.path,
             callee=found.name,
             variable=found.variable,
             count=lifted_count(found, returned, call),
@@ -495,6 +497,8 @@ def _constructor(
         value = bound.value
     if not isinstance(value, cst.Call):
         return None
+    if isinstance(value.func, cst.Attribute) and value.func.attr.value in MOVES:
+        return _constructor(tracer, value.func.value, imports, hops - 1)  # `Model(...).cuda()`
     reference = imports.reference(value.func)
     own = isinstance(value.func, cst.Name) and _top_level(tracer.tree, value.func.value)
     if reference is None and imports.name and isinstance(own, cst.ClassDef):

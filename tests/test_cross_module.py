@@ -795,3 +795,128 @@ def test_a_count_is_lifted_only_when_the_call_can_name_it(tmp_path, body, call, 
         assert not outcome.applied and outcome.reason
     else:
         assert outcome.applied and f"micro_tokens = {count}\n" in result.after.decode()
+
+
+# A loss function of another module returns its count too ----------------------------------
+
+OWN_IGNORE_MODEL = """\
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class TinyLM(nn.Module):
+        def __init__(self, vocab=32, dim=16, pad_id=0):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.head = nn.Linear(dim, vocab)
+            self.pad_id = pad_id
+
+        def forward(self, ids, labels, *, return_loss=False):
+            logits = self.head(self.embed(ids))
+            if not return_loss:
+                return logits
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=self.pad_id)
+            return loss
+    """
+MICRO_LOOP = """\
+    import torch
+
+    from model import TinyLM
+
+    model = TinyLM()
+    model.load_state_dict(torch.load("init.pt"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = iter(torch.load("batches.pt"))
+    for _ in range(1):
+        for _ in range(4):
+            ids, labels = next(batches)
+            loss = model(ids, labels, return_loss=True)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save(model.state_dict(), "trained.pt")
+    """
+
+
+def _micro_batches() -> list:
+    """Four micro-batches of one width with 1 to 9 valid (non-pad) labels per row."""
+    import torch
+
+    generator = torch.Generator().manual_seed(2)
+    batches = []
+    for kept in (1, 9, 4, 6):
+        ids = torch.randint(1, 32, (2, 10), generator=generator)
+        labels = torch.randint(1, 32, (2, 10), generator=generator)
+        labels[:, kept:] = 0
+        batches.append((ids, labels))
+    return batches
+
+
+def test_the_models_forward_returns_its_count_when_the_loop_asks(tmp_path):
+    """The ignore value is the model's own (`self.pad_id`): the count cannot be written at
+    the call, so `forward` returns it beside the mean when asked (`return_count=True`), in
+    model.py, and the loop weights each micro-batch by it. `fix` changes both files; a second
+    run changes nothing; the result is clean and steps like the full batch."""
+    import torch
+
+    root = write(tmp_path / "repo", {"model.py": OWN_IGNORE_MODEL, "train.py": MICRO_LOOP})
+    before = {name: (root / name).read_bytes() for name in ("model.py", "train.py")}
+    shown = gaaudit("fix", "--diff", ".", "--no-cache", cwd=root)
+    assert "--- a/train.py" in shown.stdout and "--- a/model.py" in shown.stdout
+    assert {name: (root / name).read_bytes() for name in before} == before
+    result = gaaudit("fix", ".", "--no-cache", cwd=root)
+    assert "Fixed 1 finding in 2 files (train.py, model.py)" in result.stdout, result.stdout
+    model_py = (root / "model.py").read_text()
+    assert "def forward(self, ids, labels, *, return_loss=False, return_count=False):" in model_py
+    assert "if return_count:\n            return loss, (labels.flatten() != self.pad_id).sum()" in (
+        model_py
+    )
+    assert "loss, micro_tokens = model(ids, labels, return_loss=True, return_count=True)" in (
+        (root / "train.py").read_text()
+    )
+    fixed = {name: (root / name).read_bytes() for name in before}
+    again = gaaudit("fix", ".", "--no-cache", cwd=root)
+    assert again.returncode == 0 and "Fixed 0 findings" in again.stdout
+    assert {name: (root / name).read_bytes() for name in before} == fixed
+    clean = gaaudit("check", ".", "--no-cache", "--min-confidence", "low", cwd=root)
+    assert clean.returncode == 0, clean.stdout
+
+    sys.path.insert(0, str(root))
+    try:
+        from model import TinyLM
+
+        torch.manual_seed(0)
+        model = TinyLM()
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop("model", None)
+    torch.save(model.state_dict(), root / "init.pt")
+    torch.save(_micro_batches(), root / "batches.pt")
+    ids, labels = (torch.cat(parts) for parts in zip(*_micro_batches()))
+    model(ids, labels, return_loss=True).backward()
+    reference = torch.cat([-0.1 * p.grad.flatten() for p in model.parameters()])
+
+    def update(files: dict[str, bytes]) -> float:
+        for name, data in files.items():
+            (root / name).write_bytes(data)
+        run = subprocess.run(
+            [sys.executable, "train.py"], check=False, cwd=root, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr
+        trained, initial = torch.load(root / "trained.pt"), torch.load(root / "init.pt")
+        moved = torch.cat([(trained[k] - initial[k]).flatten() for k in initial])
+        return float((moved - reference).norm() / reference.norm())
+
+    assert update(before) > 0.5  # no normalisation: about K times the full batch's step
+    assert update(fixed) < 1e-4
+
+
+def test_standard_input_changes_no_other_file(tmp_path):
+    """An editor hands one buffer: the count would have to come from model.py, so the fix is
+    refused with the reason and the buffer comes back as it was."""
+    root = write(tmp_path / "repo", {"model.py": OWN_IGNORE_MODEL, "train.py": MICRO_LOOP})
+    text = (root / "train.py").read_text()
+    result = gaaudit("fix", "-", "--stdin-filename", "train.py", cwd=root, stdin=text)
+    assert result.stdout == text
+    assert "not fixed: the loss is computed in model.py" in result.stderr
+    assert "return_count" not in (root / "model.py").read_text()

@@ -107,9 +107,21 @@ def named(token, names: set[str]) -> str | None:
 def fixed(token, previous) -> str | None:
     if token.type == tokenize.NAME and (token.string in FIXED or "packed" in token.string.lower()):
         return f"`{token.string}`"
-    if token.string == "len" and [t.string for t in previous[-2:]] == ["randint", "("]:
-        return "random fixed-length windows, `randint(len(...`"
+    strings = [t.string for t in previous]
+    if token.string == "len" and _after_randint(strings):
+        return "random fixed-length windows drawn with `randint` over the data's length"
+    if (strings[-1:], token.string) in ((["size"], "("), (["shape"], "[")):
+        strings = strings[:-1]  # back over `a.b.` before `size(` / `shape[`
+        while len(strings) >= 2 and strings[-1] == "." and strings[-2].isidentifier():
+            strings = strings[:-2]
+        if _after_randint(strings):
+            return "random fixed-length windows drawn with `randint` over the data's length"
     return None
+
+
+def _after_randint(strings: list[str]) -> bool:
+    """Whether the tokens end with `randint(` or `randint(0,`."""
+    return strings[-2:] == ["randint", "("] or strings[-4:] == ["randint", "(", "0", ","]
 
 
 SNIPPETS = {
@@ -125,6 +137,9 @@ SNIPPETS = {
     "targets written with an ignore value": "y[row, n - 1 :] = -1\nlabels[:, :p] = -3\n",
     "other subscripts": "x[0] = -1\ny[a[0]] = -1\nlabels[i] = 1\n",
     "random windows": "i = torch.randint(len(data) - T, (B,))\nj = randint(0, n)\n",
+    "random crops over a size": "s = torch.randint(0, self.data.size(0) - n, (1,))\n",
+    "random crops over a shape": "s = randint(0, data.shape[0] - n)\n",
+    "random tokens are no crop": "x = torch.randint(0, vocab.size, (4, 8))\ny = randint(0, n.size)\n",
     "tokenizer padding only": "tok(t, padding='max_length')\nnn.Conv2d(3, 8, 3, padding=1)\n",
     "padding and equality": "if padding == 'x':\n    f(padding = 'longest')\n",
     "drop_last across lines": "DataLoader(\n    ds,\n    drop_last=\n        True,\n)\n",
