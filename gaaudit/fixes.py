@@ -28,7 +28,7 @@ from gaaudit.provenance import (
     valid_targets,
 )
 from gaaudit.source import SourceError, parse
-from gaaudit.tree import Tree, code, dotted, keyword, positional
+from gaaudit.tree import Tree, code, dotted, keyword, positional, walk
 from gaaudit.vocabulary import CLIPPERS
 
 # One line on each block a fix inserts, saying why it is there.
@@ -118,6 +118,12 @@ def returns_count(
     edits.replace[function.params] = with_parameter(function.params, RETURN_COUNT, "False")
     line = statement_line(tree, returned)
     value = returned.value
+    if isinstance(value, cst.Tuple):  # `return loss, aux`: the count goes last
+        elements = ", ".join(code(e.value) for e in value.elements)
+        edits.insert_before(
+            line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {elements}, {count}"
+        )
+        return
     if not isinstance(value, cst.Name):
         mean = cst.Name(fresh(tree, "mean_loss"))
         bind = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(mean)], value)])
@@ -126,6 +132,17 @@ def returns_count(
     edits.insert_before(
         line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {code(value)}, {count}"
     )
+
+
+def _element(
+    value: cst.BaseExpression | None, index: int | None, arity: int | None
+) -> cst.BaseExpression | None:
+    """A returned value, or its element `index` when it is a tuple of `arity` elements."""
+    if index is None or value is None:
+        return value
+    if isinstance(value, cst.Tuple) and len(value.elements) == arity:
+        return value.elements[index].value
+    return None
 
 
 def _defined(tree: Tree, name: str) -> cst.FunctionDef | None:
@@ -350,9 +367,10 @@ class Planner:
         loop = self.tree.scope_of(site.backward.call)
         if helper is loop:
             return None
-        call = self._binding_call(
-            self._loss_use(site), lambda c: self.auditor.tracer.helper(c.func) is helper
+        found = self._binding_call(
+            self._loss_use(site), lambda c, _: self.auditor.tracer.helper(c.func) is helper
         )
+        call = found[0] if found is not None else None
         returns = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
         if not isinstance(helper, cst.FunctionDef) or call is None:
             raise Unfixable(
@@ -374,23 +392,31 @@ class Planner:
         """Where the loop uses the loss: its division by K, else its backward."""
         return site.division.node if site.kind == "loss-division" else site.backward.loss
 
-    def _binding_call(self, use: cst.CSTNode, matches, depth: int = 0) -> cst.Assign | None:
+    def _binding_call(
+        self, use: cst.CSTNode, matches, unpacked: bool = False, depth: int = 0
+    ) -> tuple[cst.Assign, int | None] | None:
         """The `name = f(...)` whose value reaches `use` (through a few assignments) with a
-        call that `matches`."""
+        call that `matches(call, name)`; with `unpacked`, also `a, name, b = f(...)`: then
+        which element."""
         for name in self.tree.walk(use):
             if not (isinstance(name, cst.Name) and self.tree.is_variable(name)):
                 continue
             bound = self.auditor.tracer.binding(name.value, use)
             if not isinstance(bound, cst.Assign) or len(bound.targets) != 1:
                 continue
-            if (
-                isinstance(bound.value, cst.Call)
-                and matches(bound.value)
-                and isinstance(bound.targets[0].target, cst.Name)
-            ):
-                return bound
+            target = bound.targets[0].target
+            if isinstance(bound.value, cst.Call) and matches(bound.value, name):
+                if isinstance(target, cst.Name):
+                    return bound, None
+                names = [
+                    e.value.value
+                    for e in getattr(target, "elements", ())
+                    if isinstance(e.value, cst.Name)
+                ]
+                if unpacked and len(names) == len(target.elements) and name.value in names:
+                    return bound, names.index(name.value)
             if depth < 3:
-                found = self._binding_call(bound.value, matches, depth + 1)
+                found = self._binding_call(bound.value, matches, unpacked, depth + 1)
                 if found is not None:
                     return found
         return None
@@ -403,10 +429,12 @@ class Planner:
         self._ask_count(call)
 
     def _ask_count(self, call: cst.Assign) -> None:
-        """`loss = f(...)` becomes `loss, micro_tokens = f(..., return_count=True)`."""
-        target = call.targets[0].target.value
+        """`loss = f(...)` becomes `loss, micro_tokens = f(..., return_count=True)` (and
+        `loss, aux = f(...)`, `loss, aux, micro_tokens = ...`)."""
+        target = call.targets[0].target
+        names = code(target.with_changes(lpar=[], rpar=[]))
         self.edits.replace[call] = call.with_changes(
-            targets=[cst.AssignTarget(cst.parse_expression(f"{target}, {self.micro}"))],
+            targets=[cst.AssignTarget(cst.parse_expression(f"{names}, {self.micro}"))],
             value=with_argument(call.value, RETURN_COUNT, "True"),
         )
 
@@ -415,18 +443,20 @@ class Planner:
         repository: that function also returns the count its mean divides by when the loop
         asks for it (`return_count=True`, planned in `companions`); the loop binds it."""
         origin = site.origin
-        call = self._binding_call(
+        bound = self._binding_call(
             self._loss_use(site),
-            lambda c: (
-                (found := self.auditor.tracer.origin(c)).path == origin.path
+            lambda _, name: (
+                (found := self.auditor.tracer.origin(name)).path == origin.path
                 and found.callee == origin.callee
             ),
+            unpacked=True,
         )
-        if call is None or origin.path is None:
+        if bound is None or origin.path is None:
             raise Unfixable(
                 f"the loss is computed in {origin.module} and reaches the loop other than as "
-                "`loss = f(...)`; its count is not visible here"
+                "`loss = f(...)` or `loss, ... = f(...)`; its count is not visible here"
             )
+        call, index = bound
         if origin.path not in self.companions:
             try:
                 data = origin.path.read_bytes()
@@ -447,12 +477,13 @@ class Planner:
             self._ask_count(call)  # fixed for another caller already
             return
         tracer = Tracer(tree)
+        arity = None if index is None else len(call.targets[0].target.elements)
         losses = [
             (node, found)
             for node in tree.in_scope(function)
             if isinstance(node, cst.Return)
-            and node.value is not None
-            and (found := tracer.origin(node.value)).kind == "mean"
+            and (value := _element(node.value, index, arity)) is not None
+            and (found := tracer.origin(value)).kind == "mean"
         ]
         if len(losses) != 1:
             raise Unfixable(
@@ -469,7 +500,7 @@ class Planner:
             )
         moved = [
             n.value
-            for n in tree.walk(count)
+            for n in walk(count)  # `count` is new: its children are not in the tree's index
             if isinstance(n, cst.Name)
             and n in tree.order
             and tree.is_variable(n)
@@ -484,7 +515,7 @@ class Planner:
                 f"`return` of `{origin.callee}` ({origin.module}); return the loss's "
                 "valid-target count beside it"
             )
-        if returned in edits.before or function.params in edits.replace:
+        if function.params in edits.replace:
             self._ask_count(call)  # this run already changed it, for an earlier call
             return
         returns_count(tree, edits, function, returned, code(count))
@@ -1060,8 +1091,10 @@ class Planner:
             )
             scale = f"{count} / {fabric}.world_size"
         elif receiver:
-            gather = "".join(
-                f'{name} = {receiver}.reduce({name}, reduction="sum")\n' for name in tracked
+            gather = "".join(  # a count of elements may be a Python number: reduce takes tensors
+                f"{name} = {receiver}.reduce(\n"
+                f'    torch.as_tensor({name}, device={receiver}.device), reduction="sum"\n)\n'
+                for name in tracked
             )
             scale = f"{count} / {receiver}.num_processes"
         elif dist:  # guarded: the same loop may run in a single process

@@ -640,16 +640,16 @@ def test_the_count_is_the_models_own_in_the_calls_arguments():
     assert "tr_loss += (loss / max(micro_tokens, 1) / args.gradient_accumulation_steps)" in after
 
 
-def _seq2seq(folder: Path, seed: int = 0):
-    """The fixture's model, built from `seed`."""
+def _built(folder: Path, name: str = "Seq2Seq"):
+    """The class `name` of `folder`'s model.py, built from seed 0."""
     import torch
 
     sys.path.insert(0, str(folder))
     try:
-        from model import Seq2Seq
+        import model
 
-        torch.manual_seed(seed)
-        return Seq2Seq()
+        torch.manual_seed(0)
+        return getattr(model, name)()
     finally:
         sys.path.remove(str(folder))
         sys.modules.pop("model", None)
@@ -679,7 +679,7 @@ def _step(folder: Path, tmp_path: Path, source: bytes | None = None) -> dict:
     shutil.copytree(folder, run_dir)
     if source is not None:
         (run_dir / "train.py").write_bytes(source)
-    initial = _seq2seq(folder).state_dict()
+    initial = _built(folder).state_dict()
     torch.save(initial, run_dir / "init.pt")
     torch.save(_pairs(), run_dir / "pairs.pt")
     result = subprocess.run(
@@ -699,7 +699,7 @@ def _full_batch_step(folder: Path):
     """The update of one SGD step (lr 0.1) on the four micro-batches as one batch."""
     import torch
 
-    model = _seq2seq(folder)
+    model = _built(folder)
     source, target, mask = (torch.cat(parts) for parts in zip(*_pairs()))
     loss, _, _ = model(source_ids=source, target_ids=target, target_mask=mask)
     loss.backward()
@@ -852,28 +852,48 @@ def _micro_batches() -> list:
     return batches
 
 
-def test_the_models_forward_returns_its_count_when_the_loop_asks(tmp_path):
+@pytest.mark.parametrize(
+    "returned, bound, returns_count, asks",
+    [
+        (
+            "loss",
+            "loss",
+            "return loss, (labels.flatten() != self.pad_id).sum()",
+            "loss, micro_tokens = model(ids, labels, return_loss=True, return_count=True)",
+        ),
+        (  # a tuple: the count goes last
+            "loss, logits",
+            "loss, _",
+            "return loss, logits, (labels.flatten() != self.pad_id).sum()",
+            "loss, _, micro_tokens = model(ids, labels, return_loss=True, return_count=True)",
+        ),
+    ],
+    ids=["mean", "tuple"],
+)
+def test_the_models_forward_returns_its_count_when_the_loop_asks(
+    tmp_path, returned, bound, returns_count, asks
+):
     """The ignore value is the model's own (`self.pad_id`): the count cannot be written at
     the call, so `forward` returns it beside the mean when asked (`return_count=True`), in
     model.py, and the loop weights each micro-batch by it. `fix` changes both files; a second
     run changes nothing; the result is clean and steps like the full batch."""
     import torch
 
-    root = write(tmp_path / "repo", {"model.py": OWN_IGNORE_MODEL, "train.py": MICRO_LOOP})
+    model_py = OWN_IGNORE_MODEL.replace("return loss\n", f"return {returned}\n")
+    train_py = MICRO_LOOP.replace("loss = model(", f"{bound} = model(")
+    root = write(tmp_path / "repo", {"model.py": model_py, "train.py": train_py})
     before = {name: (root / name).read_bytes() for name in ("model.py", "train.py")}
     shown = gaaudit("fix", "--diff", ".", "--no-cache", cwd=root)
     assert "--- a/train.py" in shown.stdout and "--- a/model.py" in shown.stdout
     assert {name: (root / name).read_bytes() for name in before} == before
     result = gaaudit("fix", ".", "--no-cache", cwd=root)
     assert "Fixed 1 finding in 2 files (train.py, model.py)" in result.stdout, result.stdout
-    model_py = (root / "model.py").read_text()
-    assert "def forward(self, ids, labels, *, return_loss=False, return_count=False):" in model_py
-    assert "if return_count:\n            return loss, (labels.flatten() != self.pad_id).sum()" in (
-        model_py
+    fixed_model = (root / "model.py").read_text()
+    assert "def forward(self, ids, labels, *, return_loss=False, return_count=False):" in (
+        fixed_model
     )
-    assert "loss, micro_tokens = model(ids, labels, return_loss=True, return_count=True)" in (
-        (root / "train.py").read_text()
-    )
+    assert f"if return_count:\n            {returns_count}\n" in fixed_model
+    assert asks in (root / "train.py").read_text()
     fixed = {name: (root / name).read_bytes() for name in before}
     again = gaaudit("fix", ".", "--no-cache", cwd=root)
     assert again.returncode == 0 and "Fixed 0 findings" in again.stdout
@@ -881,19 +901,12 @@ def test_the_models_forward_returns_its_count_when_the_loop_asks(tmp_path):
     clean = gaaudit("check", ".", "--no-cache", "--min-confidence", "low", cwd=root)
     assert clean.returncode == 0, clean.stdout
 
-    sys.path.insert(0, str(root))
-    try:
-        from model import TinyLM
-
-        torch.manual_seed(0)
-        model = TinyLM()
-    finally:
-        sys.path.remove(str(root))
-        sys.modules.pop("model", None)
+    model = _built(root, "TinyLM")
     torch.save(model.state_dict(), root / "init.pt")
     torch.save(_micro_batches(), root / "batches.pt")
     ids, labels = (torch.cat(parts) for parts in zip(*_micro_batches()))
-    model(ids, labels, return_loss=True).backward()
+    loss = model(ids, labels, return_loss=True)
+    (loss[0] if isinstance(loss, tuple) else loss).backward()
     reference = torch.cat([-0.1 * p.grad.flatten() for p in model.parameters()])
 
     def update(files: dict[str, bytes]) -> float:
@@ -920,3 +933,25 @@ def test_standard_input_changes_no_other_file(tmp_path):
     assert result.stdout == text
     assert "not fixed: the loss is computed in model.py" in result.stderr
     assert "return_count" not in (root / "model.py").read_text()
+
+
+def test_a_count_made_in_another_method_is_not_returned_from_forward(tmp_path):
+    """`forward` returns `self._loss(...)`: the targets the count reads are `_loss`'s own
+    names, not `forward`'s, so the count cannot be returned there: refused, saying why."""
+    model_py = OWN_IGNORE_MODEL.replace(
+        "            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), "
+        "ignore_index=self.pad_id)\n            return loss\n",
+        "            return self._loss(logits, labels)\n\n"
+        "        def _loss(self, logits, targets):\n"
+        "            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), "
+        "ignore_index=self.pad_id)\n",
+    )
+    assert "def _loss" in model_py
+    root = write(tmp_path / "repo", {"model.py": model_py, "train.py": MICRO_LOOP})
+    train = root / "train.py"
+    result = fix_source(train.read_bytes(), train, ALL, reach=True)
+    (outcome,) = result.outcomes
+    assert not outcome.applied and not result.companions
+    assert "`targets`, which the loss's count reads, is not what it was at the `return`" in (
+        outcome.reason
+    )
