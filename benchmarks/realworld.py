@@ -3,6 +3,7 @@
     python benchmarks/realworld.py restore MIRROR_ROOT [--trees DIR]
     python benchmarks/realworld.py score [--trees DIR] [--only REPO ...]
     python benchmarks/realworld.py fixes [--trees DIR] [--only REPO ...]
+    python benchmarks/realworld.py verdicts [--trees DIR] [--only REPO ...]
 
 `manifest.jsonl` (beside this script, in `realworld/`) holds one labelled file a row: repo,
 commit, path, label, lines, loss_source, data_path, reason, framework. `restore` exports the
@@ -16,6 +17,8 @@ or when a GA006 finding (a transformers pin without the Trainer's fix) names the
 `fixes` runs `gaaudit fix` on each labelled file at its tree's root and prints how many buggy
 files a safe fix changed, whether they compile, what `gaaudit verify` says of them, which correct or benign files it changed (it
 should change none), and why findings were not fixed; each file is restored afterwards.
+`verdicts` runs `gaaudit verify` on each labelled torch-family file and prints how many get a
+verdict and how many of those agree with the label, per framework.
 This is a script that prints figures, not a test; no repository code is committed.
 """
 
@@ -415,6 +418,75 @@ def replayed(trees: Path, row: Row) -> str:
     return "; ".join(sorted(set(verdicts)))
 
 
+REPLAYED_LABELS = ("correct_sum_count", "benign_fixed_length")  # and every positive label
+
+
+def verdicts(trees: Path, only: list[str]) -> int:
+    """`gaaudit verify` (K = 4, CPU) on each labelled torch-family file (not JAX), buggy,
+    correct or benign, at its tree's root: whether it gets a verdict on its original loops
+    (the bug reproduced, or the loop matches the full batch), and whether that verdict agrees
+    with the label (buggy: reproduced; correct: matches; benign: matches, which needs the
+    file's own fixed-length data), per framework."""
+    rows = [
+        row
+        for row in load_manifest()
+        if (not only or row.repo in only)
+        and row.framework != "jax"
+        and (row.positive or row.label in REPLAYED_LABELS)
+    ]
+    started = time.perf_counter()
+    tally: dict[str, Counter] = defaultdict(Counter)
+    stops: Counter[str] = Counter()
+    for row in rows:
+        verdict, why = _original_verdict(trees, row)
+        agrees = verdict == ("bug reproduced" if row.positive else "matches")
+        for group in (row.framework, "all"):
+            tally[group].update(files=1, verdict=verdict is not None, agrees=agrees)
+        if verdict is None:
+            stops[why[:90]] += 1
+        elif not agrees:
+            print(f"  disagrees: {row.label:<20} {verdict:<15} {row.repo}/{row.path}")
+    print(
+        f"\n{'framework':<12} {'files':>5} {'verdict':>8} {'share':>6} {'agrees':>7} {'of those':>9}"
+    )
+    for group, count in sorted(tally.items(), key=lambda item: item[0] == "all"):
+        files, given, agreed = count["files"], count["verdict"], count["agrees"]
+        print(
+            f"{group:<12} {files:>5} {given:>8} {ratio(given, files):>6} {agreed:>7} "
+            f"{ratio(agreed, given):>9}"
+        )
+    print("\nwhere the replays without a verdict stopped:")
+    for why, count in stops.most_common(12):
+        print(f"  {count:>3}  {why}")
+    print(f"\n{len(rows)} files; wall time {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+def _original_verdict(trees: Path, row: Row) -> tuple[str | None, str]:
+    """("bug reproduced" or "matches", "") for a file whose original loops replayed, else
+    (None, why not)."""
+    try:
+        result = subprocess.run(
+            [*GAAUDIT, "verify", "--format", "json", "-k", "4", "--device", "cpu", row.path],
+            check=False,
+            cwd=tree_of(trees, row.repo),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        loops = json.loads(result.stdout)["loops"]
+    except subprocess.TimeoutExpired:
+        return None, "timed out after 600 s"
+    except (ValueError, KeyError):
+        return None, f"error: {(result.stderr.strip().splitlines() or ['no output'])[-1]}"
+    found = [r.get("original_verdict", r["verdict"]) for loop in loops for r in loop["rows"]]
+    if "bug reproduced" in found:
+        return "bug reproduced", ""
+    if "verified" in found:
+        return "matches", ""
+    return None, next(iter(found), "no accumulation loop to replay")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", type=Path, default=TREES, help="where restored trees live")
@@ -429,7 +501,13 @@ def main() -> int:
     fixing.add_argument(
         "--only", nargs="+", default=[], metavar="REPO", help="these repositories only"
     )
+    replaying = commands.add_parser("verdicts", help="run `gaaudit verify` on each torch file")
+    replaying.add_argument(
+        "--only", nargs="+", default=[], metavar="REPO", help="these repositories only"
+    )
     args = parser.parse_args()
+    if args.command == "verdicts":
+        return verdicts(args.trees, args.only)
     if args.command == "restore":
         return 1 if restore(args.mirrors, args.trees) else 0
     if args.command == "fixes":
