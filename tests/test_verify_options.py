@@ -311,3 +311,32 @@ def test_a_loaded_factory_replaces_the_model_kept_in_eval_without_dropout(factor
         assert not built.training and built.drop.p == 0.0
         assert torch.equal(build_model("causal", seed=3).linear.weight, built.linear.weight)
     assert isinstance(build_model("nanogpt"), nn.Module) and vocab_size() == 256
+
+
+STUB_REACHES_TORCH = """\
+import torch
+from mylib.config import get_config
+
+cfg = get_config()
+
+
+def train(model, loader, optimizer, accum):
+    for step, batch in enumerate(loader):
+        loss = model(**batch).loss / accum
+        loss.backward()
+        weights = torch.ones(cfg.max_len)
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_stand_in_reaching_torch_is_named_with_its_line(tmp_path):
+    """`cfg` comes from a library that is not installed: the replay binds a stand-in, and
+    when torch is handed `cfg.max_len` the verdict says which value it lacked, and where."""
+    (tmp_path / "train.py").write_text(STUB_REACHES_TORCH)
+    result = gaaudit("verify", "train.py", "-k", "2", "--format", "json", cwd=tmp_path)
+    (loop,) = json.loads(result.stdout)["loops"]
+    verdict = loop["rows"][0]["original_verdict"]
+    assert verdict.startswith("not replayable: TypeError")
+    assert "(line 11; it reads `cfg.max_len`, which the harness could not bind" in verdict

@@ -65,14 +65,16 @@ def make_records(
     return records
 
 
-def collate(kind: str, records: list, ignore_index: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-pad `records` into one batch: pad id 0, labels padded with the ignored value;
-    fixed-shape samples (images, features) are stacked."""
+def collate(
+    kind: str, records: list, ignore_index: int | None = None, widths: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """Right-pad `records` into one batch (each key to its `widths` entry at least): pad id 0,
+    labels padded with the ignored value; fixed-shape samples (images, features) are stacked."""
     if kind in NET_KINDS and kind != "pair":
         return {key: torch.stack([r[key] for r in records]) for key in ("input_ids", "labels")}
 
     def pad(key, value):
-        width = max(len(r[key]) for r in records)
+        width = max((widths or {}).get(key, 0), *(len(r[key]) for r in records))
         return torch.stack(
             [torch.cat([r[key], r[key].new_full((width - len(r[key]),), value)]) for r in records]
         )
@@ -88,11 +90,19 @@ def collate(kind: str, records: list, ignore_index: int | None = None) -> dict[s
 
 
 def split_window(kind: str, records: list, k: int, ignore_index: int | None = None) -> Window:
-    """`records` cut into `k` contiguous micro-batches whose sizes differ by at most one."""
+    """`records` cut into `k` contiguous micro-batches whose sizes differ by at most one, all
+    padded to the window's width: the full batch is exactly their concatenation, also for a
+    model that reads the padding (no attention mask)."""
     if not 1 <= k <= len(records):
         raise ValueError(f"cannot split {len(records)} samples into {k} micro-batches")
     bounds = [round(i * len(records) / k) for i in range(k + 1)]
-    micro = [collate(kind, records[a:b], ignore_index) for a, b in itertools.pairwise(bounds)]
+    widths = {
+        key: max(r[key].shape[0] if r[key].dim() else 0 for r in records)
+        for key in ("input_ids", "labels")
+    }
+    micro = [
+        collate(kind, records[a:b], ignore_index, widths) for a, b in itertools.pairwise(bounds)
+    ]
     return Window(
         kind, micro, collate(kind, records, ignore_index), ignore_value(kind, ignore_index)
     )
