@@ -391,10 +391,9 @@ def fixes(trees: Path, only: list[str]) -> int:
     return 0
 
 
-def replayed(trees: Path, row: Row) -> str:
-    """`gaaudit verify` (K = 4, CPU) on a file a safe fix changes, at its tree's root: whether
-    the patched loop matches the full batch, and whether it is worse than the original."""
-    result = subprocess.run(
+def _verify(trees: Path, row: Row) -> subprocess.CompletedProcess:
+    """`gaaudit verify --format json` (K = 4, CPU) on a labelled file, at its tree's root."""
+    return subprocess.run(
         [*GAAUDIT, "verify", "--format", "json", "-k", "4", "--device", "cpu", row.path],
         check=False,
         cwd=tree_of(trees, row.repo),
@@ -402,6 +401,12 @@ def replayed(trees: Path, row: Row) -> str:
         text=True,
         timeout=600,
     )
+
+
+def replayed(trees: Path, row: Row) -> str:
+    """`gaaudit verify` (K = 4, CPU) on a file a safe fix changes, at its tree's root: whether
+    the patched loop matches the full batch, and whether it is worse than the original."""
+    result = _verify(trees, row)
     try:
         entry = json.loads(result.stdout)
     except ValueError:
@@ -466,14 +471,7 @@ def _original_verdict(trees: Path, row: Row) -> tuple[str | None, str]:
     """("bug reproduced" or "matches", "") for a file whose original loops replayed, else
     (None, why not)."""
     try:
-        result = subprocess.run(
-            [*GAAUDIT, "verify", "--format", "json", "-k", "4", "--device", "cpu", row.path],
-            check=False,
-            cwd=tree_of(trees, row.repo),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        result = _verify(trees, row)
         loops = json.loads(result.stdout)["loops"]
     except subprocess.TimeoutExpired:
         return None, "timed out after 600 s"

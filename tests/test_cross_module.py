@@ -670,7 +670,24 @@ def _pairs() -> list:
     return batches
 
 
-def _step(folder: Path, tmp_path: Path, source: bytes | None = None) -> dict:
+def _update(run_dir: Path, *args: str):
+    """Run `run_dir`'s train.py (with `args`) from its init.pt: how far trained.pt moved."""
+    import torch
+
+    result = subprocess.run(
+        [sys.executable, "train.py", *args],
+        check=False,
+        cwd=run_dir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    trained, initial = torch.load(run_dir / "trained.pt"), torch.load(run_dir / "init.pt")
+    return torch.cat([(trained[k] - initial[k]).flatten() for k in initial])
+
+
+def _step(folder: Path, tmp_path: Path, source: bytes | None = None):
     """The update `folder`'s train.py (or `source` in its place) makes in one window of
     K = 4 micro-batches, run as a script from the seeded initial state."""
     import torch
@@ -679,20 +696,9 @@ def _step(folder: Path, tmp_path: Path, source: bytes | None = None) -> dict:
     shutil.copytree(folder, run_dir)
     if source is not None:
         (run_dir / "train.py").write_bytes(source)
-    initial = _built(folder).state_dict()
-    torch.save(initial, run_dir / "init.pt")
+    torch.save(_built(folder).state_dict(), run_dir / "init.pt")
     torch.save(_pairs(), run_dir / "pairs.pt")
-    result = subprocess.run(
-        [sys.executable, "train.py", "--checkpoint", "init.pt"],
-        check=False,
-        cwd=run_dir,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    trained = torch.load(run_dir / "trained.pt")
-    return torch.cat([(trained[k] - initial[k]).flatten() for k in initial])
+    return _update(run_dir, "--checkpoint", "init.pt")
 
 
 def _full_batch_step(folder: Path):
@@ -912,12 +918,7 @@ def test_the_models_forward_returns_its_count_when_the_loop_asks(
     def update(files: dict[str, bytes]) -> float:
         for name, data in files.items():
             (root / name).write_bytes(data)
-        run = subprocess.run(
-            [sys.executable, "train.py"], check=False, cwd=root, capture_output=True, text=True
-        )
-        assert run.returncode == 0, run.stderr
-        trained, initial = torch.load(root / "trained.pt"), torch.load(root / "init.pt")
-        moved = torch.cat([(trained[k] - initial[k]).flatten() for k in initial])
+        moved = _update(root)
         return float((moved - reference).norm() / reference.norm())
 
     assert update(before) > 0.5  # no normalisation: about K times the full batch's step
