@@ -134,6 +134,14 @@ def returns_count(
     )
 
 
+def _takes_return_count(tree: Tree, function: cst.FunctionDef) -> bool:
+    """Whether `function` already has a `return_count` parameter."""
+    return any(
+        isinstance(p, cst.Param) and p.name.value == RETURN_COUNT
+        for p in tree.walk(function.params)
+    )
+
+
 def _element(
     value: cst.BaseExpression | None, index: int | None, arity: int | None
 ) -> cst.BaseExpression | None:
@@ -381,9 +389,7 @@ class Planner:
                 f"`{helper.name.value}` has more than one `return`; make it return its loss "
                 "from one place, or return the loss's valid-target count beside it"
             )
-        if RETURN_COUNT in {
-            p.name.value for p in self.tree.walk(helper.params) if isinstance(p, cst.Param)
-        }:
+        if _takes_return_count(self.tree, helper):
             raise Unfixable(f"`{helper.name.value}` already takes a `{RETURN_COUNT}` parameter")
         return call
 
@@ -467,11 +473,7 @@ class Planner:
         function = _defined(tree, origin.callee)
         if function is None:
             raise Unfixable(f"cannot find `{origin.callee}` in {origin.module}")
-        if any(
-            p.name.value == RETURN_COUNT
-            for p in tree.walk(function.params)
-            if isinstance(p, cst.Param)
-        ):
+        if _takes_return_count(tree, function):
             if f"if {RETURN_COUNT}:" not in tree.module.code_for_node(function):
                 raise Unfixable(f"`{origin.callee}` already takes a `{RETURN_COUNT}` parameter")
             self._ask_count(call)  # fixed for another caller already
