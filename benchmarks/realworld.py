@@ -14,7 +14,8 @@ labelled files' verdicts at the default confidence and at any confidence, per ru
 framework, the verdicts that changed since the last run (`realworld/last.json`, rewritten by
 every full run), and the wall time. A file is flagged when a finding of gaaudit starts in it,
 or when a GA006 finding (a transformers pin without the Trainer's fix) names the Trainer it builds.
-`fixes` runs `gaaudit fix` on each labelled file at its tree's root and prints how many buggy
+The labels judge the loss: findings of the window rules (GA007) are listed apart, for reading.
+`fixes` runs `gaaudit fix` (the loss rules) on each labelled file at its tree's root and prints how many buggy
 files a safe fix changed, whether they compile, what `gaaudit verify` says of them, which correct or benign files it changed (it
 should change none), and why findings were not fixed; each file is restored afterwards.
 `verdicts` runs `gaaudit verify` on each labelled torch-family file and prints how many get a
@@ -57,6 +58,9 @@ FRAMEWORKS = (
     "jax",
     "other",
 )
+# Rules of the accumulation window's shape, not of the loss: the labels do not judge them, so
+# they are left out of the verdicts and listed on their own, to be read by hand.
+WINDOW_RULES = ("GA007",)
 RANK = {"low": 1, "medium": 2, "high": 3}
 DEFAULT = "medium"
 MAX_BYTES = 2_000_000  # larger blobs are data, not code
@@ -219,8 +223,14 @@ def _trainer_sites(finding: dict) -> list[str]:
 
 
 def verdict(findings: list[dict], threshold: str) -> list[str]:
-    """Sorted codes of the findings at or above `threshold`."""
-    return sorted({f["code"] for f in findings if RANK[f["confidence"]] >= RANK[threshold]})
+    """Sorted codes of the loss rules' findings at or above `threshold`."""
+    return sorted(
+        {
+            f["code"]
+            for f in findings
+            if RANK[f["confidence"]] >= RANK[threshold] and f["code"] not in WINDOW_RULES
+        }
+    )
 
 
 def ratio(part: int, whole: int) -> str:
@@ -302,6 +312,16 @@ def score(trees: Path, only: list[str]) -> int:
     changed = [
         key for key in sorted(now) if key in before and sorted(before[key]) != sorted(now[key])
     ]
+    windows = [
+        f"{repo}/{path}:{f['line']} {f['code']} {f['confidence']}"
+        for repo, files in sorted(results.items())
+        for path, found in sorted(files.items())
+        for f in found
+        if f["code"] in WINDOW_RULES and os.path.normpath(f["path"]) == path
+    ]
+    print(f"\nwindow findings in the trees ({', '.join(WINDOW_RULES)}), not judged by the labels:")
+    for line in windows:
+        print(f"  {line}")
     print(f"\nverdicts changed since the last run: {len(changed)}")
     for key in changed:
         print(f"  {key}: {before[key] or 'nothing'} -> {now[key] or 'nothing'}")
@@ -336,7 +356,7 @@ def fixes(trees: Path, only: list[str]) -> int:
         before = target.read_bytes()
         try:
             result = subprocess.run(
-                [*GAAUDIT, "fix", row.path],
+                [*GAAUDIT, "fix", "--ignore", ",".join(WINDOW_RULES), row.path],
                 check=False,
                 cwd=root,
                 capture_output=True,

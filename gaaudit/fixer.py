@@ -41,6 +41,8 @@ def fix_source(
     reported = {(f.code, f.span.line, f.span.column) for f in findings}
     tree = context.tree
     edits, outcomes = _framework_fixes(context, reported, unsafe)
+    if any(code == "GA007" for code, _, _ in reported):
+        edits, outcomes = _window_fixes(context, reported, edits, outcomes)
     touched = [node for node in edits.replace]
     auditor = Auditor(tree, settings.accumulation_names, path.parent, context.imports)
     sites = [site for site in auditor.sites() if (site.code, *_start(tree, site.node)) in reported]
@@ -102,6 +104,21 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool)
         outcomes += planner.plan(sites)
         edits = _merged(edits, planner.edits)
     return edits, outcomes
+
+
+def _window_fixes(context, reported: set[tuple[str, int, int]], edits, outcomes):
+    """`edits` and `outcomes` with those of the GA007 findings reported added."""
+    from gaaudit.checks.windows import Windows
+    from gaaudit.fixes_windows import WindowPlanner
+
+    tree = context.tree
+    windows = Windows(tree, context.structure)
+    sites = [
+        s for s in windows.sites() if ("GA007", *_start(tree, s.conjunct or s.node)) in reported
+    ]
+    planner = WindowPlanner(tree)
+    outcomes = outcomes + planner.plan(sites)
+    return _merged(edits, planner.edits), outcomes
 
 
 def _merged(first, second):

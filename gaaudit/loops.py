@@ -283,8 +283,13 @@ class Structure:
             node = parent
 
     def _modulo_window(self, loop: cst.For | cst.While, backward: cst.Call) -> Window | None:
-        """A step under `if <a % k>:`, or after `if <a % k>: continue` that follows the backward."""
-        for step in self.steps_in(loop):
+        """A step under `if <a % k>:`, or after `if <a % k>: continue` that follows the backward;
+        none when a step follows the backward on every pass (its gradient is used at once, as
+        a critic's is where the actor steps every k passes)."""
+        steps = self.steps_in(loop)
+        if any(self._follows_every_time(step, backward, loop) for step in steps):
+            return None
+        for step in steps:
             guarded = self._guard(step, loop)
             if guarded is not None:
                 guard, modulo = guarded
@@ -294,6 +299,26 @@ class Structure:
                 guard, modulo, after = skipping
                 return Window("modulo", loop, modulo.right, guard, after)
         return None
+
+    def _follows_every_time(self, step: cst.Call, backward: cst.Call, loop: cst.CSTNode) -> bool:
+        """Whether `step` runs after `backward` on every pass that runs the backward."""
+        if self.tree.order[step] < self.tree.order[backward]:
+            return False
+        between = range(self.tree.order[backward], self.tree.order[step])
+        if any(
+            isinstance(node, (cst.Continue, cst.Break, cst.Return))
+            and self.tree.order[node] in between
+            for node in self.tree.walk(loop, into_defs=False)
+        ):
+            return False  # `if <a % k>: continue` skips it
+        for node in self.tree.ancestors(step):
+            if node is loop:
+                return True
+            if isinstance(node, (cst.If, *LOOPS, cst.Try)) and not self.tree.contains(
+                node, backward
+            ):
+                return False
+        return False
 
     def _calls_window(self, function: cst.FunctionDef) -> Window | None:
         """A function that calls backward and steps under `if <a % k>:` (Lightning's manual

@@ -22,6 +22,14 @@ from gaaudit.findings import Confidence
 from gaaudit.source import parse, read
 
 VERIFIED, REPRODUCED = "verified", "bug reproduced"
+ERROR_MEANS = (
+    "error: relative L2 distance between the gradient at the optimizer step and the gradient "
+    "of one full-batch step on the same data"
+)
+NOTHING_FIXED = (
+    "nothing was fixed, so there is no patched loop "
+    "(`gaaudit fix --min-confidence low --unsafe-fixes --diff` says why)"
+)
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,7 @@ def targets(
     confidences), then those without, replayed to show that they match; `directory` holds
     the file, for helpers imported from its sibling modules."""
     from gaaudit.checks.accumulation import Auditor
+    from gaaudit.checks.windows import Windows
     from gaaudit.tree import Tree, code
 
     tree = Tree(parse(original), original)
@@ -129,6 +138,7 @@ def targets(
         (site.window, site.backward.call or site.node, site.origin.divisions, True)
         for site in auditor.sites()
     ]
+    windows += [(s.window, s.node, (), True) for s in Windows(tree, auditor.structure).sites()]
     for backward in auditor.structure.backwards():
         window = auditor.structure.window(backward)
         if window is not None and window.kind in ("modulo", "micro-loop", "accumulate"):
@@ -303,11 +313,13 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
     from gaaudit.harness.replay import compare
 
     outcomes = []
+    fixed = job["patched"] != job["original"]
     for raw in job["targets"]:
         target = Target(**{**raw, "divisors": tuple(raw["divisors"])})
         outcome = Outcome(target.line, target.header, flagged=target.flagged)
+        patched = target.flagged and fixed  # else the loop is replayed as it is
         for k in options.ks:
-            if target.flagged and target.patched_line is None:
+            if patched and target.patched_line is None:
                 outcome.rows.append(
                     {
                         "k": k,
@@ -319,9 +331,9 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                 continue
             lines = (  # a loop with no finding is its own patch: both replays are the loop
                 job["original"],
-                job["patched"] if target.flagged else job["original"],
+                job["patched"] if patched else job["original"],
                 target.line,
-                target.patched_line if target.flagged else target.line,
+                target.patched_line if patched else target.line,
                 k,
                 target.divisors,
             )
@@ -343,10 +355,13 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                 {
                     "k": k,
                     "original_error": result.original.error,
-                    "patched_error": result.patched.error if target.flagged else None,
-                    "verdict": _hinted(result.verdict, options),
+                    "patched_error": result.patched.error if patched else None,
+                    "verdict": _hinted(result.verdict, options)
+                    if patched or not target.flagged
+                    else f"{result.original.verdict}; {NOTHING_FIXED}",
                     "original_verdict": result.original.verdict,
-                    "first_window": result.patched.window or result.original.window,
+                    "first_window": result.original.window,
+                    "patched_first_window": result.patched.window if patched else None,
                     "dtype": result.dtype,
                     "processes": options.distributed or 1,
                 }
@@ -391,6 +406,7 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
         ]
         print(json.dumps(files[0] if len(files) == 1 else files, indent=2))
     else:
+        print(ERROR_MEANS)
         print(f"{'line':>5}  {'K':>3}  {'original error':>14}  {'patched error':>13}  verdict")
         for path, outcomes in results:
             if len(results) > 1 and outcomes:
@@ -402,13 +418,17 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
                         f"{'':>5}  {row['k'] or '-':>3}  {_number(row['original_error']):>14}  "
                         f"{_number(row['patched_error']):>13}  {row['verdict']}"
                     )
-                    if row.get("first_window"):
-                        held = row["first_window"]
-                        print(
-                            f"{'':>5}  {'':>3}  the loop's first window holds {held} "
-                            f"micro-batch{'es' if held > 1 else ''}, not {row['k']}: "
-                            "compared with the full batch of those"
-                        )
+                    for loop, key in (
+                        ("original", "first_window"),
+                        ("patched", "patched_first_window"),
+                    ):
+                        held = row.get(key)
+                        if held:
+                            print(
+                                f"{'':>5}  {'':>3}  the {loop} loop's first window holds {held} "
+                                f"micro-batch{'es' if held > 1 else ''}, not {row['k']}: "
+                                "compared with the full batch of those"
+                            )
             if not outcomes:
                 print(f"{path}: no accumulation loop to replay")
     everything = [o for _, outcomes in results for o in outcomes]
@@ -436,4 +456,5 @@ def run_demo(fmt: str, plot: Path | None) -> int:
             print(f"{row.k:>3}  {row.mean_over_k:>10.1e}  {row.sum_and_count:>13.1e}")
     if plot is not None:
         draw(rows, str(plot))
+        print(f"gaaudit: wrote the plot to {plot}", file=sys.stderr)
     return 0

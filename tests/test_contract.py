@@ -69,7 +69,7 @@ def test_an_unknown_code_is_a_usage_error_that_lists_the_known_ones(two_rules, f
     result = gaaudit("check", ".", flag, "GA001,GA999", cwd=two_rules)
     assert result.returncode == 2
     assert f"{flag}: unknown rule code or prefix 'GA999'" in result.stderr
-    assert "GA001, GA002, GA003, GA004, GA005, GA006" in result.stderr
+    assert "GA001, GA002, GA003, GA004, GA005, GA006, GA007" in result.stderr
     assert gaaudit("fix", ".", flag, "XY", cwd=two_rules).returncode == 2
 
 

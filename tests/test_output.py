@@ -33,7 +33,7 @@ from gaaudit.output.sarif_fixes import SuggestedFix, replacements
 from gaaudit.source import decode
 
 REPO = Path(__file__).resolve().parents[1]
-FIXABLE = {"GA001", "GA002", "GA003", "GA004", "GA005"}
+FIXABLE = {"GA001", "GA002", "GA003", "GA004", "GA005", "GA007"}
 SOURCE = """\
 for step, batch in enumerate(loader):
     outputs = model(**batch)

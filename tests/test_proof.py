@@ -68,8 +68,10 @@ def test_fix_verify_holds_back_what_it_cannot_prove(tmp_path, cli):
 
 
 def test_demo_error_grows_with_k_and_sum_and_count_is_exact(tmp_path):
-    result = gaaudit("verify", "--demo", "--format", "json")
+    plot = tmp_path / "demo.png"
+    result = gaaudit("verify", "--demo", "--format", "json", "--plot", str(plot))
     assert result.returncode == 0, result.stderr
+    assert plot.stat().st_size > 0 and f"wrote the plot to {plot}" in result.stderr
     rows = json.loads(result.stdout)
     assert [r["k"] for r in rows] == list(range(1, 33))
     assert rows[0]["mean_over_k"] < 1e-5

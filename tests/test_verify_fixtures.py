@@ -21,6 +21,11 @@ NAMES = [p.name.removesuffix(".py") for p in ORIGINALS]
 # code (GA005); tests/test_trainer_fix_runtime.py and tests/test_optax_fix_runtime.py prove them.
 LOOPLESS = {p.stem for p in ORIGINALS if {code for _, code, _ in expected(p)} <= {"GA004", "GA005"}}
 
+# Off-by-one windows (GA007): the original's first window holds fewer than K micro-batches and
+# is judged against the full batch of those (so a token-weighted loss matches); the patched
+# loop's holds K.
+WINDOWS = {p.stem for p in ORIGINALS if "GA007" in {code for _, code, _ in expected(p)}}
+
 # Unsafe fixes that count every target (no ignore value is visible in the file): on padded data
 # the patched loop stays wrong and must not be called verified (on packed data it is exact:
 # tests/test_harness.py).
@@ -76,6 +81,15 @@ NOT_REPLAYABLE = {
         "not replayable: no backward pass",
         ("no backward pass and no optimizer step was reached",),
     ),
+    "ga007_nonzero_conjunct_first_window": (
+        "not replayable: no backward pass",
+        ("no backward pass and no optimizer step was reached",),
+    ),
+    # A model called with keyword arguments the harness's tiny models do not take.
+    "ga007_loss_scaler_flag_from_zero": (
+        "not replayable: TypeError",
+        ("got an unexpected keyword argument 'mask_ratio'",),
+    ),
 }
 
 
@@ -114,8 +128,29 @@ def test_original_reproduces_the_bug_and_patched_is_verified(loops, name):
             assert all(reason in loop["verdict"] for reason in reasons), loop
             continue
         assert row["dtype"] == "float32", row
+        if name in WINDOWS:
+            assert row["first_window"] == 1 and row["patched_first_window"] is None, row
+            assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop
+            continue
         assert row["original_verdict"] == "bug reproduced" and row["original_error"] > 1e-3, row
         if name in UNSAFE | MISMODELLED:
             assert loop["verdict"] == "bug reproduced" and row["patched_error"] > 1e-3, loop
         else:
             assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop
+
+
+def test_the_table_says_what_it_measures_and_what_was_not_fixed():
+    """Messages (issue 18, item 6): what the error is, a flagged loop `fix` left as it was
+    (replayed as it is, no patched column), and an off-by-one first window (GA007) for the
+    original only."""
+    refused = FIXTURES / "ga001_clip_every_micro_batch.py"
+    shifted = FIXTURES / "ga007_enumerate_step_guard_from_zero.py"
+    result = gaaudit("verify", str(refused), str(shifted), "-k", "4", "--device", "cpu")
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("error: relative L2 distance between the gradient")
+    unfixed = next(line for line in lines if "nothing was fixed" in line)
+    assert unfixed.split()[1:3] == ["7.5e-01", "-"], unfixed
+    assert "bug reproduced; nothing was fixed, so there is no patched loop" in unfixed
+    assert "the original loop's first window holds 1 micro-batch, not 4" in result.stdout
+    assert result.stdout.count("the patched loop's first window") == 0

@@ -17,6 +17,7 @@ from gaaudit.evidence import Evidence, scan
 from gaaudit.findings import Finding
 
 if TYPE_CHECKING:  # the repository-level GA006 pass imports this package without libcst
+    from gaaudit.loops import Structure
     from gaaudit.modules import Dependency
     from gaaudit.repository import Imports
     from gaaudit.tree import Tree
@@ -44,6 +45,15 @@ class Context:
 
         return Imports(self.tree, self.directory, name=Path(self.path).name)
 
+    @cached_property
+    def structure(self) -> Structure:
+        """Backward calls, optimizer steps and their windows, shared by the rules that read them."""
+        from gaaudit.loops import Structure
+
+        return Structure(
+            self.tree, self.accumulation_names, self.directory, self.imports.dependencies
+        )
+
     @property
     def dependencies(self) -> frozenset[Dependency]:
         """The other files these findings depend on (see `repository.current`)."""
@@ -59,6 +69,7 @@ CHECKERS = (
     "gaaudit.checks.trainer",
     "gaaudit.checks.optax",
     "gaaudit.checks.versions",
+    "gaaudit.checks.windows",
 )
 
 

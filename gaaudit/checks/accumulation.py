@@ -53,10 +53,13 @@ class Auditor:
         accumulation_names: frozenset[str] = frozenset(),
         directory: Path = Path("."),
         imports: Imports | None = None,
+        structure: Structure | None = None,
     ) -> None:
         self.tree = tree
         self.imports = imports if imports is not None else Imports(tree, directory)
-        self.structure = Structure(tree, accumulation_names, directory, self.imports.dependencies)
+        self.structure = structure or Structure(
+            tree, accumulation_names, directory, self.imports.dependencies
+        )
         self.tracer = Tracer(tree, self.imports)
 
     def sites(self) -> Iterator[Site]:
@@ -430,5 +433,11 @@ def _grad_divisor(node: cst.CSTNode) -> cst.BaseExpression | None:
 
 def findings(context) -> list[Finding]:
     """GA001/GA002 (and, in accumulate() windows, GA003) for one file."""
-    auditor = Auditor(context.tree, context.accumulation_names, context.directory, context.imports)
+    auditor = Auditor(
+        context.tree,
+        context.accumulation_names,
+        context.directory,
+        context.imports,
+        context.structure,
+    )
     return auditor.findings(context.path, lambda: context.evidence, context.text)
