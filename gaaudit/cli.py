@@ -301,6 +301,14 @@ def verify(
             "tiny harness model.",
         ),
     ] = None,
+    data_factory: Annotated[
+        str | None,
+        typer.Option(
+            metavar="MODULE:FUNCTION",
+            help="A function taking K and returning K micro-batches as your loop's data "
+            "loader yields them, used instead of the harness's data.",
+        ),
+    ] = None,
     distributed: Annotated[
         int | None,
         typer.Option(
@@ -367,6 +375,7 @@ def verify(
                 seed=seed,
                 timeout=timeout,
                 model_factory=model_factory,
+                data_factory=data_factory,
                 distributed=distributed,
             )
         except ConfigError as exc:
@@ -377,6 +386,8 @@ def verify(
     results = []
     for options, group in groups:
         model = options.model_factory or "a tiny model"
+        if options.data_factory:
+            model += f" on the batches of {options.data_factory}"
         ranks = f" on {options.distributed} DDP processes" if options.distributed else ""
         for path, _ in group:
             typer.echo(

@@ -58,6 +58,7 @@ class VerifySettings:
     the command line wins over both)."""
 
     model_factory: str | None = None
+    data_factory: str | None = None
     k: tuple[int, ...] | None = None
     device: str | None = None
     dtype: str | None = None
@@ -86,13 +87,17 @@ def rule_codes(values, where: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def check_factory(value, where: str) -> str:
-    """`value` if it reads `module:function`, else a ConfigError that says what is expected."""
+def check_factory(value, where: str, data: bool = False) -> str:
+    """`value` if it reads `module:function`, else a ConfigError that says what is expected
+    (of a model factory, or with `data` of a data factory)."""
     if not isinstance(value, str) or not FACTORY_RE.fullmatch(value):
-        raise ConfigError(
-            f"{where}: expected module:function (a function that takes no arguments and returns "
-            f"a small torch.nn.Module), e.g. 'mypkg.models:tiny_model'; got {value!r}"
+        wanted = (
+            "a function that takes k and returns k micro-batches), e.g. 'mypkg.data:window'"
+            if data
+            else "a function that takes no arguments and returns a small torch.nn.Module), "
+            "e.g. 'mypkg.models:tiny_model'"
         )
+        raise ConfigError(f"{where}: expected module:function ({wanted}; got {value!r}")
     return value
 
 
@@ -213,8 +218,8 @@ def parse_verify(table, path: Path) -> VerifySettings:
     changes: dict = {}
     for key, value in table.items():
         where = f"{path}: [tool.gaaudit.verify] {key}"
-        if key == "model-factory":
-            changes["model_factory"] = check_factory(value, where)
+        if key in ("model-factory", "data-factory"):
+            changes[key.replace("-", "_")] = check_factory(value, where, key == "data-factory")
         elif key == "k":
             if not isinstance(value, list) or not value or not all(_count(v) for v in value):
                 raise ConfigError(f"{where}: expected a list of window sizes >= 1, got {value!r}")
@@ -237,7 +242,7 @@ def parse_verify(table, path: Path) -> VerifySettings:
                 raise ConfigError(f"{where}: expected a number of processes >= 1, got {value!r}")
             changes["distributed"] = value
         else:
-            known = "model-factory, k, device, dtype, seed, timeout, distributed"
+            known = "model-factory, data-factory, k, device, dtype, seed, timeout, distributed"
             raise ConfigError(f"{where}: unknown key; known keys are {known}")
     return VerifySettings(**changes)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import libcst as cst
 
-from gaaudit.config import Settings, check_factory, load
+from gaaudit.config import ConfigError, Settings, check_factory, load
 from gaaudit.findings import Confidence
 from gaaudit.source import parse, read
 
@@ -68,8 +68,9 @@ class VerifyError(Exception):
 @dataclass(frozen=True)
 class Options:
     """How to replay: window sizes, device, dtype, seed, per-file timeout; the user's model
-    factory (`module:function`, imported from `project_root`; `factory_option` says where it
-    was named) and the number of DDP processes (0: one process, no process group)."""
+    and data factories (`module:function`, imported from `project_root`; `factory_option` and
+    `data_option` say where they were named) and the number of DDP processes (0: one process,
+    no process group)."""
 
     ks: tuple[int, ...] = (2, 4, 8)
     device: str = "auto"
@@ -80,12 +81,15 @@ class Options:
     project_root: str | None = None
     factory_option: str = "--model-factory"
     distributed: int = 0
+    data_factory: str | None = None  # `module:function` returning k micro-batches
+    data_option: str = "--data-factory"
 
 
 def options_for(path: Path, **given) -> Options:
     """Options for verifying `path`: what the command line `given` (None: not given), else
     `[tool.gaaudit.verify]` of the nearest pyproject.toml with a [tool.gaaudit] table, else
-    the defaults. Raises ConfigError for a bad table or a malformed --model-factory."""
+    the defaults. Raises ConfigError for a bad table, a malformed factory, or batches of
+    the user's own with several processes."""
     settings = load(path)
     configured = settings.verify
     values = {}
@@ -101,16 +105,25 @@ def options_for(path: Path, **given) -> Options:
         value = getattr(configured, key) if value is None else value
         if value is not None:
             values[name] = value
-    factory, option = given.get("model_factory"), "--model-factory"
-    if factory is not None:
-        check_factory(factory, option)
-        root = _project_root(path)
-    elif configured.model_factory is not None:
-        factory = configured.model_factory
-        option = f"{settings.source}: [tool.gaaudit.verify] model-factory ="
-        root = settings.source.parent
-    if factory is not None:
-        values.update(model_factory=factory, factory_option=option, project_root=str(root))
+    for name, option_name, key in (
+        ("model_factory", "factory_option", "model-factory"),
+        ("data_factory", "data_option", "data-factory"),
+    ):
+        factory, option = given.get(name), f"--{key}"
+        if factory is not None:
+            check_factory(factory, option, name == "data_factory")
+            root = _project_root(path)
+        elif getattr(configured, name) is not None:
+            factory = getattr(configured, name)
+            option = f"{settings.source}: [tool.gaaudit.verify] {key} ="
+            root = settings.source.parent
+        if factory is not None:
+            values.update({name: factory, option_name: option, "project_root": str(root)})
+    if values.get("data_factory") and values.get("distributed"):
+        raise ConfigError(
+            f"{values['data_option']} {values['data_factory']}: batches of your own are replayed "
+            "in one process; leave out --distributed (or the distributed key)"
+        )
     return Options(**values)
 
 
@@ -285,13 +298,20 @@ def _replay_all(jobs: list[dict]) -> list[list[dict]]:
     """The child's side: replay every target of every job for every K with the harness (on
     `options.distributed` processes when set, with the user's model when given); the jobs
     share their options, so the model factory and the processes are set up once."""
-    from gaaudit.harness.factory import load_factory, user_model
+    from gaaudit.harness.factory import load_data_factory, load_factory, user_data, user_model
 
     options = Options(**{k: tuple(v) if k == "ks" else v for k, v in jobs[0]["options"].items()})
     factory = None
     if options.model_factory is not None:
         factory = (options.model_factory, options.project_root, options.factory_option)
-    with user_model(load_factory(*factory) if factory else None), _ranks(options, factory) as ranks:
+    data = None
+    if options.data_factory is not None:
+        data = load_data_factory(options.data_factory, options.project_root, options.data_option)
+    with (
+        user_model(load_factory(*factory) if factory else None),
+        user_data(data),
+        _ranks(options, factory) as ranks,
+    ):
         return [_replay_targets(job, options, ranks) for job in jobs]
 
 

@@ -1,5 +1,5 @@
-"""`gaaudit verify --model-factory` and `[tool.gaaudit.verify]`: the user's own model in place
-of the harness model, and verify's defaults from pyproject.toml."""
+"""`gaaudit verify --model-factory`, `--data-factory` and `[tool.gaaudit.verify]`: the user's
+own model and batches in place of the harness's, and verify's defaults from pyproject.toml."""
 
 from __future__ import annotations
 
@@ -340,3 +340,91 @@ def test_a_stand_in_reaching_torch_is_named_with_its_line(tmp_path):
     verdict = loop["rows"][0]["original_verdict"]
     assert verdict.startswith("not replayable: TypeError")
     assert "(line 11; it reads `cfg.max_len`, which the harness could not bind" in verdict
+
+
+MASKED_TRIPLES = """
+import torch.nn.functional as F
+
+
+def train(model, loader, optimizer, accumulation_steps):
+    for step, (features, targets, mask) in enumerate(loader):
+        logits = model(features)
+        loss = (F.cross_entropy(logits, targets, reduction="none") * mask).sum() / mask.sum()
+        loss = loss / accumulation_steps
+        loss.backward()
+        if (step + 1) % accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+TRIPLES = """
+import torch
+
+
+def window(k):
+    # k micro-batches of (features, targets, mask) holding 1, 2, ... valid rows
+    rows = torch.arange(6)
+    return [
+        (torch.randn(6, 8), torch.randint(0, 4, (6,)), (rows <= i).float()) for i in range(k)
+    ]
+
+
+def ragged(k):
+    return [(torch.randn(6, 8 + i), torch.zeros(6).long(), torch.ones(6)) for i in range(k)]
+
+
+def classifier():
+    return torch.nn.Linear(8, 4)
+"""
+
+
+def test_data_factory_replays_a_loop_over_batches_of_the_users_own(tmp_path):
+    """A loop that unpacks three values (issue 18, item 3): the harness's batches do not fit,
+    the user's do; the reference is the loop on the whole window as one micro-batch."""
+    root = project(tmp_path / "proj", {"batches.py": TRIPLES, "train.py": MASKED_TRIPLES})
+    (root / "pyproject.toml").write_text("[project]\nname = 'demo'\n")
+    run = lambda *options: gaaudit(
+        "verify",
+        "train.py",
+        "-k",
+        "2,4",
+        "--device",
+        "cpu",
+        "--format",
+        "json",
+        *options,
+        cwd=root,
+    )
+    alone = run()
+    assert alone.returncode == 2
+    assert "unpacks 3 values" in alone.stdout and "--data-factory" in alone.stdout
+    result = run("--data-factory", "batches:window", "--model-factory", "batches:classifier")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "on the batches of batches:window" in result.stderr
+    for row in rows_of(result.stdout):
+        assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-3, row
+        assert row["verdict"] == VERIFIED and row["patched_error"] < 1e-5, row
+    tiny = run("--data-factory", "batches:window")
+    assert "pass your model with --model-factory" in tiny.stdout
+
+
+def test_data_factory_from_the_table_and_its_errors(tmp_path):
+    root = project(
+        tmp_path,
+        {"batches.py": TRIPLES, "train.py": MASKED_TRIPLES},
+        """
+        data-factory = "batches:ragged"
+        model-factory = "batches:classifier"
+        k = [2]
+        device = "cpu"
+    """,
+    )
+    ragged = gaaudit("verify", "train.py", cwd=root)
+    assert ragged.returncode == 2 and "Traceback" not in ragged.stderr
+    message = ragged.stderr.splitlines()[-1]
+    assert "[tool.gaaudit.verify] data-factory = batches:ragged" in message
+    assert "tensors of shapes (6, 8), (6, 9) do not join" in message and "pad" in message
+    together = gaaudit("verify", "train.py", "--distributed", "2", cwd=root)
+    assert together.returncode == 2 and "replayed in one process" in together.stderr
+    malformed = gaaudit("verify", "train.py", "--data-factory", "batches", cwd=root)
+    assert malformed.returncode == 2 and "takes k and returns k micro-batches" in malformed.stderr

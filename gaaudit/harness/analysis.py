@@ -635,11 +635,6 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
     }
     arities = {usage.arity[c] for c in data if c in usage.arity}
     arity = max(arities) if arities else (2 if kind == "nanogpt" else 0)
-    if arity not in (0, 2):
-        raise NotReplayable(
-            f"the loop unpacks {arity} values from each batch; the harness "
-            "serves dict batches or (input_ids, labels) pairs"
-        )
     settings = _option_defaults(tree)
     return Plan(
         target=target,

@@ -8,9 +8,11 @@ import ast
 import builtins
 import math
 import types
+from collections.abc import Mapping
 
 import torch
 
+from gaaudit.harness import factory
 from gaaudit.harness.analysis import Plan, chain_of
 from gaaudit.harness.data import merge_batches
 from gaaudit.harness.models import vocab_size
@@ -77,10 +79,15 @@ class Objects:
         if "scaler" in roles.values():
             enabled = dtype == torch.float16 and device.type == "cuda"
             self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
-        samples = sum(len(b["labels"]) for b in batches)
+        samples = sum(_samples(b) for b in batches)
+        self.user = factory.current_data() is not None  # batches of the user's own, as they are
         if plan.splits_batch:
-            batches = [merge_batches(batches, ignore_index)]
-        if plan.data_arity:
+            batches = [
+                factory.concatenate(batches) if self.user else merge_batches(batches, ignore_index)
+            ]
+        if self.user:
+            items = list(batches)
+        elif plan.data_arity:
             items = [(b["input_ids"], b["labels"]) for b in batches]
         else:
             items = [BatchEncoding(dict(b)) for b in batches]
@@ -200,6 +207,8 @@ class Objects:
         source = DataSource(".".join(chain), items, start=1 if prefetched else 0)
         self.sources.append(source)
         shape = "(input_ids, labels) tuples" if self.plan.data_arity else "dict batches"
+        if self.user:
+            shape = "batches of the data factory"
         text = f"{len(items)} micro-batches as {shape}"
         if self.plan.splits_batch:
             text = f"the whole window as one batch of {shape[:-1]} (the loop splits it)"
@@ -238,6 +247,17 @@ class Objects:
                 holder = getattr(holder, name)
             setattr(holder, chain[-1], value)
         self.bindings[".".join(chain)] = text
+
+
+def _samples(batch) -> int:
+    """The first dimension of the first tensor in a batch (its number of samples), else 1."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch) if batch.dim() else 1
+    values = list(batch.values()) if isinstance(batch, Mapping) else batch
+    if not isinstance(values, (list, tuple)):
+        return 1
+    nested = (v for v in values if isinstance(v, (torch.Tensor, Mapping, list, tuple)))
+    return next((_samples(v) for v in nested), 1)
 
 
 def _stub_attribute(self, name: str):

@@ -23,6 +23,7 @@ from functools import partial
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from gaaudit.harness import factory
 from gaaudit.harness.analysis import NotReplayable, Plan, analyse
 from gaaudit.harness.bindings import Objects
 from gaaudit.harness.data import Window, make_window, merge_batches
@@ -40,7 +41,7 @@ from gaaudit.harness.gradcheck import (
     resolve_dtype,
     snapshot,
 )
-from gaaudit.harness.models import build_model
+from gaaudit.harness.models import build_model, ignore_value
 from gaaudit.harness.stubs import (
     Exhausted,
     Progress,
@@ -124,17 +125,26 @@ class _Session:
         self.k, self.seed, self.timeout = k, seed, timeout
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
         self.tolerance = TOLERANCE[self.dtype]
-        self.window = make_window(
-            self.kind,
-            k,
-            micro_batch_size,
-            seed,
-            packed=packed,
-            ignore_index=getattr(plan, "ignore_index", None),
-            label_smoothing=getattr(plan, "label_smoothing", 0.0),
-        )
-        self.window = self.window.to(self.device)
-        self.references = {k: self._reference(self.window)}
+        data = factory.current_data()
+        self.user = (
+            data is not None
+        )  # the user's batches: the loop on the whole window is the reference
+        if self.user:
+            micro = [factory.to_device(b, self.device) for b in data.window(k, seed)]
+            ignore_index = ignore_value(self.kind, getattr(plan, "ignore_index", None))
+            self.window = Window("user", micro, factory.concatenate(micro), ignore_index)
+            self.references = {}
+        else:
+            self.window = make_window(
+                self.kind,
+                k,
+                micro_batch_size,
+                seed,
+                packed=packed,
+                ignore_index=getattr(plan, "ignore_index", None),
+                label_smoothing=getattr(plan, "label_smoothing", 0.0),
+            ).to(self.device)
+            self.references = {k: self._reference(self.window)}
 
     def _reference(self, window: Window) -> list[torch.Tensor]:
         with deterministic(self.seed, self.device):
@@ -146,9 +156,12 @@ class _Session:
         if n == self.k:
             return self.window
         micro = self.window.micro[:n]
-        return replace(
-            self.window, micro=micro, full=merge_batches(micro, self.window.ignore_index)
+        full = (
+            factory.concatenate(micro)
+            if self.user
+            else merge_batches(micro, self.window.ignore_index)
         )
+        return replace(self.window, micro=micro, full=full)
 
     def reference(self, n: int) -> list[torch.Tensor]:
         """The full-batch gradient of the window's first `n` micro-batches."""
@@ -187,11 +200,20 @@ class _Session:
         short = result.drawn if 0 < result.drawn < self.k else None  # `step % K == 0` from 0
         check = partial(Check, replay=result, window=short)
         exact = self.dtype == torch.float32
-        error = relative_error(result.grads, self.reference(short or self.k)) if exact else None
+        n = short or self.k
+        error = relative_error(result.grads, self.reference(n)) if exact and not self.user else None
         if error is not None and error < self.tolerance:
             return check("verified", error, None)
-        n = short or self.k
         whole = self.replay(plan, filename, whole=n) if self.k > 1 else result
+        if self.user:
+            if not whole.ok:
+                return check(
+                    "not replayable: with the whole window as one micro-batch the loop "
+                    f"failed ({whole.reason})",
+                    None,
+                    None,
+                )
+            return self._judged(check, relative_error(result.grads, whole.grads), None)
         k1_error = relative_error(whole.grads, self.reference(n)) if whole.ok else None
         if k1_error is None or (not exact and k1_error >= AGREEMENT[self.dtype]):
             detail = whole.reason or f"error {k1_error:.1e}"
@@ -206,6 +228,10 @@ class _Session:
             # the loop's own full batch (its model reads the padding, say): the micro-batches
             # are exact slices of it, so only the splitting is measured
             error = relative_error(result.grads, whole.grads)
+        return self._judged(check, error, k1_error)
+
+    def _judged(self, check, error: float, k1_error: float | None) -> Check:
+        """`verified`, `bug reproduced` or `inconclusive`, by the error's size."""
         if error < self.tolerance:
             return check("verified", error, k1_error)
         if error > bug_threshold(self.dtype):
@@ -224,6 +250,12 @@ def _plan(source: str, line: int, divisor_names, model_kind, ignore_index) -> Pl
         plan = analyse(source, line, tuple(divisor_names), model_kind)
         if ignore_index is not None:
             plan.ignore_index = ignore_index
+        if plan.data_arity not in (0, 2) and factory.current_data() is None:
+            return (
+                f"the loop unpacks {plan.data_arity} values from each batch; the harness "
+                "serves dict batches or (input_ids, labels) pairs (hand in batches of your "
+                "own with --data-factory)"
+            )
         return plan
     except NotReplayable as exc:
         return str(exc)
@@ -540,8 +572,13 @@ def _describe(exc: BaseException, filename: str, plan: Plan) -> str:
         for frame, line in traceback.walk_tb(exc.__traceback__)
         if frame.f_code.co_filename == filename
     ]
+    mismatch = (
+        "; the tiny harness model was handed your batches: pass your model with --model-factory"
+        if factory.current_data() is not None and factory.current() is None
+        else ""
+    )
     if not frames:
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {exc}{mismatch}"
     frame, line = frames[-1]
     text = " ".join(
         ast.unparse(node)
@@ -561,7 +598,7 @@ def _describe(exc: BaseException, filename: str, plan: Plan) -> str:
         if paths
         else ""
     )
-    return f"{type(exc).__name__}: {exc} (line {line}{read})"
+    return f"{type(exc).__name__}: {exc} (line {line}{read}){mismatch}"
 
 
 def _stubs_read(name: str, value, text: str) -> list[Stub]:
