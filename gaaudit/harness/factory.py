@@ -49,110 +49,6 @@ class UserModel:
         return model.eval()
 
 
-_current: UserModel | None = None
-
-
-@dataclass(frozen=True)
-class UserData:
-    """A checked data factory: `window(k, seed)` returns the k micro-batches of one window, as
-    the loop's data loader yields them."""
-
-    factory: Callable[[int], list]
-    where: str  # the option and its value, for the error messages
-
-    def window(self, k: int, seed: int) -> list:
-        torch.manual_seed(seed)
-        return _batches(self.factory, k, self.where)
-
-
-_data: UserData | None = None
-
-
-def load_data_factory(target: str, root: str, option: str = "--data-factory") -> UserData:
-    """Import `module:function` as load_factory does, call it with k = 2 and check that it
-    returns two micro-batches that concatenate into one batch."""
-    where = f"{option} {target}"
-    function = _imported(target, root, where, "a function that takes k and returns k micro-batches")
-    torch.manual_seed(0)
-    concatenate(_batches(function, 2, where), where)
-    return UserData(function, where)
-
-
-def _batches(function: Callable[[int], list], k: int, where: str) -> list:
-    try:
-        batches = function(k)
-    except Exception as exc:  # noqa: BLE001 - reported with the option's name
-        raise FactoryError(
-            f"{where}: calling it with k={k} failed ({type(exc).__name__}: {exc}); make it "
-            "return k micro-batches"
-        ) from None
-    if not isinstance(batches, (list, tuple)) or len(batches) != k:
-        got = f"{len(batches)} items" if isinstance(batches, (list, tuple)) else repr(batches)
-        raise FactoryError(
-            f"{where}: called with k={k}, it returned {got}; return a list of k micro-batches, "
-            "each what the loop's data loader yields"
-        )
-    return list(batches)
-
-
-def concatenate(batches: list, where: str = "the micro-batches"):
-    """The micro-batches as one batch: tensors joined along their first dimension, mappings
-    key by key, tuples (and lists of tensors) position by position, other lists one after the
-    other; any other value must be the same in every micro-batch."""
-    first = batches[0]
-    if isinstance(first, torch.Tensor):
-        if any(b.shape[1:] != first.shape[1:] for b in batches):
-            shapes = ", ".join(str(tuple(b.shape)) for b in batches)
-            raise FactoryError(
-                f"{where}: tensors of shapes {shapes} do not join into one batch; pad the "
-                "micro-batches of a window to one width"
-            )
-        return torch.cat(batches)
-    if isinstance(first, Mapping):
-        return type(first)({key: concatenate([b[key] for b in batches], where) for key in first})
-    if isinstance(first, tuple) or (
-        isinstance(first, list) and all(isinstance(v, torch.Tensor) for v in first)
-    ):
-        joined = [concatenate(list(values), where) for values in zip(*batches)]
-        return type(first)(joined) if not hasattr(first, "_fields") else type(first)(*joined)
-    if isinstance(first, list):
-        return [item for batch in batches for item in batch]
-    if any(b != first for b in batches):
-        raise FactoryError(
-            f"{where}: {type(first).__name__} values differ between micro-batches; only "
-            "tensors, mappings, tuples and lists join into one batch"
-        )
-    return first
-
-
-def to_device(batch, device):
-    """`batch` with every tensor inside it on `device`."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return type(batch)({key: to_device(value, device) for key, value in batch.items()})
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(value, device) for value in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    return batch
-
-
-@contextlib.contextmanager
-def user_data(data: UserData | None) -> Iterator[None]:
-    """While active, the harness replays on `data`'s batches (see current_data)."""
-    global _data
-    previous, _data = _data, data
-    try:
-        yield
-    finally:
-        _data = previous
-
-
-def current_data() -> UserData | None:
-    """The user's batches in effect, if any."""
-    return _data
-
-
 def load_factory(target: str, root: str, option: str = "--model-factory") -> UserModel:
     """Import `module:function` with `root` first on sys.path, call it twice under one seed and
     check that it returns the same torch.nn.Module both times. `option` says where the factory
@@ -228,17 +124,115 @@ def _vocab_size(model: nn.Module) -> int | None:
     return next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
 
 
+@dataclass(frozen=True)
+class UserData:
+    """A checked data factory: `window(k, seed)` returns the k micro-batches of one window, as
+    the loop's data loader yields them."""
+
+    factory: Callable[[int], list]
+    where: str  # the option and its value, for the error messages
+
+    def window(self, k: int, seed: int) -> list:
+        torch.manual_seed(seed)
+        return _batches(self.factory, k, self.where)
+
+
+def load_data_factory(target: str, root: str, option: str = "--data-factory") -> UserData:
+    """Import `module:function` as load_factory does, call it with k = 2 and check that it
+    returns two micro-batches that concatenate into one batch."""
+    where = f"{option} {target}"
+    function = _imported(target, root, where, "a function that takes k and returns k micro-batches")
+    torch.manual_seed(0)
+    concatenate(_batches(function, 2, where), where)
+    return UserData(function, where)
+
+
+def _batches(function: Callable[[int], list], k: int, where: str) -> list:
+    try:
+        batches = function(k)
+    except Exception as exc:  # noqa: BLE001 - reported with the option's name
+        raise FactoryError(
+            f"{where}: calling it with k={k} failed ({type(exc).__name__}: {exc}); make it "
+            "return k micro-batches"
+        ) from None
+    if not isinstance(batches, (list, tuple)) or len(batches) != k:
+        got = f"{len(batches)} items" if isinstance(batches, (list, tuple)) else repr(batches)
+        raise FactoryError(
+            f"{where}: called with k={k}, it returned {got}; return a list of k micro-batches, "
+            "each what the loop's data loader yields"
+        )
+    return list(batches)
+
+
+def concatenate(batches: list, where: str = "the micro-batches"):
+    """The micro-batches as one batch: tensors joined along their first dimension, mappings
+    key by key, tuples (and lists of tensors) position by position, other lists one after the
+    other; any other value must be the same in every micro-batch."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        if any(b.shape[1:] != first.shape[1:] for b in batches):
+            shapes = ", ".join(str(tuple(b.shape)) for b in batches)
+            raise FactoryError(
+                f"{where}: tensors of shapes {shapes} do not join into one batch; pad the "
+                "micro-batches of a window to one width"
+            )
+        return torch.cat(batches)
+    if isinstance(first, Mapping):
+        return type(first)({key: concatenate([b[key] for b in batches], where) for key in first})
+    if isinstance(first, tuple) or (
+        isinstance(first, list) and all(isinstance(v, torch.Tensor) for v in first)
+    ):
+        joined = [concatenate(list(values), where) for values in zip(*batches)]
+        return type(first)(joined) if not hasattr(first, "_fields") else type(first)(*joined)
+    if isinstance(first, list):
+        return [item for batch in batches for item in batch]
+    if any(b != first for b in batches):
+        raise FactoryError(
+            f"{where}: {type(first).__name__} values differ between micro-batches; only "
+            "tensors, mappings, tuples and lists join into one batch"
+        )
+    return first
+
+
+def to_device(batch, device):
+    """`batch` with every tensor inside it on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return type(batch)({key: to_device(value, device) for key, value in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(value, device) for value in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+_active: dict[str, UserModel | UserData | None] = {"model": None, "data": None}
+
+
 @contextlib.contextmanager
-def user_model(model: UserModel | None) -> Iterator[None]:
-    """While active, models.build_model builds `model` and the data fit its vocabulary."""
-    global _current
-    previous, _current = _current, model
+def _activated(role: str, value) -> Iterator[None]:
+    previous, _active[role] = _active[role], value
     try:
         yield
     finally:
-        _current = previous
+        _active[role] = previous
+
+
+def user_model(model: UserModel | None):
+    """While active, models.build_model builds `model` and the data fit its vocabulary."""
+    return _activated("model", model)
 
 
 def current() -> UserModel | None:
     """The user's model in effect, if any."""
-    return _current
+    return _active["model"]
+
+
+def user_data(data: UserData | None):
+    """While active, the harness replays on `data`'s batches (see current_data)."""
+    return _activated("data", data)
+
+
+def current_data() -> UserData | None:
+    """The user's batches in effect, if any."""
+    return _active["data"]
