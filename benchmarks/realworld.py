@@ -3,7 +3,7 @@
     python benchmarks/realworld.py restore MIRROR_ROOT [--trees DIR]
     python benchmarks/realworld.py score [--trees DIR] [--only REPO ...]
     python benchmarks/realworld.py fixes [--trees DIR] [--only REPO ...]
-    python benchmarks/realworld.py verdicts [--trees DIR] [--only REPO ...]
+    python benchmarks/realworld.py verdicts [--trees DIR] [--only REPO ...] [--each]
 
 `manifest.jsonl` (beside this script, in `realworld/`) holds one labelled file a row: repo,
 commit, path, label, lines, loss_source, data_path, reason, framework. `restore` exports the
@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -446,12 +447,13 @@ def replayed(trees: Path, row: Row) -> str:
 REPLAYED_LABELS = ("correct_sum_count", "benign_fixed_length")  # and every positive label
 
 
-def verdicts(trees: Path, only: list[str]) -> int:
+def verdicts(trees: Path, only: list[str], each: bool = False) -> int:
     """`gaaudit verify` (K = 4, CPU) on each labelled torch-family file (not JAX), buggy,
     correct or benign, at its tree's root: whether it gets a verdict on its original loops
     (the bug reproduced, or the loop matches the full batch), and whether that verdict agrees
     with the label (buggy: reproduced; correct: matches; benign: matches, which needs the
-    file's own fixed-length data), per framework."""
+    file's own fixed-length data), per framework; with `each`, where each file stopped. The
+    files are replayed side by side, one per CPU core."""
     rows = [
         row
         for row in load_manifest()
@@ -462,8 +464,11 @@ def verdicts(trees: Path, only: list[str]) -> int:
     started = time.perf_counter()
     tally: dict[str, Counter] = defaultdict(Counter)
     stops: Counter[str] = Counter()
-    for row in rows:
-        verdict, why = _original_verdict(trees, row)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        outcomes = list(pool.map(lambda row: _original_verdict(trees, row), rows))
+    for row, (verdict, why) in zip(rows, outcomes):
+        if each and verdict is None:
+            print(f"  stops: {row.repo}/{row.path}: {why}")
         agrees = verdict == ("bug reproduced" if row.positive else "matches")
         for group in (row.framework, "all"):
             tally[group].update(files=1, verdict=verdict is not None, agrees=agrees)
@@ -523,9 +528,10 @@ def main() -> int:
     replaying.add_argument(
         "--only", nargs="+", default=[], metavar="REPO", help="these repositories only"
     )
+    replaying.add_argument("--each", action="store_true", help="say where each file stopped")
     args = parser.parse_args()
     if args.command == "verdicts":
-        return verdicts(args.trees, args.only)
+        return verdicts(args.trees, args.only, args.each)
     if args.command == "restore":
         return 1 if restore(args.mirrors, args.trees) else 0
     if args.command == "fixes":

@@ -878,3 +878,46 @@ def test_a_trainer_that_is_a_torch_module_holding_its_model_is_replayed():
     result = check(MODULE_TRAINER, line, k=4, divisor_names=["self.accum_steps"], device="cpu")
     assert result.verdict == "bug reproduced" and result.error > 1e-2, result.verdict
     assert result.replay.bindings["self.model"] == "tiny causal model"
+
+
+ENGINE = source("""
+    import torch
+    import util.misc as misc  # not installed here: a stand-in
+
+
+    def train_one_epoch(model, data_loader, optimizer, accum_iter, start=0, mixup_fn=None, total=None):
+        metric_logger = misc.MetricLogger(delimiter="  ")
+        for data_iter_step, batch in enumerate(
+            metric_logger.log_every(data_loader, 10, "Epoch"), start=start
+        ):
+            if total is not None and data_iter_step >= total:
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-4 * group["lr_scale"]
+            if mixup_fn is not None:
+                batch = mixup_fn(batch)
+            with torch.autocast(device_type=device_type, enabled=use_amp):
+                loss = model(**batch).loss / accum_iter
+            loss.backward()
+            torch.cuda.synchronize()
+            with open(log_file, "a") as log:
+                log.write(str(loss.item()))
+            if (data_iter_step + 1) % accum_iter == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+""")
+
+
+def test_a_timm_style_engine_loop_reaches_its_step():
+    """Scaffolding of real engines (issue 18, item 4): the enclosing function's literal
+    defaults (`start=0`; `None` where the loop tests `is None`), a stand-in logger wrapped
+    around the data (`log_every`), a layer-wise `lr_scale` in the parameter groups,
+    `torch.autocast` and `open` handed names the harness could not bind, and
+    `torch.cuda.synchronize()` on a CPU machine."""
+    result = check(ENGINE, line_of(ENGINE, "for data_iter_step"), k=4, device="cpu")
+    assert result.verdict == "bug reproduced", result
+    bindings = result.replay.bindings
+    assert bindings["start"] == "0, as assigned before the statement"
+    assert bindings["mixup_fn"] == bindings["total"] == "None, as assigned before the statement"
+    assert bindings["data_loader"] == "4 micro-batches as dict batches"
+    assert bindings["use_amp"] == bindings["log_file"] == "stub"

@@ -25,7 +25,9 @@ from gaaudit.harness.surroundings import (
 
 LOOPS = (ast.For, ast.While)
 DEFS = (ast.FunctionDef,)
-ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip"}
+# Calls that iterate their first argument: `enumerate(tqdm(loader))`, and the metric loggers
+# of timm-style engines, `metric_logger.log_every(data_loader, print_freq, header)`.
+ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip", "log_every"}
 HF_KWARGS = {"input_ids", "labels", "attention_mask", "decoder_input_ids", "inputs_embeds"}
 MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
@@ -263,9 +265,11 @@ def _initial_values(
     tree: ast.Module, target: ast.stmt, free: list[str], settings: dict[str, object]
 ) -> dict[str, object]:
     """Literal values the source assigns to the statement's free names before it, at module
-    level or in the functions enclosing it (`num_items = 0`), or option defaults it reads
-    into them (`ignore_index = args.ignore_index`); 0 for other names the statement only
-    augments (`total += n`)."""
+    level or in the functions enclosing it (`num_items = 0`), or gives them as parameter
+    defaults of those functions (`start_step=0`; `None` only where the statement tests
+    `is None`), or option defaults it reads into them
+    (`ignore_index = args.ignore_index`); 0 for other names the statement only augments
+    (`total += n`)."""
     enclosing = [
         n
         for n in ast.walk(tree)
@@ -285,8 +289,30 @@ def _initial_values(
         and isinstance(n.value.value, ast.Name)
         and n.value.attr in settings
     }
+    guarded = {  # `if mixup_fn is not None:`: the code itself handles a None default
+        n.left.id
+        for n in ast.walk(target)
+        if isinstance(n, ast.Compare)
+        and isinstance(n.left, ast.Name)
+        and all(isinstance(op, (ast.Is, ast.IsNot)) for op in n.ops)
+        and all(isinstance(c, ast.Constant) and c.value is None for c in n.comparators)
+    }
+    defaults = {}
+    for function in enclosing:
+        args = function.args
+        positional = args.posonlyargs + args.args
+        pairs = [
+            *zip(positional[len(positional) - len(args.defaults) :], args.defaults),
+            *((a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None),
+        ]
+        for arg, default in pairs:
+            ok, value = literal(default)
+            if ok and (value is not None or arg.arg in guarded):  # else unknown: a stub
+                defaults[arg.arg] = value
     found = {
-        name: value for name, value in {**options, **constants(before)}.items() if name in free
+        name: value
+        for name, value in {**defaults, **options, **constants(before)}.items()
+        if name in free
     }
     augmented = {
         n.target.id
@@ -517,6 +543,8 @@ def _is_divisor(chain: Chain, divisor_names) -> bool:
 
 def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | None:
     ev, last = usage.evidence.get(chain, set()), chain[-1]
+    if last in ITER_WRAPPERS:
+        return None  # it iterates the data it is handed
     called = "called" in ev
     if not called and _is_divisor(chain, divisor_names):
         return "divisor"

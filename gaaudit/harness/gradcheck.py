@@ -119,11 +119,20 @@ class StepReached(BaseException):
         self.where = where
 
 
+class _Group(dict):
+    """A parameter group that answers 1.0 for a key the user's own groups would carry (a
+    layer-wise `lr_scale` that a schedule multiplies the learning rate by)."""
+
+    def __missing__(self, key):
+        return 1.0
+
+
 class RecordingOptimizer(torch.optim.SGD):
     """A real SGD whose `step()` records the gradients in `grads` and raises StepReached."""
 
     def __init__(self, params, lr: float = 1e-3):
         super().__init__(params, lr=lr)
+        self.param_groups = [_Group(group) for group in self.param_groups]
         self.grads: list[torch.Tensor] | None = None
 
     def record(self, where: str = "optimizer.step") -> None:

@@ -416,6 +416,7 @@ def _execute(
             with (
                 _capturing(optimizer, namespace),
                 _staying_on(device),
+                _autocast_without_stubs(device),
                 autocast(device, dtype),
                 _time_limit(timeout),
             ):
@@ -456,10 +457,15 @@ def _execute(
 
 
 def _namespace(plan: Plan, filename: str) -> dict:
-    """Module globals: `range` that tolerates stub limits, the source's imports (stubs for
-    those that fail; trackers and tqdm replaced), then the module-level helpers the
-    statement uses."""
-    namespace = {"__name__": "__gaaudit_replay__", "__builtins__": builtins, "range": stub_range}
+    """Module globals: `range` that tolerates stub limits, `open` that tolerates stub paths,
+    the source's imports (stubs for those that fail; trackers and tqdm replaced), then the
+    module-level helpers the statement uses."""
+    namespace = {
+        "__name__": "__gaaudit_replay__",
+        "__builtins__": builtins,
+        "range": stub_range,
+        "open": _open,
+    }
     for node in plan.imports:
         try:
             exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
@@ -485,6 +491,14 @@ def _namespace(plan: Plan, filename: str) -> dict:
         except (Exception, SystemExit):  # noqa: BLE001, S112 - its name stays a stub
             continue
     return namespace
+
+
+def _open(file, mode: str = "r", *args, **kwargs):
+    """`open`, except that a path the harness could not bind (`open(log_file, "a")`) is an
+    empty file in memory: a log the loop writes goes nowhere."""
+    if isinstance(file, Stub):
+        return io.BytesIO() if "b" in mode else io.StringIO()
+    return open(file, mode, *args, **kwargs)
 
 
 def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
@@ -533,16 +547,39 @@ def _capturing(optimizer: RecordingOptimizer, namespace: dict):
 @contextlib.contextmanager
 def _staying_on(device: torch.device):
     """On a machine without the accelerator the code expects, `.cuda()` keeps tensors and
-    modules where they are."""
+    modules where they are, and `torch.cuda.synchronize()` has nothing to wait for."""
     if device.type == "cuda":
         yield
         return
-    saved = torch.Tensor.cuda, torch.nn.Module.cuda
+    saved = torch.Tensor.cuda, torch.nn.Module.cuda, torch.cuda.synchronize
     torch.Tensor.cuda = torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.synchronize = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        torch.Tensor.cuda, torch.nn.Module.cuda = saved
+        torch.Tensor.cuda, torch.nn.Module.cuda, torch.cuda.synchronize = saved
+
+
+@contextlib.contextmanager
+def _autocast_without_stubs(device: torch.device):
+    """`torch.autocast(device_type=..., enabled=args.amp)` handed stand-ins (names the harness
+    could not bind) runs disabled on the replay's device; the harness's own --dtype governs."""
+    original = torch.autocast.__init__
+    signature = inspect.signature(original)
+    unknown = {"device_type": device.type, "dtype": None, "enabled": False, "cache_enabled": None}
+
+    def init(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        for name, value in bound.arguments.items():
+            if isinstance(value, Stub):
+                bound.arguments[name] = unknown[name]
+        original(*bound.args, **bound.kwargs)
+
+    torch.autocast.__init__ = init
+    try:
+        yield
+    finally:
+        torch.autocast.__init__ = original
 
 
 @contextlib.contextmanager

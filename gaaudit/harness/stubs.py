@@ -8,7 +8,8 @@ import operator
 
 
 class Stub:
-    """An inert stand-in: callable (as a decorator, it returns what it decorates),
+    """An inert stand-in: callable (as a decorator, it returns what it decorates; handed the
+    data first, it returns the data),
     attribute-able (attributes are stubs too, or the values given in `children`),
     iterable-empty, falsy, a no-op context manager, absorbing in arithmetic, unequal to
     everything else and larger than any number (a limit such as `args.max_steps` is never
@@ -32,6 +33,8 @@ class Stub:
         decorated = args[0] if len(args) == 1 and not kwargs else None
         if inspect.isroutine(decorated) or inspect.isclass(decorated):
             return decorated  # a decorator of a library that is not installed: `@beartype`
+        if args and isinstance(args[0], DataSource):
+            return args[0]  # a wrapper around the data: `metric_logger.log_every(loader, ...)`
         return Stub(f"{self._path}()")
 
     def __getitem__(self, key):
