@@ -41,6 +41,7 @@ class Target:
     header: str
     divisors: tuple[str, ...]
     flagged: bool = True  # False: a loop with no finding, replayed to show it matches
+    trainer: str = ""  # a Trainer subclass's name: replayed by a real Trainer, not as a statement
 
 
 @dataclass
@@ -174,7 +175,36 @@ def targets(
         occurrence = _occurrence(tree.module.code.splitlines(), header, start)
         patched_line = _find(patched_lines, header, occurrence)
         found[start] = Target(start, patched_line, header, merged, flagged)
+    statements = {line for line, t in found.items() if t.flagged}
+    trainers = _trainer_targets(tree, patched_lines, statements)
+    for start, (target, end) in trainers.items():  # its methods' statements: the Trainer runs them
+        found = {line: t for line, t in found.items() if not start <= line <= end}
+        found[start] = target
     return sorted(found.values(), key=lambda t: t.line)
+
+
+def _trainer_targets(
+    tree, patched_lines: list[str], statements: set[int]
+) -> dict[int, tuple[Target, int]]:
+    """The file's Trainer subclasses that override `compute_loss` or `training_step`, by the
+    line of their `class` statement, with their last line; flagged when GA004 (or GA001 in
+    one of their methods) reports them."""
+    from gaaudit.checks.trainer import TrainerAudit, methods_of
+
+    audit = TrainerAudit(tree)
+    flagged = {site.owner for site in audit.sites() if site.owner is not None}
+    lines = tree.module.code.splitlines()
+    found = {}
+    for name, cls in audit.trainers.items():
+        if not {"compute_loss", "training_step"} & set(methods_of(cls)):
+            continue
+        start = tree.line(cls)
+        header = _first_line(tree, cls)
+        patched = _find(patched_lines, header, _occurrence(lines, header, start))
+        end = tree.span(cls).end_line
+        reported = cls in flagged or any(start <= line <= end for line in statements)
+        found[start] = (Target(start, patched, header, (), reported, name), end)
+    return found
 
 
 def _replayed_statement(tree, window, anchor: cst.CSTNode) -> cst.CSTNode | None:
@@ -338,6 +368,10 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
         target = Target(**{**raw, "divisors": tuple(raw["divisors"])})
         outcome = Outcome(target.line, target.header, flagged=target.flagged)
         patched = target.flagged and fixed  # else the loop is replayed as it is
+        if target.trainer:
+            outcome.rows = [_trainer_row(job, target, options, k, patched) for k in options.ks]
+            outcomes.append(asdict(outcome))
+            continue
         for k in options.ks:
             if patched and target.patched_line is None:
                 outcome.rows.append(
@@ -388,6 +422,31 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             )
         outcomes.append(asdict(outcome))
     return outcomes
+
+
+def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: bool) -> dict:
+    """One K of a Trainer subclass, replayed by a real Trainer (harness.trainer)."""
+    from gaaudit.harness import trainer
+    from gaaudit.harness.gradcheck import resolve_device
+
+    if options.distributed or options.model_factory or options.data_factory:
+        reason = (
+            "not replayable: a Trainer subclass is replayed in one process on the harness's "
+            "tiny GPT-2 and its own examples"
+        )
+        return {"k": k, "original_error": None, "patched_error": None, "verdict": reason}
+    row = trainer.compare(
+        job["original"],
+        job["patched"] if patched else None,
+        job["filename"],
+        target.trainer,
+        k,
+        options.seed,
+        resolve_device(options.device),
+    )
+    if target.flagged and not patched:
+        row["verdict"] = f"{row['verdict']}; {NOTHING_FIXED}"
+    return {**row, "dtype": "float32", "processes": 1}
 
 
 def _hinted(verdict: str, options: Options) -> str:

@@ -9,7 +9,6 @@ with one full-batch step on the same weights and data.
 
 from __future__ import annotations
 
-import ast
 import os
 import socket
 import time
@@ -18,132 +17,53 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES
-from transformers import (
-    GPT2Config,
-    GPT2ForSequenceClassification,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import Trainer
+
+from gaaudit.harness.gradcheck import relative_error
+from gaaudit.harness.trainer import GradientsAtStep, arguments, collate, tiny_model
+from gaaudit.harness.trainer import examples as harness_examples
+from gaaudit.harness.trainer import trainer_class as harness_trainer_class
 
 K, MICRO, EXAMPLES = 4, 2, 8
 TWO_PROCESS_LIMIT = 180  # seconds; a hung rendezvous fails the test, not the suite
 
 
-def tiny_model(classifier: bool = False) -> GPT2LMHeadModel | GPT2ForSequenceClassification:
-    """A 2-layer GPT-2 from a config, dropout off; a 3-class sequence classifier if asked."""
-    config = GPT2Config(
-        vocab_size=64,
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        num_labels=3,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=1,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return GPT2ForSequenceClassification(config) if classifier else GPT2LMHeadModel(config)
-
-
 def examples(classifier: bool = False) -> list[dict[str, torch.Tensor]]:
-    """Rows of different lengths: prompt + reply with the prompt masked out of the labels, or
-    one class label per row."""
-    generator = torch.Generator().manual_seed(1)
-    rows = []
-    for _ in range(EXAMPLES):
-        length = int(torch.randint(6, 40, (1,), generator=generator))
-        prompt = int(torch.randint(2, length - 2, (1,), generator=generator))
-        input_ids = torch.randint(2, 64, (length,), generator=generator)
-        labels = input_ids.clone()
-        labels[:prompt] = -100
-        if classifier:
-            labels = torch.randint(0, 3, (), generator=generator)
-        rows.append({"input_ids": input_ids, "labels": labels})
-    return rows
-
-
-def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest row: pad id 0, attention mask 0, label -100."""
-    width = max(len(r["input_ids"]) for r in rows)
-    batch = {
-        "input_ids": torch.zeros(len(rows), width, dtype=torch.long),
-        "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
-        "labels": torch.full((len(rows), width), -100, dtype=torch.long),
-    }
-    for i, row in enumerate(rows):
-        n = len(row["input_ids"])
-        batch["input_ids"][i, :n] = row["input_ids"]
-        batch["attention_mask"][i, :n] = 1
-        batch["labels"][i, :n] = row["labels"]
-    if rows[0]["labels"].dim() == 0:  # one class per row
-        batch["labels"] = torch.stack([r["labels"] for r in rows])
-    return batch
-
-
-class GradientsAtStep(TrainerCallback):
-    """Copies every gradient when the optimizer is about to step."""
-
-    def __init__(self) -> None:
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = {
-            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
-        }
+    """The harness's rows: a prompt masked out of the labels, or one class label per row."""
+    return harness_examples(EXAMPLES, 0, classifier)
 
 
 def trainer_class(path: Path, name: str) -> type:
-    """A class of a fixture file, with the file's imports that this environment has
-    (trl's trainers stand in as the transformers Trainer they subclass)."""
-    namespace: dict = {"SFTTrainer": Trainer}
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            try:
-                exec(compile(ast.Module([node], []), str(path), "exec"), namespace)  # noqa: S102
-            except ImportError:
-                continue
-        elif isinstance(node, (ast.ClassDef, ast.FunctionDef)):
-            exec(compile(ast.Module([node], []), str(path), "exec"), namespace)  # noqa: S102
-    return namespace[name]
+    """A class of a fixture file, defined as `gaaudit verify` defines it."""
+    return harness_trainer_class(path.read_text(), str(path), name)
 
 
 def train_one_step(
     cls: type, tmp_path: Path, classifier: bool = False, model: torch.nn.Module | None = None
-) -> dict[str, torch.Tensor]:
+) -> list[torch.Tensor]:
     model = tiny_model(classifier) if model is None else model
     capture = GradientsAtStep()
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=MICRO,
-        gradient_accumulation_steps=K,
-        max_steps=1,
-        learning_rate=1e-3,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-    )
-    data = examples(classifier)
     trainer = cls(
-        model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[capture]
+        model=model,
+        args=arguments(str(tmp_path), K),
+        train_dataset=examples(classifier),
+        data_collator=collate,
+        callbacks=[capture],
     )
     trainer.train()
     assert capture.grads, "the optimizer never stepped"
     return capture.grads
 
 
+def gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [
+        p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
+    ]
+
+
 def full_batch_gradients(
     classifier: bool = False, loss_of: type | None = None, tmp_path: Path | None = None
-) -> dict[str, torch.Tensor]:
+) -> list[torch.Tensor]:
     """One backward over all examples at once: the model's own token mean, or the loss of
     `loss_of`'s `compute_loss` (a Trainer writing nothing under `tmp_path`)."""
     model = tiny_model(classifier)
@@ -151,28 +71,20 @@ def full_batch_gradients(
     if loss_of is None:
         loss = model(**batch).loss
     else:
-        args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-        loss = loss_of(model=model, args=args).compute_loss(model, batch)
+        loss = loss_of(model=model, args=arguments(str(tmp_path), K)).compute_loss(model, batch)
     loss.backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return gradients(model)
 
 
-def mean_over_k_gradients(cls: type, tmp_path: Path) -> dict[str, torch.Tensor]:
+def mean_over_k_gradients(cls: type, tmp_path: Path) -> list[torch.Tensor]:
     """The Trainer's fallback for a loss that opts out: each micro-batch's mean divided by K."""
     model = tiny_model()
-    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    trainer = cls(model=model, args=args)
+    trainer = cls(model=model, args=arguments(str(tmp_path), K))
     rows = examples()
     for start in range(0, EXAMPLES, MICRO):
         loss = trainer.compute_loss(model, collate(rows[start : start + MICRO]))
         (loss / K).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    assert got.keys() == want.keys()
-    difference = torch.cat([(got[n] - want[n]).flatten() for n in want])
-    return float(difference.norm() / torch.cat([w.flatten() for w in want.values()]).norm())
+    return gradients(model)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +162,7 @@ def test_compute_loss_func_summed_over_the_trainers_count_matches_the_full_batch
     batch = collate(examples())
     labels = batch.pop("labels")
     fixed(model(**batch), labels).backward()
-    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    reference = gradients(model)
     runs = {}
     for label, function in (("original", original), ("fixed", fixed)):
 
@@ -311,20 +223,11 @@ def _rank(rank: int, port: int, fixture: str, out: str) -> None:
         GLOO_SOCKET_IFNAME="lo",  # meet on loopback, whatever the host name resolves to
     )
     capture = GradientsAtStep()
-    args = TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=MICRO,
-        gradient_accumulation_steps=EXAMPLES // (2 * MICRO),
-        max_steps=1,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
+    args = arguments(
+        out,
+        EXAMPLES // (2 * MICRO),
         ddp_backend="gloo",
         ddp_timeout=TWO_PROCESS_LIMIT,
-        disable_tqdm=True,
-        remove_unused_columns=False,
         average_tokens_across_devices=True,
     )
     cls = trainer_class(Path(fixture), "ResponseOnlyTrainer")
@@ -345,7 +248,7 @@ def _rank(rank: int, port: int, fixture: str, out: str) -> None:
 EXIT_GRACE = 30  # seconds the ranks get to leave once rank 0 has saved the gradients
 
 
-def two_process_gradients(fixture: Path, out: Path) -> dict[str, torch.Tensor]:
+def two_process_gradients(fixture: Path, out: Path) -> list[torch.Tensor]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -1,0 +1,225 @@
+"""Trainer replay (GA004): a transformers `Trainer` subclass of the user's file, as written and
+as `gaaudit fix` rewrote it, trained by a real Trainer for one optimizer step on a tiny GPT-2
+(a language model, else a 3-class sequence classifier) over K micro-batches of prompt-masked
+examples of varied length. Its gradient when the optimizer steps is compared with one
+backward of the class's own `compute_loss` over the same examples as one batch."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import tempfile
+import warnings
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    Seq2SeqTrainingArguments,
+    Trainer,
+    TrainerCallback,
+)
+
+from gaaudit.harness.gradcheck import TOLERANCE, bug_threshold, relative_error
+
+MICRO = 2  # examples per micro-batch
+
+
+class GradientsAtStep(TrainerCallback):
+    """Copies every gradient when the optimizer is about to step."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = [
+            p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for p in model.parameters()
+        ]
+
+
+def trainer_class(source: str, filename: str, name: str) -> type:
+    """Class (or function) `name` of `source`, defined with the file's imports that this
+    environment has and its module-level classes, functions and assignments; a trainer class
+    that cannot be imported (trl's `SFTTrainer`, say) stands for the transformers Trainer."""
+    namespace: dict = {"__name__": "__gaaudit_trainer__"}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            try:
+                exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
+            except Exception:  # noqa: BLE001 - a missing library: its trainers stand in
+                for alias in node.names:
+                    bound = alias.asname or alias.name.split(".")[0]
+                    if bound.endswith("Trainer"):
+                        namespace[bound] = Trainer
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.Assign)):
+            with contextlib.suppress(Exception):
+                exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
+    if not callable(namespace.get(name)):
+        raise TypeError(f"`{name}` could not be defined from the file")
+    return namespace[name]
+
+
+def tiny_model(classifier: bool = False) -> torch.nn.Module:
+    """A 2-layer GPT-2 from a config, dropout off, weights fixed by the seed."""
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        num_labels=3,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return GPT2ForSequenceClassification(config) if classifier else GPT2LMHeadModel(config)
+
+
+def examples(n: int, seed: int = 0, classifier: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Rows of different lengths: prompt and reply, the prompt masked out of the labels; or
+    one class label per row."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(6, 40, (1,), generator=generator))
+        prompt = int(torch.randint(2, length - 2, (1,), generator=generator))
+        input_ids = torch.randint(2, 64, (length,), generator=generator)
+        labels = input_ids.clone()
+        labels[:prompt] = -100
+        if classifier:
+            labels = torch.randint(0, 3, (), generator=generator)
+        rows.append({"input_ids": input_ids, "labels": labels})
+    return rows
+
+
+def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-padded to the longest row: pad id 0, attention mask 0, label -100."""
+    width = max(len(r["input_ids"]) for r in rows)
+    batch = {
+        "input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+        "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+        "labels": torch.full((len(rows), width), -100, dtype=torch.long),
+    }
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        batch["input_ids"][i, :n] = row["input_ids"]
+        batch["attention_mask"][i, :n] = 1
+        batch["labels"][i, :n] = row["labels"]
+    if rows[0]["labels"].dim() == 0:
+        batch["labels"] = torch.stack([r["labels"] for r in rows])
+    return batch
+
+
+def arguments(directory: str, k: int, device="cpu", **changes) -> Seq2SeqTrainingArguments:
+    """One optimizer step over k micro-batches, in order, writing nothing outside `directory`
+    (the Seq2Seq arguments serve a `Seq2SeqTrainer` subclass too); `changes` override."""
+    settings = {
+        "output_dir": directory,
+        "per_device_train_batch_size": MICRO,
+        "gradient_accumulation_steps": k,
+        "max_steps": 1,
+        "learning_rate": 1e-3,
+        "max_grad_norm": 0.0,
+        "train_sampling_strategy": "sequential",
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": torch.device(device).type == "cpu",
+        "disable_tqdm": True,
+        "remove_unused_columns": False,
+    }
+    return Seq2SeqTrainingArguments(**{**settings, **changes})
+
+
+def _step(cls: type, k: int, seed: int, classifier: bool, device) -> list[torch.Tensor]:
+    """The gradient when the Trainer's optimizer first steps, after k micro-batches."""
+    capture = GradientsAtStep()
+    with tempfile.TemporaryDirectory() as directory:
+        trainer = cls(
+            model=tiny_model(classifier),
+            args=arguments(directory, k, device),
+            train_dataset=examples(k * MICRO, seed, classifier),
+            data_collator=collate,
+            callbacks=[capture],
+        )
+        trainer.train()
+    if capture.grads is None:
+        raise RuntimeError("the Trainer's optimizer never stepped")
+    return capture.grads
+
+
+def _full_batch(cls: type, k: int, seed: int, classifier: bool, device) -> list[torch.Tensor]:
+    """One backward of the class's `compute_loss` over all k micro-batches as one batch."""
+    with tempfile.TemporaryDirectory() as directory:
+        model = tiny_model(classifier).to(device)
+        trainer = cls(model=model, args=arguments(directory, k, device))
+        batch = {
+            key: value.to(device)
+            for key, value in collate(examples(k * MICRO, seed, classifier)).items()
+        }
+        trainer.compute_loss(model, batch).backward()
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def _error(cls: type, reference: type, k: int, seed: int, device) -> float:
+    """The relative gradient error of `cls` against `reference`'s full-batch loss, on the
+    language model, else on the classifier."""
+    failure = None
+    for classifier in (False, True):
+        try:
+            want = _full_batch(reference, k, seed, classifier, device)
+            got = _step(cls, k, seed, classifier, device)
+        except Exception as exc:  # noqa: BLE001 - reported when neither model runs
+            failure = failure or exc
+            continue
+        return relative_error(got, want)
+    raise failure
+
+
+def compare(
+    original: str, patched: str | None, filename: str, name: str, k: int, seed: int, device
+) -> dict:
+    """The row of one Trainer subclass for one K: each version's error against the original
+    class's loss over the full batch, with its verdict (`original_verdict`; `verdict` is the
+    patched version's, else the original's)."""
+    row: dict = {"k": k, "original_error": None, "patched_error": None}
+    output = io.StringIO()
+    with (
+        contextlib.redirect_stdout(output),
+        contextlib.redirect_stderr(output),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        try:
+            reference = trainer_class(original, filename, name)
+        except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
+            row["original_verdict"] = row["verdict"] = _failed(exc)
+            return row
+        versions = [("original", original)] + ([("patched", patched)] if patched else [])
+        for version, source in versions:
+            try:
+                cls = trainer_class(source, filename, name)
+                error = row[f"{version}_error"] = _error(cls, reference, k, seed, device)
+                row[f"{version}_verdict"] = _judged(error)
+            except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
+                row[f"{version}_verdict"] = _failed(exc)
+    row["verdict"] = row.pop("patched_verdict", row["original_verdict"])
+    return row
+
+
+def _failed(exc: BaseException) -> str:
+    return f"not replayable: {type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def _judged(error: float) -> str:
+    if error < TOLERANCE[torch.float32]:
+        return "verified"
+    if error > bug_threshold(torch.float32):
+        return "bug reproduced"
+    return f"inconclusive: error {error:.1e} is within numerical noise"
