@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,26 @@ from gaaudit.cli import app
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 DATA = Path(__file__).resolve().parent / "data"
+
+
+@cache
+def cuda_devices() -> int:
+    """The CUDA devices of this machine (0 without torch or a GPU)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+def devices(needed: int = 1) -> list:
+    """`cpu`, and `cuda` where `needed` CUDA devices are present (else skipped, saying so):
+    the harness's GPU paths run wherever a GPU is lent."""
+    reason = f"needs {needed} CUDA device(s); this machine has {cuda_devices()}"
+    return [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(cuda_devices() < needed, reason=reason)),
+    ]
 
 
 def fixture_scripts() -> list[Path]:

@@ -7,7 +7,8 @@ import json
 import textwrap
 from dataclasses import asdict
 
-from conftest import FIXTURES, gaaudit
+import pytest
+from conftest import FIXTURES, devices, gaaudit
 
 from gaaudit.verify import REPRODUCED, VERIFIED, Options, _replay_all, targets
 
@@ -39,7 +40,9 @@ def train(model, loader, optimizer, accumulation_steps):
 """
 
 
-def test_ddp_fixtures_are_proven_on_two_gloo_processes(tmp_path):
+@pytest.mark.parametrize("device", devices(2))
+def test_ddp_fixtures_are_proven_on_two_processes(tmp_path, device):
+    """gloo on CPU; NCCL with one GPU per process on CUDA."""
     never_syncs = tmp_path / "never_syncs.py"
     never_syncs.write_text(textwrap.dedent(NEVER_SYNCS))
     paths = [*DDP_FIXTURES, never_syncs]
@@ -50,7 +53,7 @@ def test_ddp_fixtures_are_proven_on_two_gloo_processes(tmp_path):
         "-k",
         "2,4",
         "--device",
-        "cpu",
+        device,
         "--format",
         "json",
         *map(str, paths),

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, expected, gaaudit
+from conftest import FIXTURES, devices, expected, gaaudit
 
 ORIGINALS = sorted(
     p.with_name(p.name.removesuffix(".fixed.py") + ".py") for p in FIXTURES.glob("*.fixed.py")
@@ -117,11 +117,11 @@ NOT_REPLAYABLE = {
 }
 
 
-@pytest.fixture(scope="module")
-def loops() -> dict[str, list[dict]]:
+@pytest.fixture(scope="module", params=devices())
+def loops(request) -> dict[str, list[dict]]:
     """Each fixture's per-loop outcomes from one `gaaudit verify --format json` run."""
     paths = map(str, ORIGINALS)
-    result = gaaudit("verify", *paths, "-k", "4", "--device", "cpu", "--format", "json")
+    result = gaaudit("verify", *paths, "-k", "4", "--device", request.param, "--format", "json")
     assert result.returncode == 1, result.stdout + result.stderr  # the unsafe fixes fail
     assert "Traceback" not in result.stderr
     return {Path(f["path"]).stem: f["loops"] for f in json.loads(result.stdout)}
@@ -184,12 +184,13 @@ def test_the_table_says_what_it_measures_and_what_was_not_fixed():
     assert result.stdout.count("the patched loop's first window") == 0
 
 
-def test_correct_trainer_subclasses_match_the_full_batch():
+@pytest.mark.parametrize("device", devices())
+def test_correct_trainer_subclasses_match_the_full_batch(device):
     """Trainer subclasses without a finding (issue 18, items 1 and 5) are trained by a real
     Trainer, as they are, and match one full-batch step."""
     names = ("ok_trainer_num_items_used", "ok_trainer_accepts_loss_kwargs_false")
     paths = [str(FIXTURES / f"{name}.py") for name in names]
-    result = gaaudit("verify", *paths, "-k", "4", "--device", "cpu", "--format", "json")
+    result = gaaudit("verify", *paths, "-k", "4", "--device", device, "--format", "json")
     assert result.returncode == 0, result.stdout + result.stderr
     files = json.loads(result.stdout)
     loops = [loop for f in files for loop in f["loops"]]
