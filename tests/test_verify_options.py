@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gaaudit
+from conftest import devices, gaaudit
 from torch import nn
 
 from gaaudit.config import ConfigError, VerifySettings, load
@@ -378,7 +378,8 @@ def classifier():
 """
 
 
-def test_data_factory_replays_a_loop_over_batches_of_the_users_own(tmp_path):
+@pytest.mark.parametrize("device", devices())
+def test_data_factory_replays_a_loop_over_batches_of_the_users_own(tmp_path, device):
     """A loop that unpacks three values (issue 18, item 3): the harness's batches do not fit,
     the user's do; the reference is the loop on the whole window as one micro-batch."""
     root = project(tmp_path / "proj", {"batches.py": TRIPLES, "train.py": MASKED_TRIPLES})
@@ -389,7 +390,7 @@ def test_data_factory_replays_a_loop_over_batches_of_the_users_own(tmp_path):
         "-k",
         "2,4",
         "--device",
-        "cpu",
+        device,
         "--format",
         "json",
         *options,
