@@ -135,19 +135,21 @@ def _project_root(path: Path) -> Path:
 
 
 def targets(
-    original: bytes, patched: bytes, line: int | None = None, directory: Path = Path(".")
+    original: bytes, patched: bytes, line: int | None = None, path: Path = Path("train.py")
 ) -> list[Target]:
     """The statements holding the file's accumulation windows: those with findings (all
-    confidences), then those without, replayed to show that they match; `directory` holds
-    the file, for helpers imported from its sibling modules."""
+    confidences), then those without, replayed to show that they match. `path` names the
+    file in its repository, for helpers imported from its sibling modules and the losses
+    its callers there hand it, as `check` reads them."""
     from gaaudit.checks.accumulation import Auditor
     from gaaudit.checks.windows import Windows
+    from gaaudit.repository import Imports
     from gaaudit.tree import Tree, code
 
     tree = Tree(parse(original), original)
     patched_lines = patched.decode("utf-8", "replace").splitlines()
     found: dict[int, Target] = {}
-    auditor = Auditor(tree, directory=directory)
+    auditor = Auditor(tree, imports=Imports(tree, path.parent, name=path.name))
     windows = [
         (site.window, site.backward.call or site.node, site.origin.divisions, True)
         for site in auditor.sites()
@@ -272,7 +274,7 @@ def verify_pairs(
     """verify_pair for several (path, original, patched, line) in one child process, bounded by
     `options.timeout` for each file that has loops to replay."""
     planned = [
-        targets(original, patched, line, path.parent) for path, original, patched, line in pairs
+        targets(original, patched, line, path) for path, original, patched, line in pairs
     ]
     jobs = [
         {

@@ -204,5 +204,5 @@ def test_check_fix_and_verify_do_not_generate_the_whole_module(monkeypatch) -> N
     assert report.error is None and report.findings
     fixed = fix_source(fixture.read_bytes(), fixture, LOW, unsafe=True)
     assert fixed.after == (ROOT / "fixtures" / "ga001_hf_mlm_bert.fixed.py").read_bytes()
-    found = targets(fixture.read_bytes(), fixed.after, directory=fixture.parent)
+    found = targets(fixture.read_bytes(), fixed.after, path=fixture)
     assert found and all(target.line for target in found)
