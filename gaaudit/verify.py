@@ -273,9 +273,8 @@ def verify_pairs(
 ) -> list[list[Outcome]]:
     """verify_pair for several (path, original, patched, line) in one child process, bounded by
     `options.timeout` for each file that has loops to replay."""
-    planned = [
-        targets(original, patched, line, path) for path, original, patched, line in pairs
-    ]
+    planned = [targets(original, patched, line, path) for path, original, patched, line in pairs]
+    shown = sys.stderr.isatty()  # the child says on the terminal which loop it replays
     jobs = [
         {
             "original": original.decode("utf-8", "replace"),
@@ -283,6 +282,7 @@ def verify_pairs(
             "targets": [asdict(t) for t in found],
             "options": asdict(options),
             "filename": str(path),
+            "progress": shown,
         }
         for (path, original, patched, _), found in zip(pairs, planned)
         if found
@@ -294,7 +294,8 @@ def verify_pairs(
         child = subprocess.run(
             [sys.executable, "-m", "gaaudit.verify"],
             input=json.dumps(jobs),
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=None if shown else subprocess.PIPE,
             text=True,
             timeout=timeout,
             check=False,
@@ -305,7 +306,11 @@ def verify_pairs(
             for found in planned
         ]
     if child.returncode != 0:
-        last = (child.stderr.strip().splitlines() or ["no output"])[-1]
+        last = (
+            (child.stderr.strip().splitlines() or ["no output"])[-1]
+            if child.stderr is not None
+            else "its error is above"
+        )
         return [
             [_failed(t, f"not replayable: the replay process failed ({last})") for t in found]
             for found in planned
@@ -344,7 +349,10 @@ def _replay_all(jobs: list[dict]) -> list[list[dict]]:
         user_data(data),
         _ranks(options, factory) as ranks,
     ):
-        return [_replay_targets(job, options, ranks) for job in jobs]
+        outcomes = [_replay_targets(job, options, ranks) for job in jobs]
+    if jobs[0].get("progress"):
+        _progress("")
+    return outcomes
 
 
 @contextlib.contextmanager
@@ -371,10 +379,14 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
         outcome = Outcome(target.line, target.header, flagged=target.flagged)
         patched = target.flagged and fixed  # else the loop is replayed as it is
         if target.trainer:
+            if job.get("progress"):
+                _progress(f"training {job['filename']}:{target.line} with a real Trainer")
             outcome.rows = [_trainer_row(job, target, options, k, patched) for k in options.ks]
             outcomes.append(asdict(outcome))
             continue
         for k in options.ks:
+            if job.get("progress"):
+                _progress(f"replaying {job['filename']}:{target.line} with K = {k}")
             if patched and target.patched_line is None:
                 outcome.rows.append(
                     {
@@ -424,6 +436,11 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             )
         outcomes.append(asdict(outcome))
     return outcomes
+
+
+def _progress(text: str) -> None:
+    """One status line on the terminal, replaced by the next (cleared with an empty text)."""
+    print(f"\r\x1b[K{'gaaudit: ' + text if text else ''}", end="", file=sys.stderr, flush=True)
 
 
 def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: bool) -> dict:

@@ -7,7 +7,11 @@ the fixtures in one process, so torch is imported once."""
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -199,3 +203,33 @@ def test_correct_trainer_subclasses_match_the_full_batch(device):
         (row,) = loop["rows"]
         assert not loop["flagged"] and row["patched_error"] is None, loop
         assert loop["verdict"] == "verified" and row["original_error"] < 1e-5, loop
+
+
+def test_progress_is_shown_on_a_terminal_only():
+    """On a terminal (issue 18, item 6) the replay says which loop and K it is at, on one
+    line it clears at the end; piped, stderr holds no progress."""
+    fixture = str(FIXTURES / "ga001_hf_mlm_bert.py")
+    leader, follower = pty.openpty()
+    with subprocess.Popen(
+        [sys.executable, "-m", "gaaudit", "verify", fixture, "-k", "2", "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=follower,
+    ) as child:
+        os.close(follower)
+        shown = b""
+        while chunk := _read(leader):
+            shown += chunk
+        child.wait(timeout=600)
+    os.close(leader)
+    assert child.returncode == 0
+    assert f"gaaudit: replaying {fixture}:75 with K = 2".encode() in shown
+    assert shown.endswith(b"\r\x1b[K")
+    piped = gaaudit("verify", fixture, "-k", "2", "--device", "cpu")
+    assert piped.returncode == 0 and "replaying" not in piped.stderr
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # the child closed the terminal
+        return b""
