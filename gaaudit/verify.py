@@ -251,14 +251,24 @@ def verify_files(requests: list[tuple[Path, int | None]], options: Options) -> l
     unsafe fixes too) would make of it, replayed in one child process (torch imported once)."""
     from gaaudit.fixer import fix_source
 
-    pairs = []
+    pairs, companions = [], []
     for path, line in requests:
         original = read(path).data
-        patched = fix_source(
-            original, path, Settings(min_confidence=Confidence.LOW), unsafe=True
-        ).after
-        pairs.append((path, original, patched, line))
-    return verify_pairs(pairs, options)
+        fixed = fix_source(
+            original, path, Settings(min_confidence=Confidence.LOW), unsafe=True, reach=True
+        )
+        # a fix that also changes another module cannot be replayed: the replay imports that
+        # module as it is on disk
+        companions.append([c.path for c in fixed.companions])
+        pairs.append((path, original, original if fixed.companions else fixed.after, line))
+    results = verify_pairs(pairs, options)
+    for outcomes, changed in zip(results, companions):
+        for row in (row for o in outcomes if o.flagged and changed for row in o.rows):
+            row["verdict"] = (
+                f"not replayable: the fix also changes {', '.join(changed)}, which the replay "
+                "does not patch; apply it with `gaaudit fix`, then verify the fixed file"
+            )
+    return results
 
 
 def verify_pair(
