@@ -42,8 +42,8 @@ class GradientsAtStep(TrainerCallback):
 
 def trainer_class(source: str, filename: str, name: str) -> type:
     """Class (or function) `name` of `source`, defined with the file's imports that this
-    environment has and its module-level classes, functions and assignments; a trainer class
-    that cannot be imported (trl's `SFTTrainer`, say) stands for the transformers Trainer."""
+    environment has and its module-level classes, functions and literal constants; a trainer
+    class that cannot be imported (trl's `SFTTrainer`, say) stands for the Trainer."""
     namespace: dict = {"__name__": "__gaaudit_trainer__"}
     for node in ast.parse(source).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -54,12 +54,24 @@ def trainer_class(source: str, filename: str, name: str) -> type:
                     bound = alias.asname or alias.name.split(".")[0]
                     if bound.endswith("Trainer"):
                         namespace[bound] = Trainer
-        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.Assign)):
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef)) or _constant(node):
             with contextlib.suppress(Exception):
                 exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
     if not callable(namespace.get(name)):
         raise TypeError(f"`{name}` could not be defined from the file")
     return namespace[name]
+
+
+def _constant(node: ast.stmt) -> bool:
+    """`IGNORE_INDEX = -100`: a module-level literal a method may read (nothing else of the
+    module runs: no model or data is loaded)."""
+    if not isinstance(node, ast.Assign):
+        return False
+    try:
+        ast.literal_eval(node.value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
 
 
 def tiny_model(classifier: bool = False) -> torch.nn.Module:
