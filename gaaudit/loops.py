@@ -108,6 +108,7 @@ class Structure:
         self.names = ACCUMULATION_NAMES | accumulation_names
         self.directory = directory  # where config files named in the source are looked up
         self.seen = seen if seen is not None else set()  # the config files read
+        self._windows: dict[Backward, Window | None] = {}  # each backward's, found once
 
     @cached_property
     def _helpers(self) -> tuple[dict[str, int], set[str]]:
@@ -182,7 +183,13 @@ class Structure:
         ]
 
     def window(self, backward: Backward) -> Window | None:
-        """The accumulation window a backward call belongs to, if the code shows one."""
+        """The accumulation window a backward call belongs to, if the code shows one (the
+        accumulation rules, GA007 and verify each ask)."""
+        if backward not in self._windows:
+            self._windows[backward] = self._window(backward)
+        return self._windows[backward]
+
+    def _window(self, backward: Backward) -> Window | None:
         if self._deepspeed_engine(backward) and self.deepspeed_accumulation():
             return Window("framework", None, None, backward.call, ())
         flag = self.stepping_callable(backward.call) if backward.call is not None else None
