@@ -44,7 +44,9 @@ def fix_source(
     if any(code == "GA007" for code, _, _ in reported):
         edits, outcomes = _window_fixes(context, reported, edits, outcomes)
     touched = [node for node in edits.replace]
-    auditor = Auditor(tree, settings.accumulation_names, path.parent, context.imports)
+    auditor = Auditor(
+        tree, settings.accumulation_names, path.parent, context.imports, context.structure
+    )
     sites = [site for site in auditor.sites() if (site.code, *_start(tree, site.node)) in reported]
     covered = [s for s in sites if any(tree.contains(node, s.node) for node in touched)]
     outcomes += [Outcome(s, *_start(tree, s.node), True, COVERED) for s in covered]

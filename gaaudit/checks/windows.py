@@ -83,13 +83,14 @@ class Windows:
             return None
         origin, confidence = started
         conjunct = self._conjunct(test, modulo.left.value)
+        shown = code(modulo)
         others = tuple(
             node
             for node in self.tree.walk(loop)
             if node is not modulo
             and isinstance(node, cst.BinaryOperation)
             and isinstance(node.operator, cst.Modulo)
-            and code(node) == code(modulo)
+            and code(node) == shown
             and _is_zero_test(self.tree.parents.get(node), node)
             and self.tree.order[node] > self.tree.order[backward]
         )
