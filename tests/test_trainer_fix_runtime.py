@@ -19,7 +19,7 @@ import torch
 from conftest import FIXTURES
 from transformers import Trainer
 
-from gaaudit.harness.gradcheck import relative_error
+from gaaudit.harness.gradcheck import relative_error, snapshot
 from gaaudit.harness.trainer import GradientsAtStep, arguments, collate, tiny_model
 from gaaudit.harness.trainer import examples as harness_examples
 from gaaudit.harness.trainer import trainer_class as harness_trainer_class
@@ -55,12 +55,6 @@ def train_one_step(
     return capture.grads
 
 
-def gradients(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [
-        p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
-    ]
-
-
 def full_batch_gradients(
     classifier: bool = False, loss_of: type | None = None, tmp_path: Path | None = None
 ) -> list[torch.Tensor]:
@@ -73,7 +67,7 @@ def full_batch_gradients(
     else:
         loss = loss_of(model=model, args=arguments(str(tmp_path), K)).compute_loss(model, batch)
     loss.backward()
-    return gradients(model)
+    return snapshot(model.parameters())
 
 
 def mean_over_k_gradients(cls: type, tmp_path: Path) -> list[torch.Tensor]:
@@ -84,7 +78,7 @@ def mean_over_k_gradients(cls: type, tmp_path: Path) -> list[torch.Tensor]:
     for start in range(0, EXAMPLES, MICRO):
         loss = trainer.compute_loss(model, collate(rows[start : start + MICRO]))
         (loss / K).backward()
-    return gradients(model)
+    return snapshot(model.parameters())
 
 
 @pytest.mark.parametrize(
@@ -162,7 +156,7 @@ def test_compute_loss_func_summed_over_the_trainers_count_matches_the_full_batch
     batch = collate(examples())
     labels = batch.pop("labels")
     fixed(model(**batch), labels).backward()
-    reference = gradients(model)
+    reference = snapshot(model.parameters())
     runs = {}
     for label, function in (("original", original), ("fixed", fixed)):
 

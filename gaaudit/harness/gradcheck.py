@@ -49,6 +49,19 @@ def bug_threshold(dtype: torch.dtype) -> float:
     return max(BUG_THRESHOLD, 2 * TOLERANCE[dtype])
 
 
+def judged(error: float, dtype: torch.dtype) -> str:
+    """`verified`, `bug reproduced` or `inconclusive: ...`, by the size of a relative gradient
+    error against one full-batch step."""
+    if error < TOLERANCE[dtype]:
+        return "verified"
+    if error > bug_threshold(dtype):
+        return "bug reproduced"
+    return (
+        f"inconclusive: error {error:.1e} is above the tolerance {TOLERANCE[dtype]:.0e} but "
+        "within numerical noise"
+    )
+
+
 @contextlib.contextmanager
 def deterministic(seed: int, device: torch.device) -> Iterator[None]:
     """Seed everything, force deterministic kernels and one CPU thread (reduction order then

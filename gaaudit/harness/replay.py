@@ -33,9 +33,9 @@ from gaaudit.harness.gradcheck import (
     RecordingOptimizer,
     StepReached,
     autocast,
-    bug_threshold,
     deterministic,
     full_batch_grads,
+    judged,
     relative_error,
     resolve_device,
     resolve_dtype,
@@ -213,7 +213,8 @@ class _Session:
                     None,
                     None,
                 )
-            return self._judged(check, relative_error(result.grads, whole.grads), None)
+            error = relative_error(result.grads, whole.grads)
+            return check(judged(error, self.dtype), error, None)
         k1_error = relative_error(whole.grads, self.reference(n)) if whole.ok else None
         if k1_error is None or (not exact and k1_error >= AGREEMENT[self.dtype]):
             detail = whole.reason or f"error {k1_error:.1e}"
@@ -228,20 +229,7 @@ class _Session:
             # the loop's own full batch (its model reads the padding, say): the micro-batches
             # are exact slices of it, so only the splitting is measured
             error = relative_error(result.grads, whole.grads)
-        return self._judged(check, error, k1_error)
-
-    def _judged(self, check, error: float, k1_error: float | None) -> Check:
-        """`verified`, `bug reproduced` or `inconclusive`, by the error's size."""
-        if error < self.tolerance:
-            return check("verified", error, k1_error)
-        if error > bug_threshold(self.dtype):
-            return check("bug reproduced", error, k1_error)
-        return check(
-            f"inconclusive: error {error:.1e} is above the tolerance "
-            f"{self.tolerance:.0e} but within numerical noise",
-            error,
-            k1_error,
-        )
+        return check(judged(error, self.dtype), error, k1_error)
 
 
 def _plan(source: str, line: int, divisor_names, model_kind, ignore_index) -> Plan | str:

@@ -22,7 +22,7 @@ from transformers import (
     TrainerCallback,
 )
 
-from gaaudit.harness.gradcheck import TOLERANCE, bug_threshold, relative_error
+from gaaudit.harness.gradcheck import judged, relative_error, snapshot
 
 MICRO = 2  # examples per micro-batch
 
@@ -34,10 +34,7 @@ class GradientsAtStep(TrainerCallback):
         self.grads: list[torch.Tensor] | None = None
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = [
-            p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-            for p in model.parameters()
-        ]
+        self.grads = snapshot(model.parameters())
 
 
 def trainer_class(source: str, filename: str, name: str) -> type:
@@ -176,7 +173,7 @@ def _full_batch(cls: type, k: int, seed: int, classifier: bool, device) -> list[
             for key, value in collate(examples(k * MICRO, seed, classifier)).items()
         }
         trainer.compute_loss(model, batch).backward()
-    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    return snapshot(model.parameters())
 
 
 def _error(cls: type, reference: type, k: int, seed: int, device) -> float:
@@ -218,7 +215,7 @@ def compare(
             try:
                 cls = trainer_class(source, filename, name)
                 error = row[f"{version}_error"] = _error(cls, reference, k, seed, device)
-                row[f"{version}_verdict"] = _judged(error)
+                row[f"{version}_verdict"] = judged(error, torch.float32)
             except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
                 row[f"{version}_verdict"] = _failed(exc)
     row["verdict"] = row.pop("patched_verdict", row["original_verdict"])
@@ -227,11 +224,3 @@ def compare(
 
 def _failed(exc: BaseException) -> str:
     return f"not replayable: {type(exc).__name__}: {exc}".splitlines()[0]
-
-
-def _judged(error: float) -> str:
-    if error < TOLERANCE[torch.float32]:
-        return "verified"
-    if error > bug_threshold(torch.float32):
-        return "bug reproduced"
-    return f"inconclusive: error {error:.1e} is within numerical noise"
