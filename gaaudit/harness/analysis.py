@@ -299,16 +299,10 @@ def _initial_values(
     }
     defaults = {}
     for function in enclosing:
-        args = function.args
-        positional = args.posonlyargs + args.args
-        pairs = [
-            *zip(positional[len(positional) - len(args.defaults) :], args.defaults),
-            *((a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None),
-        ]
-        for arg, default in pairs:
+        for name, default in _defaults(function.args):
             ok, value = literal(default)
-            if ok and (value is not None or arg.arg in guarded):  # else unknown: a stub
-                defaults[arg.arg] = value
+            if ok and (value is not None or name in guarded):  # else unknown: a stub
+                defaults[name] = value
     found = {
         name: value
         for name, value in {**defaults, **options, **constants(before)}.items()
@@ -320,6 +314,18 @@ def _initial_values(
         if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)
     }
     return {**dict.fromkeys(augmented & set(free), 0), **found}
+
+
+def _defaults(args: ast.arguments) -> list[tuple[str, ast.expr]]:
+    """The parameters that have a default, with it (positional, then keyword-only)."""
+    positional = args.posonlyargs + args.args
+    return [
+        *(
+            (a.arg, d)
+            for a, d in zip(positional[len(positional) - len(args.defaults) :], args.defaults)
+        ),
+        *((a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None),
+    ]
 
 
 def _imports(tree: ast.Module, target: ast.stmt) -> list[ast.stmt]:
@@ -598,8 +604,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         args = target.args
         positional = args.posonlyargs + args.args
         params = [a.arg for a in positional + args.kwonlyargs]
-        optional = {a.arg for a in positional[len(positional) - len(args.defaults) :]}
-        optional |= {a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None}
+        optional = {name for name, _ in _defaults(args)}
     owner = enclosing_owner(tree, target)
     base = framework_base(tree, owner) if owner else None
     if base:
