@@ -40,7 +40,7 @@ def patched_source() -> str:
     """ORIGINAL as `gaaudit fix --unsafe-fixes --min-confidence low` rewrites it."""
     from gaaudit.config import Settings
     from gaaudit.findings import Confidence
-    from gaaudit.fixer import fix_source
+    from gaaudit.fixes.fixer import fix_source
 
     result = fix_source(
         ORIGINAL.encode(), Path("loop.py"), Settings(min_confidence=Confidence.LOW), True

@@ -41,7 +41,7 @@ def plain_check(arguments: list[str]):
             paths.append(argument)
     from pathlib import Path
 
-    from gaaudit.checking import CheckOptions
+    from gaaudit.commands.check import CheckOptions
 
     return CheckOptions(paths=tuple(map(Path, paths)), **flags)
 
@@ -53,7 +53,13 @@ def main() -> None:
 
         command_line()
         return
-    from gaaudit.checking import EXIT_ERROR, EXIT_FINDINGS, EXIT_INTERRUPTED, UsageError, check
+    from gaaudit.commands.check import (
+        EXIT_ERROR,
+        EXIT_FINDINGS,
+        EXIT_INTERRUPTED,
+        UsageError,
+        check,
+    )
 
     try:
         code = check(options)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from gaaudit import __version__
-from gaaudit.checking import (
+from gaaudit.commands.check import (
     EXIT_CLEAN,
     EXIT_ERROR,
     EXIT_FINDINGS,
@@ -167,7 +167,7 @@ def check(
 ) -> None:
     """Report gradient-accumulation loss bugs in the files and folders PATH (default: .;
     `-` reads one file from standard input). Exit 0: none, 1: findings, 2: errors."""
-    from gaaudit.checking import check as run_check
+    from gaaudit.commands.check import check as run_check
 
     _run(
         run_check,
@@ -218,8 +218,8 @@ def fix(
     """Rewrite findings in the files and folders PATH (default: .) to sum-and-count; `fix -`
     prints standard input, fixed. Exit 0: no finding remains, 1: findings remain (with
     --diff: or something would change), 2: errors."""
-    from gaaudit.fixing import FixOptions
-    from gaaudit.fixing import fix as run_fix
+    from gaaudit.commands.fix import FixOptions
+    from gaaudit.commands.fix import fix as run_fix
 
     _run(
         run_fix,
@@ -332,7 +332,7 @@ def verify(
     [tool.gaaudit.verify] in pyproject.toml."""
     from importlib.util import find_spec
 
-    from gaaudit import verify as verifying
+    from gaaudit.commands import verify as verifying
     from gaaudit.config import DEVICES, VERIFY_DTYPES, ConfigError
 
     missing = [name for name in ("torch", "transformers", "accelerate") if find_spec(name) is None]
@@ -410,7 +410,7 @@ def init(
     """Write a commented [tool.gaaudit] block and a .pre-commit-config.yaml entry in
     DIRECTORY, the project root (default: .). Exit 1 when either already existed and was
     left unchanged."""
-    from gaaudit.setup import write_config
+    from gaaudit.commands.init import write_config
 
     refused = False
     for line, done in write_config(directory):

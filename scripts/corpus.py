@@ -24,11 +24,11 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gaaudit.checks.engine import check_file
 from gaaudit.config import Settings
-from gaaudit.engine import check_file
+from gaaudit.discover.source import SourceError
 from gaaudit.findings import Confidence
-from gaaudit.fixer import fix_source
-from gaaudit.source import SourceError
+from gaaudit.fixes.fixer import fix_source
 
 SETTINGS = Settings(min_confidence=Confidence.LOW)
 INTERNAL = "internal error"  # how gaaudit words a bug it caught

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, gaaudit
 
-from gaaudit import cache, engine
-from gaaudit.checking import CheckOptions, check
+from gaaudit import cache
+from gaaudit.checks import engine
+from gaaudit.commands.check import CheckOptions, check
 from gaaudit.config import Settings
 
 BUGGY = FIXTURES / "ga001_hf_clm_sft_no_trainer.py"

@@ -11,9 +11,9 @@ import pytest
 from conftest import FIXTURES, expected, fixture_scripts, gaaudit
 
 from gaaudit import catalogue
+from gaaudit.checks.engine import check_file
 from gaaudit.config import DEFAULT_EXCLUDE, Settings
-from gaaudit.discovery import Excluded
-from gaaudit.engine import check_file
+from gaaudit.discover.files import Excluded
 from gaaudit.findings import Confidence
 
 ALL = Settings(min_confidence=Confidence.LOW)

@@ -67,7 +67,7 @@ def test_help_lists_every_command():
 def test_diff_is_coloured_only_for_a_terminal(tmp_path, monkeypatch, cli):
     from conftest import FIXTURES
 
-    from gaaudit import fixing as module
+    from gaaudit.commands import fix as module
 
     (tmp_path / "train.py").write_bytes((FIXTURES / "ga002_hf_clm_no_division.py").read_bytes())
     plain = cli("fix", ".", "--diff", cwd=tmp_path).stdout

@@ -3,6 +3,7 @@ excludes anchored at the configuration, exit codes, stdin, what was not shown, h
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -293,3 +294,28 @@ def test_every_option_the_readme_names_exists():
     helps = "\n".join(gaaudit(*c, "-h").stdout for c in [[], *([c] for c in COMMANDS)])
     offered = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", helps))
     assert named <= offered, sorted(named - offered)
+
+
+# The stages of docs/architecture.md, in the order a file flows through them.
+STAGES = ("discover", "analysis", "checks", "fixes", "output", "harness", "commands")
+SHARED = {"findings", "config", "catalogue", "cache", "vocabulary"}
+
+
+def test_the_package_is_laid_out_by_stage_and_imports_run_one_way():
+    package = ROOT / "gaaudit"
+    top = {p.stem for p in package.glob("*.py")} - {"__init__", "__main__", "cli"}
+    assert top <= SHARED, sorted(top - SHARED)
+    assert {p.name for p in package.iterdir() if (p / "__init__.py").exists()} == set(STAGES)
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).parts
+        stage = parts[0] if len(parts) > 1 else path.stem
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gaaudit")):
+                continue
+            modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            imported = {m.split(".")[1] for m in modules if m.count(".") >= 1} & set(STAGES)
+            if stage in SHARED:  # values every stage reads: they import no stage
+                assert not imported, f"{path.relative_to(ROOT)}:{node.lineno} imports {imported}"
+            elif stage in STAGES:
+                later = {s for s in imported if STAGES.index(s) > STAGES.index(stage)}
+                assert not later, f"{path.relative_to(ROOT)}:{node.lineno} imports {later}"

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, gaaudit
 
-from gaaudit.checks import Context, run
+from gaaudit.analysis.tree import Tree
+from gaaudit.checks.context import Context, run
+from gaaudit.checks.engine import check_file
 from gaaudit.config import Settings
-from gaaudit.engine import check_file
+from gaaudit.discover.modules import Dependency, configured_target, current, file_digest
+from gaaudit.discover.source import parse
 from gaaudit.findings import Confidence
-from gaaudit.fixer import fix_source
-from gaaudit.modules import Dependency, configured_target, current, file_digest
-from gaaudit.source import parse
-from gaaudit.tree import Tree
+from gaaudit.fixes.fixer import fix_source
 from gaaudit.vocabulary import window_guards
 
 ALL = Settings(min_confidence=Confidence.LOW)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, fixture_scripts
 
-from gaaudit.evidence import FIXED, MASKED, PADDED, SUPPRESSION, Evidence, scan
+from gaaudit.analysis.evidence import FIXED, MASKED, PADDED, SUPPRESSION, Evidence, scan
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = {tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT}

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, expected, fixture_scripts
 
-from gaaudit import catalogue, codemod
+from gaaudit import catalogue
+from gaaudit.checks.engine import check_file
 from gaaudit.config import Settings
-from gaaudit.engine import check_file
 from gaaudit.findings import Confidence
-from gaaudit.fixer import fix_source
-from gaaudit.fixes import DIVIDE_NOTE, WEIGHT_NOTE
+from gaaudit.fixes import codemod
+from gaaudit.fixes.accumulation import DIVIDE_NOTE, WEIGHT_NOTE
+from gaaudit.fixes.fixer import fix_source
 
 ALL = Settings(min_confidence=Confidence.LOW)
 PAIRS = sorted(FIXTURES.glob("*.fixed.py"))

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, ROOT
 
+from gaaudit.checks.engine import check_file
 from gaaudit.config import Settings
-from gaaudit.engine import check_file
 from gaaudit.findings import Confidence
-from gaaudit.fixer import fix_source
-from gaaudit.fixes_trainer import STOCK_DIVIDES
+from gaaudit.fixes.fixer import fix_source
+from gaaudit.fixes.trainer import STOCK_DIVIDES
 
 ALL = Settings(min_confidence=Confidence.LOW)
 

@@ -10,9 +10,9 @@ from conftest import FIXTURES
 from packaging.specifiers import SpecifierSet
 
 from gaaudit import catalogue
+from gaaudit.checks.engine import check_file
 from gaaudit.checks.versions import Pin, bad_pin, check_repository, verdict
 from gaaudit.config import Settings
-from gaaudit.engine import check_file
 from gaaudit.findings import Confidence
 
 ALL = Settings(min_confidence=Confidence.LOW)

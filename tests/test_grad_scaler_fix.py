@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from gaaudit.config import Settings
-from gaaudit.fixer import fix_source
+from gaaudit.fixes.fixer import fix_source
 
 LOOP = textwrap.dedent(
     """\

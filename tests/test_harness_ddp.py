@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pytest
 from conftest import FIXTURES, devices, gaaudit
 
-from gaaudit.verify import REPRODUCED, VERIFIED, Options, _replay_all, targets
+from gaaudit.commands.verify import REPRODUCED, VERIFIED, Options, _replay_all, targets
 
 # Every fixture that trains under DistributedDataParallel is replayed on two processes.
 DDP_FIXTURES = sorted(

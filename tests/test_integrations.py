@@ -207,7 +207,7 @@ def test_pre_commit_check_hook_runs_when_a_requirements_file_changes(try_repo, t
 def test_init_writes_a_local_hook_that_pre_commit_runs(tmp_path):
     """`gaaudit init`'s configuration works before any release: it runs the gaaudit
     installed beside the project (this test's interpreter's)."""
-    from gaaudit.setup import HOOK_FILES
+    from gaaudit.commands.init import HOOK_FILES
 
     repository = git_repository(tmp_path / "repo", {"train.py": BUGGY, "eval.py": CLEAN})
     assert gaaudit("init", ".", cwd=repository).returncode == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import fixture_scripts
 
-from gaaudit.lexical import any_in_code
+from gaaudit.discover.lexical import any_in_code
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_CODE = {tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", -1)}

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import FIXTURES, gaaudit
 
-from gaaudit.notebook import load, rebuild
+from gaaudit.discover.notebook import load, rebuild
 
 SCRIPT = (FIXTURES / "ga002_hf_clm_no_division.py").read_text()
 

@@ -26,11 +26,11 @@ else:  # pragma: no cover
 import gaaudit.output
 from gaaudit import catalogue
 from gaaudit.config import Settings
+from gaaudit.discover.source import decode
 from gaaudit.findings import Confidence, FileError, FileReport, Finding, Span
-from gaaudit.fixer import fix_source
+from gaaudit.fixes.fixer import fix_source
 from gaaudit.output import CheckRun, write
 from gaaudit.output.sarif_fixes import SuggestedFix, replacements
-from gaaudit.source import decode
 
 REPO = Path(__file__).resolve().parents[1]
 FIXABLE = {"GA001", "GA002", "GA003", "GA004", "GA005", "GA007"}
@@ -501,7 +501,7 @@ def test_only_sarif_and_the_text_summary_run_the_fixer(options, runs):
         "    app(['check', *sys.argv[1:], '-o', os.devnull])\n"
         "except SystemExit:\n"
         "    pass\n"
-        "print('gaaudit.fixer' in sys.modules)\n"
+        "print('gaaudit.fixes.fixer' in sys.modules)\n"
     )
     target = REPO / "fixtures" / "ga001_hf_mlm_bert.py"
     run = subprocess.run(

@@ -17,8 +17,8 @@ import typer.main
 from conftest import FIXTURES
 
 from gaaudit.__main__ import FLAGS, plain_check
-from gaaudit.checking import CheckOptions
 from gaaudit.cli import app
+from gaaudit.commands.check import CheckOptions
 
 
 def check_command():

@@ -8,15 +8,15 @@ import libcst as cst
 import pytest
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from gaaudit.analysis.tree import TRIVIA, Tree
 from gaaudit.catalogue import load
+from gaaudit.checks.engine import check_file
+from gaaudit.commands.verify import targets
 from gaaudit.config import Settings
-from gaaudit.engine import check_file
+from gaaudit.discover.focus import focus
+from gaaudit.discover.source import TRIGGERS, parse
 from gaaudit.findings import Confidence, Span
-from gaaudit.fixer import fix_source
-from gaaudit.focus import focus
-from gaaudit.source import TRIGGERS, parse
-from gaaudit.tree import TRIVIA, Tree
-from gaaudit.verify import targets
+from gaaudit.fixes.fixer import fix_source
 
 LOW = Settings(min_confidence=Confidence.LOW)
 ROOT = Path(__file__).resolve().parent.parent

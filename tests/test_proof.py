@@ -9,7 +9,7 @@ import json
 
 from conftest import FIXTURES, gaaudit
 
-from gaaudit.verify import VERIFIED
+from gaaudit.commands.verify import VERIFIED
 
 LOOP = "for step, (x, y) in enumerate(tqdm(loader, leave=False)):"
 UNREPLAYABLE = "the loop unpacks 3 values from each batch"
@@ -116,7 +116,7 @@ def test_a_correct_loop_is_replayed_and_matches_the_full_batch():
 def test_a_loop_under_a_comment_is_found_by_its_own_first_line():
     """The header that finds a loop again in the patched file is the loop's own first line,
     not the comment above it (which found nothing: "the patched loop was not found")."""
-    from gaaudit.verify import targets
+    from gaaudit.commands.verify import targets
 
     script = (
         b"import torch.nn.functional as F\n\n"

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from gaaudit.checks.engine import check_file
 from gaaudit.config import Settings
-from gaaudit.engine import check_file
 from gaaudit.findings import Confidence
-from gaaudit.fixer import fix_source
+from gaaudit.fixes.fixer import fix_source
 
 ALL = Settings(min_confidence=Confidence.LOW)
 SOURCES = ("model", "model-inline", "cross-entropy", "criterion")

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, ROOT
 
-from gaaudit import codemod, fixer
-from gaaudit.codemod import WriteError, write_atomic
 from gaaudit.config import Settings
-from gaaudit.fixer import fix_source
-from gaaudit.source import MAX_BYTES, SourceError, read
+from gaaudit.discover.source import MAX_BYTES, SourceError, read
+from gaaudit.fixes import codemod, fixer
+from gaaudit.fixes.codemod import WriteError, write_atomic
+from gaaudit.fixes.fixer import fix_source
 
 BUGGY = textwrap.dedent(
     """\

@@ -15,11 +15,11 @@ import pytest
 from conftest import FIXTURES, fixture_scripts
 
 from gaaudit import cache
+from gaaudit.checks.engine import audit, check_file, check_recorded
 from gaaudit.config import Settings
-from gaaudit.engine import audit, check_file, check_recorded
+from gaaudit.discover.screen import screen
+from gaaudit.discover.source import PROBES, TRIGGERS, Source, parse
 from gaaudit.findings import Confidence
-from gaaudit.screen import screen
-from gaaudit.source import PROBES, TRIGGERS, Source, parse
 
 SETTINGS = Settings(min_confidence=Confidence.LOW)
 HEAD = "import torch.nn.functional as F\n\n"

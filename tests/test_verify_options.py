@@ -13,10 +13,10 @@ import torch
 from conftest import devices, gaaudit
 from torch import nn
 
+from gaaudit.commands.verify import REPRODUCED, VERIFIED, options_for
 from gaaudit.config import ConfigError, VerifySettings, load
 from gaaudit.harness.factory import FactoryError, load_factory, user_model
 from gaaudit.harness.models import build_model, vocab_size
-from gaaudit.verify import REPRODUCED, VERIFIED, options_for
 
 TINY_LM = '''
 from pathlib import Path

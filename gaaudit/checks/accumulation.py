@@ -10,13 +10,13 @@ from typing import Literal
 import libcst as cst
 
 from gaaudit import catalogue
-from gaaudit.domain import Domains
-from gaaudit.evidence import Evidence
+from gaaudit.analysis.domain import Domains
+from gaaudit.analysis.evidence import Evidence
+from gaaudit.analysis.loops import Backward, Pipeline, Structure, Window
+from gaaudit.analysis.provenance import Division, Origin, Tracer, argument_for
+from gaaudit.analysis.repository import Imports
+from gaaudit.analysis.tree import Tree, code, depends_on, dotted, string_value
 from gaaudit.findings import Confidence, Finding
-from gaaudit.loops import Backward, Pipeline, Structure, Window
-from gaaudit.provenance import Division, Origin, Tracer, argument_for
-from gaaudit.repository import Imports
-from gaaudit.tree import Tree, code, depends_on, dotted, string_value
 
 SiteKind = Literal["loss-division", "gradient-division", "no-division", "framework-division"]
 CODES = {

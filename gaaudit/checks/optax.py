@@ -10,11 +10,10 @@ from functools import cached_property
 import libcst as cst
 
 from gaaudit import catalogue
-from gaaudit.domain import Domains
-from gaaudit.evidence import Evidence
-from gaaudit.findings import Confidence, Finding
-from gaaudit.provenance import MASKED_MEAN, Origin, Tracer
-from gaaudit.tree import (
+from gaaudit.analysis.domain import Domains
+from gaaudit.analysis.evidence import Evidence
+from gaaudit.analysis.provenance import MASKED_MEAN, Origin, Tracer
+from gaaudit.analysis.tree import (
     Tree,
     code,
     depends_on,
@@ -24,6 +23,7 @@ from gaaudit.tree import (
     positional,
     string_value,
 )
+from gaaudit.findings import Confidence, Finding
 from gaaudit.vocabulary import ACCUMULATION_NAMES
 
 CODE = "GA005"
@@ -206,7 +206,7 @@ class OptaxAudit:
                 isinstance(a.value, cst.Call) and takes_gradient(self.tree, a.value.func)
                 for a in node.args
             )
-            found = self.imports.averaging(node.func) if handed else None
+            found = self.imports.averaging(node.func, averaged_steps) if handed else None
             if found is not None:
                 where, divisor = found
                 yield Site(

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import libcst as cst
 
 from gaaudit import catalogue
-from gaaudit.domain import Domain, Domains
+from gaaudit.analysis.domain import Domain, Domains
+from gaaudit.analysis.provenance import PASS_THROUGH, Origin, Tracer
+from gaaudit.analysis.tree import Tree, code, dotted, keyword, last_name, positional, string_value
 from gaaudit.findings import Confidence, Finding
-from gaaudit.provenance import PASS_THROUGH, Origin, Tracer
-from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional, string_value
 from gaaudit.vocabulary import TRAINER_MODULES
 
 CODE = "GA004"

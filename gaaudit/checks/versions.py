@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gaaudit import catalogue
+from gaaudit.analysis.evidence import SUPPRESSION, scan
+from gaaudit.checks.engine import display_path
 from gaaudit.config import DEFAULT_EXCLUDE
-from gaaudit.discovery import Excluded
-from gaaudit.engine import display_path
-from gaaudit.evidence import SUPPRESSION, scan
+from gaaudit.discover.files import Excluded
 from gaaudit.findings import Confidence, FileReport, Finding, Span
 
 if TYPE_CHECKING:  # packaging is imported where pins are judged: most runs find none

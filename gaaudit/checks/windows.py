@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import libcst as cst
 
 from gaaudit import catalogue
+from gaaudit.analysis.loops import Structure, Window
+from gaaudit.analysis.tree import Tree, code, keyword, last_name, positional
 from gaaudit.findings import Confidence, Finding
-from gaaudit.loops import Structure, Window
-from gaaudit.tree import Tree, code, keyword, last_name, positional
 
 CODE = "GA007"
 

@@ -10,7 +10,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from gaaudit.domain import TASKS, TOKEN_TASKS
+from gaaudit.analysis.domain import TASKS, TOKEN_TASKS
 from gaaudit.harness.surroundings import (
     Chain,
     Derived,

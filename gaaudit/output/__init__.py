@@ -1,4 +1,7 @@
-"""Output formats: one module per format, each with `write(run, out)`."""
+"""Output: one module per format (text, json, sarif, github), each with `write(run, out)`.
+
+In: a `CheckRun` (the reports of one check, and how to show them). Out: text on a stream.
+"""
 
 from __future__ import annotations
 

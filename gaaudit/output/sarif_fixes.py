@@ -19,12 +19,12 @@ from itertools import accumulate
 from pathlib import Path
 
 from gaaudit import catalogue
-from gaaudit.codemod import FileFix
 from gaaudit.config import Settings
+from gaaudit.discover.source import decode
 from gaaudit.findings import FileReport, Finding
-from gaaudit.fixer import fix_file
-from gaaudit.fixes import Outcome
-from gaaudit.source import decode
+from gaaudit.fixes.accumulation import Outcome
+from gaaudit.fixes.codemod import FileFix
+from gaaudit.fixes.fixer import fix_file
 
 # A line with its terminator; SARIF, like Python's tokenizer, ends lines at CR, LF or CRLF.
 LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")

@@ -11,8 +11,17 @@ from typing import Literal
 
 import libcst as cst
 
-from gaaudit.modules import Dependency, configured_accumulation, shown
-from gaaudit.tree import LOOPS, Tree, code, dotted, keyword, last_name, positional, string_value
+from gaaudit.analysis.tree import (
+    LOOPS,
+    Tree,
+    code,
+    dotted,
+    keyword,
+    last_name,
+    positional,
+    string_value,
+)
+from gaaudit.discover.modules import Dependency, configured_accumulation, shown
 from gaaudit.vocabulary import (
     ACCUMULATION_NAMES,
     BACKWARDS,

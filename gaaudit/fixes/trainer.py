@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import libcst as cst
 
+from gaaudit.analysis.domain import shifts_labels
+from gaaudit.analysis.tree import Tree, code, dotted, keyword, positional, string_value
 from gaaudit.checks.trainer import (
     COUNT,
     MODEL_OPT_OUT,
@@ -35,7 +37,8 @@ from gaaudit.checks.trainer import (
     methods_of,
     parameters,
 )
-from gaaudit.cst_edits import (
+from gaaudit.fixes.accumulation import Outcome
+from gaaudit.fixes.edits import (
     Edits,
     Unfixable,
     copy_edits,
@@ -43,9 +46,6 @@ from gaaudit.cst_edits import (
     with_argument,
     with_parameter,
 )
-from gaaudit.domain import shifts_labels
-from gaaudit.fixes import Outcome
-from gaaudit.tree import Tree, code, dotted, keyword, positional, string_value
 
 # The stock `compute_loss`'s factor for a count gathered over every process.
 ACROSS, PROCESSES = "self.args.average_tokens_across_devices", "self.accelerator.num_processes"
@@ -78,7 +78,7 @@ class TokenLoss:
 
 
 class TrainerPlanner:
-    """Turns the GA004 sites of one file into edits (see `cst_edits.Edits`)."""
+    """Turns the GA004 sites of one file into edits (see `edits.Edits`)."""
 
     def __init__(self, tree: Tree, audit: TrainerAudit, unsafe: bool = False) -> None:
         self.tree, self.audit, self.unsafe = tree, audit, unsafe

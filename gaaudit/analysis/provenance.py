@@ -10,8 +10,7 @@ from typing import Literal
 
 import libcst as cst
 
-from gaaudit.modules import configured_target
-from gaaudit.tree import (
+from gaaudit.analysis.tree import (
     Tree,
     code,
     dotted,
@@ -21,6 +20,7 @@ from gaaudit.tree import (
     string_value,
     substituted,
 )
+from gaaudit.discover.modules import configured_target
 
 Kind = Literal["mean", "sum", "elementwise", "unknown"]
 
@@ -270,7 +270,7 @@ class Tracer:
 
     def _per_micro_batch(self, expr: cst.CSTNode, divisor: cst.BaseExpression) -> bool:
         """Whether a divisor is computed inside the loop that holds `expr` (a micro-batch count)."""
-        from gaaudit.tree import LOOPS, depends_on
+        from gaaudit.analysis.tree import LOOPS, depends_on
 
         loop = next((a for a in self.tree.ancestors(expr) if isinstance(a, LOOPS)), None)
         if loop is None:

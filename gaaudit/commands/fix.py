@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gaaudit.checking import (
+from gaaudit.commands.check import (
     EXIT_CLEAN,
     EXIT_ERROR,
     EXIT_FINDINGS,
@@ -44,8 +44,8 @@ class Tally:
 
 
 def fix(options: FixOptions) -> int:
-    """Run `gaaudit fix` and return the exit status; raise `checking.UsageError`."""
-    from gaaudit.discovery import discover
+    """Run `gaaudit fix` and return the exit status; raise `commands.check.UsageError`."""
+    from gaaudit.discover.files import discover
 
     settings = settings_for(options)
     tally = Tally()
@@ -86,9 +86,9 @@ def fix(options: FixOptions) -> int:
 
 def _fix_one(path: Path, settings, options: FixOptions, tally: Tally, data: bytes | None = None):
     """Fix one file (or standard input's `data`), write or show the result, count it."""
-    from gaaudit.codemod import WriteError, write_atomic
-    from gaaudit.fixer import fix_file
-    from gaaudit.source import SourceError
+    from gaaudit.discover.source import SourceError
+    from gaaudit.fixes.codemod import WriteError, write_atomic
+    from gaaudit.fixes.fixer import fix_file
 
     stderr = _to_stderr(options)
     try:
@@ -145,8 +145,8 @@ def _fix_one(path: Path, settings, options: FixOptions, tally: Tally, data: byte
 def _held_back(path: Path, result) -> str:
     """Why a file's fixes may not be applied under --verify ("" when every loop verified).
     K = 4; the rest of [tool.gaaudit.verify] applies (model factory, processes, ...)."""
+    from gaaudit.commands.verify import VERIFIED, VerifyError, options_for, verify_pair
     from gaaudit.config import ConfigError
-    from gaaudit.verify import VERIFIED, VerifyError, options_for, verify_pair
 
     if path.suffix != ".py":
         return "--verify replays Python files only"

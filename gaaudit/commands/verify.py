@@ -2,7 +2,7 @@
 one full-batch step on a tiny real model (GA-GUIDE section 6).
 
 The static half (which loops, which divisors, the patched source) runs here without torch.
-The replay runs in a child process (`python -m gaaudit.verify`), so that a hanging or
+The replay runs in a child process (`python -m gaaudit.commands.verify`), so that a hanging or
 crashing user loop is stopped by a timeout and cannot take gaaudit down.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import libcst as cst
 
 from gaaudit.config import ConfigError, Settings, check_factory, load
+from gaaudit.discover.source import parse, read
 from gaaudit.findings import Confidence
-from gaaudit.source import parse, read
 
 VERIFIED, REPRODUCED = "verified", "bug reproduced"
 ERROR_MEANS = (
@@ -141,10 +141,10 @@ def targets(
     confidences), then those without, replayed to show that they match. `path` names the
     file in its repository, for helpers imported from its sibling modules and the losses
     its callers there hand it, as `check` reads them."""
+    from gaaudit.analysis.repository import Imports
+    from gaaudit.analysis.tree import Tree, code
     from gaaudit.checks.accumulation import Auditor
     from gaaudit.checks.windows import Windows
-    from gaaudit.repository import Imports
-    from gaaudit.tree import Tree, code
 
     tree = Tree(parse(original), original)
     patched_lines = patched.decode("utf-8", "replace").splitlines()
@@ -249,7 +249,7 @@ def _find(lines: list[str], header: str, occurrence: int) -> int | None:
 def verify_files(requests: list[tuple[Path, int | None]], options: Options) -> list[list[Outcome]]:
     """Every loop of each (path, line) request against what `gaaudit fix` (all confidences,
     unsafe fixes too) would make of it, replayed in one child process (torch imported once)."""
-    from gaaudit.fixer import fix_source
+    from gaaudit.fixes.fixer import fix_source
 
     pairs, companions = [], []
     for path, line in requests:
@@ -302,7 +302,7 @@ def verify_pairs(
     timeout = options.timeout * len(jobs)
     try:
         child = subprocess.run(
-            [sys.executable, "-m", "gaaudit.verify"],
+            [sys.executable, "-m", "gaaudit.commands.verify"],
             input=json.dumps(jobs),
             stdout=subprocess.PIPE,
             stderr=None if shown else subprocess.PIPE,
@@ -486,7 +486,7 @@ def _hinted(verdict: str, options: Options) -> str:
 
 
 def _child() -> None:
-    """`python -m gaaudit.verify`: a list of jobs on stdin, the list of their outcomes (or
+    """`python -m gaaudit.commands.verify`: a list of jobs on stdin, the list of their outcomes (or
     {"error": ...}) on stdout."""
     from gaaudit.harness.distributed import DistributedError
     from gaaudit.harness.factory import FactoryError

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import libcst as cst
 
+from gaaudit.analysis.tree import Tree
 from gaaudit.checks.windows import Site
-from gaaudit.cst_edits import Edits
-from gaaudit.fixes import Outcome
-from gaaudit.tree import Tree
+from gaaudit.fixes.accumulation import Outcome
+from gaaudit.fixes.edits import Edits
 
 
 class WindowPlanner:
-    """Turns the GA007 sites of one file into edits (see `cst_edits.Edits`)."""
+    """Turns the GA007 sites of one file into edits (see `edits.Edits`)."""
 
     def __init__(self, tree: Tree) -> None:
         self.tree = tree

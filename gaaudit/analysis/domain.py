@@ -15,10 +15,10 @@ from typing import Literal
 
 import libcst as cst
 
-from gaaudit.evidence import Evidence
+from gaaudit.analysis.evidence import Evidence
+from gaaudit.analysis.provenance import MASKED_MEAN, Origin, Tracer
+from gaaudit.analysis.tree import Tree, code, dotted, keyword, last_name, positional
 from gaaudit.findings import Confidence
-from gaaudit.provenance import MASKED_MEAN, Origin, Tracer
-from gaaudit.tree import Tree, code, dotted, keyword, last_name, positional
 
 Kind = Literal["tokens", "examples", "dense", "unknown"]
 

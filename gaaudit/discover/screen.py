@@ -30,10 +30,16 @@ from itertools import accumulate
 from keyword import iskeyword
 from pathlib import Path
 
-from gaaudit.focus import blank, units, with_members
-from gaaudit.lexical import any_in_code
-from gaaudit.modules import MAX_HOPS, Dependency, bases, configured_accumulation, file_digest
-from gaaudit.source import TRIGGERS
+from gaaudit.discover.focus import blank, units, with_members
+from gaaudit.discover.lexical import any_in_code
+from gaaudit.discover.modules import (
+    MAX_HOPS,
+    Dependency,
+    bases,
+    configured_accumulation,
+    file_digest,
+)
+from gaaudit.discover.source import TRIGGERS
 from gaaudit.vocabulary import (
     ACCUMULATION_NAMES,
     BACKWARDS,

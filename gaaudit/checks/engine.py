@@ -11,8 +11,8 @@ from pathlib import Path
 
 from gaaudit import cache
 from gaaudit.config import Settings
+from gaaudit.discover.source import Source, SourceError, parse, read
 from gaaudit.findings import FileError, FileReport
-from gaaudit.source import Source, SourceError, parse, read
 
 # Below this many files to read, a worker pool costs more than it saves.
 PARALLEL_THRESHOLD = 64
@@ -95,14 +95,14 @@ def _analyse(source: Source, settings: Settings, shown: str):
     notebook, notes = None, ()
     try:
         if path.suffix == ".ipynb":
-            from gaaudit.notebook import load as load_notebook
+            from gaaudit.discover.notebook import load as load_notebook
 
             notebook = load_notebook(source.data)
             notes = tuple(f"cell {cell}: {reason}" for cell, reason in notebook.skipped)
             source = Source(path, notebook.text.encode("utf-8"))
         if not source.may_have_findings:
             return FileReport(shown, notes=notes), frozenset()
-        from gaaudit.screen import screen
+        from gaaudit.discover.screen import screen
 
         screened = screen(source.data, settings.accumulation_names, path.parent)
         if screened.data is None:
@@ -147,8 +147,8 @@ def audit(
     which is what per-file-ignores globs match. `source`: the bytes parsed into `module`
     (perhaps focused, not `text`), from which node positions are found cheaply.
     """
-    from gaaudit.checks import Context, run
-    from gaaudit.tree import Tree
+    from gaaudit.analysis.tree import Tree
+    from gaaudit.checks.context import Context, run
 
     context = Context(Tree(module, source), shown, text, settings.accumulation_names, directory)
     selected = [

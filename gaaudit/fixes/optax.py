@@ -21,8 +21,10 @@ from dataclasses import dataclass
 
 import libcst as cst
 
+from gaaudit.analysis.tree import DEFS, Tree, code, depends_on, dotted, keyword, positional
 from gaaudit.checks.optax import OptaxAudit, Site, decorated_with_gradient, takes_gradient
-from gaaudit.cst_edits import (
+from gaaudit.fixes.accumulation import Outcome
+from gaaudit.fixes.edits import (
     Edits,
     Unfixable,
     copy_edits,
@@ -30,8 +32,6 @@ from gaaudit.cst_edits import (
     with_argument,
     with_parameter,
 )
-from gaaudit.fixes import Outcome
-from gaaudit.tree import DEFS, Tree, code, depends_on, dotted, keyword, positional
 
 BUILTINS = set(dir(builtins))
 
@@ -48,7 +48,7 @@ class MaskedMean:
 
 
 class OptaxPlanner:
-    """Turns the GA005 sites of one file into edits (see `cst_edits.Edits`)."""
+    """Turns the GA005 sites of one file into edits (see `edits.Edits`)."""
 
     def __init__(self, tree: Tree, audit: OptaxAudit) -> None:
         self.tree, self.audit = tree, audit

@@ -16,20 +16,23 @@ being checked: its findings stay current as long as those files are unchanged.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
 
-from gaaudit.evidence import scan
-from gaaudit.focus import focus
-from gaaudit.modules import MAX_HOPS, Dependency, file_digest, locate, shown
-from gaaudit.provenance import Division, Kind, Origin, Tracer, argument_for
-from gaaudit.source import SourceError, parse
-from gaaudit.tree import Tree, code, dotted, positional, substituted, variables, walk
+from gaaudit.analysis.evidence import scan
+from gaaudit.analysis.provenance import Division, Kind, Origin, Tracer, argument_for
+from gaaudit.analysis.tree import Tree, code, dotted, positional, substituted, variables, walk
+from gaaudit.discover.focus import focus
+from gaaudit.discover.modules import MAX_HOPS, Dependency, file_digest, locate, shown
+from gaaudit.discover.source import SourceError, parse
 
 LOSS_METHODS = ("forward", "__call__")
+
+# How a function of a tree averages the gradients of the micro-steps it runs: line, divisor.
+Averaging = Callable[[Tree, str], "tuple[int, str] | None"]
 MOVES = ("cuda", "cpu", "to", "half", "float", "bfloat16", "train", "eval")  # return the module
 LOSS_METHOD_DEFS = tuple(f"def {m}(".encode() for m in LOSS_METHODS)  # kept by `focus`
 
@@ -103,10 +106,9 @@ class Repository:
         seen |= dependencies
         return found
 
-    def averaging(self, path: Path, name: str) -> tuple[int, str] | None:
-        """`checks.optax.averaged_steps` of the function `name` of the module at `path`."""
-        from gaaudit.checks.optax import averaged_steps
-
+    def averaging(self, path: Path, name: str, averaged_steps: Averaging) -> tuple[int, str] | None:
+        """`averaged_steps` (the check's reading) of the function `name` of the module at
+        `path`, once per file version."""
         key = (str(path), file_digest(path), name)
         if key not in self._averaging:
             try:
@@ -387,16 +389,18 @@ class Imports:
                 return found
         return None
 
-    def averaging(self, func: cst.BaseExpression) -> tuple[str, str] | None:
+    def averaging(
+        self, func: cst.BaseExpression, averaged_steps: Averaging
+    ) -> tuple[str, str] | None:
         """Where a function of the repository that `func` names averages the gradients of
-        the micro-steps it runs (see `checks.optax.averaged_steps`), and by what."""
+        the micro-steps it runs (as `averaged_steps` reads a function of a tree), and by what."""
         reference = self.reference(func)
         if reference is None:
             return None
         path = locate(self.directory, reference.level, reference.module, self.dependencies)
         if path is None:
             return None
-        found = self.repository.averaging(path, reference.name)
+        found = self.repository.averaging(path, reference.name, averaged_steps)
         if found is None:
             return None
         line, divisor = found

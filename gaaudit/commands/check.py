@@ -112,8 +112,8 @@ def _rebased(patterns, root: Path) -> tuple[str, ...]:
 
 def check(options: CheckOptions) -> int:
     """Run `gaaudit check`, write its report and return the exit status; raise `UsageError`."""
-    from gaaudit.discovery import discover
-    from gaaudit.engine import check_files
+    from gaaudit.checks.engine import check_files
+    from gaaudit.discover.files import discover
     from gaaudit.output import CheckRun, write
 
     paths = list(options.paths) or [Path(".")]
@@ -121,7 +121,7 @@ def check(options: CheckOptions) -> int:
     started = time.perf_counter()
     stdin = stdin_target(options, settings)
     if stdin is not None:
-        from gaaudit.engine import check_file
+        from gaaudit.checks.engine import check_file
 
         path, data, skipped = stdin
         files = [] if skipped else [path]
@@ -150,7 +150,7 @@ def check(options: CheckOptions) -> int:
 
         fixes = suggest(found, settings, options.unsafe_fixes)
     elif options.format == "text" and not options.quiet and any(r.findings for r in reports):
-        from gaaudit.fixer import count_fixable
+        from gaaudit.fixes.fixer import count_fixable
 
         fixable = count_fixable([p for p, r in found if r.findings], settings)
     if stdin is None and settings.enabled("GA006", "") and _dependency_files_possible(paths, files):
@@ -182,7 +182,7 @@ def stdin_target(options: CheckOptions, settings) -> tuple[Path, bytes, bool] | 
     standard input holds, and whether the project excludes that file; None for other paths."""
     if options.paths != (STDIN,):
         return None
-    from gaaudit.discovery import is_excluded
+    from gaaudit.discover.files import is_excluded
 
     path = options.stdin_filename or STDIN
     data = sys.stdin.buffer.read()
@@ -244,9 +244,9 @@ def _repository_reports(files, paths, pins, settings):
     """GA006 findings on dependency files, filtered like the per-file ones. A dependency
     file named on the command line is judged against the code of its folder, as when that
     folder is checked."""
+    from gaaudit.checks.engine import display_path
     from gaaudit.checks.versions import check_repository
-    from gaaudit.discovery import discover
-    from gaaudit.engine import display_path
+    from gaaudit.discover.files import discover
 
     folders = [p.parent for p in pins]
     code = [*files, *discover(folders, settings)] if folders else files

@@ -15,8 +15,8 @@ import json
 import re
 from dataclasses import dataclass, replace
 
+from gaaudit.discover.source import SourceError
 from gaaudit.findings import Finding, Span
-from gaaudit.source import SourceError
 
 MARKER = "# gaaudit: cell "
 PLACEHOLDER = "pass  # gaaudit: magic "

@@ -6,7 +6,7 @@ import re
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
-from gaaudit.lexical import literals, prefix
+from gaaudit.discover.lexical import literals, prefix
 
 # Names in the data path that show valid-target counts varying between micro-batches: padding
 # collators, masks, ignored labels. (A loss's `ignore_index` alone is not one: packed blocks never

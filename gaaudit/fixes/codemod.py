@@ -11,9 +11,9 @@ from pathlib import Path
 
 import libcst as cst
 
-from gaaudit.cst_edits import Edits
-from gaaudit.fixes import Outcome
-from gaaudit.notebook import MARKER as CELL_MARKER
+from gaaudit.discover.notebook import MARKER as CELL_MARKER
+from gaaudit.fixes.accumulation import Outcome
+from gaaudit.fixes.edits import Edits
 
 
 class _Apply(cst.CSTTransformer):

@@ -10,7 +10,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-from gaaudit.focus import DEFINITIONS
+from gaaudit.discover.focus import DEFINITIONS
 from gaaudit.vocabulary import WINDOW_GUARD
 
 # Byte patterns without which no rule can fire (besides a window's guard, `% accum_iter`:

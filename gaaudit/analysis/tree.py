@@ -8,8 +8,8 @@ from functools import cached_property
 
 import libcst as cst
 
+from gaaudit.analysis.positions import Positions
 from gaaudit.findings import Span
-from gaaudit.positions import Positions
 
 Scope = cst.Module | cst.FunctionDef
 LOOPS = (cst.For, cst.While)

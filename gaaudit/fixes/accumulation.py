@@ -8,18 +8,9 @@ from pathlib import Path
 
 import libcst as cst
 
-from gaaudit.checks.accumulation import Auditor, Site
-from gaaudit.cst_edits import (
-    Edits,
-    Unfixable,
-    copy_edits,
-    statement_line,
-    with_argument,
-    with_parameter,
-)
-from gaaudit.domain import Domains, shifts_labels
-from gaaudit.loops import Window, is_step
-from gaaudit.provenance import (
+from gaaudit.analysis.domain import Domains, shifts_labels
+from gaaudit.analysis.loops import Window, is_step
+from gaaudit.analysis.provenance import (
     TOKEN_LOSSES,
     Origin,
     Tracer,
@@ -27,8 +18,17 @@ from gaaudit.provenance import (
     loss_target,
     valid_targets,
 )
-from gaaudit.source import SourceError, parse
-from gaaudit.tree import Tree, code, dotted, keyword, positional, walk
+from gaaudit.analysis.tree import Tree, code, dotted, keyword, positional, walk
+from gaaudit.checks.accumulation import Auditor, Site
+from gaaudit.discover.source import SourceError, parse
+from gaaudit.fixes.edits import (
+    Edits,
+    Unfixable,
+    copy_edits,
+    statement_line,
+    with_argument,
+    with_parameter,
+)
 from gaaudit.vocabulary import CLIPPERS
 
 # One line on each block a fix inserts, saying why it is there.

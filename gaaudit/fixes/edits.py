@@ -1,4 +1,4 @@
-"""libcst building blocks of the rewrites (`fixes`, `fixes_trainer`, `fixes_optax`): the
+"""libcst building blocks of the rewrites (the planners of this package): the
 node-keyed edits of a file, one more argument or parameter with the call's or signature's
 layout kept, and a node's statement."""
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from gaaudit.tree import Tree
+from gaaudit.analysis.tree import Tree
 
 
 class Unfixable(Exception):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gaaudit.codemod import FileFix, apply
+from gaaudit.checks.engine import audit, display_path
 from gaaudit.config import Settings
-from gaaudit.engine import audit, display_path
-from gaaudit.notebook import load as load_notebook
-from gaaudit.notebook import rebuild
-from gaaudit.screen import screen
-from gaaudit.source import Source, SourceError, parse, read
+from gaaudit.discover.notebook import load as load_notebook
+from gaaudit.discover.notebook import rebuild
+from gaaudit.discover.screen import screen
+from gaaudit.discover.source import Source, SourceError, parse, read
+from gaaudit.fixes.codemod import FileFix, apply
 
 # Why a GA001-GA003 finding needs no rewrite of its own: a framework fix changed its line.
 COVERED = "by the GA004/GA005 rewrite of the same code"
@@ -22,9 +22,9 @@ def fix_source(
     """Rewrite every reported, fixable finding of one file's bytes; raises `SourceError`.
     With `reach`, a fix may change another module of the repository too (a loss function
     there returns its count): those files are the result's `companions`."""
+    from gaaudit.analysis.domain import Domains
     from gaaudit.checks.accumulation import Auditor
-    from gaaudit.domain import Domains
-    from gaaudit.fixes import Outcome, Planner
+    from gaaudit.fixes.accumulation import Outcome, Planner
 
     shown = display_path(path)
     if not Source(path, data).may_have_findings:
@@ -87,9 +87,9 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool)
     """The edits and outcomes of the GA004 (Trainer) and GA005 (JAX) findings reported."""
     from gaaudit.checks.optax import OptaxAudit
     from gaaudit.checks.trainer import TrainerAudit
-    from gaaudit.cst_edits import Edits
-    from gaaudit.fixes_optax import OptaxPlanner
-    from gaaudit.fixes_trainer import TrainerPlanner
+    from gaaudit.fixes.edits import Edits
+    from gaaudit.fixes.optax import OptaxPlanner
+    from gaaudit.fixes.trainer import TrainerPlanner
 
     tree = context.tree
     edits, outcomes = Edits(), []
@@ -111,7 +111,7 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool)
 def _window_fixes(context, reported: set[tuple[str, int, int]], edits, outcomes):
     """`edits` and `outcomes` with those of the GA007 findings reported added."""
     from gaaudit.checks.windows import Windows
-    from gaaudit.fixes_windows import WindowPlanner
+    from gaaudit.fixes.windows import WindowPlanner
 
     tree = context.tree
     windows = Windows(tree, context.structure)
@@ -125,7 +125,7 @@ def _window_fixes(context, reported: set[tuple[str, int, int]], edits, outcomes)
 
 def _merged(first, second):
     """Two plans' edits as one; they touch different nodes (overlaps were left to `first`)."""
-    from gaaudit.cst_edits import Edits
+    from gaaudit.fixes.edits import Edits
 
     merged = Edits({**second.replace, **first.replace})
     for table in ("before", "after"):

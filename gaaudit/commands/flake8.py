@@ -16,11 +16,11 @@ from functools import cache
 from pathlib import Path
 
 from gaaudit import __version__
+from gaaudit.checks.engine import audit, display_path
 from gaaudit.config import Settings, load
-from gaaudit.engine import audit, display_path
+from gaaudit.discover.screen import screen
+from gaaudit.discover.source import Source, SourceError, parse
 from gaaudit.findings import Finding
-from gaaudit.screen import screen
-from gaaudit.source import Source, SourceError, parse
 
 UNCHECKED = "GA999"
 
