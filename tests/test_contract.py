@@ -288,8 +288,8 @@ def test_verify_offers_only_the_formats_it_writes(tmp_path):
 FOREIGN_FLAGS = {"--extend-ignore", "--all-files"}
 
 
-def test_every_option_the_readme_names_exists():
-    readme = (ROOT / "README.md").read_text()
+def test_every_option_the_readme_and_docs_name_exists():
+    readme = "\n".join(p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
     named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", readme)) - FOREIGN_FLAGS
     helps = "\n".join(gaaudit(*c, "-h").stdout for c in [[], *([c] for c in COMMANDS)])
     offered = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", helps))
