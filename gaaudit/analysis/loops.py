@@ -103,100 +103,9 @@ def backward_of(call: cst.Call) -> cst.BaseExpression | None:
     return receiver
 
 
-class Structure:
-    """Backward calls, steps and windows of one file, same-file helpers included."""
-
-    def __init__(
-        self,
-        tree: Tree,
-        accumulation_names: frozenset[str],
-        directory: Path = Path("."),
-        seen: set[Dependency] | None = None,
-    ) -> None:
-        self.tree = tree
-        self.names = ACCUMULATION_NAMES | accumulation_names
-        self.directory = directory  # where config files named in the source are looked up
-        self.seen = seen if seen is not None else set()  # the config files read
-        self._windows: dict[Backward, Window | None] = {}  # each backward's, found once
-
-    @cached_property
-    def _helpers(self) -> tuple[dict[str, int], set[str]]:
-        """Same-file functions that call backward on their N-th parameter, and those that step."""
-        backward: dict[str, int] = {}
-        stepping: set[str] = set()
-        for node in self.tree.calls:
-            function = self.tree.enclosing_function(node)
-            if function is None or self.tree.functions.get(function.name.value) is not function:
-                continue
-            name = function.name.value
-            if is_step(node):
-                stepping.add(name)
-            loss = backward_of(node)
-            if isinstance(loss, cst.BaseExpression):
-                params = [p.name.value for p in function.params.params]
-                root = self._alias(
-                    function,
-                    next((n.value for n in self.tree.walk(loss) if isinstance(n, cst.Name)), None),
-                )
-                if root in params:
-                    backward[name] = params.index(root) - (params[:1] == ["self"])
-        return backward, stepping
-
-    def _alias(self, function: cst.FunctionDef, name: str | None) -> str | None:
-        """The name `name` stands for in `function` when its one binding there copies another
-        name (`loss = lm_loss`), else `name`."""
-        bound = self.tree.bindings(function).get(name or "", ())
-        if len(bound) == 1 and isinstance(bound[0], cst.Assign):
-            value = bound[0].value
-            if isinstance(value, cst.Name) and len(bound[0].targets) == 1:
-                return value.value
-        return name
-
-    def backwards(self) -> Iterator[Backward]:
-        helpers, _ = self._helpers
-        for node in self.tree.calls:
-            loss = backward_of(node)
-            if isinstance(loss, cst.BaseExpression):
-                yield Backward(node, loss)
-                continue
-            name = _helper_name(node.func)
-            if name in helpers and not self._inside(node, self.tree.functions[name]):
-                args = positional(node)
-                if 0 <= helpers[name] < len(args):
-                    yield Backward(node, args[helpers[name]])
-            elif self.stepping_callable(node) is not None:
-                yield Backward(node, positional(node)[0])
-
-    def stepping_callable(self, call: cst.Call) -> cst.BinaryOperation | None:
-        """For a call handed the loss first, an optimizer, and a flag computed from `a % k`
-        (MAE's and timm's `loss_scaler(loss, optimizer, update_grad=(i + 1) % k == 0)`, an
-        `amp_step(loss, opt, update=...)` of another module): the `a % k`. Such a callable
-        backpropagates the loss and steps the optimizer when the flag holds."""
-        values = [a.value for a in call.args]
-        if not positional(call) or backward_of(call) is not None:
-            return None
-        if not any(OPTIMIZER.search(last_name(v) or "") for v in values[1:]):
-            return None
-        return next((m for v in values[1:] if (m := self._modulo(v)) is not None), None)
-
-    def _inside(self, node: cst.CSTNode, outer: cst.CSTNode) -> bool:
-        return self.tree.contains(outer, node)
-
-    def steps_in(self, region: cst.CSTNode) -> list[cst.Call]:
-        """Optimizer steps inside a region, calls to same-file stepping helpers included."""
-        _, stepping = self._helpers
-        return [
-            node
-            for node in self.tree.walk(region, into_defs=False)
-            if isinstance(node, cst.Call) and (is_step(node) or _helper_name(node.func) in stepping)
-        ]
-
-    def window(self, backward: Backward) -> Window | None:
-        """The accumulation window a backward call belongs to, if the code shows one (the
-        accumulation rules, GA007 and verify each ask)."""
-        if backward not in self._windows:
-            self._windows[backward] = self._window(backward)
-        return self._windows[backward]
+class _WindowFinding:
+    """Which window a backward belongs to: a loop with a step, a modulo guard, a micro-step loop,
+    a function that steps, an accelerate `accumulate()` block."""
 
     def _window(self, backward: Backward) -> Window | None:
         if self._deepspeed_engine(backward) and self.deepspeed_accumulation():
@@ -354,6 +263,33 @@ class Structure:
                 return Window("calls", None, modulo.right, guard, (guard,))
         return None
 
+    def _accumulating_call(self, function: cst.FunctionDef) -> cst.With | None:
+        """The `with accelerator.accumulate(...)` block holding a call of `function`, a
+        same-file function that computes the loss and calls backward itself."""
+        name = function.name.value
+        if self.tree.functions.get(name) is not function:
+            return None
+        for call in self.tree.calls:
+            if _helper_name(call.func) == name and not self._inside(call, function):
+                block = next((a for a in self.tree.ancestors(call) if self._is_accumulate(a)), None)
+                if block is not None:
+                    return block
+        return None
+
+    @staticmethod
+    def _is_accumulate(node: cst.CSTNode) -> bool:
+        return isinstance(node, cst.With) and any(
+            isinstance(item.item, cst.Call)
+            and isinstance(item.item.func, cst.Attribute)
+            and item.item.func.attr.value == "accumulate"
+            for item in node.items
+        )
+
+
+class _Guards:
+    """Step guards: the `if` testing `a % k` that holds a step, an earlier skipping guard, and the
+    modulo they test."""
+
     def _guard(
         self, call: cst.Call, region: cst.CSTNode, modulo: bool = True
     ) -> tuple[cst.If, cst.BinaryOperation | None] | None:
@@ -410,27 +346,10 @@ class Structure:
             None,
         )
 
-    def _accumulating_call(self, function: cst.FunctionDef) -> cst.With | None:
-        """The `with accelerator.accumulate(...)` block holding a call of `function`, a
-        same-file function that computes the loss and calls backward itself."""
-        name = function.name.value
-        if self.tree.functions.get(name) is not function:
-            return None
-        for call in self.tree.calls:
-            if _helper_name(call.func) == name and not self._inside(call, function):
-                block = next((a for a in self.tree.ancestors(call) if self._is_accumulate(a)), None)
-                if block is not None:
-                    return block
-        return None
 
-    @staticmethod
-    def _is_accumulate(node: cst.CSTNode) -> bool:
-        return isinstance(node, cst.With) and any(
-            isinstance(item.item, cst.Call)
-            and isinstance(item.item.func, cst.Attribute)
-            and item.item.func.attr.value == "accumulate"
-            for item in node.items
-        )
+class _Frameworks:
+    """Frameworks that divide the loss by K themselves: accelerate, DeepSpeed, Lightning, pipeline
+    schedules, and where their K is configured."""
 
     def dividing_framework(self, backward: Backward, window: Window) -> str | None:
         """Which framework divides this backward's loss by the accumulation steps, if any."""
@@ -628,6 +547,102 @@ class Structure:
 
     def is_accumulation_name(self, expr: cst.CSTNode) -> bool:
         return (last_name(expr) or "") in self.names
+
+
+class Structure(_WindowFinding, _Guards, _Frameworks):
+    """Backward calls, steps and windows of one file, same-file helpers included."""
+
+    def __init__(
+        self,
+        tree: Tree,
+        accumulation_names: frozenset[str],
+        directory: Path = Path("."),
+        seen: set[Dependency] | None = None,
+    ) -> None:
+        self.tree = tree
+        self.names = ACCUMULATION_NAMES | accumulation_names
+        self.directory = directory  # where config files named in the source are looked up
+        self.seen = seen if seen is not None else set()  # the config files read
+        self._windows: dict[Backward, Window | None] = {}  # each backward's, found once
+
+    @cached_property
+    def _helpers(self) -> tuple[dict[str, int], set[str]]:
+        """Same-file functions that call backward on their N-th parameter, and those that step."""
+        backward: dict[str, int] = {}
+        stepping: set[str] = set()
+        for node in self.tree.calls:
+            function = self.tree.enclosing_function(node)
+            if function is None or self.tree.functions.get(function.name.value) is not function:
+                continue
+            name = function.name.value
+            if is_step(node):
+                stepping.add(name)
+            loss = backward_of(node)
+            if isinstance(loss, cst.BaseExpression):
+                params = [p.name.value for p in function.params.params]
+                root = self._alias(
+                    function,
+                    next((n.value for n in self.tree.walk(loss) if isinstance(n, cst.Name)), None),
+                )
+                if root in params:
+                    backward[name] = params.index(root) - (params[:1] == ["self"])
+        return backward, stepping
+
+    def _alias(self, function: cst.FunctionDef, name: str | None) -> str | None:
+        """The name `name` stands for in `function` when its one binding there copies another
+        name (`loss = lm_loss`), else `name`."""
+        bound = self.tree.bindings(function).get(name or "", ())
+        if len(bound) == 1 and isinstance(bound[0], cst.Assign):
+            value = bound[0].value
+            if isinstance(value, cst.Name) and len(bound[0].targets) == 1:
+                return value.value
+        return name
+
+    def backwards(self) -> Iterator[Backward]:
+        helpers, _ = self._helpers
+        for node in self.tree.calls:
+            loss = backward_of(node)
+            if isinstance(loss, cst.BaseExpression):
+                yield Backward(node, loss)
+                continue
+            name = _helper_name(node.func)
+            if name in helpers and not self._inside(node, self.tree.functions[name]):
+                args = positional(node)
+                if 0 <= helpers[name] < len(args):
+                    yield Backward(node, args[helpers[name]])
+            elif self.stepping_callable(node) is not None:
+                yield Backward(node, positional(node)[0])
+
+    def stepping_callable(self, call: cst.Call) -> cst.BinaryOperation | None:
+        """For a call handed the loss first, an optimizer, and a flag computed from `a % k`
+        (MAE's and timm's `loss_scaler(loss, optimizer, update_grad=(i + 1) % k == 0)`, an
+        `amp_step(loss, opt, update=...)` of another module): the `a % k`. Such a callable
+        backpropagates the loss and steps the optimizer when the flag holds."""
+        values = [a.value for a in call.args]
+        if not positional(call) or backward_of(call) is not None:
+            return None
+        if not any(OPTIMIZER.search(last_name(v) or "") for v in values[1:]):
+            return None
+        return next((m for v in values[1:] if (m := self._modulo(v)) is not None), None)
+
+    def _inside(self, node: cst.CSTNode, outer: cst.CSTNode) -> bool:
+        return self.tree.contains(outer, node)
+
+    def steps_in(self, region: cst.CSTNode) -> list[cst.Call]:
+        """Optimizer steps inside a region, calls to same-file stepping helpers included."""
+        _, stepping = self._helpers
+        return [
+            node
+            for node in self.tree.walk(region, into_defs=False)
+            if isinstance(node, cst.Call) and (is_step(node) or _helper_name(node.func) in stepping)
+        ]
+
+    def window(self, backward: Backward) -> Window | None:
+        """The accumulation window a backward call belongs to, if the code shows one (the
+        accumulation rules, GA007 and verify each ask)."""
+        if backward not in self._windows:
+            self._windows[backward] = self._window(backward)
+        return self._windows[backward]
 
 
 def _optimizer_of(call: cst.Call) -> str | None:

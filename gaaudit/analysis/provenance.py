@@ -202,7 +202,385 @@ class _Foreign(Exception):
     """An expression reads something its function's caller cannot name."""
 
 
-class Tracer:
+class _Calls:
+    """What a call returns: a lambda, a same-file helper seen from its call, a loss module, an
+    imported or passed callable, an annotated parameter's class."""
+
+    def origin_call(self, expr: cst.BaseExpression) -> cst.Call | None:
+        """The call an expression (or the name it is bound to) evaluates."""
+        if isinstance(expr, cst.Name):
+            stmt = self.binding(expr.value, expr)
+            expr = stmt.value if isinstance(stmt, cst.Assign) else None
+        return expr if isinstance(expr, cst.Call) else None
+
+    @staticmethod
+    def _passes_labels(call: cst.Call) -> bool:
+        return any(
+            (a.keyword is not None and a.keyword.value in ("labels", "targets")) or a.star == "**"
+            for a in call.args
+        )
+
+    def _call(self, call: cst.Call, depth: int) -> Origin:
+        func = call.func
+        if isinstance(func, cst.Attribute):
+            method = func.attr.value
+            if (
+                method in ("mean", "nanmean")
+                and not positional(call)
+                and keyword(call, "dim") is None
+            ):
+                # the mean of a mean (DataParallel's per-device means) is that mean
+                inner = self.origin(func.value, depth + 1)
+                return inner if inner.kind == "mean" else self._mean(call, f"`{code(call)}`")
+            if (
+                method in ("sum", "nansum")
+                and not positional(call)
+                and keyword(call, "dim") is None
+            ):
+                return self._sum(call, f"`{code(call)}`")
+            if method in PASS_THROUGH or (method == "scale" and len(call.args) == 1):
+                target = func.value if method in PASS_THROUGH else call.args[0].value
+                return self.origin(target, depth + 1)
+        default = self.default(func)
+        qualified = self.tree.qualified(default or func) or ""
+        if qualified in ("torch.mean", "torch.nanmean"):
+            return self._mean(call, f"`{code(call)}`")
+        if qualified in ("torch.sum", "torch.nansum"):
+            return self._sum(call, f"`{code(call)}`")
+        if qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES:
+            what = f"`{qualified.rsplit('.', 1)[-1]}`"
+            if default is not None:
+                what = f"`{code(func)}`, by default {what}"
+            return self._reduction(call, call, what)
+        constructor = self.loss_instance(func)
+        if constructor is not None:
+            return self._reduction(constructor, call, f"a `{code(constructor.func)}` instance")
+        for _, found in self.called(func, call, depth):
+            if found.kind != "unknown":
+                return found
+        return Origin("unknown", f"`{code(func)}(...)`, a call gaaudit cannot see into")
+
+    def called(
+        self, func: cst.BaseExpression, call: cst.Call | None = None, depth: int = 0
+    ) -> list[tuple[cst.BaseExpression | None, Origin]]:
+        """What calling `func` returns when it is (or names) a lambda, an instance of a
+        same-file loss class, or a helper or loss class imported from another module: each
+        returned expression of this file (None for another module's) with its origin.
+        `call` is the call site, when there is one."""
+        helper = self.helper(func)
+        if helper is not None:
+            label = f"`{helper.name.value}()`"
+            return [
+                (r, self._at_call(self._returned(r, depth, label), helper, call))
+                for r in self.returns(helper)
+            ]
+        value = self.bound_value(func) if isinstance(func, (cst.Name, cst.Attribute)) else func
+        if isinstance(value, cst.Lambda):
+            return [(value.body, self._returned(value.body, depth, "the lambda"))]
+        if not isinstance(value, cst.Call):
+            imported = self._imported(func, call)
+            return [(None, imported)] if imported is not None else []
+        if self._is_torch_loss(value):  # `loss_fn=nn.CrossEntropyLoss()`
+            return [(value, self._reduction(value, value, f"a `{code(value.func)}` instance"))]
+        method = self.loss_method(value.func)  # an instance: `criterion = MaskedLoss(...)`
+        if method is not None:
+            label = f"`{dotted(value.func)}.{method.name.value}()`"
+            return [(r, self._returned(r, depth, label)) for r in self.returns(method)]
+        if self.imports is None:
+            return []
+        imported = self.imports.instance_origin(value, call)
+        if imported is None and call is not None:  # `Model(...).cuda()`, `wrap(Model(...))`
+            imported = self.imports.called(self, call)
+        return [(None, imported)] if imported is not None else []
+
+    def _at_call(self, found: Origin, helper: cst.FunctionDef, call: cst.Call | None) -> Origin:
+        """A same-file helper's loss seen from its call: a division by one of its parameters
+        is a division by the argument passed; a sum divided by a count the caller takes from
+        its micro-batch (`masked_nll(lp, m, m.sum())`) is a mean."""
+        if call is None or not found.divisions:
+            return found
+        names = [p.name.value for p in helper.params.params]
+        names = names[1:] if names[:1] == ["self"] else names
+        divisions = []
+        for division in found.divisions:
+            name = division.divisor.value if isinstance(division.divisor, cst.Name) else None
+            passed = argument_for(call, names.index(name), name) if name in names else None
+            if passed is None:
+                divisions.append(division)
+            elif found.kind == "sum" and self._per_micro_batch(call, passed):
+                what = f"`{code(call)}`, a sum over the count it is handed ({MASKED_MEAN})"
+                return replace(self._mean(call, what), via=found.via, count=passed)
+            else:
+                divisions.append(Division(call, passed))
+        return replace(found, divisions=tuple(divisions))
+
+    def _returned(self, expr: cst.BaseExpression, depth: int, by: str) -> Origin:
+        found = self.origin(expr, depth + 1)
+        return replace(found, via=f", returned by {by}") if found.kind != "unknown" else found
+
+    @cached_property
+    def _classes(self) -> dict[str, cst.ClassDef]:
+        return {s.name.value: s for s in self.tree.module.body if isinstance(s, cst.ClassDef)}
+
+    def _imported(
+        self, func: cst.BaseExpression, call: cst.Call | None, index: int | None = None
+    ) -> Origin | None:
+        """What calling `func` returns (element `index` of a returned tuple) when it is a
+        function imported from the repository, or an instance of an imported class handed in
+        as an annotated parameter (`model: SoundStorm`: its `forward`)."""
+        if self.imports is None:
+            return None
+        found = self.imports.origin(func, call, index)
+        annotated = self._annotated_class(func) if found is None else None
+        if annotated is not None:
+            found = self.imports.instance_origin(cst.Call(func=annotated), call, index)
+        if found is None and call is not None:
+            found = self._passed(func, call, index)
+        return found
+
+    def _passed(self, func: cst.BaseExpression, call: cst.Call, index: int | None) -> Origin | None:
+        """What a parameter of a top-level function returns when called: the instance the
+        function's callers in other modules pass for it (`train_one_epoch(model, ...)` with
+        `model = MetaModel(...)`; see `repository.Imports.passed_origin`)."""
+        if not isinstance(func, cst.Name) or func not in self.tree.order:
+            return None
+        param = self.binding(func.value, func)
+        function = self.tree.scope_of(func)
+        if not isinstance(param, cst.Param) or not isinstance(function, cst.FunctionDef):
+            return None
+        if self.tree.module.body.count(function) == 0:  # a method or a nested function
+            return None
+        names = [p.name.value for p in function.params.params]
+        return self.imports.passed_origin(
+            function.name.value, names.index(func.value), func.value, call, index
+        )
+
+    def _annotated_class(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
+        """The class a callee's parameter is annotated with (`model: SoundStorm`), followed
+        through `self.model = model` in the same class."""
+        name = dotted(func)
+        if name is None:
+            return None
+        if "." not in name:
+            params = [self.binding(name, func)]
+        else:
+            params = [
+                self.binding(v.value, v)
+                for v in self.assigned(name, func)
+                if isinstance(v, cst.Name)
+            ]
+        for param in params:
+            if isinstance(param, cst.Param) and param.annotation is not None:
+                annotation = param.annotation.annotation
+                if isinstance(annotation, (cst.Name, cst.Attribute)):
+                    return annotation
+        return None
+
+
+class _Callees:
+    """Where a callee is defined: its bindings, the methods of the class it builds, torch loss
+    instances and their reduction, parameter defaults, same-file helpers."""
+
+    def assigned(self, name: str, use: cst.CSTNode) -> list[cst.BaseExpression]:
+        """The values the file assigns to a dotted `name`; for `self.x`, those of the class
+        that holds `use` (each trainer class of a file has its own `self.model`)."""
+        values = self.tree.assigned_values.get(name, [])
+        if name.split(".", 1)[0] != "self":
+            return values
+        owner = _class_of(self.tree, use)
+        return [v for v in values if _class_of(self.tree, v) is owner]
+
+    def bound_value(self, func: cst.Name | cst.Attribute) -> cst.BaseExpression | None:
+        """The lambda or call a callee name was assigned (`loss_fn = lambda ...`), else None."""
+        name = dotted(func)
+        if name is None:
+            return None
+        if "." in name:
+            values = self.assigned(name, func)
+        else:
+            stmt = self.binding(name, func)
+            values = [stmt.value] if isinstance(stmt, cst.Assign) else []
+        return next((v for v in values if isinstance(v, (cst.Lambda, cst.Call))), None)
+
+    def loss_method(self, func: cst.BaseExpression) -> cst.FunctionDef | None:
+        """The `forward` (or `__call__`) of the same-file class a constructor call names."""
+        return self.method(func, "forward") or self.method(func, "__call__")
+
+    def method(self, func: cst.BaseExpression, name: str) -> cst.FunctionDef | None:
+        """A method of the same-file class a constructor call names."""
+        cls = self._classes.get(dotted(func) or "")
+        if cls is None:
+            return None
+        return next(
+            (m for m in cls.body.body if isinstance(m, cst.FunctionDef) and m.name.value == name),
+            None,
+        )
+
+    def _reduction(self, configured: cst.Call, call: cst.Call, what: str) -> Origin:
+        """A torch loss's origin by its `reduction=`; `configured` is the call that sets it."""
+        reduction = string_value(keyword(configured, "reduction"))
+        if reduction == "sum":
+            found = self._sum(call, f"{what} with reduction='sum'")
+        elif reduction == "none":
+            found = Origin("elementwise", f"{what} with reduction='none'", call, tree=self.tree)
+        else:
+            found = self._mean(call, f"{what} with the default reduction='mean'")
+        return replace(found, configured=configured)
+
+    def loss_instance(self, func: cst.BaseExpression) -> cst.Call | None:
+        """The `nn.CrossEntropyLoss(...)` call a callee was bound to, if any."""
+        name = dotted(func)
+        if name is None:
+            return None
+        candidates = self.assigned(name, func) if "." in name else []
+        if not candidates:
+            stmt = self.binding(name, func)
+            candidates = [stmt.value] if isinstance(stmt, cst.Assign) else []
+        calls = [v for v in candidates if isinstance(v, cst.Call)]
+        built = next((v for v in calls if self._is_torch_loss(v)), None)
+        return built or next((b for v in calls if (b := self._configured_loss(v))), None)
+
+    def _configured_loss(self, call: cst.Call) -> cst.Call | None:
+        """The torch loss `hydra.utils.instantiate(cfg.criterion)` builds, as the project's
+        YAML configs name it (`_target_: torch.nn.CrossEntropyLoss`, its arguments)."""
+        args = positional(call)
+        if self.imports is None or last_name(call.func) != "instantiate" or not args:
+            return None
+        key = string_value(args[0].slice[0].slice.value) if _subscript(args[0]) else None
+        key = key or last_name(args[0])
+        found = configured_target(self.imports.directory, key or "", self.imports.dependencies)
+        if found is None or not found[0].startswith("torch."):
+            return None
+        target, arguments, _, _ = found
+        spelled = ", ".join(f"{k}={_literal(v)}" for k, v in arguments.items())
+        try:
+            built = cst.parse_expression(f"{target}({spelled})")
+        except cst.ParserSyntaxError:
+            return None
+        return built if isinstance(built, cst.Call) and self._is_torch_loss(built) else None
+
+    def _is_torch_loss(self, call: cst.Call) -> bool:
+        qualified = self.tree.qualified(call.func) or ""
+        return qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES
+
+    def default(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
+        """The default of the parameter a callee names (`loss_func=F.cross_entropy`): what
+        runs unless the caller hands in another function."""
+        if not isinstance(func, cst.Name) or func not in self.tree.order:
+            return None
+        param = self.binding(func.value, func)
+        if isinstance(param, cst.Param) and isinstance(param.default, (cst.Name, cst.Attribute)):
+            return param.default
+        return None
+
+    def helper(self, func: cst.BaseExpression) -> cst.FunctionDef | None:
+        """The same-file function (or `self.` method) a callee names."""
+        name = dotted(func)
+        if (
+            name is None
+            or name.count(".") > 1
+            or (name.count(".") == 1 and not name.startswith("self."))
+        ):
+            return None
+        return self.tree.functions.get(name.rsplit(".", 1)[-1])
+
+    def returns(self, function: cst.FunctionDef) -> list[cst.BaseExpression]:
+        return [
+            node.value
+            for node in self.tree.in_scope(function)
+            if isinstance(node, cst.Return) and node.value is not None
+        ]
+
+    def binding(self, name: str, use: cst.CSTNode) -> cst.CSTNode | None:
+        """The last statement before `use` in its scope (then the module) that binds `name`."""
+        tree = self.tree
+        scope = tree.scope_of(use)
+        where = tree.order[use]
+        for region in (scope, tree.module) if scope is not tree.module else (scope,):
+            earlier = [
+                node
+                for node in tree.bindings(region).get(name, ())
+                if node is not use and tree.order[node] <= where and not tree.contains(node, use)
+            ]
+            if earlier:
+                return earlier[-1]
+            if isinstance(region, cst.FunctionDef):
+                for param in region.params.params:
+                    if param.name.value == name:
+                        return param
+        return None
+
+
+class _Counts:
+    """What a mean divides by, where the code shows it, in the terms of a function's parameters."""
+
+    def valid_count(self, origin: Origin) -> cst.BaseExpression | None:
+        """What a mean loss divides by, where the code shows it: a masked mean's own count,
+        or the targets of a torch token loss (no class weights) that are not its ignore value."""
+        if origin.kind != "mean" or origin.count is not None:
+            return origin.count
+        call = origin.source
+        if not isinstance(call, cst.Call):
+            return None
+        averaged = _averaged(call, self.tree)
+        if averaged is not None:  # `x.mean()`: every element counts
+            return cst.Call(cst.Attribute(averaged, cst.Name("numel")))
+        configured = origin.configured or self.loss_instance(call.func) or call
+        name = (self.tree.qualified(configured.func) or "").rsplit(".", 1)[-1]
+        target = loss_target(call)
+        weighted = keyword(configured, "weight") or keyword(call, "weight")
+        if name not in TOKEN_LOSSES or target is None or weighted is not None:
+            return None
+        return valid_targets(target, configured)
+
+    def inlined(
+        self, expr: cst.BaseExpression, function: cst.FunctionDef, depth: int = 0
+    ) -> cst.BaseExpression | None:
+        """`expr` in the terms of `function`'s parameters (and `torch`): each local name
+        replaced by the one value it is bound to, casts dropped; None when it reads anything
+        else (`self`, a name bound twice, a module global)."""
+        bindings = self.tree.bindings(function)
+
+        def local(name: cst.Name) -> cst.BaseExpression | None:
+            bound = self.binding(name.value, name)
+            if name.value == "torch" or self._cast_argument(name, expr):  # kept, or dropped
+                return None
+            if isinstance(bound, cst.Param) and name.value != "self":
+                return None
+            if (
+                depth >= MAX_DEPTH // 4
+                or not isinstance(bound, cst.Assign)
+                or len(bound.targets) != 1
+                or not isinstance(bound.targets[0].target, cst.Name)
+                or len(bindings.get(name.value, ())) != 1
+            ):
+                raise _Foreign(name.value)
+            value = self.inlined(bound.value, function, depth + 1)
+            if value is None:
+                raise _Foreign(name.value)
+            return value
+
+        try:
+            return _uncast(substituted(expr, local))
+        except _Foreign:
+            return None
+
+    def _cast_argument(self, node: cst.CSTNode, within: cst.CSTNode) -> bool:
+        """Whether `node` is inside the arguments of a cast (`x.type(y.type())`) in `within`."""
+        for outer in self.tree.ancestors(node):
+            if (
+                isinstance(outer, cst.Call)
+                and isinstance(outer.func, cst.Attribute)
+                and outer.func.attr.value in CASTS
+                and not self.tree.contains(outer.func, node)
+            ):
+                return True
+            if outer is within:
+                return False
+        return False
+
+
+class Tracer(_Calls, _Callees, _Counts):
     """Traces loss expressions back through assignments, same-file helpers, lambdas, loss
     classes, and (given `imports`, a `repository.Imports`) helpers of other modules."""
 
@@ -386,370 +764,6 @@ class Tracer:
             if outputs is not None and self._passes_labels(outputs):
                 return self._mean(expr, f"`{code(expr)}`, the loss of a model called with labels")
         return UNKNOWN
-
-    def origin_call(self, expr: cst.BaseExpression) -> cst.Call | None:
-        """The call an expression (or the name it is bound to) evaluates."""
-        if isinstance(expr, cst.Name):
-            stmt = self.binding(expr.value, expr)
-            expr = stmt.value if isinstance(stmt, cst.Assign) else None
-        return expr if isinstance(expr, cst.Call) else None
-
-    @staticmethod
-    def _passes_labels(call: cst.Call) -> bool:
-        return any(
-            (a.keyword is not None and a.keyword.value in ("labels", "targets")) or a.star == "**"
-            for a in call.args
-        )
-
-    def _call(self, call: cst.Call, depth: int) -> Origin:
-        func = call.func
-        if isinstance(func, cst.Attribute):
-            method = func.attr.value
-            if (
-                method in ("mean", "nanmean")
-                and not positional(call)
-                and keyword(call, "dim") is None
-            ):
-                # the mean of a mean (DataParallel's per-device means) is that mean
-                inner = self.origin(func.value, depth + 1)
-                return inner if inner.kind == "mean" else self._mean(call, f"`{code(call)}`")
-            if (
-                method in ("sum", "nansum")
-                and not positional(call)
-                and keyword(call, "dim") is None
-            ):
-                return self._sum(call, f"`{code(call)}`")
-            if method in PASS_THROUGH or (method == "scale" and len(call.args) == 1):
-                target = func.value if method in PASS_THROUGH else call.args[0].value
-                return self.origin(target, depth + 1)
-        default = self.default(func)
-        qualified = self.tree.qualified(default or func) or ""
-        if qualified in ("torch.mean", "torch.nanmean"):
-            return self._mean(call, f"`{code(call)}`")
-        if qualified in ("torch.sum", "torch.nansum"):
-            return self._sum(call, f"`{code(call)}`")
-        if qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES:
-            what = f"`{qualified.rsplit('.', 1)[-1]}`"
-            if default is not None:
-                what = f"`{code(func)}`, by default {what}"
-            return self._reduction(call, call, what)
-        constructor = self.loss_instance(func)
-        if constructor is not None:
-            return self._reduction(constructor, call, f"a `{code(constructor.func)}` instance")
-        for _, found in self.called(func, call, depth):
-            if found.kind != "unknown":
-                return found
-        return Origin("unknown", f"`{code(func)}(...)`, a call gaaudit cannot see into")
-
-    def called(
-        self, func: cst.BaseExpression, call: cst.Call | None = None, depth: int = 0
-    ) -> list[tuple[cst.BaseExpression | None, Origin]]:
-        """What calling `func` returns when it is (or names) a lambda, an instance of a
-        same-file loss class, or a helper or loss class imported from another module: each
-        returned expression of this file (None for another module's) with its origin.
-        `call` is the call site, when there is one."""
-        helper = self.helper(func)
-        if helper is not None:
-            label = f"`{helper.name.value}()`"
-            return [
-                (r, self._at_call(self._returned(r, depth, label), helper, call))
-                for r in self.returns(helper)
-            ]
-        value = self.bound_value(func) if isinstance(func, (cst.Name, cst.Attribute)) else func
-        if isinstance(value, cst.Lambda):
-            return [(value.body, self._returned(value.body, depth, "the lambda"))]
-        if not isinstance(value, cst.Call):
-            imported = self._imported(func, call)
-            return [(None, imported)] if imported is not None else []
-        if self._is_torch_loss(value):  # `loss_fn=nn.CrossEntropyLoss()`
-            return [(value, self._reduction(value, value, f"a `{code(value.func)}` instance"))]
-        method = self.loss_method(value.func)  # an instance: `criterion = MaskedLoss(...)`
-        if method is not None:
-            label = f"`{dotted(value.func)}.{method.name.value}()`"
-            return [(r, self._returned(r, depth, label)) for r in self.returns(method)]
-        if self.imports is None:
-            return []
-        imported = self.imports.instance_origin(value, call)
-        if imported is None and call is not None:  # `Model(...).cuda()`, `wrap(Model(...))`
-            imported = self.imports.called(self, call)
-        return [(None, imported)] if imported is not None else []
-
-    def _at_call(self, found: Origin, helper: cst.FunctionDef, call: cst.Call | None) -> Origin:
-        """A same-file helper's loss seen from its call: a division by one of its parameters
-        is a division by the argument passed; a sum divided by a count the caller takes from
-        its micro-batch (`masked_nll(lp, m, m.sum())`) is a mean."""
-        if call is None or not found.divisions:
-            return found
-        names = [p.name.value for p in helper.params.params]
-        names = names[1:] if names[:1] == ["self"] else names
-        divisions = []
-        for division in found.divisions:
-            name = division.divisor.value if isinstance(division.divisor, cst.Name) else None
-            passed = argument_for(call, names.index(name), name) if name in names else None
-            if passed is None:
-                divisions.append(division)
-            elif found.kind == "sum" and self._per_micro_batch(call, passed):
-                what = f"`{code(call)}`, a sum over the count it is handed ({MASKED_MEAN})"
-                return replace(self._mean(call, what), via=found.via, count=passed)
-            else:
-                divisions.append(Division(call, passed))
-        return replace(found, divisions=tuple(divisions))
-
-    def _returned(self, expr: cst.BaseExpression, depth: int, by: str) -> Origin:
-        found = self.origin(expr, depth + 1)
-        return replace(found, via=f", returned by {by}") if found.kind != "unknown" else found
-
-    @cached_property
-    def _classes(self) -> dict[str, cst.ClassDef]:
-        return {s.name.value: s for s in self.tree.module.body if isinstance(s, cst.ClassDef)}
-
-    def _imported(
-        self, func: cst.BaseExpression, call: cst.Call | None, index: int | None = None
-    ) -> Origin | None:
-        """What calling `func` returns (element `index` of a returned tuple) when it is a
-        function imported from the repository, or an instance of an imported class handed in
-        as an annotated parameter (`model: SoundStorm`: its `forward`)."""
-        if self.imports is None:
-            return None
-        found = self.imports.origin(func, call, index)
-        annotated = self._annotated_class(func) if found is None else None
-        if annotated is not None:
-            found = self.imports.instance_origin(cst.Call(func=annotated), call, index)
-        if found is None and call is not None:
-            found = self._passed(func, call, index)
-        return found
-
-    def _passed(self, func: cst.BaseExpression, call: cst.Call, index: int | None) -> Origin | None:
-        """What a parameter of a top-level function returns when called: the instance the
-        function's callers in other modules pass for it (`train_one_epoch(model, ...)` with
-        `model = MetaModel(...)`; see `repository.Imports.passed_origin`)."""
-        if not isinstance(func, cst.Name) or func not in self.tree.order:
-            return None
-        param = self.binding(func.value, func)
-        function = self.tree.scope_of(func)
-        if not isinstance(param, cst.Param) or not isinstance(function, cst.FunctionDef):
-            return None
-        if self.tree.module.body.count(function) == 0:  # a method or a nested function
-            return None
-        names = [p.name.value for p in function.params.params]
-        return self.imports.passed_origin(
-            function.name.value, names.index(func.value), func.value, call, index
-        )
-
-    def _annotated_class(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
-        """The class a callee's parameter is annotated with (`model: SoundStorm`), followed
-        through `self.model = model` in the same class."""
-        name = dotted(func)
-        if name is None:
-            return None
-        if "." not in name:
-            params = [self.binding(name, func)]
-        else:
-            params = [
-                self.binding(v.value, v)
-                for v in self.assigned(name, func)
-                if isinstance(v, cst.Name)
-            ]
-        for param in params:
-            if isinstance(param, cst.Param) and param.annotation is not None:
-                annotation = param.annotation.annotation
-                if isinstance(annotation, (cst.Name, cst.Attribute)):
-                    return annotation
-        return None
-
-    def assigned(self, name: str, use: cst.CSTNode) -> list[cst.BaseExpression]:
-        """The values the file assigns to a dotted `name`; for `self.x`, those of the class
-        that holds `use` (each trainer class of a file has its own `self.model`)."""
-        values = self.tree.assigned_values.get(name, [])
-        if name.split(".", 1)[0] != "self":
-            return values
-        owner = _class_of(self.tree, use)
-        return [v for v in values if _class_of(self.tree, v) is owner]
-
-    def bound_value(self, func: cst.Name | cst.Attribute) -> cst.BaseExpression | None:
-        """The lambda or call a callee name was assigned (`loss_fn = lambda ...`), else None."""
-        name = dotted(func)
-        if name is None:
-            return None
-        if "." in name:
-            values = self.assigned(name, func)
-        else:
-            stmt = self.binding(name, func)
-            values = [stmt.value] if isinstance(stmt, cst.Assign) else []
-        return next((v for v in values if isinstance(v, (cst.Lambda, cst.Call))), None)
-
-    def loss_method(self, func: cst.BaseExpression) -> cst.FunctionDef | None:
-        """The `forward` (or `__call__`) of the same-file class a constructor call names."""
-        return self.method(func, "forward") or self.method(func, "__call__")
-
-    def method(self, func: cst.BaseExpression, name: str) -> cst.FunctionDef | None:
-        """A method of the same-file class a constructor call names."""
-        cls = self._classes.get(dotted(func) or "")
-        if cls is None:
-            return None
-        return next(
-            (m for m in cls.body.body if isinstance(m, cst.FunctionDef) and m.name.value == name),
-            None,
-        )
-
-    def _reduction(self, configured: cst.Call, call: cst.Call, what: str) -> Origin:
-        """A torch loss's origin by its `reduction=`; `configured` is the call that sets it."""
-        reduction = string_value(keyword(configured, "reduction"))
-        if reduction == "sum":
-            found = self._sum(call, f"{what} with reduction='sum'")
-        elif reduction == "none":
-            found = Origin("elementwise", f"{what} with reduction='none'", call, tree=self.tree)
-        else:
-            found = self._mean(call, f"{what} with the default reduction='mean'")
-        return replace(found, configured=configured)
-
-    def loss_instance(self, func: cst.BaseExpression) -> cst.Call | None:
-        """The `nn.CrossEntropyLoss(...)` call a callee was bound to, if any."""
-        name = dotted(func)
-        if name is None:
-            return None
-        candidates = self.assigned(name, func) if "." in name else []
-        if not candidates:
-            stmt = self.binding(name, func)
-            candidates = [stmt.value] if isinstance(stmt, cst.Assign) else []
-        calls = [v for v in candidates if isinstance(v, cst.Call)]
-        built = next((v for v in calls if self._is_torch_loss(v)), None)
-        return built or next((b for v in calls if (b := self._configured_loss(v))), None)
-
-    def _configured_loss(self, call: cst.Call) -> cst.Call | None:
-        """The torch loss `hydra.utils.instantiate(cfg.criterion)` builds, as the project's
-        YAML configs name it (`_target_: torch.nn.CrossEntropyLoss`, its arguments)."""
-        args = positional(call)
-        if self.imports is None or last_name(call.func) != "instantiate" or not args:
-            return None
-        key = string_value(args[0].slice[0].slice.value) if _subscript(args[0]) else None
-        key = key or last_name(args[0])
-        found = configured_target(self.imports.directory, key or "", self.imports.dependencies)
-        if found is None or not found[0].startswith("torch."):
-            return None
-        target, arguments, _, _ = found
-        spelled = ", ".join(f"{k}={_literal(v)}" for k, v in arguments.items())
-        try:
-            built = cst.parse_expression(f"{target}({spelled})")
-        except cst.ParserSyntaxError:
-            return None
-        return built if isinstance(built, cst.Call) and self._is_torch_loss(built) else None
-
-    def _is_torch_loss(self, call: cst.Call) -> bool:
-        qualified = self.tree.qualified(call.func) or ""
-        return qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in TORCH_LOSSES
-
-    def default(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
-        """The default of the parameter a callee names (`loss_func=F.cross_entropy`): what
-        runs unless the caller hands in another function."""
-        if not isinstance(func, cst.Name) or func not in self.tree.order:
-            return None
-        param = self.binding(func.value, func)
-        if isinstance(param, cst.Param) and isinstance(param.default, (cst.Name, cst.Attribute)):
-            return param.default
-        return None
-
-    def helper(self, func: cst.BaseExpression) -> cst.FunctionDef | None:
-        """The same-file function (or `self.` method) a callee names."""
-        name = dotted(func)
-        if (
-            name is None
-            or name.count(".") > 1
-            or (name.count(".") == 1 and not name.startswith("self."))
-        ):
-            return None
-        return self.tree.functions.get(name.rsplit(".", 1)[-1])
-
-    def valid_count(self, origin: Origin) -> cst.BaseExpression | None:
-        """What a mean loss divides by, where the code shows it: a masked mean's own count,
-        or the targets of a torch token loss (no class weights) that are not its ignore value."""
-        if origin.kind != "mean" or origin.count is not None:
-            return origin.count
-        call = origin.source
-        if not isinstance(call, cst.Call):
-            return None
-        averaged = _averaged(call, self.tree)
-        if averaged is not None:  # `x.mean()`: every element counts
-            return cst.Call(cst.Attribute(averaged, cst.Name("numel")))
-        configured = origin.configured or self.loss_instance(call.func) or call
-        name = (self.tree.qualified(configured.func) or "").rsplit(".", 1)[-1]
-        target = loss_target(call)
-        weighted = keyword(configured, "weight") or keyword(call, "weight")
-        if name not in TOKEN_LOSSES or target is None or weighted is not None:
-            return None
-        return valid_targets(target, configured)
-
-    def inlined(
-        self, expr: cst.BaseExpression, function: cst.FunctionDef, depth: int = 0
-    ) -> cst.BaseExpression | None:
-        """`expr` in the terms of `function`'s parameters (and `torch`): each local name
-        replaced by the one value it is bound to, casts dropped; None when it reads anything
-        else (`self`, a name bound twice, a module global)."""
-        bindings = self.tree.bindings(function)
-
-        def local(name: cst.Name) -> cst.BaseExpression | None:
-            bound = self.binding(name.value, name)
-            if name.value == "torch" or self._cast_argument(name, expr):  # kept, or dropped
-                return None
-            if isinstance(bound, cst.Param) and name.value != "self":
-                return None
-            if (
-                depth >= MAX_DEPTH // 4
-                or not isinstance(bound, cst.Assign)
-                or len(bound.targets) != 1
-                or not isinstance(bound.targets[0].target, cst.Name)
-                or len(bindings.get(name.value, ())) != 1
-            ):
-                raise _Foreign(name.value)
-            value = self.inlined(bound.value, function, depth + 1)
-            if value is None:
-                raise _Foreign(name.value)
-            return value
-
-        try:
-            return _uncast(substituted(expr, local))
-        except _Foreign:
-            return None
-
-    def _cast_argument(self, node: cst.CSTNode, within: cst.CSTNode) -> bool:
-        """Whether `node` is inside the arguments of a cast (`x.type(y.type())`) in `within`."""
-        for outer in self.tree.ancestors(node):
-            if (
-                isinstance(outer, cst.Call)
-                and isinstance(outer.func, cst.Attribute)
-                and outer.func.attr.value in CASTS
-                and not self.tree.contains(outer.func, node)
-            ):
-                return True
-            if outer is within:
-                return False
-        return False
-
-    def returns(self, function: cst.FunctionDef) -> list[cst.BaseExpression]:
-        return [
-            node.value
-            for node in self.tree.in_scope(function)
-            if isinstance(node, cst.Return) and node.value is not None
-        ]
-
-    def binding(self, name: str, use: cst.CSTNode) -> cst.CSTNode | None:
-        """The last statement before `use` in its scope (then the module) that binds `name`."""
-        tree = self.tree
-        scope = tree.scope_of(use)
-        where = tree.order[use]
-        for region in (scope, tree.module) if scope is not tree.module else (scope,):
-            earlier = [
-                node
-                for node in tree.bindings(region).get(name, ())
-                if node is not use and tree.order[node] <= where and not tree.contains(node, use)
-            ]
-            if earlier:
-                return earlier[-1]
-            if isinstance(region, cst.FunctionDef):
-                for param in region.params.params:
-                    if param.name.value == name:
-                        return param
-        return None
 
 
 def _subscript(expr: cst.BaseExpression) -> bool:

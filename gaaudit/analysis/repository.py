@@ -246,7 +246,113 @@ def _variable_sign(tree: Tree, function: cst.FunctionDef, label: str, path: Path
 SHARED = Repository()
 
 
-class Imports:
+class _Callers:
+    """What the callers of this file, and the factories of the repository, hand it."""
+
+    def passed_origin(
+        self, function: str, position: int, parameter: str, call: cst.Call, index: int | None
+    ) -> Origin | None:
+        """What calling the instance that callers of this file's `function` pass for its
+        `parameter` returns (element `index` of a returned tuple): callers are the modules
+        beside this file that import `function` and call it with an instance of a class of
+        the repository, through wrappers that take it first (`FSDP(model, ...)`). Every
+        file beside this one is a dependency: a caller edited re-judges this file."""
+        if not self.name or self.hops > MAX_HOPS:
+            return None
+        needle = function.encode() + b"("
+        for path in sorted(self.directory.glob("*.py")):
+            digest = file_digest(path)
+            self.dependencies.add(Dependency(str(path), digest))
+            if path.name == self.name or not digest:
+                continue
+            try:
+                data = path.read_bytes()
+                if needle not in data:
+                    continue
+                tree = Tree(parse(data), data)
+            except (OSError, SourceError, RecursionError):
+                continue
+            caller = Imports(tree, path.parent, self.repository, self.hops + 1, path.name)
+            found = caller._passed(function, position, parameter, self, call, index)
+            self.dependencies |= caller.dependencies
+            if found is not None:
+                return found
+        return None
+
+    def _passed(
+        self,
+        function: str,
+        position: int,
+        parameter: str,
+        callee: Imports,
+        call: cst.Call,
+        index: int | None,
+    ) -> Origin | None:
+        """In a caller's file: the origin of the instance its calls of `function` (imported
+        from `callee`'s file) pass for `parameter`."""
+        tracer = Tracer(self.tree, self)
+        target = callee.directory / callee.name
+        for site in self.tree.calls:
+            reference = self.reference(site.func)
+            if reference is None or reference.name != function:
+                continue
+            module = locate(self.directory, reference.level, reference.module, self.dependencies)
+            if module is None or module.resolve() != target.resolve():
+                continue
+            argument = argument_for(site, position, parameter)
+            if argument is None:
+                continue
+            built = _constructor(tracer, argument, self)
+            if built is not None:
+                maker, reference, constructor = built
+                found = maker._instance(reference, constructor, call, index)
+                self.dependencies |= maker.dependencies
+                return found
+            found = self._function_origin(argument, call, index)
+            if found is not None:
+                return found
+        return None
+
+    def built_by(self, factory: Summary, hops: int) -> Built | None:
+        """The class instance a factory function of the repository returns, with the imports
+        of the factory's module."""
+        path = factory.path
+        try:
+            data = path.read_bytes()
+            tree = Tree(parse(data), data)
+        except (OSError, SourceError, RecursionError):
+            return None
+        function = _top_level(tree, factory.name)
+        if not isinstance(function, cst.FunctionDef):
+            return None
+        maker = Imports(tree, path.parent, self.repository, self.hops + 1, path.name)
+        tracer = Tracer(tree, maker)
+        for returned in tracer.returns(function):
+            built = _constructor(tracer, returned, maker, hops)
+            if built is not None:
+                return built
+        return None
+
+    def _function_origin(
+        self, argument: cst.BaseExpression, call: cst.Call, index: int | None
+    ) -> Origin | None:
+        """What calling a function passed as `argument` returns: one this file defines at
+        its top level, or imports from the repository."""
+        if not isinstance(argument, cst.Name):
+            return None
+        defined = _top_level(self.tree, argument.value)
+        if not isinstance(defined, cst.FunctionDef):
+            return self.origin(argument, call, index)
+        path = self.directory / self.name
+        found = self.repository.summary(path, argument.value, self.dependencies, self.hops)
+        if found is None:
+            return None
+        reference = Reference(0, path.stem, argument.value)
+        via = f", returned by `{found.name}()` that `{self.name}` passes"
+        return self._origin(_item(found, index), found, reference, argument, call, via)
+
+
+class Imports(_Callers):
     """The names one file imports from other modules of its repository, resolved on demand.
 
     `dependencies` collects every file read (or looked for) while resolving them.
@@ -325,70 +431,6 @@ class Imports:
             return None
         return self._origin(_item(found, index), found, reference, constructor, call)
 
-    def passed_origin(
-        self, function: str, position: int, parameter: str, call: cst.Call, index: int | None
-    ) -> Origin | None:
-        """What calling the instance that callers of this file's `function` pass for its
-        `parameter` returns (element `index` of a returned tuple): callers are the modules
-        beside this file that import `function` and call it with an instance of a class of
-        the repository, through wrappers that take it first (`FSDP(model, ...)`). Every
-        file beside this one is a dependency: a caller edited re-judges this file."""
-        if not self.name or self.hops > MAX_HOPS:
-            return None
-        needle = function.encode() + b"("
-        for path in sorted(self.directory.glob("*.py")):
-            digest = file_digest(path)
-            self.dependencies.add(Dependency(str(path), digest))
-            if path.name == self.name or not digest:
-                continue
-            try:
-                data = path.read_bytes()
-                if needle not in data:
-                    continue
-                tree = Tree(parse(data), data)
-            except (OSError, SourceError, RecursionError):
-                continue
-            caller = Imports(tree, path.parent, self.repository, self.hops + 1, path.name)
-            found = caller._passed(function, position, parameter, self, call, index)
-            self.dependencies |= caller.dependencies
-            if found is not None:
-                return found
-        return None
-
-    def _passed(
-        self,
-        function: str,
-        position: int,
-        parameter: str,
-        callee: Imports,
-        call: cst.Call,
-        index: int | None,
-    ) -> Origin | None:
-        """In a caller's file: the origin of the instance its calls of `function` (imported
-        from `callee`'s file) pass for `parameter`."""
-        tracer = Tracer(self.tree, self)
-        target = callee.directory / callee.name
-        for site in self.tree.calls:
-            reference = self.reference(site.func)
-            if reference is None or reference.name != function:
-                continue
-            module = locate(self.directory, reference.level, reference.module, self.dependencies)
-            if module is None or module.resolve() != target.resolve():
-                continue
-            argument = argument_for(site, position, parameter)
-            if argument is None:
-                continue
-            built = _constructor(tracer, argument, self)
-            if built is not None:
-                maker, reference, constructor = built
-                found = maker._instance(reference, constructor, call, index)
-                self.dependencies |= maker.dependencies
-                return found
-            found = self._function_origin(argument, call, index)
-            if found is not None:
-                return found
-        return None
-
     def averaging(
         self, func: cst.BaseExpression, averaged_steps: Averaging
     ) -> tuple[str, str] | None:
@@ -417,44 +459,6 @@ class Imports:
         found = maker._instance(reference, constructor, call, index)
         self.dependencies |= maker.dependencies
         return found
-
-    def built_by(self, factory: Summary, hops: int) -> Built | None:
-        """The class instance a factory function of the repository returns, with the imports
-        of the factory's module."""
-        path = factory.path
-        try:
-            data = path.read_bytes()
-            tree = Tree(parse(data), data)
-        except (OSError, SourceError, RecursionError):
-            return None
-        function = _top_level(tree, factory.name)
-        if not isinstance(function, cst.FunctionDef):
-            return None
-        maker = Imports(tree, path.parent, self.repository, self.hops + 1, path.name)
-        tracer = Tracer(tree, maker)
-        for returned in tracer.returns(function):
-            built = _constructor(tracer, returned, maker, hops)
-            if built is not None:
-                return built
-        return None
-
-    def _function_origin(
-        self, argument: cst.BaseExpression, call: cst.Call, index: int | None
-    ) -> Origin | None:
-        """What calling a function passed as `argument` returns: one this file defines at
-        its top level, or imports from the repository."""
-        if not isinstance(argument, cst.Name):
-            return None
-        defined = _top_level(self.tree, argument.value)
-        if not isinstance(defined, cst.FunctionDef):
-            return self.origin(argument, call, index)
-        path = self.directory / self.name
-        found = self.repository.summary(path, argument.value, self.dependencies, self.hops)
-        if found is None:
-            return None
-        reference = Reference(0, path.stem, argument.value)
-        via = f", returned by `{found.name}()` that `{self.name}` passes"
-        return self._origin(_item(found, index), found, reference, argument, call, via)
 
     def _origin(
         self,

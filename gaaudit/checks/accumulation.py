@@ -44,7 +44,199 @@ class Site:
         return CODES[self.kind]
 
 
-class Auditor:
+class _Frameworks:
+    """Losses a framework divides: Lightning's returned loss, pipeline schedules' loss functions."""
+
+    def _lightning(self) -> Iterator[Site]:
+        """`training_step` returning a mean loss under `Trainer(accumulate_grad_batches=k)`, a
+        `GradientAccumulationScheduler`, or the project's YAML configs setting K."""
+        accumulation = self.structure.lightning_accumulation
+        if accumulation is None:
+            return
+        factor, setting, _ = accumulation
+        size = None if isinstance(factor, cst.Dict) else factor  # a schedule: K varies by epoch
+        for cls in self.tree.classes:
+            if not _is_lightning_module(cls):
+                continue
+            for node in self.tree.walk(cls.body):
+                if isinstance(node, cst.FunctionDef) and node.name.value == "training_step":
+                    for returned in self.tracer.returns(node):
+                        loss = _returned_loss(returned)
+                        origin = self.tracer.origin(loss)
+                        if origin.kind == "mean":
+                            window = Window("framework", None, size, node, ())
+                            yield Site(
+                                "framework-division",
+                                loss,
+                                Backward(None, loss),
+                                window,
+                                origin,
+                                None,
+                                "Mean loss returned to a Lightning Trainer that divides it by "
+                                f"its accumulation factor ({setting}): micro-batches with fewer "
+                                "valid tokens are over-weighted",
+                            )
+
+    def _pipelines(self) -> Iterator[Site]:
+        """Loss functions given to a pipeline schedule that returns a per-micro-batch mean:
+        divided by the number of micro-batches (GA001), left to a schedule that divides
+        (GA003), or to one that sums the micro-batches' gradients (GA002)."""
+        for pipeline in self.structure.pipelines():
+            window = Window("pipeline", None, pipeline.micro_batches, pipeline.call, ())
+            for returned, origin in self.tracer.called(pipeline.loss_fn):
+                if origin.kind == "mean":
+                    node = returned if returned is not None else pipeline.loss_fn
+                    yield from self._pipeline_site(pipeline, window, node, origin)
+
+    def _pipeline_site(
+        self, pipeline: Pipeline, window: Window, node: cst.CSTNode, origin: Origin
+    ) -> Iterator[Site]:
+        backward = Backward(None, node)
+        division = next(
+            (d for d in origin.divisions if self._counts_micro_batches(d, pipeline)), None
+        )
+        if division is not None:
+            again = f"; {pipeline.framework} as well: K times too small" if pipeline.divides else ""
+            message = (
+                f"Mean loss divided by the number of micro-batches `{code(division.divisor)}` in "
+                "a pipeline loss function: micro-batches with fewer valid tokens are over-weighted"
+            )
+            yield Site(
+                "loss-division", division.node, backward, window, origin, division, message + again
+            )
+        elif origin.divisions or pipeline.divides is None:
+            return
+        elif pipeline.divides:
+            message = (
+                "Mean loss returned to a pipeline schedule that divides by the number of "
+                f"micro-batches ({pipeline.framework}): micro-batches with fewer valid tokens are "
+                "over-weighted"
+            )
+            yield Site("framework-division", node, backward, window, origin, None, message)
+        else:
+            message = (
+                "Mean loss returned to a pipeline schedule with `scale_grads=False`, which sums "
+                "the micro-batches' gradients: the gradient is about K times too large and "
+                "wrongly weighted per token"
+            )
+            yield Site("no-division", node, backward, window, origin, None, message)
+
+    def _counts_micro_batches(self, division: Division, pipeline: Pipeline) -> bool:
+        """A divisor that is the schedule's number of micro-batches: an accumulation name, the
+        value given to the schedule, or a loss class's `self.n` set from either."""
+        argument = self._constructor_argument(division.divisor, pipeline.loss_fn)
+        return any(
+            self.structure.is_accumulation_name(divisor)
+            or (
+                pipeline.micro_batches is not None
+                and self._same_value(divisor, pipeline.micro_batches)
+            )
+            for divisor in (division.divisor, argument)
+            if divisor is not None
+        )
+
+    def _constructor_argument(self, divisor: cst.BaseExpression, loss_fn: cst.BaseExpression):
+        """For `self.n` in a loss class's method: the argument its constructor call passed for
+        the `__init__` parameter that `self.n` was set from."""
+        name = dotted(divisor) or ""
+        if not name.startswith("self.") or name.count(".") != 1:
+            return None
+        constructor = loss_fn if isinstance(loss_fn, cst.Call) else self.tracer.bound_value(loss_fn)
+        if (
+            not isinstance(constructor, cst.Call)
+            or self.tracer.loss_method(constructor.func) is None
+        ):
+            return None
+        init = self.tracer.method(constructor.func, "__init__")
+        if init is None:
+            return None
+        parameters = [p.name.value for p in init.params.params][1:]
+        for stmt in self.tree.walk(init.body, into_defs=False):
+            if isinstance(stmt, cst.Assign) and any(dotted(t.target) == name for t in stmt.targets):
+                source = stmt.value.value if isinstance(stmt.value, cst.Name) else None
+                if source in parameters:
+                    return argument_for(constructor, parameters.index(source), source)
+        return None
+
+
+class _Divisors:
+    """Which divisors are the window's constant K, and how a site is described."""
+
+    def _stock_guarded(self, node: cst.CSTNode) -> bool:
+        """Under the stock Trainer's own guard, `if not self.model_accepts_loss_kwargs ...:`,
+        where transformers divides by K too: the division copies the stock behaviour."""
+        return any(
+            isinstance(guard, cst.If) and "model_accepts_loss_kwargs" in code(guard.test)
+            for guard in self.tree.ancestors(node)
+        )
+
+    def _constant_divisor(self, division: Division, window: Window) -> bool:
+        """A divisor that is the window size K, an accumulation name, or loop-invariant."""
+        divisor = division.divisor
+        if self.structure.is_accumulation_name(divisor):
+            return True
+        if window.size is not None:
+            return self._same_value(divisor, window.size)
+        if window.loop is None:
+            return False
+        return not depends_on(divisor, self.tree.assigned_in(window.loop))
+
+    def _same_value(self, a: cst.BaseExpression, b: cst.BaseExpression) -> bool:
+        """Equal code, or one is a name bound to the other (`k = args.accum`)."""
+        return bool({_bare(a), self._alias(a)} & {_bare(b), self._alias(b)} - {""})
+
+    def _alias(self, expr: cst.BaseExpression) -> str:
+        if (
+            not isinstance(expr, cst.Name) or expr not in self.tree.order
+        ):  # detached: another module's
+            return ""
+        stmt = self.tracer.binding(expr.value, expr)
+        return code(stmt.value) if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 else ""
+
+    def _gradient_divisions(
+        self, window: Window
+    ) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:
+        """`p.grad.div_(k)`, `p.grad /= k`, `p.grad = p.grad / k` at the window's step."""
+        for region in window.step_region:
+            for node in self.tree.walk(region, into_defs=False):
+                divisor = _grad_divisor(node)
+                if divisor is not None and self._constant_divisor(Division(node, divisor), window):
+                    yield node, divisor
+
+    def _describe(self, window: Window) -> str:
+        line = self.tree.line(window.anchor)
+        if window.skips:
+            return f"optimizer step after `if {code(window.anchor.test)}: continue` (line {line})"
+        if window.kind == "modulo":
+            return f"optimizer step guarded by `{code(window.anchor.test)}` (line {line})"
+        if window.kind == "calls":
+            function = self.tree.scope_of(window.anchor)
+            return (
+                f"optimizer step guarded by `{code(window.anchor.test)}` (line {line}): the window "
+                f"spans calls of `{function.name.value}`"
+            )
+        if window.kind == "micro-loop":
+            head = code(window.anchor.iter) if isinstance(window.anchor, cst.For) else "while"
+            return f"micro-step loop over `{head}` (line {line}) before one optimizer step"
+        if window.kind == "accumulate":
+            return f"`accumulate()` context (line {line})"
+        if window.kind == "callable":
+            flag = self.structure.stepping_callable(window.anchor)
+            return (
+                f"`{code(window.anchor.func)}(...)` (line {line}) is handed the loss and the "
+                f"optimizer, and steps every `{code(flag.right)}` calls (`{code(flag)}`)"
+            )
+        if window.kind == "framework":
+            return f"the framework accumulates gradients for you (line {line})"
+        if window.kind == "pipeline":
+            schedule = f"`{code(window.anchor.func)}(...)`"
+            return (
+                f"{schedule} runs the micro-batches and accumulates their gradients (line {line})"
+            )
+        return f"`{code(window.size)}` names an accumulation divisor"
+
+
+class Auditor(_Frameworks, _Divisors):
     """Runs the accumulation rules over one parsed file."""
 
     def __init__(
@@ -199,190 +391,6 @@ class Auditor:
                 f"{_subject(origin)} accumulated over micro-batches with no normalization: the gradient is "
                 "about K times too large and wrongly weighted per token",
             )
-
-    def _lightning(self) -> Iterator[Site]:
-        """`training_step` returning a mean loss under `Trainer(accumulate_grad_batches=k)`, a
-        `GradientAccumulationScheduler`, or the project's YAML configs setting K."""
-        accumulation = self.structure.lightning_accumulation
-        if accumulation is None:
-            return
-        factor, setting, _ = accumulation
-        size = None if isinstance(factor, cst.Dict) else factor  # a schedule: K varies by epoch
-        for cls in self.tree.classes:
-            if not _is_lightning_module(cls):
-                continue
-            for node in self.tree.walk(cls.body):
-                if isinstance(node, cst.FunctionDef) and node.name.value == "training_step":
-                    for returned in self.tracer.returns(node):
-                        loss = _returned_loss(returned)
-                        origin = self.tracer.origin(loss)
-                        if origin.kind == "mean":
-                            window = Window("framework", None, size, node, ())
-                            yield Site(
-                                "framework-division",
-                                loss,
-                                Backward(None, loss),
-                                window,
-                                origin,
-                                None,
-                                "Mean loss returned to a Lightning Trainer that divides it by "
-                                f"its accumulation factor ({setting}): micro-batches with fewer "
-                                "valid tokens are over-weighted",
-                            )
-
-    def _pipelines(self) -> Iterator[Site]:
-        """Loss functions given to a pipeline schedule that returns a per-micro-batch mean:
-        divided by the number of micro-batches (GA001), left to a schedule that divides
-        (GA003), or to one that sums the micro-batches' gradients (GA002)."""
-        for pipeline in self.structure.pipelines():
-            window = Window("pipeline", None, pipeline.micro_batches, pipeline.call, ())
-            for returned, origin in self.tracer.called(pipeline.loss_fn):
-                if origin.kind == "mean":
-                    node = returned if returned is not None else pipeline.loss_fn
-                    yield from self._pipeline_site(pipeline, window, node, origin)
-
-    def _pipeline_site(
-        self, pipeline: Pipeline, window: Window, node: cst.CSTNode, origin: Origin
-    ) -> Iterator[Site]:
-        backward = Backward(None, node)
-        division = next(
-            (d for d in origin.divisions if self._counts_micro_batches(d, pipeline)), None
-        )
-        if division is not None:
-            again = f"; {pipeline.framework} as well: K times too small" if pipeline.divides else ""
-            message = (
-                f"Mean loss divided by the number of micro-batches `{code(division.divisor)}` in "
-                "a pipeline loss function: micro-batches with fewer valid tokens are over-weighted"
-            )
-            yield Site(
-                "loss-division", division.node, backward, window, origin, division, message + again
-            )
-        elif origin.divisions or pipeline.divides is None:
-            return
-        elif pipeline.divides:
-            message = (
-                "Mean loss returned to a pipeline schedule that divides by the number of "
-                f"micro-batches ({pipeline.framework}): micro-batches with fewer valid tokens are "
-                "over-weighted"
-            )
-            yield Site("framework-division", node, backward, window, origin, None, message)
-        else:
-            message = (
-                "Mean loss returned to a pipeline schedule with `scale_grads=False`, which sums "
-                "the micro-batches' gradients: the gradient is about K times too large and "
-                "wrongly weighted per token"
-            )
-            yield Site("no-division", node, backward, window, origin, None, message)
-
-    def _counts_micro_batches(self, division: Division, pipeline: Pipeline) -> bool:
-        """A divisor that is the schedule's number of micro-batches: an accumulation name, the
-        value given to the schedule, or a loss class's `self.n` set from either."""
-        argument = self._constructor_argument(division.divisor, pipeline.loss_fn)
-        return any(
-            self.structure.is_accumulation_name(divisor)
-            or (
-                pipeline.micro_batches is not None
-                and self._same_value(divisor, pipeline.micro_batches)
-            )
-            for divisor in (division.divisor, argument)
-            if divisor is not None
-        )
-
-    def _constructor_argument(self, divisor: cst.BaseExpression, loss_fn: cst.BaseExpression):
-        """For `self.n` in a loss class's method: the argument its constructor call passed for
-        the `__init__` parameter that `self.n` was set from."""
-        name = dotted(divisor) or ""
-        if not name.startswith("self.") or name.count(".") != 1:
-            return None
-        constructor = loss_fn if isinstance(loss_fn, cst.Call) else self.tracer.bound_value(loss_fn)
-        if (
-            not isinstance(constructor, cst.Call)
-            or self.tracer.loss_method(constructor.func) is None
-        ):
-            return None
-        init = self.tracer.method(constructor.func, "__init__")
-        if init is None:
-            return None
-        parameters = [p.name.value for p in init.params.params][1:]
-        for stmt in self.tree.walk(init.body, into_defs=False):
-            if isinstance(stmt, cst.Assign) and any(dotted(t.target) == name for t in stmt.targets):
-                source = stmt.value.value if isinstance(stmt.value, cst.Name) else None
-                if source in parameters:
-                    return argument_for(constructor, parameters.index(source), source)
-        return None
-
-    def _stock_guarded(self, node: cst.CSTNode) -> bool:
-        """Under the stock Trainer's own guard, `if not self.model_accepts_loss_kwargs ...:`,
-        where transformers divides by K too: the division copies the stock behaviour."""
-        return any(
-            isinstance(guard, cst.If) and "model_accepts_loss_kwargs" in code(guard.test)
-            for guard in self.tree.ancestors(node)
-        )
-
-    def _constant_divisor(self, division: Division, window: Window) -> bool:
-        """A divisor that is the window size K, an accumulation name, or loop-invariant."""
-        divisor = division.divisor
-        if self.structure.is_accumulation_name(divisor):
-            return True
-        if window.size is not None:
-            return self._same_value(divisor, window.size)
-        if window.loop is None:
-            return False
-        return not depends_on(divisor, self.tree.assigned_in(window.loop))
-
-    def _same_value(self, a: cst.BaseExpression, b: cst.BaseExpression) -> bool:
-        """Equal code, or one is a name bound to the other (`k = args.accum`)."""
-        return bool({_bare(a), self._alias(a)} & {_bare(b), self._alias(b)} - {""})
-
-    def _alias(self, expr: cst.BaseExpression) -> str:
-        if (
-            not isinstance(expr, cst.Name) or expr not in self.tree.order
-        ):  # detached: another module's
-            return ""
-        stmt = self.tracer.binding(expr.value, expr)
-        return code(stmt.value) if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 else ""
-
-    def _gradient_divisions(
-        self, window: Window
-    ) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:
-        """`p.grad.div_(k)`, `p.grad /= k`, `p.grad = p.grad / k` at the window's step."""
-        for region in window.step_region:
-            for node in self.tree.walk(region, into_defs=False):
-                divisor = _grad_divisor(node)
-                if divisor is not None and self._constant_divisor(Division(node, divisor), window):
-                    yield node, divisor
-
-    def _describe(self, window: Window) -> str:
-        line = self.tree.line(window.anchor)
-        if window.skips:
-            return f"optimizer step after `if {code(window.anchor.test)}: continue` (line {line})"
-        if window.kind == "modulo":
-            return f"optimizer step guarded by `{code(window.anchor.test)}` (line {line})"
-        if window.kind == "calls":
-            function = self.tree.scope_of(window.anchor)
-            return (
-                f"optimizer step guarded by `{code(window.anchor.test)}` (line {line}): the window "
-                f"spans calls of `{function.name.value}`"
-            )
-        if window.kind == "micro-loop":
-            head = code(window.anchor.iter) if isinstance(window.anchor, cst.For) else "while"
-            return f"micro-step loop over `{head}` (line {line}) before one optimizer step"
-        if window.kind == "accumulate":
-            return f"`accumulate()` context (line {line})"
-        if window.kind == "callable":
-            flag = self.structure.stepping_callable(window.anchor)
-            return (
-                f"`{code(window.anchor.func)}(...)` (line {line}) is handed the loss and the "
-                f"optimizer, and steps every `{code(flag.right)}` calls (`{code(flag)}`)"
-            )
-        if window.kind == "framework":
-            return f"the framework accumulates gradients for you (line {line})"
-        if window.kind == "pipeline":
-            schedule = f"`{code(window.anchor.func)}(...)`"
-            return (
-                f"{schedule} runs the micro-batches and accumulates their gradients (line {line})"
-            )
-        return f"`{code(window.size)}` names an accumulation divisor"
 
 
 def _subject(origin: Origin) -> str:

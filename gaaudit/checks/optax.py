@@ -106,7 +106,78 @@ class Site:
         return CODE
 
 
-class OptaxAudit:
+class _Divisions:
+    """Accumulation and the divisions of gradient trees by a count of micro-steps."""
+
+    def _accumulates(self) -> bool:
+        """A Python loop, or a `lax.scan` / `lax.fori_loop` / `lax.while_loop`, somewhere in the file."""
+        return any(
+            isinstance(node, (cst.For, cst.While))
+            or (
+                isinstance(node, cst.Call)
+                and (self.tree.qualified(node.func) or "").endswith(
+                    ("lax.scan", "lax.fori_loop", "lax.while_loop")
+                )
+            )
+            for node in self.tree.walk(self.tree.module)
+        )
+
+    def _tree_divisions(self) -> Iterator[Site]:
+        """`tree_map(lambda g: g / k, grads)`, `tree_map(lambda a, g: a + g / k, acc, grads)`."""
+        for node, division in self._leaf_divisions():
+            if self._is_steps(division.right):
+                yield Site(
+                    division,
+                    f"Gradients divided by the number of micro-steps `{code(division.right)}` "
+                    f"while each micro-step's loss {MEAN}: micro-batches are weighted equally "
+                    "instead of by their valid tokens",
+                    f"accumulation: `{code(node.func)}` averages the micro-gradients "
+                    f"(line {self.tree.line(node)})",
+                    "average",
+                    node,
+                )
+
+    def _leaf_divisions(self) -> Iterator[tuple[cst.Call, cst.BinaryOperation]]:
+        """Each `tree_map(lambda ...: ... g / d ...)` call and its division of a leaf by a
+        value that is not a leaf."""
+        for node in self.tree.calls:
+            if not (self._is_tree_map(node.func) and positional(node)):
+                continue
+            function = positional(node)[0]
+            if not isinstance(function, cst.Lambda):
+                continue
+            leaves = {p.name.value for p in function.params.params}
+            for inner in self.tree.walk(function.body):
+                if (
+                    isinstance(inner, cst.BinaryOperation)
+                    and isinstance(inner.operator, cst.Divide)
+                    and depends_on(inner.left, leaves)
+                    and not depends_on(inner.right, leaves)
+                ):
+                    yield node, inner
+
+    def _is_tree_map(self, func: cst.BaseExpression) -> bool:
+        qualified = self.tree.qualified(func) or ""
+        return qualified.split(".")[0] in JAX_HOMES and qualified.endswith(("tree_map", "tree.map"))
+
+    def _is_steps(self, expr: cst.BaseExpression, hops: int = 2) -> bool:
+        """A count of micro-steps: an accumulation name, `len(micro_batches)`, or a name bound to one."""
+        if (
+            isinstance(expr, cst.Call)
+            and dotted(expr.func) in ("len", "float", "int")
+            and positional(expr)
+        ):
+            return self._is_steps(positional(expr)[0], hops)
+        name = last_name(expr) or ""
+        if name in self.names or STEPS.search(name):
+            return True
+        if hops and isinstance(expr, cst.Name):
+            stmt = self.tracer.binding(name, expr)
+            return isinstance(stmt, cst.Assign) and self._is_steps(stmt.value, hops - 1)
+        return False
+
+
+class OptaxAudit(_Divisions):
     """GA005 over one file: `optax.MultiSteps`, and hand-written averages of micro-gradients."""
 
     def __init__(self, tree: Tree, accumulation_names: frozenset[str], imports=None) -> None:
@@ -252,73 +323,6 @@ class OptaxAudit:
                 "multisteps",
                 node,
             )
-
-    def _accumulates(self) -> bool:
-        """A Python loop, or a `lax.scan` / `lax.fori_loop` / `lax.while_loop`, somewhere in the file."""
-        return any(
-            isinstance(node, (cst.For, cst.While))
-            or (
-                isinstance(node, cst.Call)
-                and (self.tree.qualified(node.func) or "").endswith(
-                    ("lax.scan", "lax.fori_loop", "lax.while_loop")
-                )
-            )
-            for node in self.tree.walk(self.tree.module)
-        )
-
-    def _tree_divisions(self) -> Iterator[Site]:
-        """`tree_map(lambda g: g / k, grads)`, `tree_map(lambda a, g: a + g / k, acc, grads)`."""
-        for node, division in self._leaf_divisions():
-            if self._is_steps(division.right):
-                yield Site(
-                    division,
-                    f"Gradients divided by the number of micro-steps `{code(division.right)}` "
-                    f"while each micro-step's loss {MEAN}: micro-batches are weighted equally "
-                    "instead of by their valid tokens",
-                    f"accumulation: `{code(node.func)}` averages the micro-gradients "
-                    f"(line {self.tree.line(node)})",
-                    "average",
-                    node,
-                )
-
-    def _leaf_divisions(self) -> Iterator[tuple[cst.Call, cst.BinaryOperation]]:
-        """Each `tree_map(lambda ...: ... g / d ...)` call and its division of a leaf by a
-        value that is not a leaf."""
-        for node in self.tree.calls:
-            if not (self._is_tree_map(node.func) and positional(node)):
-                continue
-            function = positional(node)[0]
-            if not isinstance(function, cst.Lambda):
-                continue
-            leaves = {p.name.value for p in function.params.params}
-            for inner in self.tree.walk(function.body):
-                if (
-                    isinstance(inner, cst.BinaryOperation)
-                    and isinstance(inner.operator, cst.Divide)
-                    and depends_on(inner.left, leaves)
-                    and not depends_on(inner.right, leaves)
-                ):
-                    yield node, inner
-
-    def _is_tree_map(self, func: cst.BaseExpression) -> bool:
-        qualified = self.tree.qualified(func) or ""
-        return qualified.split(".")[0] in JAX_HOMES and qualified.endswith(("tree_map", "tree.map"))
-
-    def _is_steps(self, expr: cst.BaseExpression, hops: int = 2) -> bool:
-        """A count of micro-steps: an accumulation name, `len(micro_batches)`, or a name bound to one."""
-        if (
-            isinstance(expr, cst.Call)
-            and dotted(expr.func) in ("len", "float", "int")
-            and positional(expr)
-        ):
-            return self._is_steps(positional(expr)[0], hops)
-        name = last_name(expr) or ""
-        if name in self.names or STEPS.search(name):
-            return True
-        if hops and isinstance(expr, cst.Name):
-            stmt = self.tracer.binding(name, expr)
-            return isinstance(stmt, cst.Assign) and self._is_steps(stmt.value, hops - 1)
-        return False
 
     def confidence(self, evidence: Evidence, text: str) -> tuple[Confidence, str]:
         """High when a mean loss is masked, medium when a loss of unknown reduction is, low for

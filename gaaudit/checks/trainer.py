@@ -59,83 +59,9 @@ class _Tracer(Tracer):
         return super().origin(expr, depth)
 
 
-class TrainerAudit:
-    """GA004 over one file: Trainer subclasses, and models handed to a Trainer."""
-
-    def __init__(self, tree: Tree) -> None:
-        self.tree = tree
-        self.tracer = _Tracer(tree)
-        self.classes = {node.name.value: node for node in tree.classes}
-        self.trainers: dict[str, cst.ClassDef] = {}
-        for name, cls in self.classes.items():  # source order: a base precedes its subclasses
-            if any(self._is_trainer(base.value) for base in cls.bases):
-                self.trainers[name] = cls
-
-    def sites(self) -> Iterator[Site]:
-        for name, cls in self.trainers.items():
-            methods = methods_of(cls)
-            where = f"trainer: `class {name}` subclasses a transformers Trainer (line {self.tree.line(cls)})"
-            if "compute_loss" in methods:
-                yield from self._compute_loss(cls, methods["compute_loss"], where)
-            if "training_step" in methods:
-                yield from self._training_step(cls, methods["training_step"], where)
-        yield from self._models()
-        yield from self._loss_functions()
-
-    def _is_trainer(self, expr: cst.BaseExpression) -> bool:
-        """A Trainer class from transformers or trl, or a same-file subclass of one."""
-        qualified = self.tree.qualified(expr) or ""
-        if qualified.startswith(TRAINER_MODULES) and qualified.endswith("Trainer"):
-            return True
-        return dotted(expr) in self.trainers
-
-    def _compute_loss(
-        self, cls: cst.ClassDef, function: cst.FunctionDef, where: str
-    ) -> Iterator[Site]:
-        names, kwargs = parameters(function)
-        overwritten = self._class_level_opt_out(cls)
-        facts = (where,) if overwritten is None else (where, overwritten)
-        if COUNT not in names and kwargs is None:
-            yield Site(
-                function.name,
-                "`compute_loss` does not accept `num_items_in_batch`: transformers >= 4.46 passes it "
-                "on every call, which raises TypeError",
-                (*facts, f"signature: `def compute_loss({code(function.params)})`"),
-                "compute-loss",
-                function,
-                cls,
-                crashes=True,
-            )
-            return
-        if self._reads(function, {COUNT, kwargs}) or self.opts_out(cls):
-            return
-        dropped = self.count_dropped(function)
-        if dropped is not None:
-            yield Site(
-                function.name,
-                "`compute_loss` accepts `num_items_in_batch` but calls `super().compute_loss` "
-                "without it: the model averages over its own micro-batch, and the Trainer, which "
-                "passed a count, skips its division by the accumulation steps for a model that "
-                "takes loss kwargs, so the loss is K times too large",
-                (*facts, f"loss: `{code(dropped)}` (line {self.tree.line(dropped)})"),
-                "compute-loss",
-                function,
-                cls,
-                hint="Pass num_items_in_batch=num_items_in_batch on to super().compute_loss(...).",
-            )
-            return
-        origin = self.returned_mean(function)
-        if origin is not None:
-            yield Site(
-                function.name,
-                "`compute_loss` accepts `num_items_in_batch` but never uses it while returning a mean "
-                "loss: the Trainer then skips its division by the accumulation steps, so the loss is "
-                "K times too large and still weighted per micro-batch",
-                (*facts, f"loss: {origin.description}"),
-                "compute-loss",
-                function,
-                cls,
-            )
+class _LossKwargs:
+    """What a class does with the count: opt-outs through its lineage, and the `compute_loss`
+    calls that drop it."""
 
     def lineage(self, cls: cst.ClassDef) -> Iterator[cst.ClassDef]:
         """The class and its same-file Trainer bases, nearest first."""
@@ -197,55 +123,58 @@ class TrainerAudit:
                     )
         return None
 
-    def _training_step(
-        self, cls: cst.ClassDef, function: cst.FunctionDef, where: str
-    ) -> Iterator[Site]:
-        params = function.params
-        positional_count = len(params.posonly_params) + len(params.params)
-        if (
-            positional_count < 4
-            and not isinstance(params.star_arg, cst.Param)
-            and params.star_kwarg is None
-        ):
-            yield Site(
-                function.name,
-                "`training_step` takes no `num_items_in_batch`: transformers >= 4.46 passes it as a "
-                "third argument, which raises TypeError",
-                (where, f"signature: `def training_step({code(params)})`"),
-                "training-step-signature",
-                function,
-                cls,
-                crashes=True,
-            )
+    def count_dropped(self, function: cst.FunctionDef) -> cst.Call | None:
+        """A `super().compute_loss(...)` call of a `compute_loss` override that never reads
+        `num_items_in_batch`: the call goes without the count."""
         for node in self.tree.walk(function.body):
-            division = _division(node)
-            if division is None:
-                continue
-            value, divisor = division
-            if last_name(divisor) != "gradient_accumulation_steps" or _detached(value):
-                continue
-            if self._guarded(node, function) or self.opts_out(cls):
-                continue
-            yield Site(
-                node,
-                f"`training_step` divides the loss by `{code(divisor)}`: a per-micro-batch mean divided "
-                "by K weights micro-batches equally instead of by their valid tokens",
-                (where, f"loss: {self.tracer.origin(value).description}"),
-                "training-step-division",
-                function,
-                cls,
-            )
-
-    def _guarded(self, node: cst.CSTNode, function: cst.FunctionDef) -> bool:
-        """Inside an `if` on `num_items_in_batch` / `model_accepts_loss_kwargs` (the Trainer's fallback)."""
-        for parent in self.tree.ancestors(node):
-            if parent is function:
-                return False
-            if isinstance(parent, (cst.If, cst.IfExp)) and any(
-                last_name(n) in FALLBACK_GUARDS for n in self.tree.walk(parent.test)
+            if (
+                isinstance(node, cst.Call)
+                and isinstance(node.func, cst.Attribute)
+                and node.func.attr.value == "compute_loss"
+                and is_super(node.func.value)
+                and len(positional(node)) < 4
+                and not any(a.star == "**" for a in node.args)
             ):
-                return isinstance(parent, cst.If) or self.tree.contains(parent.body, node)
-        return False
+                return node
+        return None
+
+    def compute_loss_call(self, expr: cst.BaseExpression) -> cst.Call | None:
+        """The `self.compute_loss(...)` / `super().compute_loss(...)` call a value comes from."""
+        for _ in range(12):
+            if isinstance(expr, cst.Name):
+                stmt = self.tracer.binding(expr.value, expr)
+                if not isinstance(stmt, cst.Assign) or len(stmt.targets) != 1:
+                    return None
+                expr = stmt.value
+            elif isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+                if expr.func.attr.value == "compute_loss" and (
+                    dotted(expr.func.value) == "self" or is_super(expr.func.value)
+                ):
+                    return expr
+                if expr.func.attr.value not in KEEPS_LOSS:
+                    return None
+                expr = expr.func.value
+            else:
+                return None
+        return None
+
+    def _reads(self, function: cst.FunctionDef, names: set[str | None]) -> bool:
+        return any(
+            isinstance(n, cst.Name) and n.value in names for n in self.tree.walk(function.body)
+        )
+
+    def returned_mean(self, function: cst.FunctionDef) -> Origin | None:
+        """The first returned loss that traces to a mean, looking through tuples, dicts and outputs."""
+        for returned in self.tracer.returns(function):
+            for expr in loss_parts(returned):
+                origin = self.tracer.origin(expr)
+                if origin.kind == "mean":
+                    return origin
+        return None
+
+
+class _Models:
+    """Same-file models and loss functions handed to a Trainer."""
 
     def _models(self) -> Iterator[Site]:
         """Same-file models passed to a Trainer whose `forward` returns a mean loss."""
@@ -374,54 +303,134 @@ class TrainerAudit:
         holder = self.tree.parents.get(self.tree.parents.get(function))
         return holder if isinstance(holder, cst.ClassDef) else None
 
-    def count_dropped(self, function: cst.FunctionDef) -> cst.Call | None:
-        """A `super().compute_loss(...)` call of a `compute_loss` override that never reads
-        `num_items_in_batch`: the call goes without the count."""
+
+class TrainerAudit(_LossKwargs, _Models):
+    """GA004 over one file: Trainer subclasses, and models handed to a Trainer."""
+
+    def __init__(self, tree: Tree) -> None:
+        self.tree = tree
+        self.tracer = _Tracer(tree)
+        self.classes = {node.name.value: node for node in tree.classes}
+        self.trainers: dict[str, cst.ClassDef] = {}
+        for name, cls in self.classes.items():  # source order: a base precedes its subclasses
+            if any(self._is_trainer(base.value) for base in cls.bases):
+                self.trainers[name] = cls
+
+    def sites(self) -> Iterator[Site]:
+        for name, cls in self.trainers.items():
+            methods = methods_of(cls)
+            where = f"trainer: `class {name}` subclasses a transformers Trainer (line {self.tree.line(cls)})"
+            if "compute_loss" in methods:
+                yield from self._compute_loss(cls, methods["compute_loss"], where)
+            if "training_step" in methods:
+                yield from self._training_step(cls, methods["training_step"], where)
+        yield from self._models()
+        yield from self._loss_functions()
+
+    def _is_trainer(self, expr: cst.BaseExpression) -> bool:
+        """A Trainer class from transformers or trl, or a same-file subclass of one."""
+        qualified = self.tree.qualified(expr) or ""
+        if qualified.startswith(TRAINER_MODULES) and qualified.endswith("Trainer"):
+            return True
+        return dotted(expr) in self.trainers
+
+    def _compute_loss(
+        self, cls: cst.ClassDef, function: cst.FunctionDef, where: str
+    ) -> Iterator[Site]:
+        names, kwargs = parameters(function)
+        overwritten = self._class_level_opt_out(cls)
+        facts = (where,) if overwritten is None else (where, overwritten)
+        if COUNT not in names and kwargs is None:
+            yield Site(
+                function.name,
+                "`compute_loss` does not accept `num_items_in_batch`: transformers >= 4.46 passes it "
+                "on every call, which raises TypeError",
+                (*facts, f"signature: `def compute_loss({code(function.params)})`"),
+                "compute-loss",
+                function,
+                cls,
+                crashes=True,
+            )
+            return
+        if self._reads(function, {COUNT, kwargs}) or self.opts_out(cls):
+            return
+        dropped = self.count_dropped(function)
+        if dropped is not None:
+            yield Site(
+                function.name,
+                "`compute_loss` accepts `num_items_in_batch` but calls `super().compute_loss` "
+                "without it: the model averages over its own micro-batch, and the Trainer, which "
+                "passed a count, skips its division by the accumulation steps for a model that "
+                "takes loss kwargs, so the loss is K times too large",
+                (*facts, f"loss: `{code(dropped)}` (line {self.tree.line(dropped)})"),
+                "compute-loss",
+                function,
+                cls,
+                hint="Pass num_items_in_batch=num_items_in_batch on to super().compute_loss(...).",
+            )
+            return
+        origin = self.returned_mean(function)
+        if origin is not None:
+            yield Site(
+                function.name,
+                "`compute_loss` accepts `num_items_in_batch` but never uses it while returning a mean "
+                "loss: the Trainer then skips its division by the accumulation steps, so the loss is "
+                "K times too large and still weighted per micro-batch",
+                (*facts, f"loss: {origin.description}"),
+                "compute-loss",
+                function,
+                cls,
+            )
+
+    def _training_step(
+        self, cls: cst.ClassDef, function: cst.FunctionDef, where: str
+    ) -> Iterator[Site]:
+        params = function.params
+        positional_count = len(params.posonly_params) + len(params.params)
+        if (
+            positional_count < 4
+            and not isinstance(params.star_arg, cst.Param)
+            and params.star_kwarg is None
+        ):
+            yield Site(
+                function.name,
+                "`training_step` takes no `num_items_in_batch`: transformers >= 4.46 passes it as a "
+                "third argument, which raises TypeError",
+                (where, f"signature: `def training_step({code(params)})`"),
+                "training-step-signature",
+                function,
+                cls,
+                crashes=True,
+            )
         for node in self.tree.walk(function.body):
-            if (
-                isinstance(node, cst.Call)
-                and isinstance(node.func, cst.Attribute)
-                and node.func.attr.value == "compute_loss"
-                and is_super(node.func.value)
-                and len(positional(node)) < 4
-                and not any(a.star == "**" for a in node.args)
+            division = _division(node)
+            if division is None:
+                continue
+            value, divisor = division
+            if last_name(divisor) != "gradient_accumulation_steps" or _detached(value):
+                continue
+            if self._guarded(node, function) or self.opts_out(cls):
+                continue
+            yield Site(
+                node,
+                f"`training_step` divides the loss by `{code(divisor)}`: a per-micro-batch mean divided "
+                "by K weights micro-batches equally instead of by their valid tokens",
+                (where, f"loss: {self.tracer.origin(value).description}"),
+                "training-step-division",
+                function,
+                cls,
+            )
+
+    def _guarded(self, node: cst.CSTNode, function: cst.FunctionDef) -> bool:
+        """Inside an `if` on `num_items_in_batch` / `model_accepts_loss_kwargs` (the Trainer's fallback)."""
+        for parent in self.tree.ancestors(node):
+            if parent is function:
+                return False
+            if isinstance(parent, (cst.If, cst.IfExp)) and any(
+                last_name(n) in FALLBACK_GUARDS for n in self.tree.walk(parent.test)
             ):
-                return node
-        return None
-
-    def compute_loss_call(self, expr: cst.BaseExpression) -> cst.Call | None:
-        """The `self.compute_loss(...)` / `super().compute_loss(...)` call a value comes from."""
-        for _ in range(12):
-            if isinstance(expr, cst.Name):
-                stmt = self.tracer.binding(expr.value, expr)
-                if not isinstance(stmt, cst.Assign) or len(stmt.targets) != 1:
-                    return None
-                expr = stmt.value
-            elif isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
-                if expr.func.attr.value == "compute_loss" and (
-                    dotted(expr.func.value) == "self" or is_super(expr.func.value)
-                ):
-                    return expr
-                if expr.func.attr.value not in KEEPS_LOSS:
-                    return None
-                expr = expr.func.value
-            else:
-                return None
-        return None
-
-    def _reads(self, function: cst.FunctionDef, names: set[str | None]) -> bool:
-        return any(
-            isinstance(n, cst.Name) and n.value in names for n in self.tree.walk(function.body)
-        )
-
-    def returned_mean(self, function: cst.FunctionDef) -> Origin | None:
-        """The first returned loss that traces to a mean, looking through tuples, dicts and outputs."""
-        for returned in self.tracer.returns(function):
-            for expr in loss_parts(returned):
-                origin = self.tracer.origin(expr)
-                if origin.kind == "mean":
-                    return origin
-        return None
+                return isinstance(parent, cst.If) or self.tree.contains(parent.body, node)
+        return False
 
 
 def methods_of(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:

@@ -153,72 +153,8 @@ def _trigger_offsets(data: bytes, lightning: bool = False) -> list[int]:
     return sorted(found)
 
 
-class _Judge:
-    """The calls of one tree that can start a finding: backward calls that can belong to a
-    window, and pipeline schedules. Only the lines that mention what is looked for are
-    descended into, and the parents of the nodes visited are recorded on the way."""
-
-    def __init__(self, tree: ast.Module, data: bytes, lines: list[bytes], names, directory):
-        self.tree, self.data, self.lines = tree, data, lines
-        self.names, self.directory = names, directory
-        self.dependencies: frozenset[Dependency] = frozenset()
-        self.parents: dict[ast.AST, ast.AST] = {}
-        self._region_steps: dict[ast.AST, list[ast.Call]] = {}
-        self._windows: dict[ast.AST, bool] = {}
-        self._callers: list[ast.Call] = []  # calls of a micro-step loop's function that step after
-        self.functions: dict[str, list[ast.AST]] = {}
-        self.classes: list[ast.ClassDef] = []
-        self.imports: list[ast.Import | ast.ImportFrom] = []
-        for holder, node in _statements(tree):
-            self.parents[node] = holder
-            if isinstance(node, FUNCTIONS):
-                self.functions.setdefault(node.name, []).append(node)
-            elif isinstance(node, ast.ClassDef):
-                self.classes.append(node)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                self.imports.append(node)
-
-    def owners(self, members: dict) -> set:
-        """The `members` (from `focus.units`) holding a call that can start a finding, and
-        None when module-level code holds one."""
-        classes = PIPELINE_CLASSES | self._pipeline_aliases
-        sites = [c for c in self._calls_on(classes) if _last(c.func) in classes]
-        backwards = [c for c in self._calls_on(BACKWARDS) if _last(c.func) in BACKWARDS]
-        helpers = self._enclosing_names(backwards)
-        backwards += [c for c in self._calls_on(helpers) if _last(c.func) in helpers]
-        if backwards and self._open():
-            sites += backwards
-        else:
-            sites += [c for c in backwards if self._in_window(c)]
-        sites += self._stepping_callables()
-        return {self._owner(site, members) for site in (*sites, *self._callers)}
-
-    def family_words(self, configured: bool = False) -> tuple[bytes, ...]:
-        """The triggers of the rule families, but GA004's, that can fire in this file
-        (`configured`: the project's YAML configs set Lightning's accumulation)."""
-        words: tuple[bytes, ...] = ()
-        if self.imports_any(JAX_HOMES):
-            words += JAX_WORDS
-        if configured or self.naming(LIGHTNING_WORDS, {}):
-            words += LIGHTNING_KEPT
-        return words
-
-    def imports_any(self, homes: set[str]) -> bool:
-        """Whether the file imports a module whose first part is one of `homes`."""
-        return bool(self._tops & homes)
-
-    @cached_property
-    def _tops(self) -> set[str]:
-        """The first parts of the modules the file imports."""
-        tops = set()
-        for node in self.imports:
-            if isinstance(node, ast.Import):
-                tops |= {alias.name.split(".")[0] for alias in node.names}
-            elif node.module:
-                tops.add(node.module.split(".")[0])
-            else:
-                tops |= {alias.name for alias in node.names}
-        return tops
+class _TrainerUnits:
+    """What GA004 reads, on the `ast`: classes deriving from a Trainer, and calls handing one a model."""
 
     def trainer_units(self, members: dict) -> set:
         """What GA004 reads (`checks/trainer.py`): every class deriving from a transformers
@@ -287,14 +223,9 @@ class _Judge:
                     table.setdefault(alias.asname or alias.name, set()).add(full)
         return table
 
-    def naming(self, triggers: tuple[bytes, ...], members: dict) -> set:
-        """The `members` whose code names one of `triggers` (None for module-level code)."""
-        words = {t.decode().strip("()") for t in triggers}
-        return {
-            self._owner(node, members)
-            for node in self._nodes_on(self._lines_with(words))
-            if any(_spells(node, word) for word in words)
-        }
+
+class _Lines:
+    """Nodes found by line: searches of the text mapped to the `ast` nodes on those lines."""
 
     def _lines_with(self, words) -> list[int]:
         """The numbers of the lines holding one of `words` (str), in order: a search per
@@ -356,6 +287,26 @@ class _Judge:
     def _owner(self, node: ast.AST, members) -> ast.AST | None:
         """The innermost of `members` that is or holds `node`."""
         return next((a for a in (node, *self._ancestors(node)) if a in members), None)
+
+    def _statement(self, node: ast.AST) -> ast.AST:
+        """The statement holding `node`."""
+        return next((a for a in (node, *self._ancestors(node)) if isinstance(a, ast.stmt)), node)
+
+    def _after(self, node: ast.AST) -> Iterator[ast.AST]:
+        """The statements following `node` in its block, and after its enclosing blocks, up
+        to the function, module or loop holding them (`loops.Structure._after`)."""
+        while node in self.parents:
+            parent = self.parents[node]
+            block, index = _place(parent, node)
+            yield from block[index + 1 :]
+            if isinstance(parent, (*FUNCTIONS, ast.Module, *LOOPS)):
+                return
+            node = parent
+
+
+class _Windows:
+    """Whether a backward call may be in an accumulation window: loops, modulo guards, stepping
+    helpers and callables, pipeline schedules, the repository's modules."""
 
     def _enclosing_names(self, calls: list[ast.Call]) -> set[str]:
         """Names of the functions of the file holding one of `calls`."""
@@ -474,21 +425,6 @@ class _Judge:
             and any(self._modular(a) for a in _arguments(call)[1:])
         ]
 
-    def _statement(self, node: ast.AST) -> ast.AST:
-        """The statement holding `node`."""
-        return next((a for a in (node, *self._ancestors(node)) if isinstance(a, ast.stmt)), node)
-
-    def _after(self, node: ast.AST) -> Iterator[ast.AST]:
-        """The statements following `node` in its block, and after its enclosing blocks, up
-        to the function, module or loop holding them (`loops.Structure._after`)."""
-        while node in self.parents:
-            parent = self.parents[node]
-            block, index = _place(parent, node)
-            yield from block[index + 1 :]
-            if isinstance(parent, (*FUNCTIONS, ast.Module, *LOOPS)):
-                return
-            node = parent
-
     def _may_step(self, node: ast.AST) -> bool:
         return isinstance(node, ast.Call) and _last(node.func) in self._step_names
 
@@ -555,6 +491,83 @@ class _Judge:
         found = _reaches_divisor(modules, self.directory, _pattern(self.names), seen, set())
         self.dependencies = frozenset(seen)
         return found
+
+
+class _Judge(_TrainerUnits, _Lines, _Windows):
+    """The calls of one tree that can start a finding: backward calls that can belong to a
+    window, and pipeline schedules. Only the lines that mention what is looked for are
+    descended into, and the parents of the nodes visited are recorded on the way."""
+
+    def __init__(self, tree: ast.Module, data: bytes, lines: list[bytes], names, directory):
+        self.tree, self.data, self.lines = tree, data, lines
+        self.names, self.directory = names, directory
+        self.dependencies: frozenset[Dependency] = frozenset()
+        self.parents: dict[ast.AST, ast.AST] = {}
+        self._region_steps: dict[ast.AST, list[ast.Call]] = {}
+        self._windows: dict[ast.AST, bool] = {}
+        self._callers: list[ast.Call] = []  # calls of a micro-step loop's function that step after
+        self.functions: dict[str, list[ast.AST]] = {}
+        self.classes: list[ast.ClassDef] = []
+        self.imports: list[ast.Import | ast.ImportFrom] = []
+        for holder, node in _statements(tree):
+            self.parents[node] = holder
+            if isinstance(node, FUNCTIONS):
+                self.functions.setdefault(node.name, []).append(node)
+            elif isinstance(node, ast.ClassDef):
+                self.classes.append(node)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                self.imports.append(node)
+
+    def owners(self, members: dict) -> set:
+        """The `members` (from `focus.units`) holding a call that can start a finding, and
+        None when module-level code holds one."""
+        classes = PIPELINE_CLASSES | self._pipeline_aliases
+        sites = [c for c in self._calls_on(classes) if _last(c.func) in classes]
+        backwards = [c for c in self._calls_on(BACKWARDS) if _last(c.func) in BACKWARDS]
+        helpers = self._enclosing_names(backwards)
+        backwards += [c for c in self._calls_on(helpers) if _last(c.func) in helpers]
+        if backwards and self._open():
+            sites += backwards
+        else:
+            sites += [c for c in backwards if self._in_window(c)]
+        sites += self._stepping_callables()
+        return {self._owner(site, members) for site in (*sites, *self._callers)}
+
+    def family_words(self, configured: bool = False) -> tuple[bytes, ...]:
+        """The triggers of the rule families, but GA004's, that can fire in this file
+        (`configured`: the project's YAML configs set Lightning's accumulation)."""
+        words: tuple[bytes, ...] = ()
+        if self.imports_any(JAX_HOMES):
+            words += JAX_WORDS
+        if configured or self.naming(LIGHTNING_WORDS, {}):
+            words += LIGHTNING_KEPT
+        return words
+
+    def imports_any(self, homes: set[str]) -> bool:
+        """Whether the file imports a module whose first part is one of `homes`."""
+        return bool(self._tops & homes)
+
+    @cached_property
+    def _tops(self) -> set[str]:
+        """The first parts of the modules the file imports."""
+        tops = set()
+        for node in self.imports:
+            if isinstance(node, ast.Import):
+                tops |= {alias.name.split(".")[0] for alias in node.names}
+            elif node.module:
+                tops.add(node.module.split(".")[0])
+            else:
+                tops |= {alias.name for alias in node.names}
+        return tops
+
+    def naming(self, triggers: tuple[bytes, ...], members: dict) -> set:
+        """The `members` whose code names one of `triggers` (None for module-level code)."""
+        words = {t.decode().strip("()") for t in triggers}
+        return {
+            self._owner(node, members)
+            for node in self._nodes_on(self._lines_with(words))
+            if any(_spells(node, word) for word in words)
+        }
 
 
 def _reaches_divisor(modules, directory: Path, pattern, seen: set, visited: set, hops=0) -> bool:

@@ -184,72 +184,9 @@ def _assigns_to_itself(statement: cst.CSTNode, division: cst.CSTNode) -> bool:
     )
 
 
-class Planner:
-    """Turns the sites of one file into edits, one accumulation window at a time."""
-
-    def __init__(
-        self,
-        tree: Tree,
-        auditor: Auditor,
-        unsafe: bool = False,
-        domains: Domains | None = None,
-        reach: bool = False,
-    ) -> None:
-        self.tree, self.auditor, self.unsafe, self.domains = tree, auditor, unsafe, domains
-        self.reach = reach  # whether other files of the repository may change too
-        self.edits = Edits()
-        self.companions: dict[Path, tuple[Tree, Edits]] = {}  # other files' edits
-        self.text = tree.module.code
-        self.micro = self._fresh("micro_tokens")
-        self.window_total = self._fresh("window_tokens")
-        self.window_loss = self._fresh("window_loss")
-        self.reference = self._fresh("window_reference")  # under a GradScaler
-        self._prepared: dict[
-            cst.CSTNode, tuple[Site, str]
-        ] = {}  # window -> (first site, optimizer)
-        self._weighted: dict[cst.CSTNode, list[Weighted]] = {}  # window -> losses divided by K
-
-    def _fresh(self, name: str) -> str:
-        return fresh(self.tree, name)
-
-    def plan(self, sites: list[Site]) -> list[Outcome]:
-        if (
-            self.domains is not None
-            and sites
-            and all(self.domains.of(site.origin).kind in ("examples", "dense") for site in sites)
-        ):  # not tokens: images, examples or elements are counted
-            self.micro = self._fresh("micro_count")
-            self.window_total = self._fresh("window_count")
-        outcomes = []
-        for site in sites:
-            saved = self._snapshot()
-            try:
-                count, safe = self.count(site)
-                if not safe and not self.unsafe:
-                    raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
-                self._rewrite(site, count[0])
-                outcomes.append(Outcome(site, *self._position(site), True))
-            except (Unfixable, cst.ParserSyntaxError) as exc:
-                self.edits, self._prepared, self._weighted, self.companions = saved
-                reason = (
-                    str(exc)
-                    if isinstance(exc, Unfixable)
-                    else "gaaudit could not build a valid rewrite"
-                )
-                outcomes.append(Outcome(site, *self._position(site), False, reason))
-        for site, optimizer in self._prepared.values():
-            self._finish_window(site, optimizer)
-        return outcomes
-
-    def _position(self, site: Site) -> tuple[int, int]:
-        span = self.tree.span(site.node)
-        return span.line, span.column
-
-    def _snapshot(self) -> tuple:
-        """A copy to restore when a site turns out unfixable half-way through planning."""
-        weighted = {k: list(v) for k, v in self._weighted.items()}
-        companions = {p: (t, copy_edits(e)) for p, (t, e) in self.companions.items()}
-        return copy_edits(self.edits), dict(self._prepared), weighted, companions
+class _Counting:
+    """Where a micro-batch's count comes from: the loss's own targets, or a same-file helper that
+    returns it when asked; and the windows no count can fix (clipped per micro-batch, pipeline stages)."""
 
     # --- the count of valid targets in one micro-batch -------------------------------------
 
@@ -444,6 +381,11 @@ class Planner:
             value=with_argument(call.value, RETURN_COUNT, "True"),
         )
 
+
+class _CompanionCounts:
+    """A count made by a model or function of another module: written at the call in its arguments,
+    or returned by that function when the loop asks."""
+
     def _companion_count(self, site: Site) -> None:
         """The loss comes from a function (or a model's `forward`) of another module of the
         repository: that function also returns the count its mean divides by when the loop
@@ -596,6 +538,11 @@ class Planner:
             "assumes every target counts: no ignore_index is visible",
         ), False
 
+
+class _LossRewrite:
+    """The micro-batch's loss made its token sum: the division by K undone, the backward weighted,
+    a user's read of the divided loss left as it was."""
+
     # --- the rewrite --------------------------------------------------------------------------
 
     def _rewrite(self, site: Site, count: str) -> None:
@@ -743,6 +690,23 @@ class Planner:
                 node = new if old is original else node.deep_replace(old, new)
         return node
 
+    def _remove(self, node: cst.CSTNode, window: Window) -> None:
+        """Drop a `p.grad.div_(k)` statement, with the `for`/`if` left holding nothing else."""
+        statement = statement_line(self.tree, node)
+        while True:
+            owner = self.tree.parents.get(self.tree.parents[statement])
+            block = self.tree.parents[statement]
+            if not isinstance(owner, (cst.For, cst.If, cst.With)) or owner is window.anchor:
+                break
+            if len(block.body) != 1 or (isinstance(owner, (cst.For, cst.If)) and owner.orelse):
+                break
+            statement = owner
+        self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
+
+
+class _SumReduction:
+    """Where a loss call can switch to `reduction="sum"`: its mean is read nowhere else."""
+
     def _summed(self, site: Site) -> cst.Call | None:
         """The call to give reduction="sum" (the loss, or the loss module's constructor), when
         nothing else reads the mean: `F.cross_entropy(...)`/`F.nll_loss(...)` in the loop, or an
@@ -813,6 +777,10 @@ class Planner:
                     return True
         return False
 
+
+class _Owners:
+    """Who runs the backward (an Accelerator, Fabric, torch.distributed), and what it divides by."""
+
     def _framework_factor(self, site: Site) -> str:
         receiver = self._accelerator(site)
         if receiver and (
@@ -839,40 +807,18 @@ class Planner:
             return name if kind in name.lower() else None
         return None
 
-    def _remove(self, node: cst.CSTNode, window: Window) -> None:
-        """Drop a `p.grad.div_(k)` statement, with the `for`/`if` left holding nothing else."""
-        statement = statement_line(self.tree, node)
-        while True:
-            owner = self.tree.parents.get(self.tree.parents[statement])
-            block = self.tree.parents[statement]
-            if not isinstance(owner, (cst.For, cst.If, cst.With)) or owner is window.anchor:
-                break
-            if len(block.body) != 1 or (isinstance(owner, (cst.For, cst.If)) and owner.orelse):
-                break
-            statement = owner
-        self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
+    def _distributed(self) -> str | None:
+        """The local name of torch.distributed when the file trains with it, else None."""
+        if "DistributedDataParallel" not in self.text and "torch.distributed" not in self.text:
+            return None
+        for local, full in self.tree.imports.items():
+            if full == "torch.distributed":
+                return local
+        return "torch.distributed" if "torch" in self.tree.imports else None
 
-    def _prepare_window(self, site: Site) -> None:
-        """Check that the window's one division has a place; `_finish_window` writes it."""
-        window = site.window
-        if window.anchor in self._prepared:
-            return
-        if window.kind == "accumulate":
-            outer = next(
-                (
-                    a
-                    for a in self.tree.ancestors(window.anchor)
-                    if isinstance(a, (cst.For, cst.While))
-                ),
-                None,
-            )
-            if outer is None or self._accelerator(site) is None:
-                raise Unfixable("the accumulate() window has no accelerator.backward in a loop")
-        elif window.kind not in ("modulo", "micro-loop"):
-            raise Unfixable(
-                "the optimizer step is not in this function; gaaudit cannot place the one division"
-            )
-        self._prepared[window.anchor] = (site, self._optimizer(window))
+
+class _LoggedReads:
+    """Logging reads of a loss that was divided by K, rewritten to keep their meaning."""
 
     # --- the logged loss: the window's sum / count, not a mean of means ---------------------
 
@@ -963,6 +909,33 @@ class Planner:
         if wrapped:
             text = f"float({text if rest else mean[1:-1]})"
         return (outer, text) if outer is not name else None
+
+
+class _Window:
+    """The window's one division: where it goes, its count started, normalised and reset, and the
+    optimizer it precedes."""
+
+    def _prepare_window(self, site: Site) -> None:
+        """Check that the window's one division has a place; `_finish_window` writes it."""
+        window = site.window
+        if window.anchor in self._prepared:
+            return
+        if window.kind == "accumulate":
+            outer = next(
+                (
+                    a
+                    for a in self.tree.ancestors(window.anchor)
+                    if isinstance(a, (cst.For, cst.While))
+                ),
+                None,
+            )
+            if outer is None or self._accelerator(site) is None:
+                raise Unfixable("the accumulate() window has no accelerator.backward in a loop")
+        elif window.kind not in ("modulo", "micro-loop"):
+            raise Unfixable(
+                "the optimizer step is not in this function; gaaudit cannot place the one division"
+            )
+        self._prepared[window.anchor] = (site, self._optimizer(window))
 
     def _finish_window(self, site: Site, optimizer: str) -> None:
         """Start, normalise and reset the window's count (and its loss sum when a log reads it)."""
@@ -1117,11 +1090,72 @@ class Planner:
             + f"            param.grad.div_({scale})\n"
         )
 
-    def _distributed(self) -> str | None:
-        """The local name of torch.distributed when the file trains with it, else None."""
-        if "DistributedDataParallel" not in self.text and "torch.distributed" not in self.text:
-            return None
-        for local, full in self.tree.imports.items():
-            if full == "torch.distributed":
-                return local
-        return "torch.distributed" if "torch" in self.tree.imports else None
+
+class Planner(
+    _Counting, _CompanionCounts, _LossRewrite, _SumReduction, _Owners, _LoggedReads, _Window
+):
+    """Turns the sites of one file into edits, one accumulation window at a time."""
+
+    def __init__(
+        self,
+        tree: Tree,
+        auditor: Auditor,
+        unsafe: bool = False,
+        domains: Domains | None = None,
+        reach: bool = False,
+    ) -> None:
+        self.tree, self.auditor, self.unsafe, self.domains = tree, auditor, unsafe, domains
+        self.reach = reach  # whether other files of the repository may change too
+        self.edits = Edits()
+        self.companions: dict[Path, tuple[Tree, Edits]] = {}  # other files' edits
+        self.text = tree.module.code
+        self.micro = self._fresh("micro_tokens")
+        self.window_total = self._fresh("window_tokens")
+        self.window_loss = self._fresh("window_loss")
+        self.reference = self._fresh("window_reference")  # under a GradScaler
+        self._prepared: dict[
+            cst.CSTNode, tuple[Site, str]
+        ] = {}  # window -> (first site, optimizer)
+        self._weighted: dict[cst.CSTNode, list[Weighted]] = {}  # window -> losses divided by K
+
+    def _fresh(self, name: str) -> str:
+        return fresh(self.tree, name)
+
+    def plan(self, sites: list[Site]) -> list[Outcome]:
+        if (
+            self.domains is not None
+            and sites
+            and all(self.domains.of(site.origin).kind in ("examples", "dense") for site in sites)
+        ):  # not tokens: images, examples or elements are counted
+            self.micro = self._fresh("micro_count")
+            self.window_total = self._fresh("window_count")
+        outcomes = []
+        for site in sites:
+            saved = self._snapshot()
+            try:
+                count, safe = self.count(site)
+                if not safe and not self.unsafe:
+                    raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
+                self._rewrite(site, count[0])
+                outcomes.append(Outcome(site, *self._position(site), True))
+            except (Unfixable, cst.ParserSyntaxError) as exc:
+                self.edits, self._prepared, self._weighted, self.companions = saved
+                reason = (
+                    str(exc)
+                    if isinstance(exc, Unfixable)
+                    else "gaaudit could not build a valid rewrite"
+                )
+                outcomes.append(Outcome(site, *self._position(site), False, reason))
+        for site, optimizer in self._prepared.values():
+            self._finish_window(site, optimizer)
+        return outcomes
+
+    def _position(self, site: Site) -> tuple[int, int]:
+        span = self.tree.span(site.node)
+        return span.line, span.column
+
+    def _snapshot(self) -> tuple:
+        """A copy to restore when a site turns out unfixable half-way through planning."""
+        weighted = {k: list(v) for k, v in self._weighted.items()}
+        companions = {p: (t, copy_edits(e)) for p, (t, e) in self.companions.items()}
+        return copy_edits(self.edits), dict(self._prepared), weighted, companions

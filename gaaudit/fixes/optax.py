@@ -47,51 +47,8 @@ class MaskedMean:
     count: cst.BaseExpression
 
 
-class OptaxPlanner:
-    """Turns the GA005 sites of one file into edits (see `edits.Edits`)."""
-
-    def __init__(self, tree: Tree, audit: OptaxAudit) -> None:
-        self.tree, self.audit = tree, audit
-        self.tracer = audit.tracer
-        self.edits = Edits()
-        taken = {n.value for n in tree.walk(tree.module) if isinstance(n, cst.Name)}
-        self.weight = _fresh("window_weight", taken)
-        self.window = _fresh("window", taken)
-        self._counted: set[cst.CSTNode] = set()  # accumulations that already count their window
-
-    def plan(self, sites: list[Site]) -> list[Outcome]:
-        outcomes = []
-        for site in sites:
-            saved = (copy_edits(self.edits), set(self._counted))
-            span = self.tree.span(site.node)
-            try:
-                chosen = self._fix(site)
-                outcomes.append(Outcome(site, span.line, span.column, True, chosen))
-            except (Unfixable, cst.ParserSyntaxError) as exc:
-                self.edits, self._counted = saved
-                reason = (
-                    str(exc)
-                    if isinstance(exc, Unfixable)
-                    else "gaaudit could not build a valid rewrite"
-                )
-                outcomes.append(Outcome(site, span.line, span.column, False, reason))
-        return outcomes
-
-    def _fix(self, site: Site) -> str:
-        if site.kind == "multisteps-sum":
-            raise Unfixable(
-                "MultiSteps already sums the micro-gradients: return each micro-batch's loss sum "
-                "divided by the window's total count (counted before the window runs)"
-            )
-        mean = self._masked_mean()
-        (call,) = self._invocations(mean.function)
-        if site.kind == "multisteps":
-            return self._multisteps(site, mean, call)
-        body = self.tree.enclosing_function(call)
-        scan = self._scan_of(body) if body is not None else None
-        if scan is not None:
-            return self._scan_average(site, mean, call, body, scan)
-        return self._loop_average(site, mean, call)
+class _LossFunction:
+    """The loss function's masked mean, made a sum, and its count at each call of its gradient."""
 
     # --- the loss ------------------------------------------------------------------------------
 
@@ -263,6 +220,11 @@ class OptaxPlanner:
             lpar=mean.node.lpar, rpar=mean.node.rpar
         )
 
+
+class _Averages:
+    """A hand-written average of micro-gradients (a loop or a `lax.scan`) made a division by the
+    window's total count."""
+
     # --- hand-written averages -----------------------------------------------------------------
 
     def _loop_average(self, site: Site, mean: MaskedMean, call: cst.Call) -> str:
@@ -358,6 +320,10 @@ class OptaxPlanner:
                 and depends_on(node.left, accumulated)
             ):
                 self.edits.replace[node.right] = divisor
+
+
+class _MultiSteps:
+    """`optax.MultiSteps`: windows read ahead and counted, the step handed their weight."""
 
     # --- optax.MultiSteps ----------------------------------------------------------------------
 
@@ -484,6 +450,53 @@ class OptaxPlanner:
             | set(self.tree.functions)
             | BUILTINS
         )
+
+
+class OptaxPlanner(_LossFunction, _Averages, _MultiSteps):
+    """Turns the GA005 sites of one file into edits (see `edits.Edits`)."""
+
+    def __init__(self, tree: Tree, audit: OptaxAudit) -> None:
+        self.tree, self.audit = tree, audit
+        self.tracer = audit.tracer
+        self.edits = Edits()
+        taken = {n.value for n in tree.walk(tree.module) if isinstance(n, cst.Name)}
+        self.weight = _fresh("window_weight", taken)
+        self.window = _fresh("window", taken)
+        self._counted: set[cst.CSTNode] = set()  # accumulations that already count their window
+
+    def plan(self, sites: list[Site]) -> list[Outcome]:
+        outcomes = []
+        for site in sites:
+            saved = (copy_edits(self.edits), set(self._counted))
+            span = self.tree.span(site.node)
+            try:
+                chosen = self._fix(site)
+                outcomes.append(Outcome(site, span.line, span.column, True, chosen))
+            except (Unfixable, cst.ParserSyntaxError) as exc:
+                self.edits, self._counted = saved
+                reason = (
+                    str(exc)
+                    if isinstance(exc, Unfixable)
+                    else "gaaudit could not build a valid rewrite"
+                )
+                outcomes.append(Outcome(site, span.line, span.column, False, reason))
+        return outcomes
+
+    def _fix(self, site: Site) -> str:
+        if site.kind == "multisteps-sum":
+            raise Unfixable(
+                "MultiSteps already sums the micro-gradients: return each micro-batch's loss sum "
+                "divided by the window's total count (counted before the window runs)"
+            )
+        mean = self._masked_mean()
+        (call,) = self._invocations(mean.function)
+        if site.kind == "multisteps":
+            return self._multisteps(site, mean, call)
+        body = self.tree.enclosing_function(call)
+        scan = self._scan_of(body) if body is not None else None
+        if scan is not None:
+            return self._scan_average(site, mean, call, body, scan)
+        return self._loop_average(site, mean, call)
 
     def _jnp(self) -> str:
         for local, full in self.tree.imports.items():

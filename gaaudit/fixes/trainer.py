@@ -77,51 +77,9 @@ class TokenLoss:
     caveat: str  # why it may not match the Trainer's count; "" when it does
 
 
-class TrainerPlanner:
-    """Turns the GA004 sites of one file into edits (see `edits.Edits`)."""
-
-    def __init__(self, tree: Tree, audit: TrainerAudit, unsafe: bool = False) -> None:
-        self.tree, self.audit, self.unsafe = tree, audit, unsafe
-        self.text = tree.module.code
-        self.edits = Edits()
-
-    def plan(self, sites: list[Site]) -> list[Outcome]:
-        outcomes = []
-        for site in sites:
-            saved = copy_edits(self.edits)
-            line, column = self.tree.span(site.node).line, self.tree.span(site.node).column
-            try:
-                choice = self._fix(site)
-                if choice.caveat and not self.unsafe:
-                    raise Unfixable(
-                        f"unsafe fix ({choice.what}; {choice.caveat}); apply with --unsafe-fixes"
-                    )
-                outcomes.append(Outcome(site, line, column, True, choice.what))
-            except (Unfixable, cst.ParserSyntaxError) as exc:
-                self.edits = saved
-                reason = (
-                    str(exc)
-                    if isinstance(exc, Unfixable)
-                    else "gaaudit could not build a valid rewrite"
-                )
-                outcomes.append(Outcome(site, line, column, False, reason))
-        return outcomes
-
-    def _fix(self, site: Site) -> Choice:
-        """Plan one site."""
-        if site.kind == "compute-loss":
-            return self._compute_loss(site)
-        if site.kind == "training-step-signature":
-            self._accept(site.function)
-            for call in self._super_calls(site.function, "training_step"):
-                if len(positional(call)) == 2 and keyword(call, COUNT) is None:
-                    self._add_argument(call, COUNT, keyword_name=None)
-            return Choice("`training_step` accepts `num_items_in_batch` and passes it on")
-        if site.kind == "training-step-division":
-            return self._training_step_division(site)
-        if site.kind == "loss-function":
-            return self._loss_function(site)
-        return self._forward(site)
+class _ComputeLoss:
+    """`compute_loss` and `compute_loss_func` rewrites: the token loss summed over the Trainer's
+    count, or the count handed to the model."""
 
     # --- compute_loss -------------------------------------------------------------------------
 
@@ -210,6 +168,85 @@ class TrainerPlanner:
                 break
             expr = stmt.value
         return expr
+
+    def _sum(self, loss: TokenLoss, processes: bool = False) -> None:
+        """`loss_fn(x, y)` -> `loss_fn(x, y) / (n if n is not None else (y != -100).sum())`, the
+        loss summed; the count is the Trainer's when it passes one. `processes`: the loss
+        replaces the stock `compute_loss`, which multiplies by the process count when the
+        Trainer's count covers every process (`average_tokens_across_devices`), as DDP then
+        averages the gradients."""
+        ignore = keyword(loss.configured, "ignore_index")
+        fallback = (
+            f"({code(loss.targets)} != {code(ignore) if ignore is not None else '-100'}).sum()"
+        )
+        summed = with_argument(loss.configured, "reduction", '"sum"')
+        if loss.configured is loss.call:
+            call = summed
+        else:
+            self.edits.replace[loss.configured] = summed
+            call = loss.call
+        statement = statement_line(self.tree, loss.call)
+        assign = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) else None
+        if (
+            isinstance(assign, cst.Assign)
+            and assign.value is loss.call
+            and len(assign.targets) == 1
+        ):
+            name = code(assign.targets[0].target)  # `loss = f(...)`: count and divide below it
+            if call is not loss.call:
+                self.edits.replace[loss.call] = call
+            scaled = f"elif {ACROSS}:\n    {name} = {name} * {PROCESSES}\n" if processes else ""
+            self.edits.insert_after(
+                statement,
+                f"if {COUNT} is None:\n    {COUNT} = {fallback}\n{scaled}{name} = {name} / {COUNT}\n",
+            )
+            return
+        left = call.with_changes(lpar=(), rpar=())
+        if processes:
+            factor = f"({PROCESSES} if {COUNT} is not None and {ACROSS} else 1)"
+            left = cst.parse_expression(f"{code(left)} * {factor}")
+        divided = cst.BinaryOperation(
+            left=left,
+            operator=cst.Divide(),
+            right=cst.parse_expression(f"({COUNT} if {COUNT} is not None else {fallback})"),
+        )
+        parent = self.tree.parents.get(loss.call)
+        if not isinstance(parent, (cst.Assign, cst.Return, cst.Arg, cst.Element, cst.DictElement)):
+            divided = divided.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        self.edits.replace[loss.call] = divided
+
+    def _model_spread(
+        self, returned: cst.CSTNode | None, function: cst.FunctionDef
+    ) -> tuple[cst.CSTNode, str] | None:
+        """(the statement, `inputs`) for a returned `model(**inputs).loss` (or `["loss"]`, `[0]`)."""
+        if isinstance(returned, cst.Attribute) and returned.attr.value == "loss":
+            outputs = returned.value
+        elif isinstance(returned, cst.Subscript) and len(returned.slice) == 1:
+            key = returned.slice[0].slice
+            index = key.value if isinstance(key, cst.Index) else None
+            if string_value(index) != "loss" and not (
+                isinstance(index, cst.Integer) and index.value == "0"
+            ):
+                return None
+            outputs = returned.value
+        else:
+            return None
+        call = self._resolve(outputs)
+        names = parameters_in_order(function)
+        if not (isinstance(call, cst.Call) and len(names) > 1 and dotted(call.func) == names[1]):
+            return None
+        spread = [a.value for a in call.args if a.star == "**"]
+        if (
+            len(spread) != 1
+            or not isinstance(spread[0], cst.Name)
+            or keyword(call, COUNT) is not None
+        ):
+            return None
+        return statement_line(self.tree, call), spread[0].value
+
+
+class _TokenLosses:
+    """Whether a loss is a token loss gaaudit can sum, on the labels the Trainer counts."""
 
     def _token_loss(
         self, expr: cst.CSTNode | None, function: cst.FunctionDef, labels: str
@@ -305,80 +342,9 @@ class TrainerPlanner:
     def _causal(self) -> bool:
         return bool(shifts_labels(self.text))
 
-    def _sum(self, loss: TokenLoss, processes: bool = False) -> None:
-        """`loss_fn(x, y)` -> `loss_fn(x, y) / (n if n is not None else (y != -100).sum())`, the
-        loss summed; the count is the Trainer's when it passes one. `processes`: the loss
-        replaces the stock `compute_loss`, which multiplies by the process count when the
-        Trainer's count covers every process (`average_tokens_across_devices`), as DDP then
-        averages the gradients."""
-        ignore = keyword(loss.configured, "ignore_index")
-        fallback = (
-            f"({code(loss.targets)} != {code(ignore) if ignore is not None else '-100'}).sum()"
-        )
-        summed = with_argument(loss.configured, "reduction", '"sum"')
-        if loss.configured is loss.call:
-            call = summed
-        else:
-            self.edits.replace[loss.configured] = summed
-            call = loss.call
-        statement = statement_line(self.tree, loss.call)
-        assign = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) else None
-        if (
-            isinstance(assign, cst.Assign)
-            and assign.value is loss.call
-            and len(assign.targets) == 1
-        ):
-            name = code(assign.targets[0].target)  # `loss = f(...)`: count and divide below it
-            if call is not loss.call:
-                self.edits.replace[loss.call] = call
-            scaled = f"elif {ACROSS}:\n    {name} = {name} * {PROCESSES}\n" if processes else ""
-            self.edits.insert_after(
-                statement,
-                f"if {COUNT} is None:\n    {COUNT} = {fallback}\n{scaled}{name} = {name} / {COUNT}\n",
-            )
-            return
-        left = call.with_changes(lpar=(), rpar=())
-        if processes:
-            factor = f"({PROCESSES} if {COUNT} is not None and {ACROSS} else 1)"
-            left = cst.parse_expression(f"{code(left)} * {factor}")
-        divided = cst.BinaryOperation(
-            left=left,
-            operator=cst.Divide(),
-            right=cst.parse_expression(f"({COUNT} if {COUNT} is not None else {fallback})"),
-        )
-        parent = self.tree.parents.get(loss.call)
-        if not isinstance(parent, (cst.Assign, cst.Return, cst.Arg, cst.Element, cst.DictElement)):
-            divided = divided.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-        self.edits.replace[loss.call] = divided
 
-    def _model_spread(
-        self, returned: cst.CSTNode | None, function: cst.FunctionDef
-    ) -> tuple[cst.CSTNode, str] | None:
-        """(the statement, `inputs`) for a returned `model(**inputs).loss` (or `["loss"]`, `[0]`)."""
-        if isinstance(returned, cst.Attribute) and returned.attr.value == "loss":
-            outputs = returned.value
-        elif isinstance(returned, cst.Subscript) and len(returned.slice) == 1:
-            key = returned.slice[0].slice
-            index = key.value if isinstance(key, cst.Index) else None
-            if string_value(index) != "loss" and not (
-                isinstance(index, cst.Integer) and index.value == "0"
-            ):
-                return None
-            outputs = returned.value
-        else:
-            return None
-        call = self._resolve(outputs)
-        names = parameters_in_order(function)
-        if not (isinstance(call, cst.Call) and len(names) > 1 and dotted(call.func) == names[1]):
-            return None
-        spread = [a.value for a in call.args if a.star == "**"]
-        if (
-            len(spread) != 1
-            or not isinstance(spread[0], cst.Name)
-            or keyword(call, COUNT) is not None
-        ):
-            return None
-        return statement_line(self.tree, call), spread[0].value
+class _Signatures:
+    """Opting out, `training_step`, and signatures that accept `num_items_in_batch` and pass it on."""
 
     def _opt_out(self, owner: cst.ClassDef) -> None:
         """`self.model_accepts_loss_kwargs = False` after `super().__init__()`, in a new
@@ -532,6 +498,53 @@ class TrainerPlanner:
             and n.func.attr.value == method
             and is_super(n.func.value)
         ]
+
+
+class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
+    """Turns the GA004 sites of one file into edits (see `edits.Edits`)."""
+
+    def __init__(self, tree: Tree, audit: TrainerAudit, unsafe: bool = False) -> None:
+        self.tree, self.audit, self.unsafe = tree, audit, unsafe
+        self.text = tree.module.code
+        self.edits = Edits()
+
+    def plan(self, sites: list[Site]) -> list[Outcome]:
+        outcomes = []
+        for site in sites:
+            saved = copy_edits(self.edits)
+            line, column = self.tree.span(site.node).line, self.tree.span(site.node).column
+            try:
+                choice = self._fix(site)
+                if choice.caveat and not self.unsafe:
+                    raise Unfixable(
+                        f"unsafe fix ({choice.what}; {choice.caveat}); apply with --unsafe-fixes"
+                    )
+                outcomes.append(Outcome(site, line, column, True, choice.what))
+            except (Unfixable, cst.ParserSyntaxError) as exc:
+                self.edits = saved
+                reason = (
+                    str(exc)
+                    if isinstance(exc, Unfixable)
+                    else "gaaudit could not build a valid rewrite"
+                )
+                outcomes.append(Outcome(site, line, column, False, reason))
+        return outcomes
+
+    def _fix(self, site: Site) -> Choice:
+        """Plan one site."""
+        if site.kind == "compute-loss":
+            return self._compute_loss(site)
+        if site.kind == "training-step-signature":
+            self._accept(site.function)
+            for call in self._super_calls(site.function, "training_step"):
+                if len(positional(call)) == 2 and keyword(call, COUNT) is None:
+                    self._add_argument(call, COUNT, keyword_name=None)
+            return Choice("`training_step` accepts `num_items_in_batch` and passes it on")
+        if site.kind == "training-step-division":
+            return self._training_step_division(site)
+        if site.kind == "loss-function":
+            return self._loss_function(site)
+        return self._forward(site)
 
 
 def parameters_in_order(function: cst.FunctionDef) -> list[str]:

@@ -43,10 +43,6 @@ class Objects:
         bindings: dict,
         filename: str,
     ):
-        from accelerate import Accelerator
-        from accelerate.state import AcceleratorState, GradientState
-        from transformers import BatchEncoding
-
         self.plan, self.bindings, self.values, self.filename = plan, bindings, {}, filename
         self.sources: list[DataSource] = []  # the data the loop reads, to count what it drew
         roles = {
@@ -56,41 +52,19 @@ class Objects:
         }
         if plan.owner is not None:
             self._instance(namespace)
-        self.accelerator = self.scaler = None
-        self.optimizer, text = optimizer, "recording SGD"
         steps = k if plan.uses_accumulate else 1
-        if "accelerator" in roles.values():
-            AcceleratorState._reset_state(True)
-            GradientState._reset_state()
-            self.accelerator = Accelerator(
-                cpu=device.type == "cpu", gradient_accumulation_steps=steps
-            )
-            self.optimizer, text = self.accelerator.prepare(optimizer), f"{text}, prepared"
-
-            def clip(*args, **kwargs):
-                self.accelerator.unscale_gradients()
-                optimizer.record("accelerator.clip_grad_norm_")
-
-            self.accelerator.clip_grad_norm_ = self.accelerator.clip_grad_value_ = clip
+        self.accelerator, self.optimizer, text = _accelerator(roles, optimizer, device, steps)
         fabric = Fabric(
             "fabric",
             {"clip_gradients": lambda *args, **kwargs: optimizer.record("fabric.clip_gradients")},
         )
+        self.scaler = None
         if "scaler" in roles.values():
             enabled = dtype == torch.float16 and device.type == "cuda"
             self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
         samples = sum(_samples(b) for b in batches)
         self.user = factory.current_data() is not None  # batches of the user's own, as they are
-        if plan.splits_batch:
-            batches = [
-                factory.concatenate(batches) if self.user else merge_batches(batches, ignore_index)
-            ]
-        if self.user:
-            items = list(batches)
-        elif plan.data_arity:
-            items = [(b["input_ids"], b["labels"]) for b in batches]
-        else:
-            items = [BatchEncoding(dict(b)) for b in batches]
+        items = _items(plan, batches, self.user, ignore_index)
         width = output_width(plan.model_kind, vocab_size())
         size = math.ceil(samples / k)
         described = {
@@ -289,3 +263,37 @@ def _builds_torch_module(node: ast.expr, scope: dict) -> bool:
         and issubclass(value, torch.nn.Module)
         and value.__module__.startswith("torch.")
     )
+
+
+def _accelerator(roles: dict, optimizer, device, steps: int) -> tuple:
+    """A real Accelerator when the loop uses one (its clipping recorded on the optimizer), the
+    optimizer the loop steps (prepared by it), and that optimizer's description."""
+    if "accelerator" not in roles.values():
+        return None, optimizer, "recording SGD"
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=device.type == "cpu", gradient_accumulation_steps=steps)
+
+    def clip(*args, **kwargs):
+        accelerator.unscale_gradients()
+        optimizer.record("accelerator.clip_grad_norm_")
+
+    accelerator.clip_grad_norm_ = accelerator.clip_grad_value_ = clip
+    return accelerator, accelerator.prepare(optimizer), "recording SGD, prepared"
+
+
+def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
+    """What the loop's data yields: the user's batches as they are, `(input_ids, labels)`
+    pairs, or `BatchEncoding`s; one merged batch for a loop that cuts it into micro-batches."""
+    from transformers import BatchEncoding
+
+    if plan.splits_batch:
+        batches = [factory.concatenate(batches) if user else merge_batches(batches, ignore_index)]
+    if user:
+        return list(batches)
+    if plan.data_arity:
+        return [(b["input_ids"], b["labels"]) for b in batches]
+    return [BatchEncoding(dict(b)) for b in batches]
