@@ -104,8 +104,8 @@ def backward_of(call: cst.Call) -> cst.BaseExpression | None:
 
 
 class _WindowFinding:
-    """Which window a backward belongs to: a loop with a step, a modulo guard, a micro-step loop,
-    a function that steps, an accelerate `accumulate()` block."""
+    """Part of `Structure`: which window a backward belongs to: a loop with a step, a modulo guard,
+    a micro-step loop, a function that steps, an accelerate `accumulate()` block."""
 
     def _window(self, backward: Backward) -> Window | None:
         if self._deepspeed_engine(backward) and self.deepspeed_accumulation():
@@ -287,8 +287,8 @@ class _WindowFinding:
 
 
 class _Guards:
-    """Step guards: the `if` testing `a % k` that holds a step, an earlier skipping guard, and the
-    modulo they test."""
+    """Part of `Structure`: step guards: the `if` testing `a % k` that holds a step, an earlier
+    skipping guard, and the modulo they test."""
 
     def _guard(
         self, call: cst.Call, region: cst.CSTNode, modulo: bool = True
@@ -348,8 +348,8 @@ class _Guards:
 
 
 class _Frameworks:
-    """Frameworks that divide the loss by K themselves: accelerate, DeepSpeed, Lightning, pipeline
-    schedules, and where their K is configured."""
+    """Part of `Structure`: frameworks that divide the loss by K themselves: accelerate, DeepSpeed,
+    Lightning, pipeline schedules, and where their K is configured."""
 
     def dividing_framework(self, backward: Backward, window: Window) -> str | None:
         """Which framework divides this backward's loss by the accumulation steps, if any."""

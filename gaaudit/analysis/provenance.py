@@ -203,8 +203,8 @@ class _Foreign(Exception):
 
 
 class _Calls:
-    """What a call returns: a lambda, a same-file helper seen from its call, a loss module, an
-    imported or passed callable, an annotated parameter's class."""
+    """Part of `Tracer`: what a call returns: a lambda, a same-file helper seen from its call, a
+    loss module, an imported or passed callable, an annotated parameter's class."""
 
     def origin_call(self, expr: cst.BaseExpression) -> cst.Call | None:
         """The call an expression (or the name it is bound to) evaluates."""
@@ -378,8 +378,8 @@ class _Calls:
 
 
 class _Callees:
-    """Where a callee is defined: its bindings, the methods of the class it builds, torch loss
-    instances and their reduction, parameter defaults, same-file helpers."""
+    """Part of `Tracer`: where a callee is defined: its bindings, the methods of the class it
+    builds, torch loss instances and their reduction, parameter defaults, same-file helpers."""
 
     def assigned(self, name: str, use: cst.CSTNode) -> list[cst.BaseExpression]:
         """The values the file assigns to a dotted `name`; for `self.x`, those of the class
@@ -512,7 +512,8 @@ class _Callees:
 
 
 class _Counts:
-    """What a mean divides by, where the code shows it, in the terms of a function's parameters."""
+    """Part of `Tracer`: what a mean divides by, where the code shows it, in the terms of a
+    function's parameters."""
 
     def valid_count(self, origin: Origin) -> cst.BaseExpression | None:
         """What a mean loss divides by, where the code shows it: a masked mean's own count,

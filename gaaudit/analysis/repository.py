@@ -247,7 +247,8 @@ SHARED = Repository()
 
 
 class _Callers:
-    """What the callers of this file, and the factories of the repository, hand it."""
+    """Part of `Imports`: what the callers of this file, and the factories of the repository, hand
+    it."""
 
     def passed_origin(
         self, function: str, position: int, parameter: str, call: cst.Call, index: int | None

@@ -45,7 +45,8 @@ class Site:
 
 
 class _Frameworks:
-    """Losses a framework divides: Lightning's returned loss, pipeline schedules' loss functions."""
+    """Part of `Auditor`: losses a framework divides: Lightning's returned loss, pipeline schedules'
+    loss functions."""
 
     def _lightning(self) -> Iterator[Site]:
         """`training_step` returning a mean loss under `Trainer(accumulate_grad_batches=k)`, a
@@ -160,7 +161,8 @@ class _Frameworks:
 
 
 class _Divisors:
-    """Which divisors are the window's constant K, and how a site is described."""
+    """Part of `Auditor`: which divisors are the window's constant K, and how a site is
+    described."""
 
     def _stock_guarded(self, node: cst.CSTNode) -> bool:
         """Under the stock Trainer's own guard, `if not self.model_accepts_loss_kwargs ...:`,

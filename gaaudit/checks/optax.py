@@ -107,7 +107,8 @@ class Site:
 
 
 class _Divisions:
-    """Accumulation and the divisions of gradient trees by a count of micro-steps."""
+    """Part of `OptaxAudit`: accumulation and the divisions of gradient trees by a count of
+    micro-steps."""
 
     def _accumulates(self) -> bool:
         """A Python loop, or a `lax.scan` / `lax.fori_loop` / `lax.while_loop`, somewhere in the file."""

@@ -60,8 +60,8 @@ class _Tracer(Tracer):
 
 
 class _LossKwargs:
-    """What a class does with the count: opt-outs through its lineage, and the `compute_loss`
-    calls that drop it."""
+    """Part of `TrainerAudit`: what a class does with the count: opt-outs through its lineage, and
+    the `compute_loss` calls that drop it."""
 
     def lineage(self, cls: cst.ClassDef) -> Iterator[cst.ClassDef]:
         """The class and its same-file Trainer bases, nearest first."""
@@ -174,7 +174,7 @@ class _LossKwargs:
 
 
 class _Models:
-    """Same-file models and loss functions handed to a Trainer."""
+    """Part of `TrainerAudit`: same-file models and loss functions handed to a Trainer."""
 
     def _models(self) -> Iterator[Site]:
         """Same-file models passed to a Trainer whose `forward` returns a mean loss."""

@@ -154,7 +154,8 @@ def _trigger_offsets(data: bytes, lightning: bool = False) -> list[int]:
 
 
 class _TrainerUnits:
-    """What GA004 reads, on the `ast`: classes deriving from a Trainer, and calls handing one a model."""
+    """Part of `_Judge`: what GA004 reads, on the `ast`: classes deriving from a Trainer, and calls
+    handing one a model."""
 
     def trainer_units(self, members: dict) -> set:
         """What GA004 reads (`checks/trainer.py`): every class deriving from a transformers
@@ -225,7 +226,8 @@ class _TrainerUnits:
 
 
 class _Lines:
-    """Nodes found by line: searches of the text mapped to the `ast` nodes on those lines."""
+    """Part of `_Judge`: nodes found by line: searches of the text mapped to the `ast` nodes on
+    those lines."""
 
     def _lines_with(self, words) -> list[int]:
         """The numbers of the lines holding one of `words` (str), in order: a search per
@@ -305,8 +307,8 @@ class _Lines:
 
 
 class _Windows:
-    """Whether a backward call may be in an accumulation window: loops, modulo guards, stepping
-    helpers and callables, pipeline schedules, the repository's modules."""
+    """Part of `_Judge`: whether a backward call may be in an accumulation window: loops, modulo
+    guards, stepping helpers and callables, pipeline schedules, the repository's modules."""
 
     def _enclosing_names(self, calls: list[ast.Call]) -> set[str]:
         """Names of the functions of the file holding one of `calls`."""

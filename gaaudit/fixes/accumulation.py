@@ -185,8 +185,9 @@ def _assigns_to_itself(statement: cst.CSTNode, division: cst.CSTNode) -> bool:
 
 
 class _Counting:
-    """Where a micro-batch's count comes from: the loss's own targets, or a same-file helper that
-    returns it when asked; and the windows no count can fix (clipped per micro-batch, pipeline stages)."""
+    """Part of `Planner`: where a micro-batch's count comes from: the loss's own targets, or a
+    same-file helper that returns it when asked; and the windows no count can fix (clipped per
+    micro-batch, pipeline stages)."""
 
     # --- the count of valid targets in one micro-batch -------------------------------------
 
@@ -383,8 +384,8 @@ class _Counting:
 
 
 class _CompanionCounts:
-    """A count made by a model or function of another module: written at the call in its arguments,
-    or returned by that function when the loop asks."""
+    """Part of `Planner`: a count made by a model or function of another module: written at the call
+    in its arguments, or returned by that function when the loop asks."""
 
     def _companion_count(self, site: Site) -> None:
         """The loss comes from a function (or a model's `forward`) of another module of the
@@ -540,8 +541,8 @@ class _CompanionCounts:
 
 
 class _LossRewrite:
-    """The micro-batch's loss made its token sum: the division by K undone, the backward weighted,
-    a user's read of the divided loss left as it was."""
+    """Part of `Planner`: the micro-batch's loss made its token sum: the division by K undone, the
+    backward weighted, a user's read of the divided loss left as it was."""
 
     # --- the rewrite --------------------------------------------------------------------------
 
@@ -705,7 +706,8 @@ class _LossRewrite:
 
 
 class _SumReduction:
-    """Where a loss call can switch to `reduction="sum"`: its mean is read nowhere else."""
+    """Part of `Planner`: where a loss call can switch to `reduction="sum"`: its mean is read
+    nowhere else."""
 
     def _summed(self, site: Site) -> cst.Call | None:
         """The call to give reduction="sum" (the loss, or the loss module's constructor), when
@@ -779,7 +781,8 @@ class _SumReduction:
 
 
 class _Owners:
-    """Who runs the backward (an Accelerator, Fabric, torch.distributed), and what it divides by."""
+    """Part of `Planner`: who runs the backward (an Accelerator, Fabric, torch.distributed), and
+    what it divides by."""
 
     def _framework_factor(self, site: Site) -> str:
         receiver = self._accelerator(site)
@@ -818,7 +821,8 @@ class _Owners:
 
 
 class _LoggedReads:
-    """Logging reads of a loss that was divided by K, rewritten to keep their meaning."""
+    """Part of `Planner`: logging reads of a loss that was divided by K, rewritten to keep their
+    meaning."""
 
     # --- the logged loss: the window's sum / count, not a mean of means ---------------------
 
@@ -912,8 +916,8 @@ class _LoggedReads:
 
 
 class _Window:
-    """The window's one division: where it goes, its count started, normalised and reset, and the
-    optimizer it precedes."""
+    """Part of `Planner`: the window's one division: where it goes, its count started, normalised
+    and reset, and the optimizer it precedes."""
 
     def _prepare_window(self, site: Site) -> None:
         """Check that the window's one division has a place; `_finish_window` writes it."""

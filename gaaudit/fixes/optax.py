@@ -48,7 +48,8 @@ class MaskedMean:
 
 
 class _LossFunction:
-    """The loss function's masked mean, made a sum, and its count at each call of its gradient."""
+    """Part of `OptaxPlanner`: the loss function's masked mean, made a sum, and its count at each
+    call of its gradient."""
 
     # --- the loss ------------------------------------------------------------------------------
 
@@ -222,8 +223,8 @@ class _LossFunction:
 
 
 class _Averages:
-    """A hand-written average of micro-gradients (a loop or a `lax.scan`) made a division by the
-    window's total count."""
+    """Part of `OptaxPlanner`: a hand-written average of micro-gradients (a loop or a `lax.scan`)
+    made a division by the window's total count."""
 
     # --- hand-written averages -----------------------------------------------------------------
 
@@ -323,7 +324,8 @@ class _Averages:
 
 
 class _MultiSteps:
-    """`optax.MultiSteps`: windows read ahead and counted, the step handed their weight."""
+    """Part of `OptaxPlanner`: `optax.MultiSteps`: windows read ahead and counted, the step handed
+    their weight."""
 
     # --- optax.MultiSteps ----------------------------------------------------------------------
 

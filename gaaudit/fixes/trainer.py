@@ -78,8 +78,8 @@ class TokenLoss:
 
 
 class _ComputeLoss:
-    """`compute_loss` and `compute_loss_func` rewrites: the token loss summed over the Trainer's
-    count, or the count handed to the model."""
+    """Part of `TrainerPlanner`: `compute_loss` and `compute_loss_func` rewrites: the token loss
+    summed over the Trainer's count, or the count handed to the model."""
 
     # --- compute_loss -------------------------------------------------------------------------
 
@@ -246,7 +246,8 @@ class _ComputeLoss:
 
 
 class _TokenLosses:
-    """Whether a loss is a token loss gaaudit can sum, on the labels the Trainer counts."""
+    """Part of `TrainerPlanner`: whether a loss is a token loss gaaudit can sum, on the labels the
+    Trainer counts."""
 
     def _token_loss(
         self, expr: cst.CSTNode | None, function: cst.FunctionDef, labels: str
@@ -344,7 +345,8 @@ class _TokenLosses:
 
 
 class _Signatures:
-    """Opting out, `training_step`, and signatures that accept `num_items_in_batch` and pass it on."""
+    """Part of `TrainerPlanner`: opting out, `training_step`, and signatures that accept
+    `num_items_in_batch` and pass it on."""
 
     def _opt_out(self, owner: cst.ClassDef) -> None:
         """`self.model_accepts_loss_kwargs = False` after `super().__init__()`, in a new
