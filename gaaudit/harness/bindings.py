@@ -56,7 +56,7 @@ class Objects:
         self.accelerator, self.optimizer, text = _accelerator(roles, optimizer, device, steps)
         fabric = Fabric(
             "fabric",
-            {"clip_gradients": lambda *args, **kwargs: optimizer.record("fabric.clip_gradients")},
+            {"clip_gradients": lambda *args, **kwargs: optimizer.clip("fabric.clip_gradients")},
         )
         self.scaler = None
         if "scaler" in roles.values():
@@ -279,7 +279,7 @@ def _accelerator(roles: dict, optimizer, device, steps: int) -> tuple:
 
     def clip(*args, **kwargs):
         accelerator.unscale_gradients()
-        optimizer.record("accelerator.clip_grad_norm_")
+        optimizer.clip("accelerator.clip_grad_norm_")
 
     accelerator.clip_grad_norm_ = accelerator.clip_grad_value_ = clip
     return accelerator, accelerator.prepare(optimizer), "recording SGD, prepared"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -147,11 +147,24 @@ class RecordingOptimizer(torch.optim.SGD):
         super().__init__(params, lr=lr)
         self.param_groups = [_Group(group) for group in self.param_groups]
         self.grads: list[torch.Tensor] | None = None
+        # the gradients at the first clip, where it was, and the micro-batches drawn by then
+        self.clipped: tuple[list[torch.Tensor], str, int] | None = None
+        self.drawn: Callable[[], int] = lambda: 0  # micro-batches drawn so far (the replay's)
 
     def record(self, where: str = "optimizer.step") -> None:
         """Snapshot the gradients of every parameter group, then end the replay."""
-        self.grads = snapshot(p for group in self.param_groups for p in group["params"])
+        self.grads = self._gradients()
         raise StepReached(where)
+
+    def clip(self, where: str) -> None:
+        """A clipping call, which clips nothing here: the gradients before the first one are
+        kept and the replay goes on to the step. A clip at the step leaves them as they were
+        there; a loop that clips every micro-batch is measured at its step, over its window."""
+        if self.clipped is None:
+            self.clipped = (self._gradients(), where, self.drawn())
+
+    def _gradients(self) -> list[torch.Tensor]:
+        return snapshot(p for group in self.param_groups for p in group["params"])
 
     def step(self, closure=None):
         self.record()
@@ -162,6 +175,6 @@ class RecordingOptimizer(torch.optim.SGD):
         loss.backward()
 
     def clip_grad_norm(self, *args, **kwargs) -> None:
-        """The wrappers' own clipping (`optim_manager.clip_grad_norm(...)`): the gradients
-        are captured before it, as before `torch.nn.utils.clip_grad_norm_`."""
-        self.record("clip_grad_norm")
+        """The wrappers' own clipping (`optim_manager.clip_grad_norm(...)`), recorded as
+        `torch.nn.utils.clip_grad_norm_` is."""
+        self.clip("clip_grad_norm")

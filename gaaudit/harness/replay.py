@@ -400,6 +400,7 @@ def _execute(
                 bindings=bindings,
                 filename=filename,
             )
+            optimizer.drawn = objects.drawn
             function, kwargs = _callable(plan, filename, namespace, objects)
             with (
                 _capturing(optimizer, namespace),
@@ -424,6 +425,11 @@ def _execute(
             grads, where = snapshot(model.parameters()), "end of statement"
             if objects.scaler is not None and objects.scaler.is_enabled():
                 grads = [g / objects.scaler.get_scale() for g in grads]
+    clipped = optimizer.clipped
+    if clipped is not None and (where in ("", "end of statement") or clipped[2] == drawn):
+        # the first clip belongs to the step (no micro-batch drawn since), or the replay
+        # went no further than the clip: the gradients there
+        (grads, where, drawn), reason = clipped, ""
     if grads is not None and not any(g.any() for g in grads):
         grads, reason = (
             None,
@@ -509,15 +515,15 @@ def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
 
 @contextlib.contextmanager
 def _capturing(optimizer: RecordingOptimizer, namespace: dict):
-    """Capture the gradients at any optimizer's step and at gradient clipping (before the clip
-    changes them), for the duration of the replay."""
+    """Capture the gradients at any optimizer's step, and record gradient clipping (which
+    then clips nothing), for the duration of the replay."""
     hook = register_optimizer_step_pre_hook(lambda *args: optimizer.record("optimizer.step"))
     modules = (torch.nn.utils, torch.nn.utils.clip_grad)
     saved = [(m, n, getattr(m, n)) for m in modules for n in CLIPPERS if hasattr(m, n)]
     originals = {id(f): n for _, n, f in saved}
 
     def clipper(name):
-        return lambda *args, **kwargs: optimizer.record(name)
+        return lambda *args, **kwargs: optimizer.clip(name)
 
     for module, name, _ in saved:
         setattr(module, name, clipper(name))
