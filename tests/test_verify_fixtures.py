@@ -53,10 +53,11 @@ TRAINER_LIMITS = {
 # loop's holds K.
 WINDOWS = {p.stem for p in ORIGINALS if "GA007" in {code for _, code, _ in expected(p)}}
 
-# Unsafe fixes that count every target (no ignore value is visible in the file): on padded data
-# the patched loop stays wrong and must not be called verified (on packed data it is exact:
-# tests/test_harness.py).
-UNSAFE = {"ga001_exact_nanogpt_memmap_scaler", "ga002_nanogpt_micro_loop_no_division"}
+# Loops whose findings say every micro-batch holds the same number of loss elements (fixed-length
+# blocks) are replayed on such data: mean/K is exact there, a missing division (GA002) is not.
+# (Their unsafe fixes count every target: on padded data they would stay wrong,
+# tests/test_harness.py.)
+MISSING_DIVISION = {p.stem for p in ORIGINALS if "GA002" in {code for _, code, _ in expected(p)}}
 # The harness has no sequence-classification model yet (issue "verify on real scripts"): it
 # replays a causal LM, whose shifted labels the classification patch does not count.
 MISMODELLED = {"ga001_exact_seq_classifier_attention_mask"}
@@ -133,9 +134,10 @@ def loops(request) -> dict[str, list[dict]]:
 
 def test_every_fixed_fixture_is_replayed(loops):
     assert sorted(loops) == NAMES
-    assert not (LOOPLESS | UNSAFE | MISMODELLED) & set(NOT_REPLAYABLE)
+    assert not (LOOPLESS | MISMODELLED) & set(NOT_REPLAYABLE)
     assert set(TRAINER_LIMITS) <= TRAINERS and len(TRAINERS - set(TRAINER_LIMITS)) >= 6
-    assert len(NAMES) - len(LOOPLESS | UNSAFE | MISMODELLED | set(NOT_REPLAYABLE)) >= 21
+    assert len(NAMES) - len(LOOPLESS | MISMODELLED | set(NOT_REPLAYABLE)) >= 21
+    assert sum(bool(loop["fixed_length"]) for found in loops.values() for loop in found) >= 2
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -164,8 +166,13 @@ def test_original_reproduces_the_bug_and_patched_is_verified(loops, name):
             assert row["first_window"] == 1 and row["patched_first_window"] is None, row
             assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop
             continue
+        if loop["fixed_length"]:  # replayed on fixed-length data, as the file's
+            reproduced = row["original_verdict"] == "bug reproduced"
+            assert reproduced is (name in MISSING_DIVISION), row
+            assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop
+            continue
         assert row["original_verdict"] == "bug reproduced" and row["original_error"] > 1e-3, row
-        if name in UNSAFE | MISMODELLED:
+        if name in MISMODELLED:
             assert loop["verdict"] == "bug reproduced" and row["patched_error"] > 1e-3, loop
         else:
             assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop
@@ -236,3 +243,16 @@ def _read(fd: int) -> bytes:
         return os.read(fd, 4096)
     except OSError:  # the child closed the terminal
         return b""
+
+
+def test_a_loop_over_fixed_length_data_is_exact_on_that_data():
+    """Issue 18, item 1: a loop whose data the check reads as fixed-length blocks (`block_size`)
+    is replayed on micro-batches of one fixed length, where its mean/K matches the full batch,
+    and the table says why."""
+    exact = FIXTURES / "ga001_exact_hf_clm_group_texts.py"
+    result = gaaudit("verify", str(exact), "-k", "2", "--device", "cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "as the file's data is (" in result.stdout and "`block_size`" in result.stdout
+    assert "mean/K is exact on this data" in result.stdout
+    row = next(line.split() for line in result.stdout.splitlines() if line.endswith("verified"))
+    assert float(row[1]) < 1e-5 and float(row[2]) < 1e-5, row

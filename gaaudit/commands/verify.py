@@ -42,6 +42,9 @@ class Target:
     divisors: tuple[str, ...]
     flagged: bool = True  # False: a loop with no finding, replayed to show it matches
     trainer: str = ""  # a Trainer subclass's name: replayed by a real Trainer, not as a statement
+    # what shows that every micro-batch of the file's data holds the same number of loss
+    # elements (the check's domain), when its findings all say so: replayed on such data
+    fixed_length: str = ""
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Outcome:
     header: str
     rows: list[dict] = field(default_factory=list)  # k, original_error, patched_error, verdict
     flagged: bool = True  # the loop has a finding (else it is replayed as it is)
+    fixed_length: str = ""  # see Target
 
     @property
     def verdict(self) -> str:
@@ -141,25 +145,31 @@ def targets(
     confidences), then those without, replayed to show that they match. `path` names the
     file in its repository, for helpers imported from its sibling modules and the losses
     its callers there hand it, as `check` reads them."""
+    from gaaudit.analysis.domain import Domains
+    from gaaudit.analysis.evidence import scan
     from gaaudit.analysis.repository import Imports
     from gaaudit.analysis.tree import Tree, code
     from gaaudit.checks.accumulation import Auditor
     from gaaudit.checks.windows import Windows
 
     tree = Tree(parse(original), original)
+    text = original.decode("utf-8", "replace")
     patched_lines = patched.decode("utf-8", "replace").splitlines()
     found: dict[int, Target] = {}
     auditor = Auditor(tree, imports=Imports(tree, path.parent, name=path.name))
+    domains = Domains(tree, auditor.tracer, scan(text.removeprefix("\ufeff")), text)
     windows = [
-        (site.window, site.backward.call or site.node, site.origin.divisions, True)
+        (site.window, site.backward.call or site.node, site.origin.divisions, True, fixed)
         for site in auditor.sites()
+        for domain in [domains.of(site.origin)]
+        for fixed in [domain.sign if domain.varies is False else ""]
     ]
-    windows += [(s.window, s.node, (), True) for s in Windows(tree, auditor.structure).sites()]
+    windows += [(s.window, s.node, (), True, "") for s in Windows(tree, auditor.structure).sites()]
     for backward in auditor.structure.backwards():
         window = auditor.structure.window(backward)
         if window is not None and window.kind in ("modulo", "micro-loop", "accumulate"):
-            windows.append((window, backward.call, (), False))
-    for window, anchor, divisions, flagged in windows:
+            windows.append((window, backward.call, (), False, ""))
+    for window, anchor, divisions, flagged, fixed in windows:
         statement = _replayed_statement(tree, window, anchor)
         if statement is None:
             continue
@@ -174,9 +184,11 @@ def targets(
         if window.size is not None:
             divisors.add(code(window.size))
         merged = tuple(sorted(divisors | set(previous.divisors if previous else ())))
+        if previous is not None and previous.flagged and not previous.fixed_length:
+            fixed = ""  # another finding of this loop does not say so
         occurrence = _occurrence(tree.module.code.splitlines(), header, start)
         patched_line = _find(patched_lines, header, occurrence)
-        found[start] = Target(start, patched_line, header, merged, flagged)
+        found[start] = Target(start, patched_line, header, merged, flagged, fixed_length=fixed)
     statements = {line for line, t in found.items() if t.flagged}
     trainers = _trainer_targets(tree, patched_lines, statements)
     for start, (target, end) in trainers.items():  # its methods' statements: the Trainer runs them
@@ -386,7 +398,9 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
     fixed = job["patched"] != job["original"]
     for raw in job["targets"]:
         target = Target(**{**raw, "divisors": tuple(raw["divisors"])})
-        outcome = Outcome(target.line, target.header, flagged=target.flagged)
+        outcome = Outcome(
+            target.line, target.header, flagged=target.flagged, fixed_length=target.fixed_length
+        )
         patched = target.flagged and fixed  # else the loop is replayed as it is
         if target.trainer:
             if job.get("progress"):
@@ -415,6 +429,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                 k,
                 target.divisors,
             )
+            packed = bool(target.fixed_length)  # micro-batches of one fixed length, no padding
             if ranks is None:
                 result = compare(
                     *lines,
@@ -422,12 +437,18 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     dtype=options.dtype,
                     seed=options.seed,
                     timeout=options.timeout,
+                    packed=packed,
                 )
             else:
                 from gaaudit.harness import distributed
 
                 result = distributed.compare(
-                    ranks, *lines, dtype=options.dtype, seed=options.seed, timeout=options.timeout
+                    ranks,
+                    *lines,
+                    dtype=options.dtype,
+                    seed=options.seed,
+                    timeout=options.timeout,
+                    packed=packed,
                 )
             outcome.rows.append(
                 {
@@ -521,6 +542,11 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
                 print(path)
             for outcome in outcomes:
                 print(f"{outcome.line:>5}  {outcome.header}")
+                if outcome.fixed_length:
+                    print(
+                        f"{'':>5}  {'':>3}  replayed on micro-batches of one fixed length, as the "
+                        f"file's data is ({outcome.fixed_length}): mean/K is exact on this data"
+                    )
                 for row in outcome.rows:
                     print(
                         f"{'':>5}  {row['k'] or '-':>3}  {_number(row['original_error']):>14}  "

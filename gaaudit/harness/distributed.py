@@ -307,6 +307,7 @@ def compare(
     seed: int = 0,
     dtype: str = "float32",
     timeout: float = 60.0,
+    packed: bool = False,
 ) -> Comparison:
     """replay.compare with each replay on `ranks`: K micro-batches per rank against the full
     batch of all ranks' data."""
@@ -321,5 +322,6 @@ def compare(
         device=str(ranks.device),
         dtype=dtype,
         timeout=timeout,
+        packed=packed,
         make_session=partial(_RankSession, ranks),
     )
