@@ -128,3 +128,20 @@ def test_a_ddp_loop_replayed_in_one_process_says_how_to_replay_it():
     row = replayed_in_one_process(original.read_text(), unguarded)
     assert row["verdict"].startswith("not replayable: ")
     assert row["verdict"].endswith("replay it with --distributed 2"), row
+
+
+def test_a_flagged_loop_left_unfixed_says_how_to_replay_its_collective(tmp_path):
+    """A loop `fix` leaves as it is (clipping every micro-batch) whose own collective needs a
+    process group: the verdict says how to give it one, then that nothing was fixed."""
+    source = (FIXTURES / "ga001_clip_every_micro_batch.py").read_text()
+    script = tmp_path / "train.py"
+    script.write_text(
+        source.replace(
+            "        loss.backward()\n",
+            "        loss.backward()\n        torch.distributed.all_reduce(loss.detach())\n",
+            1,
+        )
+    )
+    result = gaaudit("verify", str(script), "-k", "2", "--device", "cpu")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "replay it with --distributed 2; nothing was fixed" in result.stdout, result.stdout

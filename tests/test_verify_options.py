@@ -342,6 +342,38 @@ def test_a_stand_in_reaching_torch_is_named_with_its_line(tmp_path):
     assert "(line 11; it reads `cfg.max_len`, which the harness could not bind" in verdict
 
 
+OWN_MODEL_CALLS = """
+def train(model, loader, optimizer, accumulation_steps):
+    for step, batch in enumerate(loader):
+        loss = {call}
+        (loss / accumulation_steps).backward()
+        if (step + 1) % accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        ('model(batch["input_ids"], return_loss=True)', "TypeError"),
+        ("model(**batch).loss * model.loss_weight", "AttributeError"),
+    ],
+)
+def test_a_model_call_the_tiny_model_refuses_names_the_model_factory(tmp_path, call, error):
+    """A keyword argument or attribute of the user's own model (issue 18, item 4): the
+    verdict says which option would hand the harness that model."""
+    (tmp_path / "train.py").write_text(OWN_MODEL_CALLS.format(call=call))
+    result = gaaudit("verify", "train.py", "-k", "2", "--format", "json", cwd=tmp_path)
+    (loop,) = json.loads(result.stdout)["loops"]
+    verdict = loop["rows"][0]["original_verdict"]
+    assert verdict.startswith(f"not replayable: {error}: "), verdict
+    assert verdict.endswith(
+        "the loop calls its model in a way the harness's tiny model does not take: "
+        "pass your model with --model-factory"
+    ), verdict
+
+
 MASKED_TRIPLES = """
 import torch.nn.functional as F
 

@@ -457,7 +457,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     "patched_error": result.patched.error if patched else None,
                     "verdict": _hinted(result.verdict, options)
                     if patched or not target.flagged
-                    else f"{result.original.verdict}; {NOTHING_FIXED}",
+                    else f"{_hinted(result.original.verdict, options)}; {NOTHING_FIXED}",
                     "original_verdict": result.original.verdict,
                     "first_window": result.original.window,
                     "patched_first_window": result.patched.window if patched else None,

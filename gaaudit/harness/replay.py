@@ -603,11 +603,13 @@ def _describe(exc: BaseException, filename: str, plan: Plan) -> str:
         for frame, line in traceback.walk_tb(exc.__traceback__)
         if frame.f_code.co_filename == filename
     ]
-    mismatch = (
-        "; the tiny harness model was handed your batches: pass your model with --model-factory"
-        if factory.current_data() is not None and factory.current() is None
-        else ""
-    )
+    mismatch = ""  # what the user can hand in instead of the harness's model
+    if factory.current() is None and factory.current_data() is not None:
+        mismatch = "; the tiny harness model was handed your batches"
+    elif factory.current() is None and _model_call_refused(exc):
+        mismatch = "; the loop calls its model in a way the harness's tiny model does not take"
+    if mismatch:
+        mismatch += ": pass your model with --model-factory"
     if not frames:
         return f"{type(exc).__name__}: {exc}{mismatch}"
     frame, line = frames[-1]
@@ -630,6 +632,16 @@ def _describe(exc: BaseException, filename: str, plan: Plan) -> str:
         else ""
     )
     return f"{type(exc).__name__}: {exc} (line {line}{read}){mismatch}"
+
+
+def _model_call_refused(exc: BaseException) -> bool:
+    """The harness's model refused what the loop asked of it: a keyword argument its
+    `forward` does not take (`return_loss=True`), or an attribute it does not have."""
+    if isinstance(exc, TypeError):
+        return ".forward() got an unexpected keyword argument" in str(exc)
+    return isinstance(exc, AttributeError) and isinstance(
+        getattr(exc, "obj", None), torch.nn.Module
+    )
 
 
 def _stubs_read(name: str, value, text: str) -> list[Stub]:
