@@ -338,14 +338,16 @@ def score(trees: Path, only: list[str]) -> int:
     return 0
 
 
-def fixes(trees: Path, only: list[str]) -> int:
+def fixes(trees: Path, only: list[str], each: bool = False) -> int:
     """`gaaudit fix` (its safe fixes, at the default confidence) on each labelled file, run at
     its tree's root as a user would: which files it changed, whether they still compile, and
-    why the findings of buggy files were not fixed. Each file, and any module a fix changed with it, is put back afterwards."""
+    why the findings of buggy files were not fixed; with `each`, what happened to each buggy
+    file. Each file, and any module a fix changed with it, is put back afterwards."""
     rows = [row for row in load_manifest() if not only or row.repo in only]
     changed: dict[Row, bool] = {}  # -> compiles
     reasons: Counter[str] = Counter()
     outcome: dict[Row, str] = {}  # buggy file -> what fix did
+    said: dict[Row, list[str]] = {}  # buggy file -> why its findings were not fixed
     started = time.perf_counter()
     for row in rows:
         target = tree_of(trees, row.repo) / row.path
@@ -382,6 +384,7 @@ def fixes(trees: Path, only: list[str]) -> int:
                 if (found := re.search(r": GA\d+ not fixed: (.*)$", line))
             ]
             reasons.update(re.sub(r"`[^`]*`", "`...`", reason)[:100] for reason in why)
+            said[row] = why
             outcome[row] = (
                 "fixed by a safe fix"
                 if after != before
@@ -398,6 +401,9 @@ def fixes(trees: Path, only: list[str]) -> int:
     print(f" ({ratio(len(fixed), len(positives))}), compiling {sum(changed[r] for r in fixed)}")
     for what, count in Counter(outcome.values()).most_common():
         print(f"  {count:>3}  {what}")
+        if each:
+            for row in sorted((r for r in outcome if outcome[r] == what), key=str):
+                print(f"         {row.repo}/{row.path}  {'; '.join(said[row])[:150]}")
     verdicts = Counter(replayed(trees, row) for row in fixed)
     for verdict, count in verdicts.most_common():
         print(f"  {count:>3}  gaaudit verify: {verdict}")
@@ -524,6 +530,7 @@ def main() -> int:
     fixing.add_argument(
         "--only", nargs="+", default=[], metavar="REPO", help="these repositories only"
     )
+    fixing.add_argument("--each", action="store_true", help="list each buggy file's outcome")
     replaying = commands.add_parser("verdicts", help="run `gaaudit verify` on each torch file")
     replaying.add_argument(
         "--only", nargs="+", default=[], metavar="REPO", help="these repositories only"
@@ -535,7 +542,7 @@ def main() -> int:
     if args.command == "restore":
         return 1 if restore(args.mirrors, args.trees) else 0
     if args.command == "fixes":
-        return fixes(args.trees, args.only)
+        return fixes(args.trees, args.only, args.each)
     return score(args.trees, args.only)
 
 

@@ -433,14 +433,21 @@ def _finding(
 def _trainer_sites(path: Path, data: bytes) -> Iterator[str]:
     """Where a file of the code builds a transformers or trl Trainer: `SFTTrainer(` in
     train.py line 150 (the first such call of the file)."""
+    call = trainer_call(data)
+    if call is not None:
+        yield f"`{call[1]}(...)` in {display_path(path)} line {call[0]}"
+
+
+def trainer_call(data: bytes) -> tuple[int, str] | None:
+    """The line and the called name of the file's first call that builds a transformers or
+    trl Trainer (`SFTTrainer(`, `transformers.Trainer(`), in a file that names either library."""
     if b"Trainer" not in data or FRAMEWORK.search(data) is None:
-        return
+        return None
     for number, line in enumerate(data.splitlines(), 1):
         call = TRAINER_CALL.search(line)
         if call and not line.lstrip().startswith((b"#", b"class ", b"def ")):
-            name = call.group(1).decode("utf-8", "replace")
-            yield f"`{name}(...)` in {display_path(path)} line {number}"
-            return
+            return number, call.group(1).decode("utf-8", "replace")
+    return None
 
 
 def _suppressed(raw: str) -> bool:
@@ -497,21 +504,7 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     settings found in its own folder and below. Nothing else is read unless a bad pin exists.
     """
     walked = sorted({_real(p) for root in roots if root.is_dir() for p in _walk(root)})
-    bad, declared = {}, set()  # the folders whose dependency files name transformers
-    pin_files = {p for p in walked if is_pin_file(p)} | {_real(p) for p in files if is_pin_file(p)}
-    for path in sorted(pin_files, key=_is_readme):  # READMEs last: see `declared`
-        text = _read(path).decode("utf-8", "replace")
-        named = pins(path, text)
-        if not _is_readme(path):
-            if any(TRANSFORMERS.match(pin.requirement) for pin in named):
-                declared.add(path.parent)
-        elif any(path.parent.is_relative_to(folder) for folder in declared):
-            continue  # a dependency file rules; a README's version is advice
-        found = [
-            (pin, kind) for pin in named if (kind := bad_pin(pin)) and not _suppressed(pin.raw)
-        ]
-        if found:
-            bad[path] = found
+    bad = _bad_pins(walked, files)
     if not bad:
         return []
     scanned = [p for p in walked if p.suffix in CONFIGS] + [
@@ -553,6 +546,61 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     return reports
 
 
+def _bad_pins(walked: list[Path], files: list[Path]) -> dict[Path, list[tuple[Pin, str]]]:
+    """The dependency files among `walked` and `files` with a transformers pin without the
+    fix, and their pins with the verdict of each (`bad_pin`). A README's pin counts only where
+    no dependency file of its folder or above names transformers."""
+    bad, declared = {}, set()  # the folders whose dependency files name transformers
+    pin_files = {p for p in walked if is_pin_file(p)} | {_real(p) for p in files if is_pin_file(p)}
+    for path in sorted(pin_files, key=_is_readme):  # READMEs last: see `declared`
+        text = _read(path).decode("utf-8", "replace")
+        named = pins(path, text)
+        if not _is_readme(path):
+            if any(TRANSFORMERS.match(pin.requirement) for pin in named):
+                declared.add(path.parent)
+        elif any(path.parent.is_relative_to(folder) for folder in declared):
+            continue  # a dependency file rules; a README's version is advice
+        found = [
+            (pin, kind) for pin in named if (kind := bad_pin(pin)) and not _suppressed(pin.raw)
+        ]
+        if found:
+            bad[path] = found
+    return bad
+
+
+def pinned_for(path: Path, root: Path) -> str | None:
+    """The transformers pin that keeps `path`'s Trainer before 4.46 (a pin admitting only
+    older releases, or a git commit), in the file's inline script metadata, else in the
+    dependency files of its folder and those above it up to `root`, the nearest first:
+    `` `transformers==4.31.0` (requirements.txt line 3) ``."""
+    here = _real(path)
+    for pin in script_pins(_read(here).decode("utf-8", "replace")):
+        if bad_pin(pin) in ("old", "commit"):
+            return f"`{pin.shown}` ({display_path(here)} line {pin.line})"
+    folders = [f for f in here.parents if f.is_relative_to(_real(root))]
+    near = [
+        p
+        for folder in folders
+        for p in (*_listed(folder), *_listed(folder / "requirements"))
+        if is_pin_file(p) and _regular(p)
+    ]
+    bad = _bad_pins(near, [])
+    for folder in folders:
+        for pin_file, found in sorted(bad.items()):
+            if pin_file.parent in (folder, folder / "requirements"):
+                for pin, kind in found:
+                    if kind in ("old", "commit"):
+                        return f"`{pin.shown}` ({display_path(pin_file)} line {pin.line})"
+    return None
+
+
+def _listed(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError:
+        return []
+
+
 def _packed(trainers: dict[Path, str], data: dict[Path, bytes]) -> str | None:
     """A sign of fixed-length blocks in every file that builds a Trainer, none of them showing
     padded or masked targets: the old Trainer's mean/K is then exact."""
@@ -576,8 +624,23 @@ def findings(context) -> list[Finding]:
         return []
     text = tree.module.code
     settings = [s for s in accumulation_in(text) if not s[3]]
+    if not settings:
+        return []
+    line, what, trainer, _ = settings[0]
+    trainer = trainer or any(
+        q.startswith(("transformers.", "trl.")) and q.endswith("Trainer") for q in imports
+    )
+    return [
+        _finding(context.path, pin, kind, f"{what} (line {line})", trainer)
+        for pin in script_pins(text)
+        if (kind := bad_pin(pin))
+    ]
+
+
+def script_pins(text: str) -> list[Pin]:
+    """The requirements of a script's PEP 723 inline metadata (`# /// script`)."""
     start = SCRIPT.search(text)
-    if start is None or not settings:
+    if start is None:
         return []
     first = text.count("\n", 0, start.start()) + 1
     block = []
@@ -585,15 +648,7 @@ def findings(context) -> list[Finding]:
         if line.rstrip() == "# ///":
             break
         block.append(line)
-    line, what, trainer, _ = settings[0]
-    trainer = trainer or any(
-        q.startswith(("transformers.", "trl.")) and q.endswith("Trainer") for q in imports
-    )
-    return [
-        _finding(context.path, pin, kind, f"{what} (line {line})", trainer)
-        for pin in _quoted(block, first + 1)
-        if (kind := bad_pin(pin))
-    ]
+    return list(_quoted(block, first + 1))
 
 
 def _has_script(module) -> bool:

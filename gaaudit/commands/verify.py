@@ -12,7 +12,7 @@ import contextlib
 import json
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import libcst as cst
@@ -26,6 +26,7 @@ ERROR_MEANS = (
     "error: relative L2 distance between the gradient at the optimizer step and the gradient "
     "of one full-batch step on the same data"
 )
+LIBRARIES = ("transformers", "peft", "trl", "torch", "accelerate")  # their models are no user's
 NOTHING_FIXED = (
     "nothing was fixed, so there is no patched loop "
     "(`gaaudit fix --min-confidence low --unsafe-fixes --diff` says why)"
@@ -45,6 +46,10 @@ class Target:
     # what shows that every micro-batch of the file's data holds the same number of loss
     # elements (the check's domain), when its findings all say so: replayed on such data
     fixed_length: str = ""
+    # the project's transformers pin before 4.46 (GA006), for a Trainer: replayed as it trains
+    pinned: str = ""
+    stops: str = ""  # why the harness cannot stand for what the statement trains: not replayed
+    loss_func: str = ""  # the file's function a Trainer is given as `compute_loss_func`
 
 
 @dataclass
@@ -56,6 +61,7 @@ class Outcome:
     rows: list[dict] = field(default_factory=list)  # k, original_error, patched_error, verdict
     flagged: bool = True  # the loop has a finding (else it is replayed as it is)
     fixed_length: str = ""  # see Target
+    pinned: str = ""  # see Target
 
     @property
     def verdict(self) -> str:
@@ -191,10 +197,95 @@ def targets(
         found[start] = Target(start, patched_line, header, merged, flagged, fixed_length=fixed)
     statements = {line for line, t in found.items() if t.flagged}
     trainers = _trainer_targets(tree, patched_lines, statements)
+    setup = _trainer_setup(tree, original, trainers, patched_lines, line)
+    if setup is not None:
+        trainers[setup.line] = (setup, setup.line)
+    if trainers:  # a Trainer trains as the project's transformers does
+        pinned = _pinned(path)
+        for start, (target, end) in trainers.items():
+            flagged = target.flagged or bool(pinned)  # GA006 reports it
+            trainers[start] = (replace(target, pinned=pinned, flagged=flagged), end)
     for start, (target, end) in trainers.items():  # its methods' statements: the Trainer runs them
         found = {line: t for line, t in found.items() if not start <= line <= end}
         found[start] = target
     return sorted(found.values(), key=lambda t: t.line)
+
+
+def _trainer_setup(
+    tree, original: bytes, trainers: dict, patched_lines: list[str], line: int | None
+) -> Target | None:
+    """The file's first call that builds a transformers Trainer (`Trainer(...)`,
+    `Seq2SeqTrainer(...)`, a subclass), when no Trainer subclass target replays it already:
+    the Trainer's own accumulation, replayed with a real Trainer. Its data is of fixed-length
+    blocks where the file shows them and no padded or masked labels (as GA006 reads it)."""
+    from gaaudit.analysis.evidence import scan
+    from gaaudit.checks.trainer import TrainerAudit
+    from gaaudit.checks.versions import trainer_call
+
+    call = trainer_call(original)
+    if call is None or (line is not None and line != call[0]):
+        return None
+    start, name = call[0], call[1].rsplit(".", 1)[-1]
+    if any(t.trainer == name or s <= start <= end for s, (t, end) in trainers.items()):
+        return None
+    audit = TrainerAudit(tree)
+    if name in {c.name.value for c in tree.classes} and name not in audit.trainers:
+        return None  # a class of the file that is no transformers Trainer
+    lines = original.decode("utf-8", "replace").splitlines()
+    header = lines[start - 1].strip()
+    evidence = scan(original.decode("utf-8", "replace").removeprefix("\ufeff"))
+    fixed = ""
+    if evidence.fixed is not None and evidence.padded is None:
+        fixed = f"{evidence.fixed[1]}, line {evidence.fixed[0]}"
+    patched = _find(patched_lines, header, _occurrence(lines, header, start))
+    stops, loss = _built_with(tree, start)
+    flagged = any(  # GA004 reports the loss function it is given, or a model's forward
+        site.kind == "forward" or site.kind == "loss-function" and site.function.name.value == loss
+        for site in audit.sites()
+    )
+    return Target(
+        start, patched, header, (), flagged, name, fixed_length=fixed, stops=stops, loss_func=loss
+    )
+
+
+def _built_with(tree, line: int) -> tuple[str, str]:
+    """What the Trainer built on `line` is given that the replay must honour: the name of a
+    module-level function of the file passed as `compute_loss_func` (defined in the replay),
+    and why the harness cannot stand for the rest (a model of the project's own class, which
+    computes a loss of its own; a loss function that is not the file's)."""
+    from gaaudit.analysis.tree import code, keyword, positional
+
+    for call in tree.calls:
+        if not code(call.func).endswith("Trainer") or tree.line(call) != line:
+            continue
+        loss = keyword(call, "compute_loss_func")
+        if loss is not None and not (isinstance(loss, cst.Name) and loss.value in tree.functions):
+            return f"its `compute_loss_func={code(loss)}` is not a function of this file", ""
+        model = keyword(call, "model") or next(iter(positional(call)), None)
+        if isinstance(model, cst.Name):
+            bound = tree.bindings(tree.scope_of(call)).get(model.value, [])
+            model = next((b.value for b in reversed(bound) if isinstance(b, cst.Assign)), model)
+        if isinstance(model, cst.Call) and isinstance(model.func, cst.Name):
+            built = model.func.value
+            origin = (tree.qualified(model.func) or built).split(".")[0]
+            if built[:1].isupper() and origin not in LIBRARIES:
+                return (
+                    f"the Trainer trains `{built}(...)` (line {tree.line(model)}), a model of "
+                    "the project with a loss of its own, which the harness's tiny language "
+                    "model does not stand for"
+                ), ""
+        return "", loss.value if loss is not None else ""
+    return "", ""
+
+
+def _pinned(path: Path) -> str:
+    """The transformers pin before 4.46 that governs `path` (`checks.versions.pinned_for`),
+    searched up to the current directory when the file is under it."""
+    from gaaudit.checks.versions import pinned_for
+
+    here, cwd = path.resolve(), Path.cwd().resolve()
+    root = cwd if here.is_relative_to(cwd) else _project_root(path)
+    return pinned_for(path, root) or ""
 
 
 def _trainer_targets(
@@ -399,9 +490,21 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
     for raw in job["targets"]:
         target = Target(**{**raw, "divisors": tuple(raw["divisors"])})
         outcome = Outcome(
-            target.line, target.header, flagged=target.flagged, fixed_length=target.fixed_length
+            target.line,
+            target.header,
+            flagged=target.flagged,
+            fixed_length=target.fixed_length,
+            pinned=target.pinned,
         )
         patched = target.flagged and fixed  # else the loop is replayed as it is
+        if target.stops:
+            verdict = f"not replayable: {target.stops}"
+            outcome.rows = [
+                {"k": k, "original_error": None, "patched_error": None, "verdict": verdict}
+                for k in options.ks
+            ]
+            outcomes.append(asdict(outcome))
+            continue
         if target.trainer:
             if job.get("progress"):
                 _progress(f"training {job['filename']}:{target.line} with a real Trainer")
@@ -475,7 +578,8 @@ def _progress(text: str) -> None:
 
 
 def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: bool) -> dict:
-    """One K of a Trainer subclass, replayed by a real Trainer (harness.trainer)."""
+    """One K of a Trainer class, replayed by a real Trainer (harness.trainer); under a pin
+    before 4.46, as that release trains, then as the installed one does."""
     from gaaudit.harness import trainer
     from gaaudit.harness.gradcheck import resolve_device
 
@@ -493,8 +597,21 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
         k,
         options.seed,
         resolve_device(options.device),
+        pinned=bool(target.pinned),
+        fixed=bool(target.fixed_length),
+        loss_func=target.loss_func,
     )
-    if target.flagged and not patched:
+    if target.pinned:  # what fixes it is the requirement: the installed release's verdict
+        import transformers
+
+        installed = row.pop("installed_verdict")
+        if row["verdict"] != VERIFIED:
+            row["verdict"] = (
+                f"{row['verdict']}; with the installed transformers {transformers.__version__}: "
+                f"{installed}"
+                f"{'' if installed.startswith('not') else ': require transformers>=4.46.2'}"
+            )
+    elif target.flagged and not patched:
         row["verdict"] = f"{row['verdict']}; {NOTHING_FIXED}"
     return {**row, "dtype": "float32", "processes": 1}
 
@@ -542,6 +659,11 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
                 print(path)
             for outcome in outcomes:
                 print(f"{outcome.line:>5}  {outcome.header}")
+                if outcome.pinned:
+                    print(
+                        f"{'':>5}  {'':>3}  replayed as transformers before 4.46 trains, which "
+                        f"{outcome.pinned} keeps: each micro-batch's mean divided by K"
+                    )
                 if outcome.fixed_length:
                     print(
                         f"{'':>5}  {'':>3}  replayed on micro-batches of one fixed length, as the "

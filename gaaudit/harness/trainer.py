@@ -1,8 +1,10 @@
 """Trainer replay (GA004): a transformers `Trainer` subclass of the user's file, as written and
 as `gaaudit fix` rewrote it, trained by a real Trainer for one optimizer step on a tiny GPT-2
 (a language model, else a 3-class sequence classifier) over K micro-batches of prompt-masked
-examples of varied length. Its gradient when the optimizer steps is compared with one
-backward of the class's own `compute_loss` over the same examples as one batch."""
+examples of varied length (of one length, without masks, for data of fixed-length blocks). Its
+gradient when the optimizer steps is compared with one backward of the class's own
+`compute_loss` over the same examples as one batch. A project that pins transformers before
+4.46 is replayed as those releases train (`as_pinned`)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from transformers import (
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
 
 MICRO = 2  # examples per micro-batch
+FIXED = 24  # the length of every example of fixed-length data
 
 
 class GradientsAtStep(TrainerCallback):
@@ -40,7 +43,8 @@ class GradientsAtStep(TrainerCallback):
 def trainer_class(source: str, filename: str, name: str) -> type:
     """Class (or function) `name` of `source`, defined with the file's imports that this
     environment has and its module-level classes, functions and literal constants; a trainer
-    class that cannot be imported (trl's `SFTTrainer`, say) stands for the Trainer."""
+    class that cannot be imported (trl's `SFTTrainer`, say) stands for the Trainer, and one
+    the file does not define is transformers' class of that name."""
     namespace: dict = {"__name__": "__gaaudit_trainer__"}
     for node in ast.parse(source).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -54,9 +58,41 @@ def trainer_class(source: str, filename: str, name: str) -> type:
         elif isinstance(node, (ast.ClassDef, ast.FunctionDef)) or _constant(node):
             with contextlib.suppress(Exception):
                 exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
+    if not callable(namespace.get(name)) and name.endswith("Trainer"):
+        import transformers  # `transformers.Seq2SeqTrainer(...)`, or a trainer not importable here
+
+        return getattr(transformers, name, Trainer)
     if not callable(namespace.get(name)):
         raise TypeError(f"`{name}` could not be defined from the file")
     return namespace[name]
+
+
+def as_pinned(cls: type) -> type:
+    """`cls` training as transformers before 4.46 did: `compute_loss` called without
+    `num_items_in_batch`, the model's own mean loss, divided by the accumulation steps."""
+
+    class Pinned(cls):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.model_accepts_loss_kwargs = False  # no token count reaches the model
+            self.loss_is_scaled_for_ga = False  # so `training_step` divides the loss by K
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs)
+
+    Pinned.__name__ = Pinned.__qualname__ = cls.__name__
+    return Pinned
+
+
+def _given(cls: type, loss_func) -> type:
+    """`cls` built with `compute_loss_func=loss_func`, as the user's file builds it."""
+
+    class Given(cls):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **{"compute_loss_func": loss_func, **kwargs})
+
+    Given.__name__ = Given.__qualname__ = cls.__name__
+    return Given
 
 
 def _constant(node: ast.stmt) -> bool:
@@ -88,17 +124,26 @@ def tiny_model(classifier: bool = False) -> torch.nn.Module:
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    return GPT2ForSequenceClassification(config) if classifier else GPT2LMHeadModel(config)
+    if classifier:
+        return GPT2ForSequenceClassification(config)
+    model = GPT2LMHeadModel(config)
+    # as for a `...ForCausalLM` class: the Trainer counts the shifted labels, which the loss
+    # averages over (GPT-2's class name leaves the loss type unknown, and the count one too
+    # high per row whose first label is not ignored)
+    model.loss_type = "ForCausalLM"
+    return model
 
 
-def examples(n: int, seed: int = 0, classifier: bool = False) -> list[dict[str, torch.Tensor]]:
+def examples(
+    n: int, seed: int = 0, classifier: bool = False, fixed: bool = False
+) -> list[dict[str, torch.Tensor]]:
     """Rows of different lengths: prompt and reply, the prompt masked out of the labels; or
-    one class label per row."""
+    one class label per row. `fixed`: rows of one length with nothing masked."""
     generator = torch.Generator().manual_seed(seed + 1)
     rows = []
     for _ in range(n):
-        length = int(torch.randint(6, 40, (1,), generator=generator))
-        prompt = int(torch.randint(2, length - 2, (1,), generator=generator))
+        length = FIXED if fixed else int(torch.randint(6, 40, (1,), generator=generator))
+        prompt = 0 if fixed else int(torch.randint(2, length - 2, (1,), generator=generator))
         input_ids = torch.randint(2, 64, (length,), generator=generator)
         labels = input_ids.clone()
         labels[:prompt] = -100
@@ -146,14 +191,16 @@ def arguments(directory: str, k: int, device="cpu", **changes) -> Seq2SeqTrainin
     return Seq2SeqTrainingArguments(**{**settings, **changes})
 
 
-def _step(cls: type, k: int, seed: int, classifier: bool, device) -> list[torch.Tensor]:
+def _step(
+    cls: type, k: int, seed: int, classifier: bool, device, fixed: bool
+) -> list[torch.Tensor]:
     """The gradient when the Trainer's optimizer first steps, after k micro-batches."""
     capture = GradientsAtStep()
     with tempfile.TemporaryDirectory() as directory:
         trainer = cls(
             model=tiny_model(classifier),
             args=arguments(directory, k, device),
-            train_dataset=examples(k * MICRO, seed, classifier),
+            train_dataset=examples(k * MICRO, seed, classifier, fixed),
             data_collator=collate,
             callbacks=[capture],
         )
@@ -163,27 +210,29 @@ def _step(cls: type, k: int, seed: int, classifier: bool, device) -> list[torch.
     return capture.grads
 
 
-def _full_batch(cls: type, k: int, seed: int, classifier: bool, device) -> list[torch.Tensor]:
+def _full_batch(
+    cls: type, k: int, seed: int, classifier: bool, device, fixed: bool
+) -> list[torch.Tensor]:
     """One backward of the class's `compute_loss` over all k micro-batches as one batch."""
     with tempfile.TemporaryDirectory() as directory:
         model = tiny_model(classifier).to(device)
         trainer = cls(model=model, args=arguments(directory, k, device))
         batch = {
             key: value.to(device)
-            for key, value in collate(examples(k * MICRO, seed, classifier)).items()
+            for key, value in collate(examples(k * MICRO, seed, classifier, fixed)).items()
         }
         trainer.compute_loss(model, batch).backward()
     return snapshot(model.parameters())
 
 
-def _error(cls: type, reference: type, k: int, seed: int, device) -> float:
+def _error(cls: type, reference: type, k: int, seed: int, device, fixed: bool) -> float:
     """The relative gradient error of `cls` against `reference`'s full-batch loss, on the
     language model, else on the classifier."""
     failure = None
     for classifier in (False, True):
         try:
-            want = _full_batch(reference, k, seed, classifier, device)
-            got = _step(cls, k, seed, classifier, device)
+            want = _full_batch(reference, k, seed, classifier, device, fixed)
+            got = _step(cls, k, seed, classifier, device, fixed)
         except Exception as exc:  # noqa: BLE001 - reported when neither model runs
             failure = failure or exc
             continue
@@ -192,11 +241,23 @@ def _error(cls: type, reference: type, k: int, seed: int, device) -> float:
 
 
 def compare(
-    original: str, patched: str | None, filename: str, name: str, k: int, seed: int, device
+    original: str,
+    patched: str | None,
+    filename: str,
+    name: str,
+    k: int,
+    seed: int,
+    device,
+    pinned: bool = False,
+    fixed: bool = False,
+    loss_func: str = "",
 ) -> dict:
-    """The row of one Trainer subclass for one K: each version's error against the original
+    """The row of one Trainer class for one K: each version's error against the original
     class's loss over the full batch, with its verdict (`original_verdict`; `verdict` is the
-    patched version's, else the original's)."""
+    patched version's, else the original's). `pinned`: the versions train as transformers
+    before 4.46 did, and the original also as the installed release does (`installed_*`);
+    `fixed`: on examples of one length; `loss_func`: the file's function each version's
+    Trainer is given as `compute_loss_func`."""
     row: dict = {"k": k, "original_error": None, "patched_error": None}
     output = io.StringIO()
     with (
@@ -207,14 +268,24 @@ def compare(
         warnings.simplefilter("ignore")
         try:
             reference = trainer_class(original, filename, name)
+            if loss_func:
+                reference = _given(reference, trainer_class(original, filename, loss_func))
         except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
             row["original_verdict"] = row["verdict"] = _failed(exc)
             return row
-        versions = [("original", original)] + ([("patched", patched)] if patched else [])
-        for version, source in versions:
+        versions = [("original", original, pinned)]
+        versions += [("patched", patched, pinned)] if patched else []
+        versions += [("installed", original, False)] if pinned else []
+        for version, source, old in versions:
             try:
                 cls = trainer_class(source, filename, name)
-                error = row[f"{version}_error"] = _error(cls, reference, k, seed, device)
+                if loss_func:
+                    cls = _given(cls, trainer_class(source, filename, loss_func))
+                if old:
+                    cls = as_pinned(cls)
+                error = row[f"{version}_error"] = _error(
+                    cls, as_pinned(reference) if old else reference, k, seed, device, fixed
+                )
                 row[f"{version}_verdict"] = judged(error, torch.float32)
             except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
                 row[f"{version}_verdict"] = _failed(exc)

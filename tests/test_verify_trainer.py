@@ -1,0 +1,87 @@
+"""`gaaudit verify` on a script that builds a transformers Trainer: its accumulation is the
+Trainer's, replayed by a real Trainer on a tiny GPT-2; under a transformers pin before 4.46
+(GA006) as those releases train, each micro-batch's mean divided by K, and as the installed
+release trains."""
+
+from __future__ import annotations
+
+import json
+
+import tomllib
+from conftest import ROOT, gaaudit
+
+GA006 = tomllib.loads((ROOT / "rules" / "GA006.toml").read_text())
+
+SCRIPT = """\
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+model = AutoModelForCausalLM.from_pretrained("gpt2")
+dataset = load_dataset("json", data_files="sft.jsonl", split="train"){data}
+args = TrainingArguments(output_dir="out", gradient_accumulation_steps=8)
+trainer = Trainer(model=model, args=args, train_dataset=dataset)
+trainer.train()
+"""
+PACKED = """
+dataset = dataset.map(group_texts, batched=True)  # blocks of block_size tokens"""
+
+
+def verify(path, cwd) -> tuple[int, list[dict]]:
+    result = gaaudit("verify", "-k", "2,4", "--format", "json", str(path), cwd=cwd)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.returncode, json.loads(result.stdout)["loops"]
+
+
+def test_a_pin_before_4_46_is_replayed_as_it_trains_and_as_the_installed_release(tmp_path):
+    (tmp_path / "train.py").write_text(GA006["bad"])
+    code, (loop,) = verify("train.py", tmp_path)
+    assert code == 1
+    assert loop["header"].startswith("Trainer(model=model") and loop["flagged"]
+    assert loop["pinned"] == "`transformers==4.45.2` (train.py line 6)"
+    for row in loop["rows"]:
+        assert row["original_verdict"] == "bug reproduced" and row["original_error"] > 1e-2
+        assert row["installed_error"] < 1e-5, row
+        assert row["verdict"].endswith(": verified: require transformers>=4.46.2"), row
+    errors = [row["original_error"] for row in loop["rows"]]
+    assert errors[1] > errors[0]  # more micro-batches, more unequal weights
+
+    table = gaaudit("verify", "-k", "2", "train.py", cwd=tmp_path).stdout
+    assert "replayed as transformers before 4.46 trains, which `transformers==4.45.2`" in table
+
+
+def test_the_stock_trainer_without_a_pin_matches_the_full_batch(tmp_path):
+    (tmp_path / "train.py").write_text(GA006["good"])
+    code, (loop,) = verify("train.py", tmp_path)
+    assert code == 0 and not loop["flagged"] and loop["pinned"] == ""
+    assert all(row["verdict"] == "verified" for row in loop["rows"]), loop
+
+
+def test_a_pin_in_a_requirements_file_above_the_script_counts(tmp_path):
+    (tmp_path / "requirements.txt").write_text("torch\ntransformers>=4.30,<4.40\n")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "sft.py").write_text(SCRIPT.format(data=""))
+    code, (loop,) = verify("scripts/sft.py", tmp_path)
+    assert code == 1
+    assert loop["pinned"] == "`transformers>=4.30,<4.40` (requirements.txt line 2)"
+    assert all(row["original_verdict"] == "bug reproduced" for row in loop["rows"]), loop
+
+
+def test_under_the_pin_fixed_length_blocks_are_exact(tmp_path):
+    (tmp_path / "requirements.txt").write_text("transformers==4.38.2\n")
+    (tmp_path / "train.py").write_text(SCRIPT.format(data=PACKED))
+    code, (loop,) = verify("train.py", tmp_path)
+    assert code == 0, loop
+    assert loop["fixed_length"] == "`group_texts`, line 6" and loop["pinned"]
+    assert all(row["original_verdict"] == "verified" for row in loop["rows"]), loop
+
+
+def test_a_trainer_given_a_model_of_the_project_is_not_replayed(tmp_path):
+    script = SCRIPT.format(data="").replace(
+        'AutoModelForCausalLM.from_pretrained("gpt2")', "RewardModel()"
+    )
+    (tmp_path / "train.py").write_text("from reward import RewardModel\n" + script)
+    code, (loop,) = verify("train.py", tmp_path)
+    assert code == 2
+    assert all(
+        "`RewardModel(...)` (line 5), a model of the project" in r["verdict"] for r in loop["rows"]
+    )
