@@ -85,3 +85,53 @@ def test_a_trainer_given_a_model_of_the_project_is_not_replayed(tmp_path):
     assert all(
         "`RewardModel(...)` (line 5), a model of the project" in r["verdict"] for r in loop["rows"]
     )
+
+
+REWARD = """\
+import torch
+from torch import nn
+
+
+class RewardModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, features, labels=None):
+        scores = self.head(features).squeeze(-1)
+        return {"loss": nn.functional.mse_loss(scores, labels), "scores": scores}
+
+
+def build():
+    return RewardModel()
+
+
+def rows(sizes):
+    return [{"features": torch.randn(n, 4), "labels": torch.randn(n)} for n in sizes]
+
+
+def equal(k):
+    return rows([3] * k)
+
+
+def unequal(k):
+    return rows([1 + 2 * i for i in range(k)])
+"""
+
+
+def test_factories_replay_a_trainer_of_the_projects_own_model(tmp_path):
+    """A per-example mean divided by K (the Trainer's, for a model that takes no token count)
+    is exact on micro-batches of one size and wrong on micro-batches of different sizes."""
+    script = SCRIPT.format(data="").replace(
+        'AutoModelForCausalLM.from_pretrained("gpt2")', "RewardModel()"
+    )
+    (tmp_path / "train.py").write_text("from reward import RewardModel\n" + script)
+    (tmp_path / "reward.py").write_text(REWARD)
+    factories = ["--model-factory", "reward:build", "train.py", "--format", "json"]
+    for data, code, verdict in (("equal", 0, "verified"), ("unequal", 1, "bug reproduced")):
+        result = gaaudit(
+            "verify", "-k", "4", *factories, "--data-factory", f"reward:{data}", cwd=tmp_path
+        )
+        assert result.returncode == code, result.stdout + result.stderr
+        ((row,),) = [loop["rows"] for loop in json.loads(result.stdout)["loops"]]
+        assert row["original_verdict"] == verdict, row

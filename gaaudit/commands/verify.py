@@ -272,7 +272,8 @@ def _built_with(tree, line: int) -> tuple[str, str]:
                 return (
                     f"the Trainer trains `{built}(...)` (line {tree.line(model)}), a model of "
                     "the project with a loss of its own, which the harness's tiny language "
-                    "model does not stand for"
+                    "model does not stand for: pass your model with --model-factory (and your "
+                    "batches with --data-factory)"
                 ), ""
         return "", loss.value if loss is not None else ""
     return "", ""
@@ -497,7 +498,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             pinned=target.pinned,
         )
         patched = target.flagged and fixed  # else the loop is replayed as it is
-        if target.stops:
+        if target.stops and not (target.trainer and options.model_factory):
             verdict = f"not replayable: {target.stops}"
             outcome.rows = [
                 {"k": k, "original_error": None, "patched_error": None, "verdict": verdict}
@@ -583,11 +584,8 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
     from gaaudit.harness import trainer
     from gaaudit.harness.gradcheck import resolve_device
 
-    if options.distributed or options.model_factory or options.data_factory:
-        reason = (
-            "not replayable: a Trainer subclass is replayed in one process on the harness's "
-            "tiny GPT-2 and its own examples"
-        )
+    if options.distributed:
+        reason = "not replayable: a Trainer is replayed in one process; leave out --distributed"
         return {"k": k, "original_error": None, "patched_error": None, "verdict": reason}
     row = trainer.compare(
         job["original"],

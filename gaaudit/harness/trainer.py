@@ -1,10 +1,11 @@
-"""Trainer replay (GA004): a transformers `Trainer` subclass of the user's file, as written and
-as `gaaudit fix` rewrote it, trained by a real Trainer for one optimizer step on a tiny GPT-2
-(a language model, else a 3-class sequence classifier) over K micro-batches of prompt-masked
-examples of varied length (of one length, without masks, for data of fixed-length blocks). Its
-gradient when the optimizer steps is compared with one backward of the class's own
-`compute_loss` over the same examples as one batch. A project that pins transformers before
-4.46 is replayed as those releases train (`as_pinned`)."""
+"""Trainer replay: a transformers Trainer of the user's file (a subclass, or the class a
+`Trainer(...)` call builds), as written and as `gaaudit fix` rewrote it, trained by a real
+Trainer for one optimizer step on a tiny GPT-2 (a language model, else a 3-class sequence
+classifier) over K micro-batches of prompt-masked examples of varied length (of one length,
+without masks, for data of fixed-length blocks), or on the user's model and batches where
+given. Its gradient when the optimizer steps is compared with one backward of the class's
+own `compute_loss` over the same examples as one batch. A project that pins transformers
+before 4.46 is replayed as those releases train (`as_pinned`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import contextlib
 import io
 import tempfile
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import (
@@ -24,6 +27,7 @@ from transformers import (
     TrainerCallback,
 )
 
+from gaaudit.harness.factory import concatenate, current, current_data, to_device
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
 
 MICRO = 2  # examples per micro-batch
@@ -191,17 +195,55 @@ def arguments(directory: str, k: int, device="cpu", **changes) -> Seq2SeqTrainin
     return Seq2SeqTrainingArguments(**{**settings, **changes})
 
 
-def _step(
-    cls: type, k: int, seed: int, classifier: bool, device, fixed: bool
-) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class Window:
+    """What one replay trains on: the user's model and k micro-batches (`--model-factory`,
+    `--data-factory`) where given, else the tiny GPT-2 (a classifier with `classifier`) and
+    k micro-batches of the harness's rows (of one length with `fixed`)."""
+
+    k: int
+    seed: int
+    device: object
+    fixed: bool = False
+    classifier: bool = False
+
+    def model(self) -> torch.nn.Module:
+        user = current()
+        if user is None:
+            return tiny_model(self.classifier)
+        torch.manual_seed(0)
+        return user.build()
+
+    def micro_batches(self) -> tuple[list, Callable, int]:
+        """The Trainer's dataset, its collator and the rows per micro-batch."""
+        data = current_data()
+        if data is not None:  # each item is one micro-batch, as the user's loader yields it
+            return data.window(self.k, self.seed), _first, 1
+        rows = examples(self.k * MICRO, self.seed, self.classifier, self.fixed)
+        return rows, collate, MICRO
+
+    def full_batch(self):
+        data = current_data()
+        if data is not None:
+            return to_device(concatenate(data.window(self.k, self.seed)), self.device)
+        rows = examples(self.k * MICRO, self.seed, self.classifier, self.fixed)
+        return to_device(collate(rows), self.device)
+
+
+def _first(rows: list):
+    return rows[0]
+
+
+def _step(cls: type, window: Window) -> list[torch.Tensor]:
     """The gradient when the Trainer's optimizer first steps, after k micro-batches."""
     capture = GradientsAtStep()
+    dataset, collator, rows = window.micro_batches()
     with tempfile.TemporaryDirectory() as directory:
         trainer = cls(
-            model=tiny_model(classifier),
-            args=arguments(directory, k, device),
-            train_dataset=examples(k * MICRO, seed, classifier, fixed),
-            data_collator=collate,
+            model=window.model(),
+            args=arguments(directory, window.k, window.device, per_device_train_batch_size=rows),
+            train_dataset=dataset,
+            data_collator=collator,
             callbacks=[capture],
         )
         trainer.train()
@@ -210,29 +252,24 @@ def _step(
     return capture.grads
 
 
-def _full_batch(
-    cls: type, k: int, seed: int, classifier: bool, device, fixed: bool
-) -> list[torch.Tensor]:
+def _full_batch(cls: type, window: Window) -> list[torch.Tensor]:
     """One backward of the class's `compute_loss` over all k micro-batches as one batch."""
     with tempfile.TemporaryDirectory() as directory:
-        model = tiny_model(classifier).to(device)
-        trainer = cls(model=model, args=arguments(directory, k, device))
-        batch = {
-            key: value.to(device)
-            for key, value in collate(examples(k * MICRO, seed, classifier, fixed)).items()
-        }
-        trainer.compute_loss(model, batch).backward()
+        model = window.model().to(window.device)
+        trainer = cls(model=model, args=arguments(directory, window.k, window.device))
+        trainer.compute_loss(model, window.full_batch()).backward()
     return snapshot(model.parameters())
 
 
-def _error(cls: type, reference: type, k: int, seed: int, device, fixed: bool) -> float:
+def _error(cls: type, reference: type, window: Window) -> float:
     """The relative gradient error of `cls` against `reference`'s full-batch loss, on the
-    language model, else on the classifier."""
+    language model, else on the classifier (on the user's model only, when given)."""
     failure = None
-    for classifier in (False, True):
+    for classifier in (False,) if current() else (False, True):
         try:
-            want = _full_batch(reference, k, seed, classifier, device, fixed)
-            got = _step(cls, k, seed, classifier, device, fixed)
+            attempt = replace(window, classifier=classifier)
+            want = _full_batch(reference, attempt)
+            got = _step(cls, attempt)
         except Exception as exc:  # noqa: BLE001 - reported when neither model runs
             failure = failure or exc
             continue
@@ -273,6 +310,7 @@ def compare(
         except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
             row["original_verdict"] = row["verdict"] = _failed(exc)
             return row
+        window = Window(k, seed, device, fixed)
         versions = [("original", original, pinned)]
         versions += [("patched", patched, pinned)] if patched else []
         versions += [("installed", original, False)] if pinned else []
@@ -284,7 +322,7 @@ def compare(
                 if old:
                     cls = as_pinned(cls)
                 error = row[f"{version}_error"] = _error(
-                    cls, as_pinned(reference) if old else reference, k, seed, device, fixed
+                    cls, as_pinned(reference) if old else reference, window
                 )
                 row[f"{version}_verdict"] = judged(error, torch.float32)
             except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
