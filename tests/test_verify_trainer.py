@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import tomllib
-from conftest import ROOT, gaaudit
+from conftest import FIXTURES, ROOT, gaaudit
 
 GA006 = tomllib.loads((ROOT / "rules" / "GA006.toml").read_text())
 
@@ -135,3 +135,21 @@ def test_factories_replay_a_trainer_of_the_projects_own_model(tmp_path):
         assert result.returncode == code, result.stdout + result.stderr
         ((row,),) = [loop["rows"] for loop in json.loads(result.stdout)["loops"]]
         assert row["original_verdict"] == verdict, row
+
+
+def test_lightnings_trainer_is_no_transformers_trainer():
+    """`L.Trainer(...)` in a file that also imports transformers is not replayed as one."""
+    for name in ("ok_lightning_window_token_sum", "ga003_lightning_accumulate_grad_batches"):
+        result = gaaudit("verify", "-k", "2", "--format", "json", str(FIXTURES / f"{name}.py"))
+        loops = json.loads(result.stdout)["loops"]
+        assert not [loop for loop in loops if "Trainer(" in loop["header"]], loops
+
+
+def test_a_trainer_class_bound_to_a_name_first_is_replayed(tmp_path):
+    """`FinetuningTrainer = Trainer` then `FinetuningTrainer(...)`, as LMFlow builds it."""
+    script = SCRIPT.format(data="").replace(
+        "trainer = Trainer(", "FinetuningTrainer = Trainer\ntrainer = FinetuningTrainer("
+    )
+    (tmp_path / "train.py").write_text(script)
+    code, (loop,) = verify("train.py", tmp_path)
+    assert code == 0 and loop["header"].startswith("trainer = FinetuningTrainer("), loop

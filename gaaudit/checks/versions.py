@@ -433,21 +433,14 @@ def _finding(
 def _trainer_sites(path: Path, data: bytes) -> Iterator[str]:
     """Where a file of the code builds a transformers or trl Trainer: `SFTTrainer(` in
     train.py line 150 (the first such call of the file)."""
-    call = trainer_call(data)
-    if call is not None:
-        yield f"`{call[1]}(...)` in {display_path(path)} line {call[0]}"
-
-
-def trainer_call(data: bytes) -> tuple[int, str] | None:
-    """The line and the called name of the file's first call that builds a transformers or
-    trl Trainer (`SFTTrainer(`, `transformers.Trainer(`), in a file that names either library."""
     if b"Trainer" not in data or FRAMEWORK.search(data) is None:
-        return None
+        return
     for number, line in enumerate(data.splitlines(), 1):
         call = TRAINER_CALL.search(line)
         if call and not line.lstrip().startswith((b"#", b"class ", b"def ")):
-            return number, call.group(1).decode("utf-8", "replace")
-    return None
+            name = call.group(1).decode("utf-8", "replace")
+            yield f"`{name}(...)` in {display_path(path)} line {number}"
+            return
 
 
 def _suppressed(raw: str) -> bool:

@@ -26,7 +26,8 @@ ERROR_MEANS = (
     "error: relative L2 distance between the gradient at the optimizer step and the gradient "
     "of one full-batch step on the same data"
 )
-LIBRARIES = ("transformers", "peft", "trl", "torch", "accelerate")  # their models are no user's
+# libraries whose models are not the project's, nor their `...Trainer` classes a transformers one
+LIBRARIES = ("transformers", "peft", "trl", "torch", "accelerate", "lightning", "pytorch_lightning")
 NOTHING_FIXED = (
     "nothing was fixed, so there is no patched loop "
     "(`gaaudit fix --min-confidence low --unsafe-fixes --diff` says why)"
@@ -197,7 +198,7 @@ def targets(
         found[start] = Target(start, patched_line, header, merged, flagged, fixed_length=fixed)
     statements = {line for line, t in found.items() if t.flagged}
     trainers = _trainer_targets(tree, patched_lines, statements)
-    setup = _trainer_setup(tree, original, trainers, patched_lines, line)
+    setup = _trainer_setup(tree, original, trainers, patched_lines, line, path)
     if setup is not None:
         trainers[setup.line] = (setup, setup.line)
     if trainers:  # a Trainer trains as the project's transformers does
@@ -212,33 +213,45 @@ def targets(
 
 
 def _trainer_setup(
-    tree, original: bytes, trainers: dict, patched_lines: list[str], line: int | None
+    tree, original: bytes, trainers: dict, patched_lines: list[str], line: int | None, path: Path
 ) -> Target | None:
     """The file's first call that builds a transformers Trainer (`Trainer(...)`,
-    `Seq2SeqTrainer(...)`, a subclass), when no Trainer subclass target replays it already:
-    the Trainer's own accumulation, replayed with a real Trainer. Its data is of fixed-length
-    blocks where the file shows them and no padded or masked labels (as GA006 reads it)."""
+    `Seq2SeqTrainer(...)`, a subclass of the file or the project), when no Trainer subclass
+    target replays it already: the Trainer's own accumulation, replayed with a real Trainer.
+    Its data is of fixed-length blocks where the file shows them and no padded or masked
+    labels (as GA006 reads it)."""
     from gaaudit.analysis.evidence import scan
+    from gaaudit.analysis.tree import code
     from gaaudit.checks.trainer import TrainerAudit
-    from gaaudit.checks.versions import trainer_call
 
-    call = trainer_call(original)
-    if call is None or (line is not None and line != call[0]):
+    audit = TrainerAudit(tree)
+    found = next(
+        (
+            (call, code(built).rsplit(".", 1)[-1])
+            for call in tree.calls
+            if code(call.func).endswith("Trainer")
+            for built in [_aliased(tree, call)]
+            if _builds_transformers_trainer(tree, built, audit, path)
+        ),
+        None,
+    )
+    if found is None:
         return None
-    start, name = call[0], call[1].rsplit(".", 1)[-1]
+    call, name = found
+    statement = tree.statement_of(call)
+    start = tree.line(statement)
+    if line is not None and not start <= line <= tree.span(statement).end_line:
+        return None
     if any(t.trainer == name or s <= start <= end for s, (t, end) in trainers.items()):
         return None
-    audit = TrainerAudit(tree)
-    if name in {c.name.value for c in tree.classes} and name not in audit.trainers:
-        return None  # a class of the file that is no transformers Trainer
     lines = original.decode("utf-8", "replace").splitlines()
-    header = lines[start - 1].strip()
+    header = _first_line(tree, statement)
     evidence = scan(original.decode("utf-8", "replace").removeprefix("\ufeff"))
     fixed = ""
     if evidence.fixed is not None and evidence.padded is None:
         fixed = f"{evidence.fixed[1]}, line {evidence.fixed[0]}"
     patched = _find(patched_lines, header, _occurrence(lines, header, start))
-    stops, loss = _built_with(tree, start)
+    stops, loss = _built_with(tree, call)
     flagged = any(  # GA004 reports the loss function it is given, or a model's forward
         site.kind == "forward" or site.kind == "loss-function" and site.function.name.value == loss
         for site in audit.sites()
@@ -248,35 +261,58 @@ def _trainer_setup(
     )
 
 
-def _built_with(tree, line: int) -> tuple[str, str]:
-    """What the Trainer built on `line` is given that the replay must honour: the name of a
+def _aliased(tree, call: cst.Call) -> cst.BaseExpression:
+    """The class `call` builds: `Trainer` for `FinetuningTrainer(...)` after
+    `FinetuningTrainer = Trainer` in the same scope (its first binding)."""
+    if isinstance(call.func, cst.Name):
+        bound = tree.bindings(tree.scope_of(call)).get(call.func.value, [])
+        first = next((b for b in bound if isinstance(b, cst.Assign)), None)
+        if first is not None and isinstance(first.value, (cst.Name, cst.Attribute)):
+            return first.value
+    return call.func
+
+
+def _builds_transformers_trainer(tree, built: cst.BaseExpression, audit, path: Path) -> bool:
+    """Whether `built` names a transformers or trl Trainer: one imported from either, a
+    subclass of the file, or a class imported from the project (not Lightning's `Trainer`)."""
+    from gaaudit.analysis.tree import code
+
+    name = code(built).rsplit(".", 1)[-1]
+    origin = tree.qualified(built) or ""
+    if origin.startswith(("transformers.", "trl.")) or name in audit.trainers:
+        return True
+    top = origin.split(".")[0]
+    if not top or top == name or top in LIBRARIES:
+        return False
+    here = path.resolve().parent
+    return any((d / top).is_dir() or (d / f"{top}.py").is_file() for d in (here, *here.parents))
+
+
+def _built_with(tree, call: cst.Call) -> tuple[str, str]:
+    """What the Trainer `call` builds is given that the replay must honour: the name of a
     module-level function of the file passed as `compute_loss_func` (defined in the replay),
     and why the harness cannot stand for the rest (a model of the project's own class, which
     computes a loss of its own; a loss function that is not the file's)."""
     from gaaudit.analysis.tree import code, keyword, positional
 
-    for call in tree.calls:
-        if not code(call.func).endswith("Trainer") or tree.line(call) != line:
-            continue
-        loss = keyword(call, "compute_loss_func")
-        if loss is not None and not (isinstance(loss, cst.Name) and loss.value in tree.functions):
-            return f"its `compute_loss_func={code(loss)}` is not a function of this file", ""
-        model = keyword(call, "model") or next(iter(positional(call)), None)
-        if isinstance(model, cst.Name):
-            bound = tree.bindings(tree.scope_of(call)).get(model.value, [])
-            model = next((b.value for b in reversed(bound) if isinstance(b, cst.Assign)), model)
-        if isinstance(model, cst.Call) and isinstance(model.func, cst.Name):
-            built = model.func.value
-            origin = (tree.qualified(model.func) or built).split(".")[0]
-            if built[:1].isupper() and origin not in LIBRARIES:
-                return (
-                    f"the Trainer trains `{built}(...)` (line {tree.line(model)}), a model of "
-                    "the project with a loss of its own, which the harness's tiny language "
-                    "model does not stand for: pass your model with --model-factory (and your "
-                    "batches with --data-factory)"
-                ), ""
-        return "", loss.value if loss is not None else ""
-    return "", ""
+    loss = keyword(call, "compute_loss_func")
+    if loss is not None and not (isinstance(loss, cst.Name) and loss.value in tree.functions):
+        return f"its `compute_loss_func={code(loss)}` is not a function of this file", ""
+    model = keyword(call, "model") or next(iter(positional(call)), None)
+    if isinstance(model, cst.Name):
+        bound = tree.bindings(tree.scope_of(call)).get(model.value, [])
+        model = next((b.value for b in reversed(bound) if isinstance(b, cst.Assign)), model)
+    if isinstance(model, cst.Call) and isinstance(model.func, cst.Name):
+        built = model.func.value
+        origin = (tree.qualified(model.func) or built).split(".")[0]
+        if built[:1].isupper() and origin not in LIBRARIES:
+            return (
+                f"the Trainer trains `{built}(...)` (line {tree.line(model)}), a model of "
+                "the project with a loss of its own, which the harness's tiny language "
+                "model does not stand for: pass your model with --model-factory (and your "
+                "batches with --data-factory)"
+            ), ""
+    return "", loss.value if loss is not None else ""
 
 
 def _pinned(path: Path) -> str:
