@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field, replace
@@ -28,6 +29,8 @@ ERROR_MEANS = (
 )
 # libraries whose models are not the project's, nor their `...Trainer` classes a transformers one
 LIBRARIES = ("transformers", "peft", "trl", "torch", "accelerate", "lightning", "pytorch_lightning")
+# the replay downloads nothing: a user's `from_pretrained` fails at once instead
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 NOTHING_FIXED = (
     "nothing was fixed, so there is no patched loop "
     "(`gaaudit fix --min-confidence low --unsafe-fixes --diff` says why)"
@@ -51,6 +54,7 @@ class Target:
     pinned: str = ""
     stops: str = ""  # why the harness cannot stand for what the statement trains: not replayed
     loss_func: str = ""  # the file's function a Trainer is given as `compute_loss_func`
+    lightning: bool = False  # `trainer` names a LightningModule: a Lightning Trainer runs it
 
 
 @dataclass
@@ -206,10 +210,58 @@ def targets(
         for start, (target, end) in trainers.items():
             flagged = target.flagged or bool(pinned)  # GA006 reports it
             trainers[start] = (replace(target, pinned=pinned, flagged=flagged), end)
+    trainers.update(_lightning_targets(tree, original, patched_lines, statements, line))
     for start, (target, end) in trainers.items():  # its methods' statements: the Trainer runs them
         found = {line: t for line, t in found.items() if not start <= line <= end}
         found[start] = target
     return sorted(found.values(), key=lambda t: t.line)
+
+
+def _lightning_targets(
+    tree, original: bytes, patched_lines: list[str], statements: set[int], line: int | None
+) -> dict[int, tuple[Target, int]]:
+    """The file's LightningModule classes with a `training_step`, by the line of their
+    `class` statement, with their last line: a real Lightning Trainer runs them. Flagged when
+    a finding lies in the class; on fixed-length rows where the file shows such blocks."""
+    from gaaudit.analysis.tree import code
+    from gaaudit.checks.trainer import methods_of
+
+    lines = original.decode("utf-8", "replace").splitlines()
+    found = {}
+    for cls in tree.classes:
+        bases = [code(base.value) for base in cls.bases]
+        if not any(b.endswith("LightningModule") for b in bases):
+            continue
+        if "training_step" not in methods_of(cls) or "automatic_optimization" in code(cls):
+            continue  # a manual loop is replayed as a statement
+        start, end = tree.line(cls), tree.span(cls).end_line
+        if line is not None and not start <= line <= end:
+            continue
+        header = _first_line(tree, cls)
+        patched = _find(patched_lines, header, _occurrence(lines, header, start))
+        flagged = any(start <= s <= end for s in statements)
+        target = Target(
+            start,
+            patched,
+            header,
+            (),
+            flagged,
+            cls.name.value,
+            fixed_length=_fixed_rows(original),
+            lightning=True,
+        )
+        found[start] = (target, end)
+    return found
+
+
+def _fixed_rows(original: bytes) -> str:
+    """The file's sign of fixed-length blocks, where it shows no padded or masked labels."""
+    from gaaudit.analysis.evidence import scan
+
+    evidence = scan(original.decode("utf-8", "replace").removeprefix("\ufeff"))
+    if evidence.fixed is None or evidence.padded is not None:
+        return ""
+    return f"{evidence.fixed[1]}, line {evidence.fixed[0]}"
 
 
 def _trainer_setup(
@@ -220,7 +272,6 @@ def _trainer_setup(
     target replays it already: the Trainer's own accumulation, replayed with a real Trainer.
     Its data is of fixed-length blocks where the file shows them and no padded or masked
     labels (as GA006 reads it)."""
-    from gaaudit.analysis.evidence import scan
     from gaaudit.analysis.tree import code
     from gaaudit.checks.trainer import TrainerAudit
 
@@ -246,10 +297,7 @@ def _trainer_setup(
         return None
     lines = original.decode("utf-8", "replace").splitlines()
     header = _first_line(tree, statement)
-    evidence = scan(original.decode("utf-8", "replace").removeprefix("\ufeff"))
-    fixed = ""
-    if evidence.fixed is not None and evidence.padded is None:
-        fixed = f"{evidence.fixed[1]}, line {evidence.fixed[0]}"
+    fixed = _fixed_rows(original)
     patched = _find(patched_lines, header, _occurrence(lines, header, start))
     stops, loss = _built_with(tree, call)
     flagged = any(  # GA004 reports the loss function it is given, or a model's forward
@@ -444,6 +492,7 @@ def verify_pairs(
         child = subprocess.run(
             [sys.executable, "-m", "gaaudit.commands.verify"],
             input=json.dumps(jobs),
+            env={**os.environ, **OFFLINE},
             stdout=subprocess.PIPE,
             stderr=None if shown else subprocess.PIPE,
             text=True,
@@ -540,6 +589,12 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                 {"k": k, "original_error": None, "patched_error": None, "verdict": verdict}
                 for k in options.ks
             ]
+            outcomes.append(asdict(outcome))
+            continue
+        if target.lightning:
+            if job.get("progress"):
+                _progress(f"training {job['filename']}:{target.line} with a Lightning Trainer")
+            outcome.rows = [_lightning_row(job, target, options, k, patched) for k in options.ks]
             outcomes.append(asdict(outcome))
             continue
         if target.trainer:
@@ -646,6 +701,26 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
                 f"{'' if installed.startswith('not') else ': require transformers>=4.46.2'}"
             )
     elif target.flagged and not patched:
+        row["verdict"] = f"{row['verdict']}; {NOTHING_FIXED}"
+    return {**row, "dtype": "float32", "processes": 1}
+
+
+def _lightning_row(job: dict, target: Target, options: Options, k: int, patched: bool) -> dict:
+    """One K of a LightningModule, trained by a real Lightning Trainer (harness.lightning);
+    the patched module too when `gaaudit fix` changed the file."""
+    from gaaudit.harness import lightning
+    from gaaudit.harness.gradcheck import resolve_device
+
+    if options.distributed:
+        reason = "not replayable: a LightningModule is replayed in one process"
+        return {"k": k, "original_error": None, "patched_error": None, "verdict": reason}
+    device, fixed = resolve_device(options.device), bool(target.fixed_length)
+    replay = (job["filename"], target.trainer, k, options.seed, device, fixed)
+    row = lightning.compare(job["original"], *replay)
+    if patched:
+        after = lightning.compare(job["patched"], *replay)
+        row["patched_error"], row["verdict"] = after["original_error"], after["verdict"]
+    elif target.flagged:
         row["verdict"] = f"{row['verdict']}; {NOTHING_FIXED}"
     return {**row, "dtype": "float32", "processes": 1}
 

@@ -157,9 +157,9 @@ def examples(
     return rows
 
 
-def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-padded to the longest row: pad id 0, attention mask 0, label -100."""
-    width = max(len(r["input_ids"]) for r in rows)
+def collate(rows: list[dict[str, torch.Tensor]], width: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded to the longest row (or to `width`): pad id 0, attention mask 0, label -100."""
+    width = max(width, *(len(r["input_ids"]) for r in rows))
     batch = {
         "input_ids": torch.zeros(len(rows), width, dtype=torch.long),
         "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),

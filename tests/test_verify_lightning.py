@@ -1,0 +1,121 @@
+"""`gaaudit verify` on a LightningModule: a real Lightning Trainer accumulates K micro-batches
+(`accumulate_grad_batches`, which divides each returned loss by K) and its gradient at the
+optimizer step is compared with another Trainer's over the same micro-batches as one batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import gaaudit
+
+pytest.importorskip("lightning")
+
+MODULE = """\
+import {package} as L
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+{extra}
+
+def tiny_gpt2():
+    config = GPT2Config(
+        vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+class LitLM(L.LightningModule):
+    def __init__(self{parameters}):
+        super().__init__()
+        self.model = tiny_gpt2()
+
+    def training_step(self, batch, batch_idx):
+        {loss}
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+"""
+MEAN = "loss = self.model(**batch).loss"
+# the window's token count rides on every row; Lightning's division by K is undone
+TOKEN_SUM = """logits = self.model(input_ids=batch["input_ids"]).logits[:, :-1]
+        targets = batch["labels"][:, 1:]
+        token_sum = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+        )
+        k = self.trainer.accumulate_grad_batches
+        loss = token_sum * k / batch["window_tokens"][0]"""
+DATA = """\
+import torch
+
+
+def window(k):
+    generator = torch.Generator().manual_seed(k)
+    batches = []
+    for _ in range(k):
+        ids = torch.randint(1, 64, (2, 12), generator=generator)
+        labels = ids.clone()
+        labels[:, : int(torch.randint(2, 10, (1,), generator=generator))] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+    tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    for batch in batches:
+        batch["window_tokens"] = torch.full((2,), tokens)
+    return batches
+
+
+def module():
+    from lit import LitLM
+
+    return LitLM(lr=1e-3)
+"""
+
+
+def verify(tmp_path, *options: str) -> tuple[int, dict]:
+    result = gaaudit("verify", "-k", "2,4", "--format", "json", *options, "lit.py", cwd=tmp_path)
+    assert "Traceback" not in result.stderr, result.stderr
+    (loop,) = json.loads(result.stdout)["loops"]
+    return result.returncode, loop
+
+
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_a_mean_loss_divided_by_lightning_reproduces_the_bug(tmp_path, package):
+    source = MODULE.format(package=package, extra="", parameters="", loss=MEAN)
+    (tmp_path / "lit.py").write_text(source)
+    code, loop = verify(tmp_path)
+    assert code == 1 and loop["header"] == "class LitLM(L.LightningModule):", loop
+    assert [row["original_verdict"] for row in loop["rows"]] == ["bug reproduced"] * 2, loop
+    assert 1e-2 < loop["rows"][0]["original_error"] < loop["rows"][1]["original_error"]
+
+
+def test_on_fixed_length_blocks_the_mean_is_exact(tmp_path):
+    extra = "\nblock_size = 24  # the data are packed blocks of this many tokens\n"
+    source = MODULE.format(package="lightning", extra=extra, parameters="", loss=MEAN)
+    (tmp_path / "lit.py").write_text(source)
+    code, loop = verify(tmp_path)
+    assert code == 0 and loop["fixed_length"], loop
+    assert all(row["verdict"] == "verified" for row in loop["rows"]), loop
+
+
+@pytest.mark.parametrize(
+    ("loss", "code", "verdict"), [(TOKEN_SUM, 0, "verified"), (MEAN, 1, "bug reproduced")]
+)
+def test_factories_hand_in_the_module_and_its_batches(tmp_path, loss, code, verdict):
+    source = MODULE.format(package="lightning", extra="", parameters=", lr", loss=loss)
+    (tmp_path / "lit.py").write_text(source)
+    (tmp_path / "factories.py").write_text(DATA)
+    factories = ("--model-factory", "factories:module", "--data-factory", "factories:window")
+    got, loop = verify(tmp_path, *factories)
+    assert got == code, loop
+    assert [row["original_verdict"] for row in loop["rows"]] == [verdict] * 2, loop
+
+
+def test_a_module_that_needs_arguments_asks_for_the_model_factory(tmp_path):
+    source = MODULE.format(package="lightning", extra="", parameters=", lr", loss=MEAN)
+    (tmp_path / "lit.py").write_text(source)
+    code, loop = verify(tmp_path)
+    assert code == 2
+    for row in loop["rows"]:
+        assert row["verdict"].startswith("not replayable: TypeError: `LitLM()` cannot be built")
+        assert "pass your module with --model-factory" in row["verdict"]
