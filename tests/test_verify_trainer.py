@@ -153,3 +153,20 @@ def test_a_trainer_class_bound_to_a_name_first_is_replayed(tmp_path):
     (tmp_path / "train.py").write_text(script)
     code, (loop,) = verify("train.py", tmp_path)
     assert code == 0 and loop["header"].startswith("trainer = FinetuningTrainer("), loop
+
+
+def test_a_trainer_class_of_the_project_is_replayed_only_when_it_is_a_transformers_one(tmp_path):
+    """`from trainers import SFTTrainer`: a transformers Trainer subclass there is replayed;
+    a project's own `SFTTrainer(nn.Module)` (lucidrains' shape) is not."""
+    script = SCRIPT.format(data="").replace(
+        "trainer = Trainer(", "from trainers import SFTTrainer\ntrainer = SFTTrainer("
+    )
+    (tmp_path / "train.py").write_text(script)
+    for base, replayed in (("Trainer", True), ("nn.Module", False)):
+        (tmp_path / "trainers.py").write_text(
+            "from torch import nn\nfrom transformers import Trainer\n\n\n"
+            f"class SFTTrainer({base}):\n    pass\n"
+        )
+        result = gaaudit("verify", "-k", "2", "--format", "json", "train.py", cwd=tmp_path)
+        loops = json.loads(result.stdout)["loops"]
+        assert bool(loops) == replayed, loops

@@ -322,18 +322,30 @@ def _aliased(tree, call: cst.Call) -> cst.BaseExpression:
 
 def _builds_transformers_trainer(tree, built: cst.BaseExpression, audit, path: Path) -> bool:
     """Whether `built` names a transformers or trl Trainer: one imported from either, a
-    subclass of the file, or a class imported from the project (not Lightning's `Trainer`)."""
+    subclass of the file, or a class of a project module that names transformers or trl and
+    subclasses a `...Trainer` there (not Lightning's `Trainer`, nor a project's own)."""
+    import re
+
     from gaaudit.analysis.tree import code
 
     name = code(built).rsplit(".", 1)[-1]
     origin = tree.qualified(built) or ""
     if origin.startswith(("transformers.", "trl.")) or name in audit.trainers:
         return True
-    top = origin.split(".")[0]
-    if not top or top == name or top in LIBRARIES:
+    parts = origin.split(".")[:-1]
+    if not parts or parts[0] in LIBRARIES:
         return False
     here = path.resolve().parent
-    return any((d / top).is_dir() or (d / f"{top}.py").is_file() for d in (here, *here.parents))
+    for folder in (here, *here.parents):
+        module = folder.joinpath(*parts)
+        for candidate in (module.with_suffix(".py"), module / "__init__.py"):
+            if candidate.is_file():
+                text = candidate.read_text("utf-8", "replace")
+                subclass = rf"(?m)^class {re.escape(name)}\((?:[\w.]*Trainer\b)"
+                return bool(
+                    re.search(subclass, text) and re.search(r"\b(?:transformers|trl)\b", text)
+                )
+    return False
 
 
 def _built_with(tree, call: cst.Call) -> tuple[str, str]:
@@ -591,16 +603,15 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             ]
             outcomes.append(asdict(outcome))
             continue
-        if target.lightning:
+        if target.trainer:  # a framework's trainer runs it
+            trains, row = (
+                ("a Lightning Trainer", _lightning_row)
+                if target.lightning
+                else ("a real Trainer", _trainer_row)
+            )
             if job.get("progress"):
-                _progress(f"training {job['filename']}:{target.line} with a Lightning Trainer")
-            outcome.rows = [_lightning_row(job, target, options, k, patched) for k in options.ks]
-            outcomes.append(asdict(outcome))
-            continue
-        if target.trainer:
-            if job.get("progress"):
-                _progress(f"training {job['filename']}:{target.line} with a real Trainer")
-            outcome.rows = [_trainer_row(job, target, options, k, patched) for k in options.ks]
+                _progress(f"training {job['filename']}:{target.line} with {trains}")
+            outcome.rows = [row(job, target, options, k, patched) for k in options.ks]
             outcomes.append(asdict(outcome))
             continue
         for k in options.ks:

@@ -8,17 +8,15 @@ varied length (of one length for data of fixed-length blocks), as a collated dic
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import tempfile
-import warnings
 
 import torch
 from torch.utils.data import DataLoader
 
 from gaaudit.harness.factory import concatenate, current, current_data
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
-from gaaudit.harness.trainer import MICRO, collate, examples, trainer_class
+from gaaudit.harness.trainer import MICRO, collate, examples, failed, quietly, trainer_class
 
 LOGGERS = ("lightning", "lightning.pytorch", "pytorch_lightning", "lightning.fabric")
 
@@ -105,14 +103,7 @@ def compare(source: str, filename: str, name: str, k: int, seed: int, device, fi
     """The row of one LightningModule class for one K: its error against one full-batch step,
     with its verdict (`original_verdict`, `verdict`)."""
     row: dict = {"k": k, "original_error": None, "patched_error": None}
-    output = io.StringIO()
-    with (
-        contextlib.redirect_stdout(output),
-        contextlib.redirect_stderr(output),
-        warnings.catch_warnings(),
-        _quiet(),
-    ):
-        warnings.simplefilter("ignore")
+    with quietly(), _quiet():
         try:
             cls = trainer_class(source, filename, name)
             batches = _micro_batches(k, seed, fixed)
@@ -120,7 +111,7 @@ def compare(source: str, filename: str, name: str, k: int, seed: int, device, fi
             error = row["original_error"] = relative_error(_step(cls, batches, k, device), want)
             row["original_verdict"] = judged(error, torch.float32)
         except Exception as exc:  # noqa: BLE001 - the user's module, reported as the reason
-            row["original_verdict"] = f"not replayable: {type(exc).__name__}: {exc}".splitlines()[0]
+            row["original_verdict"] = failed(exc)
     row["verdict"] = row["original_verdict"]
     return row
 

@@ -296,19 +296,13 @@ def compare(
     `fixed`: on examples of one length; `loss_func`: the file's function each version's
     Trainer is given as `compute_loss_func`."""
     row: dict = {"k": k, "original_error": None, "patched_error": None}
-    output = io.StringIO()
-    with (
-        contextlib.redirect_stdout(output),
-        contextlib.redirect_stderr(output),
-        warnings.catch_warnings(),
-    ):
-        warnings.simplefilter("ignore")
+    with quietly():
         try:
             reference = trainer_class(original, filename, name)
             if loss_func:
                 reference = _given(reference, trainer_class(original, filename, loss_func))
         except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
-            row["original_verdict"] = row["verdict"] = _failed(exc)
+            row["original_verdict"] = row["verdict"] = failed(exc)
             return row
         window = Window(k, seed, device, fixed)
         versions = [("original", original, pinned)]
@@ -326,10 +320,23 @@ def compare(
                 )
                 row[f"{version}_verdict"] = judged(error, torch.float32)
             except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
-                row[f"{version}_verdict"] = _failed(exc)
+                row[f"{version}_verdict"] = failed(exc)
     row["verdict"] = row.pop("patched_verdict", row["original_verdict"])
     return row
 
 
-def _failed(exc: BaseException) -> str:
+@contextlib.contextmanager
+def quietly():
+    """The replay's output held back: the user's prints, the frameworks' warnings."""
+    output = io.StringIO()
+    with (
+        contextlib.redirect_stdout(output),
+        contextlib.redirect_stderr(output),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def failed(exc: BaseException) -> str:
     return f"not replayable: {type(exc).__name__}: {exc}".splitlines()[0]
