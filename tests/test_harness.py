@@ -170,6 +170,28 @@ def test_hf_loop_bug_reproduced_and_fix_verified(start):
     assert result.patched.replay.captured_at == "clip_grad_norm_"
 
 
+def test_an_auxiliary_loss_the_tiny_model_lacks_reads_as_zero():
+    """`out.loss + out.aux_loss` (minimind's mixture of experts): the tiny model has no
+    auxiliary loss, so the term is zero and the mean/K bug is measured as in HF_BUGGY."""
+    with_aux = HF_BUGGY.replace("loss = outputs.loss\n", "loss = outputs.loss + outputs.aux_loss\n")
+    assert with_aux != HF_BUGGY
+    start = line_of(HF_BUGGY, "for step")
+    plain, aux = (
+        compare(
+            text,
+            text,
+            start,
+            start,
+            k=4,
+            divisor_names=["args.gradient_accumulation_steps"],
+            device="cpu",
+        )
+        for text in (HF_BUGGY, with_aux)
+    )
+    assert aux.original.verdict == "bug reproduced", aux.original
+    assert aux.original.error == pytest.approx(plain.original.error)
+
+
 def test_replay_reports_bindings_and_gradients():
     line = line_of(HF_BUGGY, "for step")
     result = replay(
