@@ -192,6 +192,33 @@ def test_an_auxiliary_loss_the_tiny_model_lacks_reads_as_zero():
     assert aux.original.error == pytest.approx(plain.original.error)
 
 
+SCALER_LOOP = source("""
+    def train_one_epoch(model, data_loader, optimizer, loss_scaler, accum_iter):
+        for data_iter_step, batch in enumerate(data_loader):
+            loss = model(**batch).loss
+            loss /= accum_iter
+            loss_scaler(
+                loss,
+                optimizer,
+                parameters=model.parameters(),
+                update_grad=(data_iter_step + 1) % accum_iter == 0,
+            )
+""")
+
+
+def test_a_loss_scaler_that_backpropagates_and_steps_is_modelled():
+    """MAE's and timm's `loss_scaler(loss, optimizer, update_grad=...)`: the stand-in runs the
+    backward and steps when `update_grad` holds, so the mean/K bug is measured."""
+    start = line_of(SCALER_LOOP, "for data_iter_step")
+    result = compare(
+        SCALER_LOOP, SCALER_LOOP, start, start, k=4, divisor_names=["accum_iter"], device="cpu"
+    )
+    assert result.original.verdict == "bug reproduced", result.original
+    assert result.original.error > 1e-2
+    bindings = result.original.replay.bindings
+    assert bindings["loss_scaler"].startswith("loss scaler stand-in"), bindings
+
+
 def test_replay_reports_bindings_and_gradients():
     line = line_of(HF_BUGGY, "for step")
     result = replay(

@@ -564,6 +564,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "fabric"
     if "scaler" in ev or (not called and "scaler" in last.lower()):
         return "scaler"
+    if called and "scaler" in last.lower():
+        return "loss-scaler"  # `loss_scaler(loss, optimizer, update_grad=...)`: timm's, MAE's
     if chain[0] in helpers and len(chain) == 1:
         return None
     if "iterated-call" in ev:

@@ -17,7 +17,7 @@ from gaaudit.harness.analysis import Plan, chain_of
 from gaaudit.harness.data import merge_batches
 from gaaudit.harness.models import vocab_size
 from gaaudit.harness.nets import output_width
-from gaaudit.harness.stubs import DataSource, Fabric, Stub
+from gaaudit.harness.stubs import DataSource, Fabric, LossScaler, Stub
 from gaaudit.harness.surroundings import literal
 
 MISSING_NAMES = 8  # module names the owner class's definition reads that become stubs
@@ -73,6 +73,10 @@ class Objects:
             "accelerator": (self.accelerator, f"Accelerator(gradient_accumulation_steps={steps})"),
             "scaler": (self.scaler, f"GradScaler(enabled={getattr(self.scaler, '_enabled', 0)})"),
             "fabric": (fabric, "single-process Fabric stand-in"),
+            "loss-scaler": (
+                LossScaler("loss_scaler"),
+                "loss scaler stand-in: backward, and a step where update_grad holds",
+            ),
             "divisor": (k, f"K = {k}"),
             "micro-size": (size, f"{size} samples: a batch of {samples} makes {k} micro-batches"),
             "width": (width, f"{width}, the model's output width"),

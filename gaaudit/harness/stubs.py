@@ -6,6 +6,8 @@ import contextlib
 import inspect
 import operator
 
+import torch
+
 
 class Stub:
     """An inert stand-in: callable (as a decorator, it returns what it decorates; handed the
@@ -220,3 +222,16 @@ class Fabric(Stub):
 
     def all_reduce(self, data, *args, **kwargs):
         return data  # one process: the sum over processes is the value itself
+
+
+class LossScaler(Stub):
+    """timm's and MAE's `NativeScaler` for one process in full precision: `loss_scaler(loss,
+    optimizer, clip_grad=..., parameters=..., update_grad=...)` backpropagates the loss and,
+    when `update_grad` holds, steps the optimizer (a replay clips nothing); everything else
+    is inert."""
+
+    def __call__(self, loss, optimizer=None, *args, create_graph=False, update_grad=True, **kw):
+        loss.backward(create_graph=create_graph)
+        if update_grad and optimizer is not None:
+            optimizer.step()
+        return torch.zeros(())  # the gradient norm it would report
