@@ -723,7 +723,9 @@ def _lightning_row(job: dict, target: Target, options: Options, k: int, patched:
     from gaaudit.harness.gradcheck import resolve_device
 
     if options.distributed:
-        reason = "not replayable: a LightningModule is replayed in one process"
+        reason = (
+            "not replayable: a LightningModule is replayed in one process; leave out --distributed"
+        )
         return {"k": k, "original_error": None, "patched_error": None, "verdict": reason}
     device, fixed = resolve_device(options.device), bool(target.fixed_length)
     replay = (job["filename"], target.trainer, k, options.seed, device, fixed)
