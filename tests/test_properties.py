@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from gaaudit.checks.engine import check_file
@@ -180,6 +180,29 @@ def scratch(tmp_path_factory) -> Path:
     max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 @given(programs())
+@example(  # a last comment ending in a backslash: libcst's code drops the newline after it
+    program=(
+        (
+            b"import torch  # c0\n"
+            b"import torch.nn as nn  # c1\n"
+            b"import torch.nn.functional as F  # c2\n"
+            b"from transformers import AutoModelForCausalLM  # c3\n"
+            b'model = AutoModelForCausalLM.from_pretrained("gpt2")  # c4\n'
+            b"collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)  # c5\n"
+            b"for update in range(max_updates):  # c6\n"
+            b"    for micro_step in range(accum_steps):  # c7\n"
+            b"        batch = next(batches)  # c8\n"
+            b"        outputs = model(**batch)  # c9\n"
+            b"        loss = outputs.loss / accum_steps  # c10\n"
+            b"        loss.backward()  # c11\n"
+            b"    optimizer.step()  # c12\n"
+            b"    optimizer.zero_grad()  # c13 \\\n"
+        ),
+        [f"# c{n}" for n in range(13)] + ["# c13 \\"],
+        "\n",
+        "    ",
+    )
+)
 def test_fix_compiles_keeps_comments_and_layout_is_idempotent_and_clears_findings(scratch, program):
     data, comments, newline, indent = program
     compile(data, "train.py", "exec")

@@ -67,9 +67,15 @@ def _opens_cell(statement) -> bool:
     )
 
 
-def apply(module: cst.Module, edits: Edits) -> cst.Module:
-    """The module with every edit applied in one traversal."""
-    return module.visit(_Apply(edits))
+def apply(module: cst.Module, edits: Edits, source: bytes) -> bytes:
+    """The bytes of `module` (parsed from `source`) with every edit applied in one traversal.
+    A last line that is a comment ending in a backslash keeps the newline after it, which
+    libcst's code drops."""
+    fixed = module.visit(_Apply(edits)).bytes
+    newline = module.default_newline.encode(module.encoding)
+    if source.endswith(newline) and not fixed.endswith(newline):
+        fixed += newline
+    return fixed
 
 
 @dataclass

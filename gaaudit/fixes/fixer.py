@@ -61,7 +61,7 @@ def fix_source(
     outcomes.sort(key=lambda o: (o.line, o.column, o.site.code))
     if not any(o.applied for o in outcomes):
         return FileFix(shown, data, data, outcomes)
-    fixed = _compiled(apply(module, edits).bytes, shown)
+    fixed = _compiled(apply(module, edits, data), shown)
     return FileFix(shown, data, fixed, outcomes, [c for c in companions if c.changed])
 
 
@@ -80,7 +80,8 @@ def _compiled(fixed: bytes, shown: str) -> bytes:
 def _rewritten(path: Path, tree, edits) -> FileFix:
     """Another module of the repository with its planned edits applied."""
     shown = display_path(path)
-    return FileFix(shown, tree.module.bytes, _compiled(apply(tree.module, edits).bytes, shown))
+    before = tree.module.bytes
+    return FileFix(shown, before, _compiled(apply(tree.module, edits, before), shown))
 
 
 def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool):
