@@ -489,6 +489,28 @@ def test_singular_requirement_file_names_the_trainer_it_concerns(tmp_path):
     assert site.endswith("src/train.py line 8")
 
 
+def test_lightnings_trainer_is_not_a_transformers_trainer_for_a_pin(tmp_path):
+    """A Lightning script in a project that pins transformers: `L.Trainer(...)` is not the
+    transformers Trainer whose division the pin keeps."""
+    files = write(
+        tmp_path,
+        {
+            "requirements.txt": "transformers==4.36.2\n",
+            "configs/train.yaml": "gradient_accumulation_steps: 8\n",
+            "train.py": """\
+                import lightning as L
+                from transformers import AutoModelForCausalLM
+
+                trainer = L.Trainer(accumulate_grad_batches=8)
+            """,
+        },
+    )
+    (report,) = check_repository(files, [tmp_path])
+    (finding,) = report.findings
+    assert not [e for e in finding.evidence if e.startswith("trainer: ")], finding.evidence
+    assert finding.confidence is Confidence.MEDIUM
+
+
 @pytest.mark.parametrize(
     "data, expected",
     [

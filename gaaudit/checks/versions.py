@@ -50,7 +50,10 @@ TRANSFORMERS = re.compile(r"(?i)transformers(?![\w-])")  # a requirement that na
 README_PIN = re.compile(r"\btransformers(?:\[[\w,]+\])?\s*(?:==|<=|<|~=)\s*\d[\w.*]*")
 SCRIPT = re.compile(r"(?m)^# /// script\s*$")  # PEP 723 inline script metadata
 FRAMEWORK = re.compile(rb"\b(?:transformers|trl)\b")
-TRAINER_CALL = re.compile(rb"(?<![\w.])((?:\w+\.)*\w*Trainer)\s*\(")  # `transformers.Trainer(`
+# `transformers.Trainer(`, `SFTTrainer(`; not Lightning's `L.Trainer(` / `pl.Trainer(`
+TRAINER_CALL = re.compile(
+    rb"(?<![\w.])(?!(?:pl|L|lightning|pytorch_lightning)\.)((?:\w+\.)*\w*Trainer)\s*\("
+)
 TRAINER_SEEN = "the code trains with a transformers Trainer"
 PACKED = (
     "the Trainer trains on fixed-length blocks ({}), where the old Trainer's mean/K is exact; "
