@@ -119,3 +119,14 @@ def test_a_module_that_needs_arguments_asks_for_the_model_factory(tmp_path):
     for row in loop["rows"]:
         assert row["verdict"].startswith("not replayable: TypeError: `LitLM()` cannot be built")
         assert "pass your module with --model-factory" in row["verdict"]
+
+
+def test_a_framework_trainer_is_replayed_in_one_process(tmp_path):
+    source = MODULE.format(package="lightning", extra="", parameters="", loss=MEAN)
+    (tmp_path / "lit.py").write_text(source)
+    code, loop = verify(tmp_path, "--distributed", "2")
+    assert code == 2
+    for row in loop["rows"]:
+        assert row["verdict"] == (
+            "not replayable: a LightningModule is replayed in one process; leave out --distributed"
+        )

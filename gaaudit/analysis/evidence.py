@@ -84,6 +84,11 @@ class Evidence:
     fixed: tuple[int, str] | None = None
     suppressions: dict[int, frozenset[str] | None] = field(default_factory=dict)
 
+    @property
+    def blocks(self) -> tuple[int, str] | None:
+        """The sign of fixed-length blocks, where the file shows no sign of varying counts."""
+        return self.fixed if self.padded is None else None
+
     def suppressed(self, line: int, code: str) -> bool:
         if line not in self.suppressions:
             return False

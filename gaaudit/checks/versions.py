@@ -602,10 +602,10 @@ def _packed(trainers: dict[Path, str], data: dict[Path, bytes]) -> str | None:
     padded or masked targets: the old Trainer's mean/K is then exact."""
     signs = []
     for path in trainers:
-        evidence = scan(data[path].decode("utf-8", "replace"))
-        if evidence.fixed is None or evidence.padded is not None:
+        blocks = scan(data[path].decode("utf-8", "replace")).blocks
+        if blocks is None:
             return None
-        line, what = evidence.fixed
+        line, what = blocks
         signs.append(f"{what} in {display_path(path)} line {line}")
     return "; ".join(signs) or None
 

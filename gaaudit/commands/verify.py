@@ -161,14 +161,17 @@ def targets(
     from gaaudit.analysis.repository import Imports
     from gaaudit.analysis.tree import Tree, code
     from gaaudit.checks.accumulation import Auditor
+    from gaaudit.checks.trainer import TrainerAudit
     from gaaudit.checks.windows import Windows
 
     tree = Tree(parse(original), original)
     text = original.decode("utf-8", "replace")
+    lines = text.removeprefix("\ufeff").splitlines()
     patched_lines = patched.decode("utf-8", "replace").splitlines()
     found: dict[int, Target] = {}
     auditor = Auditor(tree, imports=Imports(tree, path.parent, name=path.name))
-    domains = Domains(tree, auditor.tracer, scan(text.removeprefix("\ufeff")), text)
+    evidence = scan(text.removeprefix("\ufeff"))
+    domains = Domains(tree, auditor.tracer, evidence, text)
     windows = [
         (site.window, site.backward.call or site.node, site.origin.divisions, True, fixed)
         for site in auditor.sites()
@@ -197,12 +200,15 @@ def targets(
         merged = tuple(sorted(divisors | set(previous.divisors if previous else ())))
         if previous is not None and previous.flagged and not previous.fixed_length:
             fixed = ""  # another finding of this loop does not say so
-        occurrence = _occurrence(tree.module.code.splitlines(), header, start)
-        patched_line = _find(patched_lines, header, occurrence)
+        patched_line = _find(patched_lines, header, _occurrence(lines, header, start))
         found[start] = Target(start, patched_line, header, merged, flagged, fixed_length=fixed)
     statements = {line for line, t in found.items() if t.flagged}
-    trainers = _trainer_targets(tree, patched_lines, statements)
-    setup = _trainer_setup(tree, original, trainers, patched_lines, line, path)
+    audit = TrainerAudit(tree)
+    # the file's sign of fixed-length blocks, where it shows no padded or masked labels
+    blocks = f"{evidence.blocks[1]}, line {evidence.blocks[0]}" if evidence.blocks else ""
+    located = _Locator(tree, lines, patched_lines)
+    trainers = _trainer_targets(audit, located, statements)
+    setup = _trainer_setup(audit, located, trainers, line, path, blocks)
     if setup is not None:
         trainers[setup.line] = (setup, setup.line)
     if trainers:  # a Trainer trains as the project's transformers does
@@ -210,72 +216,65 @@ def targets(
         for start, (target, end) in trainers.items():
             flagged = target.flagged or bool(pinned)  # GA006 reports it
             trainers[start] = (replace(target, pinned=pinned, flagged=flagged), end)
-    trainers.update(_lightning_targets(tree, original, patched_lines, statements, line))
+    trainers.update(_lightning_targets(located, statements, line, blocks))
     for start, (target, end) in trainers.items():  # its methods' statements: the Trainer runs them
         found = {line: t for line, t in found.items() if not start <= line <= end}
         found[start] = target
     return sorted(found.values(), key=lambda t: t.line)
 
 
+class _Locator:
+    """Where a class or statement of the file starts and ends, its first line, and the line
+    of that same header in the patched source."""
+
+    def __init__(self, tree, lines: list[str], patched_lines: list[str]) -> None:
+        self.tree, self.lines, self.patched_lines = tree, lines, patched_lines
+
+    def __call__(self, node: cst.CSTNode) -> tuple[int, int, str, int | None]:
+        start, end = self.tree.line(node), self.tree.span(node).end_line
+        header = _first_line(self.tree, node)
+        patched = _find(self.patched_lines, header, _occurrence(self.lines, header, start))
+        return start, end, header, patched
+
+
 def _lightning_targets(
-    tree, original: bytes, patched_lines: list[str], statements: set[int], line: int | None
+    located: _Locator, statements: set[int], line: int | None, blocks: str
 ) -> dict[int, tuple[Target, int]]:
     """The file's LightningModule classes with a `training_step`, by the line of their
     `class` statement, with their last line: a real Lightning Trainer runs them. Flagged when
-    a finding lies in the class; on fixed-length rows where the file shows such blocks."""
+    a finding lies in the class; on fixed-length rows where the file shows such `blocks`."""
     from gaaudit.analysis.tree import code
     from gaaudit.checks.trainer import methods_of
 
-    lines = original.decode("utf-8", "replace").splitlines()
     found = {}
-    for cls in tree.classes:
+    for cls in located.tree.classes:
         bases = [code(base.value) for base in cls.bases]
         if not any(b.endswith("LightningModule") for b in bases):
             continue
         if "training_step" not in methods_of(cls) or "automatic_optimization" in code(cls):
             continue  # a manual loop is replayed as a statement
-        start, end = tree.line(cls), tree.span(cls).end_line
+        start, end, header, patched = located(cls)
         if line is not None and not start <= line <= end:
             continue
-        header = _first_line(tree, cls)
-        patched = _find(patched_lines, header, _occurrence(lines, header, start))
         flagged = any(start <= s <= end for s in statements)
         target = Target(
-            start,
-            patched,
-            header,
-            (),
-            flagged,
-            cls.name.value,
-            fixed_length=_fixed_rows(original),
-            lightning=True,
+            start, patched, header, (), flagged, cls.name.value, fixed_length=blocks, lightning=True
         )
         found[start] = (target, end)
     return found
 
 
-def _fixed_rows(original: bytes) -> str:
-    """The file's sign of fixed-length blocks, where it shows no padded or masked labels."""
-    from gaaudit.analysis.evidence import scan
-
-    evidence = scan(original.decode("utf-8", "replace").removeprefix("\ufeff"))
-    if evidence.fixed is None or evidence.padded is not None:
-        return ""
-    return f"{evidence.fixed[1]}, line {evidence.fixed[0]}"
-
-
 def _trainer_setup(
-    tree, original: bytes, trainers: dict, patched_lines: list[str], line: int | None, path: Path
+    audit, located: _Locator, trainers: dict, line: int | None, path: Path, blocks: str
 ) -> Target | None:
     """The file's first call that builds a transformers Trainer (`Trainer(...)`,
     `Seq2SeqTrainer(...)`, a subclass of the file or the project), when no Trainer subclass
     target replays it already: the Trainer's own accumulation, replayed with a real Trainer.
-    Its data is of fixed-length blocks where the file shows them and no padded or masked
-    labels (as GA006 reads it)."""
+    Its data is of fixed-length blocks where the file shows such `blocks` (as GA006 reads
+    them)."""
     from gaaudit.analysis.tree import code
-    from gaaudit.checks.trainer import TrainerAudit
 
-    audit = TrainerAudit(tree)
+    tree = located.tree
     found = next(
         (
             (call, code(built).rsplit(".", 1)[-1])
@@ -289,23 +288,18 @@ def _trainer_setup(
     if found is None:
         return None
     call, name = found
-    statement = tree.statement_of(call)
-    start = tree.line(statement)
-    if line is not None and not start <= line <= tree.span(statement).end_line:
+    start, end, header, patched = located(tree.statement_of(call))
+    if line is not None and not start <= line <= end:
         return None
-    if any(t.trainer == name or s <= start <= end for s, (t, end) in trainers.items()):
+    if any(t.trainer == name or s <= start <= e for s, (t, e) in trainers.items()):
         return None
-    lines = original.decode("utf-8", "replace").splitlines()
-    header = _first_line(tree, statement)
-    fixed = _fixed_rows(original)
-    patched = _find(patched_lines, header, _occurrence(lines, header, start))
     stops, loss = _built_with(tree, call)
     flagged = any(  # GA004 reports the loss function it is given, or a model's forward
         site.kind == "forward" or site.kind == "loss-function" and site.function.name.value == loss
         for site in audit.sites()
     )
     return Target(
-        start, patched, header, (), flagged, name, fixed_length=fixed, stops=stops, loss_func=loss
+        start, patched, header, (), flagged, name, fixed_length=blocks, stops=stops, loss_func=loss
     )
 
 
@@ -386,24 +380,19 @@ def _pinned(path: Path) -> str:
 
 
 def _trainer_targets(
-    tree, patched_lines: list[str], statements: set[int]
+    audit, located: _Locator, statements: set[int]
 ) -> dict[int, tuple[Target, int]]:
     """The file's Trainer subclasses that override `compute_loss` or `training_step`, by the
     line of their `class` statement, with their last line; flagged when GA004 (or GA001 in
     one of their methods) reports them."""
-    from gaaudit.checks.trainer import TrainerAudit, methods_of
+    from gaaudit.checks.trainer import methods_of
 
-    audit = TrainerAudit(tree)
     flagged = {site.owner for site in audit.sites() if site.owner is not None}
-    lines = tree.module.code.splitlines()
     found = {}
     for name, cls in audit.trainers.items():
         if not {"compute_loss", "training_step"} & set(methods_of(cls)):
             continue
-        start = tree.line(cls)
-        header = _first_line(tree, cls)
-        patched = _find(patched_lines, header, _occurrence(lines, header, start))
-        end = tree.span(cls).end_line
+        start, end, header, patched = located(cls)
         reported = cls in flagged or any(start <= line <= end for line in statements)
         found[start] = (Target(start, patched, header, (), reported, name), end)
     return found
@@ -595,10 +584,20 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             pinned=target.pinned,
         )
         patched = target.flagged and fixed  # else the loop is replayed as it is
+        refused = ""  # what keeps the replay from running at all
         if target.stops and not (target.trainer and options.model_factory):
-            verdict = f"not replayable: {target.stops}"
+            refused = target.stops
+        elif target.trainer and options.distributed:
+            framework = "a LightningModule" if target.lightning else "a Trainer"
+            refused = f"{framework} is replayed in one process; leave out --distributed"
+        if refused:
             outcome.rows = [
-                {"k": k, "original_error": None, "patched_error": None, "verdict": verdict}
+                {
+                    "k": k,
+                    "original_error": None,
+                    "patched_error": None,
+                    "verdict": f"not replayable: {refused}",
+                }
                 for k in options.ks
             ]
             outcomes.append(asdict(outcome))
@@ -686,9 +685,6 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
     from gaaudit.harness import trainer
     from gaaudit.harness.gradcheck import resolve_device
 
-    if options.distributed:
-        reason = "not replayable: a Trainer is replayed in one process; leave out --distributed"
-        return {"k": k, "original_error": None, "patched_error": None, "verdict": reason}
     row = trainer.compare(
         job["original"],
         job["patched"] if patched else None,
@@ -722,11 +718,6 @@ def _lightning_row(job: dict, target: Target, options: Options, k: int, patched:
     from gaaudit.harness import lightning
     from gaaudit.harness.gradcheck import resolve_device
 
-    if options.distributed:
-        reason = (
-            "not replayable: a LightningModule is replayed in one process; leave out --distributed"
-        )
-        return {"k": k, "original_error": None, "patched_error": None, "verdict": reason}
     device, fixed = resolve_device(options.device), bool(target.fixed_length)
     replay = (job["filename"], target.trainer, k, options.seed, device, fixed)
     row = lightning.compare(job["original"], *replay)

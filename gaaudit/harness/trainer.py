@@ -44,11 +44,12 @@ class GradientsAtStep(TrainerCallback):
         self.grads = snapshot(model.parameters())
 
 
-def trainer_class(source: str, filename: str, name: str) -> type:
+def trainer_class(source: str, filename: str, name: str, loss_func: str = "") -> type:
     """Class (or function) `name` of `source`, defined with the file's imports that this
     environment has and its module-level classes, functions and literal constants; a trainer
     class that cannot be imported (trl's `SFTTrainer`, say) stands for the Trainer, and one
-    the file does not define is transformers' class of that name."""
+    the file does not define is transformers' class of that name. With `loss_func`, the
+    class is built with that function of the file as its `compute_loss_func`."""
     namespace: dict = {"__name__": "__gaaudit_trainer__"}
     for node in ast.parse(source).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -62,6 +63,11 @@ def trainer_class(source: str, filename: str, name: str) -> type:
         elif isinstance(node, (ast.ClassDef, ast.FunctionDef)) or _constant(node):
             with contextlib.suppress(Exception):
                 exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
+    cls = _named(namespace, name)
+    return _given(cls, _named(namespace, loss_func)) if loss_func else cls
+
+
+def _named(namespace: dict, name: str):
     if not callable(namespace.get(name)) and name.endswith("Trainer"):
         import transformers  # `transformers.Seq2SeqTrainer(...)`, or a trainer not importable here
 
@@ -298,9 +304,7 @@ def compare(
     row: dict = {"k": k, "original_error": None, "patched_error": None}
     with quietly():
         try:
-            reference = trainer_class(original, filename, name)
-            if loss_func:
-                reference = _given(reference, trainer_class(original, filename, loss_func))
+            reference = trainer_class(original, filename, name, loss_func)
         except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
             row["original_verdict"] = row["verdict"] = failed(exc)
             return row
@@ -310,9 +314,7 @@ def compare(
         versions += [("installed", original, False)] if pinned else []
         for version, source, old in versions:
             try:
-                cls = trainer_class(source, filename, name)
-                if loss_func:
-                    cls = _given(cls, trainer_class(source, filename, loss_func))
+                cls = trainer_class(source, filename, name, loss_func)
                 if old:
                     cls = as_pinned(cls)
                 error = row[f"{version}_error"] = _error(
