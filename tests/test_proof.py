@@ -9,7 +9,7 @@ import json
 
 from conftest import FIXTURES, gaaudit
 
-from gaaudit.commands.verify import VERIFIED
+from gaaudit.commands.verify import VERIFIED, _last_error
 
 LOOP = "for step, (x, y) in enumerate(tqdm(loader, leave=False)):"
 UNREPLAYABLE = "the loop unpacks 3 values from each batch"
@@ -52,6 +52,57 @@ def test_verify_times_out_a_hanging_loop(tmp_path):
     )
     result = gaaudit("verify", str(script), "-k", "2", "--timeout", "8")
     assert result.returncode == 2 and "not replayable: timed out after 8 s" in result.stdout
+
+
+def test_the_loops_own_autocast_runs_in_the_precision_verify_asks(tmp_path):
+    """A loop under its own mixed precision (`torch.autocast(..., dtype=torch.bfloat16)`, as
+    scripts run on a GPU) is replayed in --dtype's precision: float32 by default, where the
+    fixed loop matches the full batch to rounding, and bfloat16 when asked."""
+    script = tmp_path / "train.py"
+    forward = "        outputs = model(**batch)\n"
+    source = (FIXTURES / "ga001_hf_mlm_bert.py").read_text()
+    assert forward in source
+    script.write_text(
+        source.replace(
+            forward,
+            '        with torch.autocast("cpu", dtype=torch.bfloat16):\n    ' + forward,
+        )
+    )
+    result = gaaudit("verify", str(script), "-k", "4", "--device", "cpu", "--format", "json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = json.loads(result.stdout)["loops"][0]["rows"]
+    assert row["dtype"] == "float32" and row["patched_error"] < 1e-5, row
+    half = gaaudit("verify", str(script), "-k", "4", "--dtype", "bfloat16", "--format", "json")
+    (row,) = json.loads(half.stdout)["loops"][0]["rows"]
+    assert row["dtype"] == "bfloat16" and row["patched_error"] > 1e-5, row
+
+
+def test_a_replay_that_ends_its_process_loses_only_its_own_file(tmp_path):
+    """A process that dies in one file's replay (as after a device-side assert on a GPU) does
+    not take the other files' rows with it: each file is replayed again alone."""
+    crash = tmp_path / "crash.py"
+    crash.write_text(
+        "import os\nfor step, batch in enumerate(loader):\n    os.abort()\n"
+        "    loss = model(**batch).loss / accum_steps\n    loss.backward()\n"
+        "    if (step + 1) % accum_steps == 0:\n        optimizer.step()\n"
+    )
+    script = tmp_path / "train.py"
+    script.write_bytes((FIXTURES / "ga001_hf_mlm_bert.py").read_bytes())
+    result = gaaudit("verify", str(crash), str(script), "-k", "2", "--format", "json")
+    crashed, replayed = json.loads(result.stdout)
+    reason = "not replayable: the replay process failed (ended by SIGABRT)"
+    assert crashed["loops"][0]["verdict"] == reason
+    assert replayed["loops"][0]["verdict"] == VERIFIED
+
+
+def test_a_failed_replay_process_is_named_by_its_exception_not_by_cudas_advice():
+    stderr = (
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
+        "torch.AcceleratorError: CUDA error: device-side assert triggered\n"
+        "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
+    )
+    assert _last_error(stderr) == "torch.AcceleratorError: CUDA error: device-side assert triggered"
+    assert _last_error("") == "no output"
 
 
 def test_fix_verify_holds_back_what_it_cannot_prove(tmp_path, cli):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field, replace
@@ -488,38 +490,59 @@ def verify_pairs(
     ]
     if not jobs:
         return [[] for _ in pairs]
-    timeout = options.timeout * len(jobs)
+    answers = iter(_replayed(jobs, options.timeout))
+    return [
+        (
+            [_failed(t, rows) for t in found]
+            if isinstance(rows := next(answers), str)
+            else [Outcome(**row) for row in rows]
+        )
+        if found
+        else []
+        for found in planned
+    ]
+
+
+def _replayed(jobs: list[dict], timeout: float) -> list[list[dict] | str]:
+    """Each job's rows from one child process, bounded by `timeout` per job; a job's verdict
+    instead where the child timed out or failed. A child that failed on several jobs (a
+    device-side assert on a GPU, a crash in the user's code) ends them all: each is replayed
+    again alone, so that only its own rows are lost."""
     try:
         child = subprocess.run(
             [sys.executable, "-m", "gaaudit.commands.verify"],
             input=json.dumps(jobs),
             env={**os.environ, **OFFLINE},
             stdout=subprocess.PIPE,
-            stderr=None if shown else subprocess.PIPE,
+            stderr=None if jobs[0]["progress"] else subprocess.PIPE,
             text=True,
-            timeout=timeout,
+            timeout=timeout * len(jobs),
             check=False,
         )
     except subprocess.TimeoutExpired:
-        return [
-            [_failed(t, f"not replayable: timed out after {timeout:g} s") for t in found]
-            for found in planned
-        ]
+        return [f"not replayable: timed out after {timeout * len(jobs):g} s"] * len(jobs)
     if child.returncode != 0:
-        last = (
-            (child.stderr.strip().splitlines() or ["no output"])[-1]
-            if child.stderr is not None
-            else "its error is above"
+        if len(jobs) > 1:
+            return [answer for job in jobs for answer in _replayed([job], timeout)]
+        reason = (
+            f"ended by {signal.Signals(-child.returncode).name}"
+            if child.returncode < 0
+            else _last_error(child.stderr)
         )
-        return [
-            [_failed(t, f"not replayable: the replay process failed ({last})") for t in found]
-            for found in planned
-        ]
+        return [f"not replayable: the replay process failed ({reason})"]
     answer = json.loads(child.stdout)
     if isinstance(answer, dict):
         raise VerifyError(answer["error"])
-    answers = iter(answer)
-    return [[Outcome(**row) for row in next(answers)] if found else [] for found in planned]
+    return answer
+
+
+def _last_error(stderr: str | None) -> str:
+    """The child's exception, as its traceback names it last (CUDA adds advice after it)."""
+    if stderr is None:
+        return "its error is above"
+    lines = stderr.strip().splitlines() or ["no output"]
+    errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception|Exit)\b", line)]
+    return (errors or lines)[-1]
 
 
 def _failed(target: Target, verdict: str) -> Outcome:

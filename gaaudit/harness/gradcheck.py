@@ -64,23 +64,27 @@ def judged(error: float, dtype: torch.dtype) -> str:
 
 @contextlib.contextmanager
 def deterministic(seed: int, device: torch.device) -> Iterator[None]:
-    """Seed everything, force deterministic kernels and one CPU thread (reduction order then
-    does not depend on the machine, and tiny models run no slower); restore the caller's
-    state afterwards."""
+    """Seed everything, force deterministic kernels, full float32 precision on a GPU (no
+    TF32 in matrix products and convolutions, which cuDNN allows by default) and one CPU
+    thread (reduction order then does not depend on the machine, and tiny models run no
+    slower); restore the caller's state afterwards."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     was = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     threads = torch.get_num_threads()
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.set_num_threads(1)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
             yield
         finally:
             torch.set_num_threads(threads)
             torch.use_deterministic_algorithms(was, warn_only=warn_only)
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:

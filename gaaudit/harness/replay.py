@@ -371,11 +371,13 @@ def _execute(
     (e.g. DistributedDataParallel) is applied to the fresh model."""
     output, bindings = io.StringIO(), {}
     grads, where, reason, drawn = None, "", "", 0
+    precision = autocast(device, dtype)  # the harness's own, made before the loop's are changed
     with (
         deterministic(seed, device),
         contextlib.redirect_stdout(output),
         contextlib.redirect_stderr(output),
         warnings.catch_warnings(),
+        _autocast_as_asked(device, dtype),
     ):
         warnings.simplefilter("ignore")
         kind = plan.model_kind
@@ -405,8 +407,7 @@ def _execute(
             with (
                 _capturing(optimizer, namespace),
                 _staying_on(device),
-                _autocast_without_stubs(device),
-                autocast(device, dtype),
+                precision,
                 _time_limit(timeout),
             ):
                 result = function(**kwargs)
@@ -555,18 +556,25 @@ def _staying_on(device: torch.device):
 
 
 @contextlib.contextmanager
-def _autocast_without_stubs(device: torch.device):
-    """`torch.autocast(device_type=..., enabled=args.amp)` handed stand-ins (names the harness
-    could not bind) runs disabled on the replay's device; the harness's own --dtype governs."""
+def _autocast_as_asked(device: torch.device, dtype: torch.dtype):
+    """The loop's own `torch.autocast(...)` runs as --dtype asks, on the replay's device:
+    disabled for float32, else in that dtype. A script's mixed precision would otherwise make
+    the replay's precision depend on the machine (bf16 on a GPU; nothing on the CPU, where
+    `autocast("cuda")` casts nothing), and `enabled=args.amp` handed a stand-in needs no
+    value."""
     original = torch.autocast.__init__
     signature = inspect.signature(original)
-    unknown = {"device_type": device.type, "dtype": None, "enabled": False, "cache_enabled": None}
+    asked = {
+        "device_type": device.type,
+        "dtype": None if dtype == torch.float32 else dtype,
+        "enabled": dtype != torch.float32,
+    }
 
     def init(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
-        for name, value in bound.arguments.items():
-            if isinstance(value, Stub):
-                bound.arguments[name] = unknown[name]
+        bound.arguments.update(asked)
+        if isinstance(bound.arguments.get("cache_enabled"), Stub):
+            bound.arguments["cache_enabled"] = None
         original(*bound.args, **bound.kwargs)
 
     torch.autocast.__init__ = init

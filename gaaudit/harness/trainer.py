@@ -269,11 +269,18 @@ def _full_batch(cls: type, window: Window) -> list[torch.Tensor]:
 
 def _error(cls: type, reference: type, window: Window) -> float:
     """The relative gradient error of `cls` against `reference`'s full-batch loss, on the
-    language model, else on the classifier (on the user's model only, when given)."""
+    language model, else on the classifier (on the user's model only, when given). On a GPU
+    a model that another may follow is first tried on the CPU: a kernel that fails there (a
+    classifier's loss gathering at -100) is a device-side assert on the GPU, after which the
+    process can run nothing."""
     failure = None
-    for classifier in (False,) if current() else (False, True):
+    kinds = (False,) if current() else (False, True)
+    for classifier in kinds:
         try:
             attempt = replace(window, classifier=classifier)
+            if classifier != kinds[-1] and torch.device(window.device).type != "cpu":
+                for version in {reference, cls}:
+                    _full_batch(version, replace(attempt, device="cpu"))
             want = _full_batch(reference, attempt)
             got = _step(cls, attempt)
         except Exception as exc:  # noqa: BLE001 - reported when neither model runs
