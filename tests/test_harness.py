@@ -970,3 +970,23 @@ def test_a_timm_style_engine_loop_reaches_its_step():
     assert bindings["mixup_fn"] == bindings["total"] == "None, as assigned before the statement"
     assert bindings["data_loader"] == "4 micro-batches as dict batches"
     assert bindings["use_amp"] == bindings["log_file"] == "stub"
+
+
+HANDED_LOSS = source("""
+    def train(model, loader, optimizer, loss_fn, accum_steps):
+        for step, batch in enumerate(loader):
+            logits = model(batch["input_ids"])
+            loss = loss_fn(logits, batch["labels"]) / accum_steps
+            loss.backward()
+            if (step + 1) % accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+""")
+
+
+def test_a_loss_function_the_loop_is_handed_is_the_harness_loss():
+    """`loss_fn(logits, labels)` of a parameter (issue 18, item 4): the harness's own loss on
+    token logits (B, T, V), not a stand-in that reaches no backward."""
+    result = check(HANDED_LOSS, line_of(HANDED_LOSS, "for step"), k=4, device="cpu")
+    assert result.verdict == "bug reproduced" and result.error > 1e-2, result.verdict
+    assert result.replay.bindings["loss_fn"].startswith("the harness's loss"), result.replay

@@ -94,12 +94,6 @@ NOT_REPLAYABLE = {
         "not replayable: RuntimeError: random_ expects",
         ("random_ expects 'from' to be less than 'to'",),
     ),
-    # A loss function handed in as a parameter: the harness binds a stand-in, not the
-    # parameter's default (issue "verify on real scripts").
-    "ga001_loss_fn_parameter_default": (
-        "not replayable: the optimizer stepped with zero gradients",
-        ("the optimizer stepped with zero gradients",),
-    ),
     # Batches indexed by position (`batch[0]`): the harness hands in a dict of tensors.
     "ga001_exact_dataparallel_mean_classifier": (
         "not replayable: KeyError",
@@ -174,7 +168,7 @@ def test_original_reproduces_the_bug_and_patched_is_verified(loops, name):
             assert row["first_window"] == 1 and row["patched_first_window"] is None, row
             assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop
             continue
-        if loop["fixed_length"]:  # replayed on fixed-length data, as the file's
+        if loop["fixed_length"] or loop["equal_sizes"]:  # on data like the file's
             reproduced = row["original_verdict"] == "bug reproduced"
             assert reproduced is (name in MISSING_DIVISION), row
             assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop

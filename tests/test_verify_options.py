@@ -461,3 +461,65 @@ def test_data_factory_from_the_table_and_its_errors(tmp_path):
     assert together.returncode == 2 and "replayed in one process" in together.stderr
     malformed = gaaudit("verify", "train.py", "--data-factory", "batches", cwd=root)
     assert malformed.returncode == 2 and "takes k and returns k micro-batches" in malformed.stderr
+
+
+TIMM_ENGINE = """
+import math
+import sys
+
+import torch
+from timm.data import Mixup  # not installed here: a stand-in
+
+
+def train_one_epoch(model, criterion, data_loader, optimizer, device, accum_iter, mixup_fn, steps=None):
+    optimizer.zero_grad()
+    for data_iter_step, (samples, targets, _, _) in enumerate(data_loader):
+        if data_iter_step // accum_iter >= steps:
+            continue
+        samples = samples.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        if mixup_fn is not None:
+            samples, targets = mixup_fn(samples, targets)
+        outputs = model(samples)
+        loss = criterion(outputs, targets)
+        if not math.isfinite(loss.item()):
+            sys.exit(1)
+        loss /= accum_iter
+        loss.backward()
+        if (data_iter_step + 1) % accum_iter == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+TIMM_MAIN = """
+import torch
+from torchvision import datasets
+
+from engine import train_one_epoch
+
+
+def main(model, criterion, optimizer, root, batch_size, accum_iter):
+    images = datasets.ImageFolder(root)
+    loader = torch.utils.data.DataLoader(images, batch_size=batch_size, drop_last=True)
+    train_one_epoch(model, criterion, loader, optimizer, "cuda", accum_iter, None, len(loader))
+"""
+
+
+def test_an_engine_handed_its_criterion_is_exact_where_the_loader_drops_its_last_batch(tmp_path):
+    """A timm-style engine (MAE's, ConvNeXt's, VideoMAE's, Swin's): the loss function is a
+    parameter, `mixup_fn` is tested for None, the batches carry values the loop drops (`_`),
+    a None default stands for the caller's number, and the loader is built by the script
+    that imports the engine. One target per image: mean/K is exact when every micro-batch
+    holds as many images, which `drop_last=True` there ensures; a loader elsewhere in the
+    project does not count."""
+    root = project(tmp_path, {"engine.py": TIMM_ENGINE, "main.py": TIMM_MAIN})
+    run = lambda: gaaudit("verify", "engine.py", "-k", "4", "--format", "json", cwd=root)
+    (loop,) = json.loads(run().stdout)["loops"]
+    assert loop["equal_sizes"] == "`drop_last=True`, main.py, line 10", loop
+    (row,) = loop["rows"]
+    assert row["original_verdict"] == VERIFIED and row["original_error"] < 1e-5, row
+    (root / "data.py").write_text(textwrap.dedent(TIMM_MAIN).replace("from engine ", "from x "))
+    (root / "main.py").write_text(TIMM_MAIN.replace("drop_last=True", "drop_last=False"))
+    (loop,) = json.loads(run().stdout)["loops"]
+    (row,) = loop["rows"]
+    assert not loop["equal_sizes"] and row["original_verdict"] == REPRODUCED, loop

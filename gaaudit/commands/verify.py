@@ -8,7 +8,9 @@ crashing user loop is stopped by a timeout and cannot take gaaudit down.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import json
 import os
 import re
@@ -21,6 +23,7 @@ from pathlib import Path
 import libcst as cst
 
 from gaaudit.config import ConfigError, Settings, check_factory, load
+from gaaudit.discover.files import discover
 from gaaudit.discover.source import parse, read
 from gaaudit.findings import Confidence
 
@@ -32,6 +35,7 @@ ERROR_MEANS = (
 # libraries whose models are not the project's, nor their `...Trainer` classes a transformers one
 LIBRARIES = ("transformers", "peft", "trl", "torch", "accelerate", "lightning", "pytorch_lightning")
 # the replay downloads nothing: a user's `from_pretrained` fails at once instead
+DROP_LAST = re.compile(r"\bdrop_last\s*=\s*True\b")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 NOTHING_FIXED = (
     "nothing was fixed, so there is no patched loop "
@@ -54,6 +58,9 @@ class Target:
     fixed_length: str = ""
     # the project's transformers pin before 4.46 (GA006), for a Trainer: replayed as it trains
     pinned: str = ""
+    # where the project's loader drops its last, short batch (`drop_last=True`): a loop of
+    # one target per sample (images, regression) is replayed on micro-batches of one size
+    equal_sizes: str = ""
     stops: str = ""  # why the harness cannot stand for what the statement trains: not replayed
     loss_func: str = ""  # the file's function a Trainer is given as `compute_loss_func`
     lightning: bool = False  # `trainer` names a LightningModule: a Lightning Trainer runs it
@@ -69,6 +76,7 @@ class Outcome:
     flagged: bool = True  # the loop has a finding (else it is replayed as it is)
     fixed_length: str = ""  # see Target
     pinned: str = ""  # see Target
+    equal_sizes: str = ""  # see Target; set where the loop's samples have one target each
 
     @property
     def verdict(self) -> str:
@@ -185,6 +193,7 @@ def targets(
         window = auditor.structure.window(backward)
         if window is not None and window.kind in ("modulo", "micro-loop", "accumulate"):
             windows.append((window, backward.call, (), False, ""))
+    equal = _drops_last(path) if windows else ""
     for window, anchor, divisions, flagged, fixed in windows:
         statement = _replayed_statement(tree, window, anchor)
         if statement is None:
@@ -203,7 +212,9 @@ def targets(
         if previous is not None and previous.flagged and not previous.fixed_length:
             fixed = ""  # another finding of this loop does not say so
         patched_line = _find(patched_lines, header, _occurrence(lines, header, start))
-        found[start] = Target(start, patched_line, header, merged, flagged, fixed_length=fixed)
+        found[start] = Target(
+            start, patched_line, header, merged, flagged, fixed_length=fixed, equal_sizes=equal
+        )
     statements = {line for line, t in found.items() if t.flagged}
     audit = TrainerAudit(tree)
     # the file's sign of fixed-length blocks, where it shows no padded or masked labels
@@ -369,6 +380,68 @@ def _built_with(tree, call: cst.Call) -> tuple[str, str]:
                 "batches with --data-factory)"
             ), ""
     return "", loss.value if loss is not None else ""
+
+
+def _drops_last(path: Path) -> str:
+    """Where the file, or a module of its project that imports it (the script that builds
+    the loader and calls the loop: MAE's `main_finetune.py`) or that it imports (a `data`
+    package that builds the loader), builds a loader with `drop_last=True`. The project is
+    the current directory when the file is under it."""
+    here, cwd = path.resolve(), Path.cwd().resolve()
+    root = cwd if here.is_relative_to(cwd) else _project_root(path)
+    if not here.is_relative_to(root):
+        return ""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    imported = {
+        _absolute(node, here.relative_to(root)) + suffix
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for suffix in (
+            [""] if isinstance(node, ast.Import) else ["", *(f".{a.name}" for a in node.names)]
+        )
+    }
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imports_this = re.compile(rf"\b(from|import)\s[^\n]*\b{re.escape(path.stem)}\b")
+    for module, file, line, text in _drop_last_files(root):
+        if (
+            file == here
+            or any(module == m or module.startswith(f"{m}.") for m in imported if m)
+            or imports_this.search(text)
+        ):
+            return f"`drop_last=True`, {file.relative_to(root).as_posix()}, line {line}"
+    return ""
+
+
+def _absolute(node: ast.Import | ast.ImportFrom, relative: Path) -> str:
+    """The dotted module an import names, made absolute from the project root."""
+    if isinstance(node, ast.Import):
+        return ""
+    package = list(relative.parent.parts)
+    base = package[: len(package) - node.level + 1] if node.level else []
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+@functools.cache
+def _drop_last_files(root: Path) -> list[tuple[str, Path, int, str]]:
+    """The project's Python files that say `drop_last=True`: (dotted module, path, line of
+    the first, text)."""
+    found = []
+    for file in sorted(discover([root], Settings(root=root))):
+        if file.suffix != ".py":
+            continue
+        try:
+            text = file.read_text("utf-8", "replace")
+        except OSError:
+            continue
+        match = DROP_LAST.search(text)
+        if match:
+            module = ".".join(file.resolve().relative_to(root).with_suffix("").parts)
+            line = text.count("\n", 0, match.start()) + 1
+            found.append((module.removesuffix(".__init__"), file.resolve(), line, text))
+    return found
 
 
 def _pinned(path: Path) -> str:
@@ -657,7 +730,10 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                 k,
                 target.divisors,
             )
-            packed = bool(target.fixed_length)  # micro-batches of one fixed length, no padding
+            if _one_target_per_sample(job["original"], target):
+                outcome.equal_sizes = target.equal_sizes
+            # micro-batches of one fixed length, no padding; of one size, where sizes count
+            packed = bool(target.fixed_length or outcome.equal_sizes)
             if ranks is None:
                 result = compare(
                     *lines,
@@ -695,6 +771,18 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             )
         outcomes.append(asdict(outcome))
     return outcomes
+
+
+def _one_target_per_sample(source: str, target: Target) -> bool:
+    """Whether the harness replays the statement with a model of one target per sample
+    (SIZED_KINDS: an image classifier, a regressor), whose counts vary with sizes alone."""
+    from gaaudit.harness.analysis import NotReplayable, analyse
+    from gaaudit.harness.nets import SIZED_KINDS
+
+    try:
+        return analyse(source, target.line, target.divisors).model_kind in SIZED_KINDS
+    except NotReplayable:
+        return False
 
 
 def _progress(text: str) -> None:
@@ -799,6 +887,12 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
                     print(
                         f"{'':>5}  {'':>3}  replayed as transformers before 4.46 trains, which "
                         f"{outcome.pinned} keeps: each micro-batch's mean divided by K"
+                    )
+                if outcome.equal_sizes:
+                    print(
+                        f"{'':>5}  {'':>3}  replayed on micro-batches of one size, as the "
+                        f"project's loader drops its last, short batch ({outcome.equal_sizes}): "
+                        "with one target per sample, mean/K is exact on this data"
                     )
                 if outcome.fixed_length:
                     print(

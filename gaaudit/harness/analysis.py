@@ -37,6 +37,8 @@ DATA_RE = re.compile(r"batch|loader|data|(^|_)iter(ator)?($|_)", re.IGNORECASE)
 DIVISOR_RE = re.compile(r"accum", re.IGNORECASE)
 NOT_DIVISOR_RE = re.compile(r"loss|token|count|item|sum|total", re.IGNORECASE)
 MICRO_SIZE_RE = re.compile(r"micro_?(batch_?)?(size|bs)$|^mbs$", re.IGNORECASE)
+# a loss function handed in (`train_one_epoch(model, criterion, ...)`, `self.loss_fn`)
+CRITERION_RE = re.compile(r"criterion|loss_?(fn|func|function|fct)", re.IGNORECASE)
 # `ignore_index=-1` (or a module constant) in the source: the value its loss ignores (used for
 # the plain-torch kinds); `label_smoothing=0.1`: part of the image kinds' reference loss.
 IGNORE_RE = re.compile(r"ignore_index\s*=\s*(-?\d+)")
@@ -84,6 +86,7 @@ class Plan:
     model_kind: str = "causal"
     ignore_index: int | None = None
     data_arity: int = 0
+    data_fillers: int = 0  # of data_arity, the unused values after (input_ids, labels)
     uses_accumulate: bool = False
     splits_batch: bool = False
     label_smoothing: float = 0.0
@@ -267,7 +270,8 @@ def _initial_values(
     """Literal values the source assigns to the statement's free names before it, at module
     level or in the functions enclosing it (`num_items = 0`), or gives them as parameter
     defaults of those functions (`start_step=0`; `None` only where the statement tests
-    `is None`), or option defaults it reads into them
+    `is None`, which also makes `None` of such a parameter without a default: `mixup_fn`),
+    or option defaults it reads into them
     (`ignore_index = args.ignore_index`); 0 for other names the statement only augments
     (`total += n`)."""
     enclosing = [
@@ -289,20 +293,18 @@ def _initial_values(
         and isinstance(n.value.value, ast.Name)
         and n.value.attr in settings
     }
-    guarded = {  # `if mixup_fn is not None:`: the code itself handles a None default
-        n.left.id
-        for n in ast.walk(target)
-        if isinstance(n, ast.Compare)
-        and isinstance(n.left, ast.Name)
-        and all(isinstance(op, (ast.Is, ast.IsNot)) for op in n.ops)
-        and all(isinstance(c, ast.Constant) and c.value is None for c in n.comparators)
-    }
+    guarded = _tested_for_none(target)
     defaults = {}
     for function in enclosing:
         for name, default in _defaults(function.args):
             ok, value = literal(default)
             if ok and (value is not None or name in guarded):  # else unknown: a stub
                 defaults[name] = value
+    for function in enclosing + [target] * isinstance(target, ast.FunctionDef):
+        given = dict(_defaults(function.args))
+        for arg in function.args.posonlyargs + function.args.args + function.args.kwonlyargs:
+            if arg.arg in guarded and arg.arg not in given:  # the optional part left out
+                defaults[arg.arg] = None
     found = {
         name: value
         for name, value in {**defaults, **options, **constants(before)}.items()
@@ -314,6 +316,19 @@ def _initial_values(
         if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)
     }
     return {**dict.fromkeys(augmented & set(free), 0), **found}
+
+
+def _tested_for_none(target: ast.AST) -> set[str]:
+    """The names `target` compares with None (`if mixup_fn is not None:`): the code itself
+    handles a None value."""
+    return {
+        n.left.id
+        for n in ast.walk(target)
+        if isinstance(n, ast.Compare)
+        and isinstance(n.left, ast.Name)
+        and all(isinstance(op, (ast.Is, ast.IsNot)) for op in n.ops)
+        and all(isinstance(c, ast.Constant) and c.value is None for c in n.comparators)
+    }
 
 
 def _defaults(args: ast.arguments) -> list[tuple[str, ast.expr]]:
@@ -349,6 +364,7 @@ class _Usage:
     calls: dict = field(default_factory=lambda: defaultdict(list))
     chains: set = field(default_factory=set)
     arity: dict = field(default_factory=dict)
+    fillers: dict = field(default_factory=dict)  # unused values after the first two: `_, _`
     assigned: dict = field(default_factory=lambda: defaultdict(list))
     result_attrs: set = field(default_factory=set)
     aliases: list = field(default_factory=list)
@@ -439,7 +455,7 @@ class _Usage:
     def _unpacked(self, source: Chain, parent) -> None:
         if isinstance(parent, ast.Assign) and isinstance(parent.targets[0], (ast.Tuple, ast.List)):
             names = [chain_of(e) for e in parent.targets[0].elts]
-            self.arity.setdefault(source, len(names))
+            self._unpacks(source, parent.targets[0].elts)
             self.assigned[source] = [n for n in names if n]
 
     def _iterated(self, iterable: ast.expr, target: ast.expr) -> None:
@@ -464,7 +480,16 @@ class _Usage:
             if chain:
                 self.evidence[chain].add("iterated")
                 if isinstance(target, (ast.Tuple, ast.List)):
-                    self.arity.setdefault(chain, len(target.elts))
+                    self._unpacks(chain, target.elts)
+
+    def _unpacks(self, chain: Chain, names: list[ast.expr]) -> None:
+        """Each batch of `chain` unpacks into `names`; values after the first two that go to
+        `_` names are not used (VideoMAE's `samples, targets, _, _`)."""
+        self.arity.setdefault(chain, len(names))
+        if len(names) > 2 and all(
+            isinstance(n, ast.Name) and n.id.startswith("_") for n in names[2:]
+        ):
+            self.fillers.setdefault(chain, len(names) - 2)
 
 
 def _is_minus_one(node: ast.expr) -> bool:
@@ -568,6 +593,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "loss-scaler"  # `loss_scaler(loss, optimizer, update_grad=...)`: timm's, MAE's
     if chain[0] in helpers and len(chain) == 1:
         return None
+    if called and CRITERION_RE.fullmatch(last):
+        return "criterion"
     if "iterated-call" in ev:
         return "data-call"
     shape = _call_shape(usage, chain)
@@ -606,7 +633,12 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         args = target.args
         positional = args.posonlyargs + args.args
         params = [a.arg for a in positional + args.kwonlyargs]
-        optional = {name for name, _ in _defaults(args)}
+        tested = _tested_for_none(target)
+        optional = {  # a None default the function uses untested stands for a caller's value
+            name
+            for name, default in _defaults(args)
+            if not (literal(default) == (True, None) and name not in tested)
+        }
     owner = enclosing_owner(tree, target)
     base = framework_base(tree, owner) if owner else None
     if base:
@@ -670,6 +702,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
     }
     arities = {usage.arity[c] for c in data if c in usage.arity}
     arity = max(arities) if arities else (2 if kind == "nanogpt" else 0)
+    fillers = max((usage.fillers.get(c, 0) for c in data if usage.arity.get(c) == arity), default=0)
     settings = _option_defaults(tree)
     return Plan(
         target=target,
@@ -685,6 +718,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         model_kind=kind,
         ignore_index=_ignore_index(source, module_constants, kind),
         data_arity=arity,
+        data_fillers=fillers,
         uses_accumulate=any(
             "accumulate" in usage.evidence.get(c, ())
             for c, r in roles.items()
@@ -759,7 +793,11 @@ def _evaluable(
             c[: len(m)] == m for c in chains + [(n,) for n in names] if c for m in models
         )
         role = roles.get(item.chain)
-        if names <= known and (role is None or role == "data" and reads_model):
+        if names <= known and (
+            role in (None, "criterion")  # the user's loss, where it evaluates, over the stand-in
+            or role == "data"
+            and reads_model
+        ):
             kept.append(dataclasses.replace(item, reads_model=reads_model))
     return kept
 

@@ -15,9 +15,9 @@ import torch
 from gaaudit.harness import factory
 from gaaudit.harness.analysis import Plan, chain_of
 from gaaudit.harness.data import merge_batches
-from gaaudit.harness.models import vocab_size
+from gaaudit.harness.models import ignore_value, vocab_size
 from gaaudit.harness.nets import output_width
-from gaaudit.harness.stubs import DataSource, Fabric, LossScaler, Stub
+from gaaudit.harness.stubs import Criterion, DataSource, Fabric, LossScaler, Stub
 from gaaudit.harness.surroundings import literal
 
 MISSING_NAMES = 8  # module names the owner class's definition reads that become stubs
@@ -86,6 +86,11 @@ class Objects:
         for chain, role in roles.items():
             if role in ("data", "data-call"):
                 self._bind_data(chain, role, items, namespace)
+            elif role == "criterion":
+                ignored = ignore_value(plan.model_kind, ignore_index)
+                loss = Criterion(".".join(chain), plan.model_kind, ignored)
+                text = "the harness's loss for its model (cross-entropy; MSE for regression)"
+                self._bind(chain, loss, text, namespace)
             elif chain in stages:
                 part = "encoder" if chain == self.plan.stages[0] else "decoder"
                 self._bind(
@@ -299,5 +304,5 @@ def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
     if user:
         return list(batches)
     if plan.data_arity:
-        return [(b["input_ids"], b["labels"]) for b in batches]
+        return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
     return [BatchEncoding(dict(b)) for b in batches]

@@ -235,3 +235,28 @@ class LossScaler(Stub):
         if update_grad and optimizer is not None:
             optimizer.step()
         return torch.zeros(())  # the gradient norm it would report
+
+
+class Criterion(Stub):
+    """A loss function the loop is handed and the harness cannot see (`criterion(outputs,
+    targets)`): the loss the harness takes as truth for its model (cross-entropy, mean over
+    the targets that are not `ignore_index`; mean squared error for regression), on the
+    outputs and targets the loop passes."""
+
+    def __init__(self, name: str, kind: str, ignore_index: int):
+        super().__init__(name)
+        object.__setattr__(self, "_loss", (kind, ignore_index))
+
+    def __call__(self, *args, **kwargs):
+        if len(args) < 2:  # EDM's `loss_fn(net=..., images=..., labels=...)`
+            raise TypeError(
+                f"`{self._path}` is not called as `(outputs, targets)`, as the harness's "
+                "stand-in for a loss function it cannot see is"
+            )
+        (output, target), (kind, ignore_index) = args[:2], self._loss
+        output = getattr(output, "logits", output).float()
+        if kind == "regression":
+            return torch.nn.functional.mse_loss(output, target)
+        if output.dim() == 3 and target.dim() == 2:  # token logits (B, T, V)
+            output, target = output.flatten(0, 1), target.flatten()
+        return torch.nn.functional.cross_entropy(output, target, ignore_index=ignore_index)
