@@ -990,3 +990,30 @@ def test_a_loss_function_the_loop_is_handed_is_the_harness_loss():
     result = check(HANDED_LOSS, line_of(HANDED_LOSS, "for step"), k=4, device="cpu")
     assert result.verdict == "bug reproduced" and result.error > 1e-2, result.verdict
     assert result.replay.bindings["loss_fn"].startswith("the harness's loss"), result.replay
+
+
+SELF_SCORED = source("""
+    def train(model, train_loader, optim, steps, accum):
+        for i in range(steps):
+            for _ in range(accum):
+                loss, (ce_loss, aux_loss) = model(next(train_loader), return_loss=True)
+                (loss / accum).backward()
+            print(ce_loss.item())
+            optim.step()
+            optim.zero_grad()
+""")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_model_that_scores_its_own_sequences_is_replayed(packed):
+    """lucidrains' models take the token sequence and return their loss
+    (`model(seq, return_loss=True)`), here unpacked with a breakdown: the harness serves bare
+    sequences to a tiny model of that shape. On sequences of varied length mean/K is off; on
+    fixed-length ones it is exact."""
+    line = line_of(SELF_SCORED, "for i in")
+    result = check(SELF_SCORED, line, k=4, divisor_names=["accum"], device="cpu", packed=packed)
+    assert result.replay.bindings["model"] == "tiny sequence model", result.replay
+    if packed:
+        assert result.verdict == "verified" and result.error < 1e-5, result.verdict
+    else:
+        assert result.verdict == "bug reproduced" and result.error > 1e-2, result.verdict

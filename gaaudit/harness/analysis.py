@@ -87,6 +87,7 @@ class Plan:
     ignore_index: int | None = None
     data_arity: int = 0
     data_fillers: int = 0  # of data_arity, the unused values after (input_ids, labels)
+    returns: tuple | None = None  # how the loop unpacks its model's result: `loss, (a, b) = ...`
     uses_accumulate: bool = False
     splits_batch: bool = False
     label_smoothing: float = 0.0
@@ -512,13 +513,25 @@ def _reads_output(node) -> bool:
     )
 
 
+def _keyed(node: ast.expr) -> bool:
+    """`batch["input_ids"]`: a field of a dict batch."""
+    return (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Constant)
+        and isinstance(node.slice.value, str)
+    )
+
+
 def _call_shape(usage: _Usage, chain: Chain) -> str | None:
-    """'hf', 'nanogpt' or 'logits' from how `chain` is called; None if it is not."""
+    """'hf', 'nanogpt', 'sequence' or 'logits' from how `chain` is called; None if it is
+    not."""
     shapes = set()
     for call, parent in usage.calls.get(chain, []):
         keywords = {k.arg for k in call.keywords}
         if None in keywords or keywords & HF_KWARGS:
             shapes.add("hf")
+        elif "return_loss" in keywords and call.args and not _keyed(call.args[0]):
+            shapes.add("sequence")  # `model(seq, return_loss=True)`: a sequence, not a field
         elif len(call.args) == 2 or "targets" in keywords:
             shapes.add("nanogpt")
         elif _reads_output(parent) or (
@@ -529,10 +542,26 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
             shapes.add("hf")
         else:
             shapes.add("logits")
-    for shape in ("hf", "nanogpt", "logits"):
+    for shape in ("hf", "nanogpt", "sequence", "logits"):
         if shape in shapes:
             return shape
     return None
+
+
+def _returns(usage: _Usage, models: list[Chain]) -> tuple | None:
+    """How the loop unpacks what a model call returns (`loss, (ce, aux) = model(...)`), as
+    nested tuples of None; None where it does not."""
+
+    def shape(node: ast.expr):
+        return tuple(map(shape, node.elts)) if isinstance(node, (ast.Tuple, ast.List)) else None
+
+    unpacked = (
+        parent.targets[0]
+        for chain in models
+        for _, parent in usage.calls.get(chain, [])
+        if isinstance(parent, ast.Assign) and isinstance(parent.targets[0], (ast.Tuple, ast.List))
+    )
+    return next(map(shape, unpacked), None)
 
 
 def _harness_made(chain: Chain, role: str | None, usage: _Usage) -> bool:
@@ -719,6 +748,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         ignore_index=_ignore_index(source, module_constants, kind),
         data_arity=arity,
         data_fillers=fillers,
+        returns=_returns(usage, models),
         uses_accumulate=any(
             "accumulate" in usage.evidence.get(c, ())
             for c, r in roles.items()
@@ -864,6 +894,6 @@ def _kind(source: str, shapes: set) -> str:
     """The tiny model to bind: from how the model is called, then from the source's hints."""
     if "hf" in shapes or not shapes - {None}:
         return next((kind for kind, hint in KIND_HINTS if hint.search(source)), "causal")
-    if "nanogpt" in shapes:
-        return "nanogpt"
+    if "nanogpt" in shapes or "sequence" in shapes:
+        return "nanogpt" if "nanogpt" in shapes else "sequence"
     return next((kind for kind, hint in NET_HINTS if hint.search(source)), "logits")

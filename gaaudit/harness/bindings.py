@@ -305,4 +305,6 @@ def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
         return list(batches)
     if plan.data_arity:
         return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
+    if plan.model_kind == "sequence":  # the token sequences alone: the model scores them
+        return [b["input_ids"] for b in batches]
     return [BatchEncoding(dict(b)) for b in batches]

@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from gaaudit.harness.models import ignore_value, vocab_size
-from gaaudit.harness.nets import NET_KINDS, SIZED_KINDS, net_record
+from gaaudit.harness.nets import NET_KINDS, PADDED_KINDS, SIZED_KINDS, net_record
 
 MASK_ID = 1  # the [MASK] token of the tiny MLM; real tokens are drawn from 2..vocab_size()-1
 
@@ -70,7 +70,7 @@ def collate(
 ) -> dict[str, torch.Tensor]:
     """Right-pad `records` into one batch (each key to its `widths` entry at least): pad id 0,
     labels padded with the ignored value; fixed-shape samples (images, features) are stacked."""
-    if kind in NET_KINDS and kind != "pair":
+    if kind in NET_KINDS and kind not in PADDED_KINDS:
         return {key: torch.stack([r[key] for r in records]) for key in ("input_ids", "labels")}
 
     def pad(key, value):
@@ -80,7 +80,7 @@ def collate(
         )
 
     batch = {"input_ids": pad("input_ids", 0)}
-    if kind not in ("nanogpt", "pair"):
+    if kind not in ("nanogpt", *PADDED_KINDS):
         lengths = torch.tensor([len(r["input_ids"]) for r in records])
         batch["attention_mask"] = (
             torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]

@@ -25,12 +25,13 @@ IGNORE_INDEX = {
     "nanogpt": -1,
     "logits": -100,
     **dict.fromkeys(NET_KINDS, -100),
+    "sequence": 0,  # the padding, which the model's own loss ignores
 }
 
 
 def ignore_value(kind: str, ignore_index: int | None = None) -> int:
     """The label value `kind` ignores: `ignore_index` where the kind allows another one."""
-    if ignore_index is None or kind in ("causal", "seq2seq", "mlm", "regression"):
+    if ignore_index is None or kind in ("causal", "seq2seq", "mlm", "regression", "sequence"):
         return IGNORE_INDEX[kind]
     return ignore_index
 
@@ -135,10 +136,13 @@ def vocab_size() -> int:
     return VOCAB if user is None or user.vocab_size is None else user.vocab_size
 
 
-def build_model(kind: str = "causal", seed: int = 0, ignore_index: int | None = None) -> nn.Module:
+def build_model(
+    kind: str = "causal", seed: int = 0, ignore_index: int | None = None, returns=None
+) -> nn.Module:
     """A fresh tiny model of `kind` (see KINDS) with weights fixed by `seed`, in eval mode:
-    GPT-2 (causal), T5 (seq2seq), BERT (mlm), TinyGPT (nanogpt), TinyTokenModel (logits); the
-    user's model instead while factory.user_model() is active."""
+    GPT-2 (causal), T5 (seq2seq), BERT (mlm), TinyGPT (nanogpt), TinyTokenModel (logits), a
+    model of nets.py (`returns`: how a loop unpacks a sequence model's loss); the user's
+    model instead while factory.user_model() is active."""
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
     torch.manual_seed(seed)
@@ -149,7 +153,7 @@ def build_model(kind: str = "causal", seed: int = 0, ignore_index: int | None = 
     elif kind == "logits":
         model = TinyTokenModel()
     elif kind in NET_KINDS:
-        model = build_net(kind, VOCAB)
+        model = build_net(kind, VOCAB, returns)
     else:
         model = _hf_model(kind)
         model.register_forward_hook(_lenient_output)

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-NET_KINDS = ("image", "segment", "regression", "pair")
+NET_KINDS = ("image", "segment", "regression", "pair", "sequence")
+# Kinds whose samples are token sequences of varied length, padded with id 0 in a batch.
+PADDED_KINDS = ("pair", "sequence")
 # Kinds with one target per sample and no ignored value: the valid count of a micro-batch is
 # its number of samples, so the harness makes the micro-batches differ in size.
 SIZED_KINDS = ("image", "regression")
@@ -98,14 +100,45 @@ class TinyPair(nn.Module):
         return self.decoder(target[:, :-1], *self.encoder(src))
 
 
-def build_net(kind: str, vocab: int) -> nn.Module:
-    """A fresh model of one of NET_KINDS (seed the generator first)."""
+class TinySequenceModel(nn.Module):
+    """A model that takes the token sequence and scores it itself, as lucidrains' models do:
+    `forward(seq (B, T + 1), return_loss=True) -> loss`, the mean cross-entropy of each next
+    token over the positions that are not padding (id 0); logits (B, T, vocab) without
+    `return_loss`. Position-wise, so padding does not change the other positions. `returns`:
+    how the loop unpacks the loss (`loss, (ce, aux) = model(...)`, as nested tuples of None):
+    the loss first, zeros in the other places."""
+
+    def __init__(self, vocab: int, returns: tuple | None = None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, WIDTH)
+        self.out = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, vocab))
+        self.returns = returns
+
+    def forward(self, seq, return_loss: bool = False, **options):
+        logits = self.out(self.embed(seq[:, :-1]))
+        if not return_loss:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), seq[:, 1:].flatten(), ignore_index=0)
+
+        def shaped(part, first: bool):
+            if part is None:
+                return loss if first else loss.new_zeros(())
+            return tuple(shaped(p, first and not i) for i, p in enumerate(part))
+
+        return shaped(self.returns, True)
+
+
+def build_net(kind: str, vocab: int, returns: tuple | None = None) -> nn.Module:
+    """A fresh model of one of NET_KINDS (seed the generator first); `returns`: see
+    TinySequenceModel."""
     if kind == "image":
         return TinyImageClassifier()
     if kind == "segment":
         return TinySegmenter()
     if kind == "regression":
         return TinyRegressor()
+    if kind == "sequence":
+        return TinySequenceModel(vocab, returns)
     return TinyPair(vocab)
 
 
@@ -121,6 +154,8 @@ def net_loss(
     inputs, labels = batch["input_ids"], batch["labels"]
     if kind == "regression":
         return F.mse_loss(model(inputs).float(), labels)
+    if kind == "sequence":
+        return model(inputs, return_loss=True)
     if kind == "pair":
         log_probs = model(inputs, labels)
         return F.nll_loss(
@@ -137,7 +172,7 @@ def net_count(kind: str, batch: dict, ignore_index: int) -> torch.Tensor:
     labels = batch["labels"]
     if kind == "regression":
         return torch.tensor(labels.numel())
-    return ((labels[:, 1:] if kind == "pair" else labels) != ignore_index).sum()
+    return ((labels[:, 1:] if kind in PADDED_KINDS else labels) != ignore_index).sum()
 
 
 def net_record(kind: str, gen: torch.Generator, length, tokens, ignore_index: int) -> dict:
@@ -149,6 +184,9 @@ def net_record(kind: str, gen: torch.Generator, length, tokens, ignore_index: in
         }
     if kind == "pair":
         return {"input_ids": tokens(length()), "labels": tokens(length() + 1)}
+    if kind == "sequence":  # the model shifts the sequence itself
+        seq = tokens(length() + 1)
+        return {"input_ids": seq, "labels": seq.clone()}
     image = torch.randn(IMAGE_SHAPE, generator=gen)
     if kind == "image":
         return {"input_ids": image, "labels": torch.randint(CLASSES, (), generator=gen)}

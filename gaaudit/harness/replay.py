@@ -381,7 +381,7 @@ def _execute(
     ):
         warnings.simplefilter("ignore")
         kind = plan.model_kind
-        model = build_model(kind, seed, ignore_index).to(device)
+        model = build_model(kind, seed, ignore_index, plan.returns).to(device)
         if wrap is None:
             model.no_sync = contextlib.nullcontext  # DDP's, for one process: nothing to skip
         else:
