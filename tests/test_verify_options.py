@@ -13,7 +13,7 @@ import torch
 from conftest import devices, gaaudit
 from torch import nn
 
-from gaaudit.commands.verify import REPRODUCED, VERIFIED, options_for
+from gaaudit.commands.verify import REPRODUCED, VERIFIED, _drops_last, options_for
 from gaaudit.config import ConfigError, VerifySettings, load
 from gaaudit.harness.factory import FactoryError, load_factory, user_model
 from gaaudit.harness.models import build_model, vocab_size
@@ -523,3 +523,18 @@ def test_an_engine_handed_its_criterion_is_exact_where_the_loader_drops_its_last
     (loop,) = json.loads(run().stdout)["loops"]
     (row,) = loop["rows"]
     assert not loop["equal_sizes"] and row["original_verdict"] == REPRODUCED, loop
+
+
+def test_drop_last_counts_in_a_module_the_file_imports_relatively(tmp_path, monkeypatch):
+    """`from .data import loader` in `pkg/engine.py` reaches `pkg/data.py`; a loader in a
+    module the file neither imports nor is imported by does not count."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "data.py").write_text("loader = DataLoader(images, drop_last=True)\n")
+    (tmp_path / "other.py").write_text("\nloader = DataLoader(texts, drop_last=True)\n")
+    engine = tmp_path / "pkg" / "engine.py"
+    engine.write_text("import torch\nfrom .data import loader\n")
+    monkeypatch.chdir(tmp_path)
+    assert _drops_last(Path("pkg/engine.py")) == "`drop_last=True`, pkg/data.py, line 1"
+    engine.write_text("import torch\n")
+    assert _drops_last(Path("pkg/engine.py")) == ""

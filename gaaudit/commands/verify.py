@@ -34,8 +34,8 @@ ERROR_MEANS = (
 )
 # libraries whose models are not the project's, nor their `...Trainer` classes a transformers one
 LIBRARIES = ("transformers", "peft", "trl", "torch", "accelerate", "lightning", "pytorch_lightning")
-# the replay downloads nothing: a user's `from_pretrained` fails at once instead
 DROP_LAST = re.compile(r"\bdrop_last\s*=\s*True\b")
+# the replay downloads nothing: a user's `from_pretrained` fails at once instead
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 NOTHING_FIXED = (
     "nothing was fixed, so there is no patched loop "
@@ -392,36 +392,34 @@ def _drops_last(path: Path) -> str:
     if not here.is_relative_to(root):
         return ""
     try:
-        tree = ast.parse(path.read_bytes())
+        imported = _imported(ast.parse(path.read_bytes()), here.relative_to(root))
     except (OSError, SyntaxError, ValueError):
         return ""
-    imported = {
-        _absolute(node, here.relative_to(root)) + suffix
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-        for suffix in (
-            [""] if isinstance(node, ast.Import) else ["", *(f".{a.name}" for a in node.names)]
-        )
-    }
-    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imports_this = re.compile(rf"\b(from|import)\s[^\n]*\b{re.escape(path.stem)}\b")
     for module, file, line, text in _drop_last_files(root):
         if (
             file == here
-            or any(module == m or module.startswith(f"{m}.") for m in imported if m)
+            or any(module == m or module.startswith(f"{m}.") for m in imported)
             or imports_this.search(text)
         ):
             return f"`drop_last=True`, {file.relative_to(root).as_posix()}, line {line}"
     return ""
 
 
-def _absolute(node: ast.Import | ast.ImportFrom, relative: Path) -> str:
-    """The dotted module an import names, made absolute from the project root."""
-    if isinstance(node, ast.Import):
-        return ""
-    package = list(relative.parent.parts)
-    base = package[: len(package) - node.level + 1] if node.level else []
-    return ".".join([*base, *([node.module] if node.module else [])])
+def _imported(tree: ast.Module, relative: Path) -> set[str]:
+    """The dotted modules a file at `relative` imports, absolute from the project root: what
+    `from . import x` names in `pkg/f.py` is `pkg` and `pkg.x`."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            package = list(relative.parent.parts)
+            parts = package[: len(package) - node.level + 1] if node.level else []
+            base = ".".join([*parts, *([node.module] if node.module else [])])
+            names.add(base)
+            names.update(f"{base}.{alias.name}".lstrip(".") for alias in node.names)
+    return names - {""}
 
 
 @functools.cache
