@@ -514,10 +514,12 @@ def test_an_engine_handed_its_criterion_is_exact_where_the_loader_drops_its_last
     project does not count."""
     root = project(tmp_path, {"engine.py": TIMM_ENGINE, "main.py": TIMM_MAIN})
     run = lambda: gaaudit("verify", "engine.py", "-k", "4", "--format", "json", cwd=root)
-    (loop,) = json.loads(run().stdout)["loops"]
+    result = run()
+    (loop,) = json.loads(result.stdout)["loops"]
     assert loop["equal_sizes"] == "`drop_last=True`, main.py, line 10", loop
     (row,) = loop["rows"]
     assert row["original_verdict"] == VERIFIED and row["original_error"] < 1e-5, row
+    assert row["verdict"] == VERIFIED and result.returncode == 0, row  # nothing to fix
     (root / "data.py").write_text(textwrap.dedent(TIMM_MAIN).replace("from engine ", "from x "))
     (root / "main.py").write_text(TIMM_MAIN.replace("drop_last=True", "drop_last=False"))
     (loop,) = json.loads(run().stdout)["loops"]

@@ -758,7 +758,8 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     "original_error": result.original.error,
                     "patched_error": result.patched.error if patched else None,
                     "verdict": _hinted(result.verdict, options)
-                    if patched or not target.flagged
+                    # a loop that matches the full batch as it is needs no patch
+                    if patched or not target.flagged or result.original.verdict == VERIFIED
                     else f"{_hinted(result.original.verdict, options)}; {NOTHING_FIXED}",
                     "original_verdict": result.original.verdict,
                     "first_window": result.original.window,
