@@ -301,7 +301,8 @@ def _initial_values(
             ok, value = literal(default)
             if ok and (value is not None or name in guarded):  # else unknown: a stub
                 defaults[name] = value
-    for function in enclosing + [target] * isinstance(target, ast.FunctionDef):
+    itself = [target] if isinstance(target, ast.FunctionDef) else []
+    for function in enclosing + itself:
         given = dict(_defaults(function.args))
         for arg in function.args.posonlyargs + function.args.args + function.args.kwonlyargs:
             if arg.arg in guarded and arg.arg not in given:  # the optional part left out
