@@ -331,8 +331,6 @@ def _builds_transformers_trainer(tree, built: cst.BaseExpression, audit, path: P
     """Whether `built` names a transformers or trl Trainer: one imported from either, a
     subclass of the file, or a class of a project module that names transformers or trl and
     subclasses a `...Trainer` there (not Lightning's `Trainer`, nor a project's own)."""
-    import re
-
     from gaaudit.analysis.tree import code
 
     name = code(built).rsplit(".", 1)[-1]
@@ -387,8 +385,7 @@ def _drops_last(path: Path) -> str:
     the loader and calls the loop: MAE's `main_finetune.py`) or that it imports (a `data`
     package that builds the loader), builds a loader with `drop_last=True`. The project is
     the current directory when the file is under it."""
-    here, cwd = path.resolve(), Path.cwd().resolve()
-    root = cwd if here.is_relative_to(cwd) else _project_root(path)
+    here, root = path.resolve(), _search_root(path)
     if not here.is_relative_to(root):
         return ""
     try:
@@ -447,9 +444,14 @@ def _pinned(path: Path) -> str:
     searched up to the current directory when the file is under it."""
     from gaaudit.checks.versions import pinned_for
 
+    return pinned_for(path, _search_root(path)) or ""
+
+
+def _search_root(path: Path) -> Path:
+    """How far up the project is read for `path`: the current directory when the file is
+    under it, else its project root."""
     here, cwd = path.resolve(), Path.cwd().resolve()
-    root = cwd if here.is_relative_to(cwd) else _project_root(path)
-    return pinned_for(path, root) or ""
+    return cwd if here.is_relative_to(cwd) else _project_root(path)
 
 
 def _trainer_targets(
@@ -707,6 +709,10 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             outcome.rows = [row(job, target, options, k, patched) for k in options.ks]
             outcomes.append(asdict(outcome))
             continue
+        if target.equal_sizes and _one_target_per_sample(job["original"], target):
+            outcome.equal_sizes = target.equal_sizes
+        # micro-batches of one fixed length, no padding; of one size, where sizes count
+        packed = bool(target.fixed_length or outcome.equal_sizes)
         for k in options.ks:
             if job.get("progress"):
                 _progress(f"replaying {job['filename']}:{target.line} with K = {k}")
@@ -728,10 +734,6 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                 k,
                 target.divisors,
             )
-            if _one_target_per_sample(job["original"], target):
-                outcome.equal_sizes = target.equal_sizes
-            # micro-batches of one fixed length, no padding; of one size, where sizes count
-            packed = bool(target.fixed_length or outcome.equal_sizes)
             if ranks is None:
                 result = compare(
                     *lines,
