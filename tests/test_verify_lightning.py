@@ -98,6 +98,21 @@ def test_on_fixed_length_blocks_the_mean_is_exact(tmp_path):
     assert all(row["verdict"] == "verified" for row in loop["rows"]), loop
 
 
+def test_a_flagged_module_that_matches_the_full_batch_as_it_is_is_verified(tmp_path):
+    """GA003 reports the module at low confidence and `fix` leaves it: on its fixed-length
+    blocks it matches the full batch, so it needs no patch and no hint to run `fix`."""
+    extra = "\nblock_size = 24  # the data are packed blocks of this many tokens\n"
+    source = MODULE.format(package="lightning", extra=extra, parameters="", loss=MEAN)
+    fit = "trainer = L.Trainer(accumulate_grad_batches=4)\n    trainer.fit(LitLM())"
+    (tmp_path / "lit.py").write_text(f"{source}\n\ndef main():\n    {fit}\n")
+    assert (
+        "GA003 [low]" in gaaudit("check", "--min-confidence", "low", "lit.py", cwd=tmp_path).stdout
+    )
+    code, loop = verify(tmp_path)
+    assert code == 0, loop
+    assert [row["verdict"] for row in loop["rows"]] == ["verified"] * 2, loop
+
+
 @pytest.mark.parametrize(
     ("loss", "code", "verdict"), [(TOKEN_SUM, 0, "verified"), (MEAN, 1, "bug reproduced")]
 )

@@ -759,10 +759,9 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     "k": k,
                     "original_error": result.original.error,
                     "patched_error": result.patched.error if patched else None,
-                    "verdict": _hinted(result.verdict, options)
-                    # a loop that matches the full batch as it is needs no patch
-                    if patched or not target.flagged or result.original.verdict == VERIFIED
-                    else f"{_hinted(result.original.verdict, options)}; {NOTHING_FIXED}",
+                    "verdict": f"{_hinted(result.original.verdict, options)}; {NOTHING_FIXED}"
+                    if _needs_patch(target, result.original.verdict, patched)
+                    else _hinted(result.verdict, options),
                     "original_verdict": result.original.verdict,
                     "first_window": result.original.window,
                     "patched_first_window": result.patched.window if patched else None,
@@ -819,7 +818,7 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
                 f"{installed}"
                 f"{'' if installed.startswith('not') else ': require transformers>=4.46.2'}"
             )
-    elif target.flagged and not patched:
+    elif _needs_patch(target, row["original_verdict"], patched):
         row["verdict"] = f"{row['verdict']}; {NOTHING_FIXED}"
     return {**row, "dtype": "float32", "processes": 1}
 
@@ -836,9 +835,15 @@ def _lightning_row(job: dict, target: Target, options: Options, k: int, patched:
     if patched:
         after = lightning.compare(job["patched"], *replay)
         row["patched_error"], row["verdict"] = after["original_error"], after["verdict"]
-    elif target.flagged:
+    elif _needs_patch(target, row["original_verdict"], patched):
         row["verdict"] = f"{row['verdict']}; {NOTHING_FIXED}"
     return {**row, "dtype": "float32", "processes": 1}
+
+
+def _needs_patch(target: Target, original: str, patched: bool) -> bool:
+    """Whether a row lacks the patch it needs: a flagged loop that fix left, whose original
+    verdict is not a match with the full batch."""
+    return target.flagged and not patched and original != VERIFIED
 
 
 def _hinted(verdict: str, options: Options) -> str:
