@@ -531,6 +531,42 @@ def test_pin_confidence_reads_the_trainers_data(tmp_path, data, expected):
     assert report.findings[0].confidence is expected
 
 
+REWARD_TRAINER = """\
+import torch.nn.functional as F
+from transformers import Trainer, TrainingArguments
+
+
+class RewardTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False):
+        rewards = model(input_ids=inputs["input_ids"])[0]
+        {loss}
+
+
+{built}(args=TrainingArguments("o", gradient_accumulation_steps=8)).train()
+"""
+
+
+@pytest.mark.parametrize(
+    "loss, built, expected",
+    [
+        ("return -F.logsigmoid(rewards[::2] - rewards[1::2]).mean()", "RewardTrainer", "LOW"),
+        ("return rewards.mean()", "RewardTrainer", "HIGH"),  # not a pair's loss
+        ("return -F.logsigmoid(rewards[::2] - rewards[1::2]).mean()", "Trainer", "HIGH"),
+    ],
+    ids=["pairs", "no-pairs", "stock-trainer-built"],
+)
+def test_a_trainer_that_scores_preference_pairs_makes_the_pin_exact(
+    tmp_path, loss, built, expected
+):
+    """A reward model's Trainer has one loss element per pair: with equal micro-batch sizes
+    the old Trainer's mean/K is exact, so the pin is low where every Trainer built is one."""
+    source = REWARD_TRAINER.format(loss=loss, built=built)
+    files = write(tmp_path, {"requirements.txt": "transformers==4.43.4\n", "rm.py": source})
+    (report,) = check_repository(files, [tmp_path])
+    (finding,) = report.findings
+    assert finding.confidence is Confidence[expected], finding.evidence
+
+
 @pytest.mark.parametrize(
     "arguments",
     [

@@ -17,7 +17,7 @@ import libcst as cst
 
 from gaaudit.analysis.evidence import Evidence
 from gaaudit.analysis.provenance import MASKED_MEAN, Origin, Tracer
-from gaaudit.analysis.tree import Tree, code, dotted, keyword, last_name, positional
+from gaaudit.analysis.tree import Tree, code, dotted, keyword, last_name, positional, walk
 from gaaudit.findings import Confidence
 
 Kind = Literal["tokens", "examples", "dense", "unknown"]
@@ -132,7 +132,8 @@ class Domains:
         if origin.module and DENSE_MODEL.search(owner):
             return Domain("dense", False, f"`{owner}` models fixed-size images or signals")
         if origin.configured is not None:
-            return self._torch_loss(origin.configured)
+            call = source if isinstance(source, cst.Call) else origin.configured
+            return self._torch_loss(origin.configured, call)
         if isinstance(source, cst.Call) and origin.from_model:
             return self.model_loss(source, returned=True)
         if isinstance(source, (cst.Attribute, cst.Subscript)):
@@ -151,17 +152,25 @@ class Domains:
             )
         return self._tokens("a mean whose elements gaaudit cannot name")
 
-    def _spelled(self, expr: cst.BaseExpression) -> str:
-        """The code of what `.mean()` reduces: a name's assigned value (`loss = -logsigmoid(z)`)."""
+    def _spelled(self, expr: cst.BaseExpression, hops: int = 3) -> str:
+        """The code of what `.mean()` reduces: a name's assigned value (`loss = -logsigmoid(z)`),
+        with what the name was before where the value reworks it (`y = y.view(-1)`, then
+        `y = y.to(device)`)."""
         if isinstance(expr, cst.Name) and expr in self.tree.order:
             stmt = self.tracer.binding(expr.value, expr)
             while isinstance(stmt, cst.AugAssign):  # `losses += aux`: what was there before
                 stmt = self.tracer.binding(expr.value, stmt)
             if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1:
-                return code(stmt.value)
+                earlier = [
+                    n for n in walk(stmt.value) if isinstance(n, cst.Name) and n.value == expr.value
+                ]
+                before = self._spelled(earlier[0], hops - 1) if earlier and hops else ""
+                return f"{code(stmt.value)} {before}".strip()
         return code(expr)
 
-    def _torch_loss(self, configured: cst.Call) -> Domain:
+    def _torch_loss(self, configured: cst.Call, call: cst.Call) -> Domain:
+        """A torch loss built by `configured` (`nn.CrossEntropyLoss()`, or the call itself)
+        and called as `call`."""
         func = self.tracer.default(configured.func) or configured.func
         name = (self.tree.qualified(func) or dotted(func) or "").rsplit(".", 1)[-1]
         if name in DENSE_LOSSES:
@@ -171,8 +180,16 @@ class Domains:
         ignore = keyword(configured, "ignore_index")
         if ignore is not None:
             return self._tokens(f"`{name}(ignore_index={code(ignore)})` skips ignored targets")
-        targets = positional(configured)[1:2] or [keyword(configured, "target")]
-        if name in TOKEN_LOSSES and targets[0] is not None and FLATTENED.search(code(targets[0])):
+        if tasks(self.text) == {"classification"}:
+            return Domain(
+                "examples", False, f"`{name}` in a classifier's file, one element per example"
+            )
+        targets = positional(call)[1:2] or [keyword(call, "target")]
+        if (
+            name in TOKEN_LOSSES
+            and targets[0] is not None
+            and FLATTENED.search(self._spelled(targets[0]))
+        ):
             return self._tokens(f"`{name}` over flattened token targets")
         if self.evidence.padded is not None or self.evidence.masked is not None:
             return self._tokens(f"`{name}`")

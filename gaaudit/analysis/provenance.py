@@ -673,8 +673,11 @@ class Tracer(_Calls, _Callees, _Counts):
         rival = self._rival(expr.value, binding) if found.kind == "mean" else None
         if rival is not None:  # `if mask: loss = masked mean / else: loss = x.mean()`
             other = self._from_binding(expr.value, rival, depth)
-            if other.kind == "mean" and MASKED_MEAN in other.what and MASKED_MEAN not in found.what:
-                return replace(other, branch=True)  # the one over its own count can vary
+            if other.kind == "mean" and (
+                (MASKED_MEAN in other.what and MASKED_MEAN not in found.what)
+                or (other.configured is not None and found.configured is None)
+            ):  # the one over its own count can vary, or the one whose loss is in sight:
+                return replace(other, branch=True)  # `if labels: ce(...) / else: out.loss`
         return found
 
     def _rival(self, name: str, binding: cst.CSTNode) -> cst.CSTNode | None:

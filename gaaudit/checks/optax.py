@@ -47,7 +47,7 @@ OPTAX_LOSSES = {
     "safe_softmax_cross_entropy",
 }
 COUNTS = {"sum", "nansum", "count_nonzero"}
-STEPS = re.compile(r"accum|micro", re.IGNORECASE)
+STEPS = re.compile(r"accum|micro|(?:num|n)_?mini_?batches", re.IGNORECASE)
 MASK = re.compile(r"mask|pad|ignore", re.IGNORECASE)
 NO_LOSS = Origin("unknown", "no loss function gaaudit could find (passed to `jax.value_and_grad`)")
 

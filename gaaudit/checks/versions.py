@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gaaudit import catalogue
+from gaaudit.analysis.domain import PAIRWISE
 from gaaudit.analysis.evidence import SUPPRESSION, scan
 from gaaudit.checks.engine import display_path
 from gaaudit.config import DEFAULT_EXCLUDE
@@ -55,9 +56,9 @@ TRAINER_CALL = re.compile(
     rb"(?<![\w.])(?!(?:pl|L|lightning|pytorch_lightning)\.)((?:\w+\.)*\w*Trainer)\s*\("
 )
 TRAINER_SEEN = "the code trains with a transformers Trainer"
-PACKED = (
-    "the Trainer trains on fixed-length blocks ({}), where the old Trainer's mean/K is exact; "
-    "it becomes wrong as soon as the blocks hold ignored or padded labels"
+EXACT = (
+    "every micro-batch the Trainer sees holds the same number of loss elements ({}), where the "
+    "old Trainer's mean/K is exact; it becomes wrong as soon as they differ"
 )
 NO_TRAINER = (
     "no transformers Trainer seen in the code; the pin matters where a framework trains with one "
@@ -383,7 +384,7 @@ def _finding(
     accumulation: Accumulation | str,
     trainer: bool,
     sites: Iterable[str] = (),
-    packed: str | None = None,
+    exact: str | None = None,
     documented: str = "",
 ) -> Finding:
     if kind == "old":
@@ -401,8 +402,8 @@ def _finding(
             "admits transformers 4.46.0/4.46.1 at best, whose Trainer over-scales the loss of "
             "models that ignore `num_items_in_batch`"
         )
-    if packed is not None:
-        confidence, why = Confidence.LOW, PACKED.format(packed)
+    if exact is not None:
+        confidence, why = Confidence.LOW, EXACT.format(exact)
     elif trainer:
         confidence, why = Confidence.HIGH, TRAINER_SEEN
     else:
@@ -436,14 +437,19 @@ def _finding(
 def _trainer_sites(path: Path, data: bytes) -> Iterator[str]:
     """Where a file of the code builds a transformers or trl Trainer: `SFTTrainer(` in
     train.py line 150 (the first such call of the file)."""
+    for number, name in _built(data):
+        yield f"`{name}(...)` in {display_path(path)} line {number}"
+        return
+
+
+def _built(data: bytes) -> Iterator[tuple[int, str]]:
+    """The transformers or trl Trainers a file builds: line and class name."""
     if b"Trainer" not in data or FRAMEWORK.search(data) is None:
         return
     for number, line in enumerate(data.splitlines(), 1):
         call = TRAINER_CALL.search(line)
         if call and not line.lstrip().startswith((b"#", b"class ", b"def ")):
-            name = call.group(1).decode("utf-8", "replace")
-            yield f"`{name}(...)` in {display_path(path)} line {number}"
-            return
+            yield number, call.group(1).decode("utf-8", "replace")
 
 
 def _suppressed(raw: str) -> bool:
@@ -524,7 +530,7 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
             for site in _trainer_sites(p, data[p])
         }
         trainer = any(a.trainer for a in here) or bool(trainers)
-        packed = _packed(trainers, data)
+        exact = _exact(trainers, data)
         shown = display_path(path)
         sites = [*trainers.values()]
         documented = (
@@ -534,7 +540,7 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
             FileReport(
                 shown,
                 [
-                    _finding(shown, pin, kind, here[0], trainer, sites, packed, documented)
+                    _finding(shown, pin, kind, here[0], trainer, sites, exact, documented)
                     for pin, kind in found
                 ],
             )
@@ -597,17 +603,43 @@ def _listed(folder: Path) -> list[Path]:
         return []
 
 
-def _packed(trainers: dict[Path, str], data: dict[Path, bytes]) -> str | None:
-    """A sign of fixed-length blocks in every file that builds a Trainer, none of them showing
-    padded or masked targets: the old Trainer's mean/K is then exact."""
+def _exact(trainers: dict[Path, str], data: dict[Path, bytes]) -> str | None:
+    """A sign, in every file that builds a Trainer, that each micro-batch holds the same number
+    of loss elements: fixed-length blocks and no padded or masked targets, or a Trainer of the
+    file's own that scores preference pairs. The old Trainer's mean/K is then exact."""
     signs = []
     for path in trainers:
-        blocks = scan(data[path].decode("utf-8", "replace")).blocks
-        if blocks is None:
+        text = data[path].decode("utf-8", "replace")
+        sign = scan(text).blocks or _pairs(text, data[path])
+        if sign is None:
             return None
-        line, what = blocks
+        line, what = sign
         signs.append(f"{what} in {display_path(path)} line {line}")
     return "; ".join(signs) or None
+
+
+def _pairs(text: str, data: bytes) -> tuple[int, str] | None:
+    """Where every Trainer the file builds is a class of the file whose `compute_loss` scores
+    preference pairs (a reward model's `logsigmoid(chosen - rejected)`): one loss element per pair."""
+    if "compute_loss" not in text:
+        return None
+    try:
+        module = ast.parse(data)
+    except (SyntaxError, ValueError):
+        return None
+    pairwise = {
+        cls.name: (method.lineno, f"`{cls.name}.compute_loss` scores preference pairs")
+        for cls in module.body
+        if isinstance(cls, ast.ClassDef)
+        for method in cls.body
+        if isinstance(method, ast.FunctionDef)
+        and method.name == "compute_loss"
+        and PAIRWISE.search(ast.get_source_segment(text, method) or "")
+    }
+    built = {name.rsplit(".", 1)[-1] for _, name in _built(data)}
+    if not pairwise or not built or not built <= pairwise.keys():
+        return None
+    return min(pairwise[name] for name in built)
 
 
 def findings(context) -> list[Finding]:
