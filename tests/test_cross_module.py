@@ -964,3 +964,79 @@ def test_a_count_made_in_another_method_is_not_returned_from_forward(tmp_path):
     assert "`targets`, which the loss's count reads, is not what it was at the `return`" in (
         outcome.reason
     )
+
+
+# A count lifted through a helper that averages on several paths ---------------------------
+
+CHUNKED = FIXTURES / "ga001_xmod_chunked_loss_helper"
+
+
+def _chunked_fix(folder: Path) -> str:
+    train = folder / "train.py"
+    result = fix_source(train.read_bytes(), train, Settings())
+    assert [o.applied for o in result.outcomes] == [True], result.outcomes
+    return result.after.decode()
+
+
+def test_a_helper_that_averages_on_every_path_over_one_count_is_counted_at_the_call():
+    """`chunked_loss` (losses.py) returns from two places, each a mean over the targets that
+    are not its default `ignore_index=-100`, after `targets = targets.reshape(-1)`: the count
+    is written at the call, in the loop's own arguments, and losses.py is left as it is."""
+    after = _chunked_fix(CHUNKED)
+    assert "micro_tokens = (targets[..., 1:] != (-100)).sum()" in after
+    assert "return_count" not in after
+
+
+def test_a_helper_whose_paths_average_over_different_counts_is_not_counted_at_the_call(tmp_path):
+    folder = tmp_path / "pkg"
+    shutil.copytree(CHUNKED, folder)
+    losses = folder / "losses.py"
+    losses.write_text(
+        losses.read_text().replace(
+            "kept = (targets != ignore_index).sum()", "kept = (targets != 0).sum()"
+        )
+    )
+    train = folder / "train.py"
+    result = fix_source(train.read_bytes(), train, Settings())
+    assert "!= (-100)).sum()" not in result.after.decode()
+
+
+def test_the_chunked_helpers_fix_matches_the_full_batch(tmp_path):
+    """Run the fixed loop on K = 4 micro-batches whose prompts mask 1 to 9 targets per row;
+    at the step its gradient equals one full-batch step's over the same rows."""
+    import torch
+
+    folder = tmp_path / "pkg"
+    shutil.copytree(CHUNKED, folder)
+    (folder / "train.py").write_text(_chunked_fix(CHUNKED))
+    sys.path.insert(0, str(folder))
+    try:
+        import losses
+        import train
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("train", None), sys.modules.pop("losses", None)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
+    batches = []
+    for masked in (1, 9, 4, 6):
+        ids = torch.randint(0, 32, (2, 12))
+        labels = ids.clone()
+        labels[:, :masked] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            self.seen = torch.cat([p.grad.flatten() for p in model.parameters()])
+            return super().step(closure)
+
+    optimizer = Recording(model.parameters(), lr=0.0)
+    train.train(model, optimizer, batches, accumulation_steps=4)
+    ids = torch.cat([b["input_ids"] for b in batches])
+    labels = torch.cat([b["labels"] for b in batches])
+    model.zero_grad()
+    losses.chunked_loss(model(ids)[..., :-1, :], labels[..., 1:]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    full = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.allclose(optimizer.seen, full, atol=1e-6), (optimizer.seen - full).abs().max()

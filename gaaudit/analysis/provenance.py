@@ -37,6 +37,7 @@ PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half
 MAX_DEPTH = 16
 WEIGHT = re.compile(r"(?i)weight|multiplier|coef|lambda|alpha|beta|temperature|^temp(?:_sq)?$")
 MODEL = re.compile(r"(?i)^(?:model|net|network|transformer|gpt|llm|lm|module)$|_model$|_wrapper$")
+RESHAPES = {"reshape", "view", "flatten", "contiguous"}
 GUARDS = {"clamp", "clamp_min", "clamp_", "clamp_min_", "float", "double", "to", "item", "detach"}
 
 
@@ -97,7 +98,25 @@ def _uncast(expr: cst.BaseExpression) -> cst.BaseExpression:
     return expr.visit(Uncast())
 
 
-def _unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
+def _reshaped(statement: cst.CSTNode | None, name: str) -> bool:
+    """`name = name.reshape(-1)` (or `.view`, `.flatten`, `.contiguous`): the same elements,
+    so the same count of valid ones."""
+    if not (
+        isinstance(statement, cst.Assign)
+        and len(statement.targets) == 1
+        and isinstance(statement.targets[0].target, cst.Name)
+        and statement.targets[0].target.value == name
+    ):
+        return False
+    value = statement.value
+    while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute):
+        if value.func.attr.value not in RESHAPES:
+            return False
+        value = value.func.value
+    return isinstance(value, cst.Name) and value.value == name and value is not statement.value
+
+
+def unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
     """A count without its guard against zero or its cast: `n` for `n.clamp(min=1)`,
     `max(n, 1)`, `n.float()`."""
     while isinstance(count, cst.Call):
@@ -544,6 +563,8 @@ class _Counts:
 
         def local(name: cst.Name) -> cst.BaseExpression | None:
             bound = self.binding(name.value, name)
+            while _reshaped(bound, name.value):  # `targets = targets.reshape(-1)`: same count
+                bound = self.binding(name.value, bound)
             if name.value == "torch" or self._cast_argument(name, expr):  # kept, or dropped
                 return None
             if isinstance(bound, cst.Param) and name.value != "self":
@@ -553,7 +574,10 @@ class _Counts:
                 or not isinstance(bound, cst.Assign)
                 or len(bound.targets) != 1
                 or not isinstance(bound.targets[0].target, cst.Name)
-                or len(bindings.get(name.value, ())) != 1
+                or (
+                    len(bindings.get(name.value, ())) != 1
+                    and not (self.tree.contains(function, bound) and self._reaches(bound, name))
+                )
             ):
                 raise _Foreign(name.value)
             value = self.inlined(bound.value, function, depth + 1)
@@ -565,6 +589,13 @@ class _Counts:
             return _uncast(substituted(expr, local))
         except _Foreign:
             return None
+
+    def _reaches(self, binding: cst.CSTNode, use: cst.CSTNode) -> bool:
+        """Whether `binding`, the last before `use`, is the one `use` reads whichever way the
+        code ran: the block that holds `binding` also holds `use`."""
+        line = self.tree.parents.get(binding)
+        block = self.tree.parents.get(line) if line is not None else None
+        return block is not None and self.tree.contains(block, use)
 
     def _cast_argument(self, node: cst.CSTNode, within: cst.CSTNode) -> bool:
         """Whether `node` is inside the arguments of a cast (`x.type(y.type())`) in `within`."""
@@ -653,10 +684,10 @@ class Tracer(_Calls, _Callees, _Counts):
 
         loop = next((a for a in self.tree.ancestors(expr) if isinstance(a, LOOPS)), None)
         if loop is None:
-            count = _unguarded(divisor)
+            count = unguarded(divisor)
             return not isinstance(count, (cst.Name, cst.Attribute, cst.Integer, cst.Float))
         assigned = self.tree.assigned_in(loop)
-        count = _unguarded(divisor)
+        count = unguarded(divisor)
         if isinstance(count, cst.Subscript) and _per_window(count):  # `totals[step // k]`
             return depends_on(count.value, assigned)
         return depends_on(divisor, assigned)

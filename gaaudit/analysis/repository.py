@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import libcst as cst
 
 from gaaudit.analysis.evidence import scan
-from gaaudit.analysis.provenance import Division, Kind, Origin, Tracer, argument_for
+from gaaudit.analysis.provenance import Division, Kind, Origin, Tracer, argument_for, unguarded
 from gaaudit.analysis.tree import Tree, code, dotted, positional, substituted, variables, walk
 from gaaudit.discover.focus import focus
 from gaaudit.discover.modules import MAX_HOPS, Dependency, file_digest, locate, shown
@@ -62,6 +62,7 @@ class Summary:
     parameters: tuple[str, ...]  # in call order, `self` left out
     variable: str  # a sign of variable valid-token counts in the helper's code, and where
     passes: int | None = None  # the parameter it returns as it came (`return model`)
+    defaults: tuple[tuple[str, str], ...] = ()  # parameters with a literal default, its code
 
 
 @dataclass(frozen=True)
@@ -151,12 +152,24 @@ class Repository:
         )
         label = f"{name}.{function.name.value}" if is_class else name
         value = next((r for r in returned if r.kind != "unknown"), None)
+        if (
+            value is not None
+            and len({_averaged_over(tracer, v, function) for v in values} - {None}) > 1
+        ):
+            value = replace(value, count="")  # means over different counts: none to lift
         variable = _variable_sign(tree, function, label, path) or (value.variable if value else "")
         passes = next(
             (i for v in values if (i := _passed_through(tracer, v, parameters)) is not None),
             None,
         )
-        summary = Summary(path, label, is_class, value, items, parameters, variable, passes)
+        defaults = tuple(
+            (p.name.value, code(p.default))
+            for p in function.params.params
+            if p.default is not None and _literal(p.default)
+        )
+        summary = Summary(
+            path, label, is_class, value, items, parameters, variable, passes, defaults
+        )
         return summary, frozenset(imports.dependencies)
 
 
@@ -228,6 +241,23 @@ def _returned(
         origin.variable,
         code(lifted) if lifted is not None else "",
     )
+
+
+def _averaged_over(
+    tracer: Tracer, value: cst.BaseExpression, function: cst.FunctionDef
+) -> str | None:
+    """What a returned loss is divided by, in `function`'s parameters ("?" where not shown):
+    a mean's count, or the divisor of a sum (`pieces.sum() / max(1, kept)`); None for a
+    value that is neither."""
+    origin = tracer.origin(value)
+    if origin.kind == "mean":
+        count = tracer.valid_count(origin)
+    elif origin.kind == "sum" and origin.divisions:
+        count = unguarded(origin.divisions[-1].divisor)
+    else:
+        return None
+    lifted = tracer.inlined(unguarded(count), function) if count is not None else None
+    return code(lifted) if lifted is not None else "?"
 
 
 def _names_parameter(expr: cst.BaseExpression, parameters: tuple[str, ...]) -> bool:
@@ -533,17 +563,29 @@ def lifted_count(
     if call is None or not returned.count:
         return None
     spread = next((a.value for a in call.args if a.star == "**"), None)
+    defaults = dict(found.defaults)
     passed = {}
     for index, parameter in enumerate(found.parameters):
         argument = argument_for(call, index, parameter)
         if argument is None and spread is not None:  # `model(**batch)`
             argument = cst.parse_expression(f'{code(spread)}["{parameter}"]')
+        elif argument is None and parameter in defaults:  # `ignore_index=-100`, not passed
+            argument = cst.parse_expression(defaults[parameter])
         if argument is not None and not any(isinstance(n, cst.Call) for n in walk(argument)):
             passed[parameter] = argument
     count = cst.parse_expression(returned.count)
     if not variables(count) - {"torch"} <= passed.keys():
         return None
     return substituted(count, lambda name: passed.get(name.value))
+
+
+def _literal(expr: cst.BaseExpression) -> bool:
+    """A number, string or constant name, perhaps negated: safe to write at a call."""
+    if isinstance(expr, cst.UnaryOperation):
+        expr = expr.expression
+    return isinstance(expr, (cst.Integer, cst.Float, cst.SimpleString)) or (
+        isinstance(expr, cst.Name) and expr.value in ("None", "True", "False")
+    )
 
 
 def _item(found: Summary, index: int | None) -> Returned | None:
