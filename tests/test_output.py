@@ -315,6 +315,7 @@ UNSAFE_PAIRS = (
     "ga004_exact_contrastive_embedder_compute_loss",
     "ga004_exact_pairwise_reward_old_signature",
     "ga004_forward_kwargs_ignored_regression",
+    "ga004_labels_branch_old_signature",
     "ga004_sft_old_compute_loss_signature",
     "ga004_weighted_classification_compute_loss",
 )
