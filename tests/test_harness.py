@@ -653,7 +653,7 @@ def test_unknown_limits_stub_ranges_cuda_calls_and_no_grad_helpers_do_not_block_
     assert result.replay.bindings["evaluate"] == "stub"
 
 
-@pytest.mark.parametrize("kind", ["image", "regression"])
+@pytest.mark.parametrize("kind", ["image", "regression", "classify"])
 def test_per_sample_windows_differ_in_size_unless_packed(kind):
     sizes = [len(b["labels"]) for b in make_window(kind, 4, micro_batch_size=2).micro]
     assert len(set(sizes)) > 1 and sum(sizes) == 7
@@ -662,7 +662,7 @@ def test_per_sample_windows_differ_in_size_unless_packed(kind):
 
 
 @pytest.mark.parametrize(
-    ("kind", "ignore_index"), [("segment", -100), ("pair", 0), ("causal", None)]
+    ("kind", "ignore_index"), [("segment", -100), ("pair", 0), ("causal", None), ("classify", None)]
 )
 def test_merged_micro_batches_are_the_full_batch(kind, ignore_index):
     window = make_window(kind, 3, ignore_index=ignore_index)

@@ -13,7 +13,13 @@ import torch
 from conftest import devices, gaaudit
 from torch import nn
 
-from gaaudit.commands.verify import REPRODUCED, VERIFIED, _drops_last, options_for
+from gaaudit.commands.verify import (
+    LAST_BATCH_LEFT_OUT,
+    REPRODUCED,
+    VERIFIED,
+    _drops_last,
+    options_for,
+)
 from gaaudit.config import ConfigError, VerifySettings, load
 from gaaudit.harness.factory import FactoryError, load_factory, user_model
 from gaaudit.harness.models import build_model, vocab_size
@@ -511,7 +517,8 @@ def test_an_engine_handed_its_criterion_is_exact_where_the_loader_drops_its_last
     a None default stands for the caller's number, and the loader is built by the script
     that imports the engine. One target per image: mean/K is exact when every micro-batch
     holds as many images, which `drop_last=True` there ensures; a loader elsewhere in the
-    project does not count."""
+    project does not count, and without one the replay leaves out the last, short batch
+    alone (GA-GUIDE section 3: exact but for that batch)."""
     root = project(tmp_path, {"engine.py": TIMM_ENGINE, "main.py": TIMM_MAIN})
     run = lambda: gaaudit("verify", "engine.py", "-k", "4", "--format", "json", cwd=root)
     result = run()
@@ -522,9 +529,12 @@ def test_an_engine_handed_its_criterion_is_exact_where_the_loader_drops_its_last
     assert row["verdict"] == VERIFIED and result.returncode == 0, row  # nothing to fix
     (root / "data.py").write_text(textwrap.dedent(TIMM_MAIN).replace("from engine ", "from x "))
     (root / "main.py").write_text(TIMM_MAIN.replace("drop_last=True", "drop_last=False"))
-    (loop,) = json.loads(run().stdout)["loops"]
+    result = run()
+    (loop,) = json.loads(result.stdout)["loops"]
     (row,) = loop["rows"]
-    assert not loop["equal_sizes"] and row["original_verdict"] == REPRODUCED, loop
+    assert loop["equal_sizes"] == LAST_BATCH_LEFT_OUT and row["original_verdict"] == VERIFIED
+    text = gaaudit("verify", "engine.py", "-k", "4", cwd=root).stdout
+    assert "an epoch's last, short batch left out, as no loader of the project drops it" in text
 
 
 def test_drop_last_counts_in_a_module_the_file_imports_relatively(tmp_path, monkeypatch):
@@ -540,3 +550,38 @@ def test_drop_last_counts_in_a_module_the_file_imports_relatively(tmp_path, monk
     assert _drops_last(Path("pkg/engine.py")) == "`drop_last=True`, pkg/data.py, line 1"
     engine.write_text("import torch\n")
     assert _drops_last(Path("pkg/engine.py")) == ""
+
+
+GLUE = """
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForSequenceClassification
+
+
+def train(model, train_dataloader, optimizer, args):
+    model.train()
+    for step, batch in enumerate(train_dataloader):
+        outputs = model(**batch)
+        loss = outputs.loss {divided}
+        loss.backward()
+        if (step + 1) % args.gradient_accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("divided", "verdict"),
+    [("/ args.gradient_accumulation_steps", VERIFIED), ("", REPRODUCED)],
+    ids=["mean-over-k", "no-division"],
+)
+def test_a_sequence_classifier_is_replayed_with_one_label_per_sequence(tmp_path, divided, verdict):
+    """A GLUE-style loop (`AutoModelForSequenceClassification`): one label per sequence, so
+    mean/K is exact on micro-batches of one size (GA-GUIDE section 3), the last short batch
+    left out, while a missing division stays K times too large."""
+    root = project(tmp_path, {"glue.py": GLUE.format(divided=divided)})
+    result = gaaudit("verify", "glue.py", "-k", "4", "--format", "json", cwd=root)
+    (loop,) = json.loads(result.stdout)["loops"]
+    assert loop["equal_sizes"] == LAST_BATCH_LEFT_OUT, loop
+    (row,) = loop["rows"]
+    assert row["original_verdict"] == verdict, row

@@ -37,6 +37,9 @@ LIBRARIES = ("transformers", "peft", "trl", "torch", "accelerate", "lightning", 
 DROP_LAST = re.compile(r"\bdrop_last\s*=\s*True\b")
 # the replay downloads nothing: a user's `from_pretrained` fails at once instead
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# one target per sample and no `drop_last=True`: micro-batches of one size all the same, as a
+# loader makes them but for an epoch's last batch, where mean/K is off (GA-GUIDE section 3)
+LAST_BATCH_LEFT_OUT = "no `drop_last=True` found: an epoch's last, short batch is left out"
 NOTHING_FIXED = (
     "nothing was fixed, so there is no patched loop "
     "(`gaaudit fix --min-confidence low --unsafe-fixes --diff` says why)"
@@ -76,7 +79,7 @@ class Outcome:
     flagged: bool = True  # the loop has a finding (else it is replayed as it is)
     fixed_length: str = ""  # see Target
     pinned: str = ""  # see Target
-    equal_sizes: str = ""  # see Target; set where the loop's samples have one target each
+    equal_sizes: str = ""  # see Target, or LAST_BATCH_LEFT_OUT: the samples have one target each
 
     @property
     def verdict(self) -> str:
@@ -709,8 +712,8 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             outcome.rows = [row(job, target, options, k, patched) for k in options.ks]
             outcomes.append(asdict(outcome))
             continue
-        if target.equal_sizes and _one_target_per_sample(job["original"], target):
-            outcome.equal_sizes = target.equal_sizes
+        if _one_target_per_sample(job["original"], target):  # GA-GUIDE section 3
+            outcome.equal_sizes = target.equal_sizes or LAST_BATCH_LEFT_OUT
         # micro-batches of one fixed length, no padding; of one size, where sizes count
         packed = bool(target.fixed_length or outcome.equal_sizes)
         for k in options.ks:
@@ -895,9 +898,15 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
                         f"{outcome.pinned} keeps: each micro-batch's mean divided by K"
                     )
                 if outcome.equal_sizes:
+                    why = (
+                        "an epoch's last, short batch left out, as no loader of the project "
+                        "drops it"
+                        if outcome.equal_sizes == LAST_BATCH_LEFT_OUT
+                        else f"as the project's loader drops its last, short batch "
+                        f"({outcome.equal_sizes})"
+                    )
                     print(
-                        f"{'':>5}  {'':>3}  replayed on micro-batches of one size, as the "
-                        f"project's loader drops its last, short batch ({outcome.equal_sizes}): "
+                        f"{'':>5}  {'':>3}  replayed on micro-batches of one size, {why}: "
                         "with one target per sample, mean/K is exact on this data"
                     )
                 if outcome.fixed_length:

@@ -50,6 +50,7 @@ KIND_HINTS = (
     *((name, pattern) for name, pattern in TASKS if name in TOKEN_TASKS),
     ("seq2seq", re.compile(r"decoder_input_ids|\bT5")),
     ("mlm", re.compile(r"mlm_probability|mlm=True")),
+    ("classify", dict(TASKS)["classification"]),  # one label per sequence
 )
 # A plain model called as `model(x)`: what its data look like, from the source's hints.
 NET_HINTS = (

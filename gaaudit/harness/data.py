@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from gaaudit.harness.models import ignore_value, vocab_size
+from gaaudit.harness.models import LABELS, ignore_value, vocab_size
 from gaaudit.harness.nets import NET_KINDS, PADDED_KINDS, SIZED_KINDS, net_record
 
 MASK_ID = 1  # the [MASK] token of the tiny MLM; real tokens are drawn from 2..vocab_size()-1
@@ -53,6 +53,9 @@ def make_records(
             records.append({"input_ids": seq[:-1], "labels": seq[1:]})
         elif kind == "seq2seq":
             records.append({"input_ids": tokens(length()), "labels": tokens(length())})
+        elif kind == "classify":
+            label = torch.randint(0, LABELS, (), generator=gen)
+            records.append({"input_ids": tokens(length()), "labels": label})
         elif kind == "mlm":
             ids = tokens(length())
             masked = torch.rand(len(ids), generator=gen) < 0.15
@@ -85,7 +88,10 @@ def collate(
         batch["attention_mask"] = (
             torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
         ).long()
-    batch["labels"] = pad("labels", ignore_value(kind, ignore_index))
+    if kind == "classify":  # one label per sequence
+        batch["labels"] = torch.stack([r["labels"] for r in records])
+    else:
+        batch["labels"] = pad("labels", ignore_value(kind, ignore_index))
     return batch
 
 

@@ -14,7 +14,8 @@ from gaaudit.harness.nets import NET_KINDS, build_net, net_count, net_loss
 
 VOCAB = 256
 MAX_POSITIONS = 128
-KINDS = ("causal", "seq2seq", "mlm", "nanogpt", "logits", *NET_KINDS)
+KINDS = ("causal", "seq2seq", "mlm", "classify", "nanogpt", "logits", *NET_KINDS)
+LABELS = 3  # the classes of the `classify` kind: one label per sequence
 
 # The default value each kind's loss ignores in `labels`; HF models always use -100, the
 # plain-torch kinds take another value (`ignore_index`) where the loop under test uses one.
@@ -22,6 +23,7 @@ IGNORE_INDEX = {
     "causal": -100,
     "seq2seq": -100,
     "mlm": -100,
+    "classify": -100,
     "nanogpt": -1,
     "logits": -100,
     **dict.fromkeys(NET_KINDS, -100),
@@ -31,7 +33,14 @@ IGNORE_INDEX = {
 
 def ignore_value(kind: str, ignore_index: int | None = None) -> int:
     """The label value `kind` ignores: `ignore_index` where the kind allows another one."""
-    if ignore_index is None or kind in ("causal", "seq2seq", "mlm", "regression", "sequence"):
+    if ignore_index is None or kind in (
+        "causal",
+        "seq2seq",
+        "mlm",
+        "classify",
+        "regression",
+        "sequence",
+    ):
         return IGNORE_INDEX[kind]
     return ignore_index
 
@@ -87,19 +96,21 @@ def _hf_model(kind: str) -> nn.Module:
     import transformers as tf
 
     ids = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
-    if kind == "causal":
-        model = tf.GPT2LMHeadModel(
-            tf.GPT2Config(
-                n_layer=2,
-                n_embd=64,
-                n_head=2,
-                n_positions=MAX_POSITIONS,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                **ids,
-            )
+    if kind in ("causal", "classify"):
+        config = tf.GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=2,
+            n_positions=MAX_POSITIONS,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            num_labels=LABELS,
+            **ids,
         )
+        if kind == "classify":  # reads the last token that is not padding (id 0)
+            return tf.GPT2ForSequenceClassification(config)
+        model = tf.GPT2LMHeadModel(config)
         model.loss_type = "ForCausalLM"  # the class name does not say so; silences a warning
         return model
     if kind == "seq2seq":
@@ -140,7 +151,7 @@ def build_model(
     kind: str = "causal", seed: int = 0, ignore_index: int | None = None, returns=None
 ) -> nn.Module:
     """A fresh tiny model of `kind` (see KINDS) with weights fixed by `seed`, in eval mode:
-    GPT-2 (causal), T5 (seq2seq), BERT (mlm), TinyGPT (nanogpt), TinyTokenModel (logits), a
+    GPT-2 (causal; a sequence classifier for classify), T5 (seq2seq), BERT (mlm), TinyGPT (nanogpt), TinyTokenModel (logits), a
     model of nets.py (`returns`: how a loop unpacks a sequence model's loss); the user's
     model instead while factory.user_model() is active."""
     if kind not in KINDS:

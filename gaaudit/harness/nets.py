@@ -11,9 +11,10 @@ from torch.nn import functional as F
 NET_KINDS = ("image", "segment", "regression", "pair", "sequence")
 # Kinds whose samples are token sequences of varied length, padded with id 0 in a batch.
 PADDED_KINDS = ("pair", "sequence")
-# Kinds with one target per sample and no ignored value: the valid count of a micro-batch is
-# its number of samples, so the harness makes the micro-batches differ in size.
-SIZED_KINDS = ("image", "regression")
+# Kinds with one target per sample and no ignored value (and models.py's sequence
+# classifier): the valid count of a micro-batch is its number of samples, so the harness
+# makes the micro-batches differ in size.
+SIZED_KINDS = ("image", "regression", "classify")
 CLASSES = 10
 IMAGE_SHAPE = (3, 8, 8)
 FEATURES, TARGETS = 6, 3
