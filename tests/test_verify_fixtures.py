@@ -95,11 +95,6 @@ NOT_REPLAYABLE = {
         "not replayable: RuntimeError: random_ expects",
         ("random_ expects 'from' to be less than 'to'",),
     ),
-    # Batches indexed by position (`batch[0]`): the harness hands in a dict of tensors.
-    "ga001_exact_dataparallel_mean_classifier": (
-        "not replayable: KeyError",
-        ("Only three types of key are available",),
-    ),
     # Batches with keys the harness's data does not hold (`tokens`, `chosen`).
     "ga001_ddp_masked_mean_loss_mask": (
         "not replayable: KeyError: 'tokens'",

@@ -585,3 +585,42 @@ def test_a_sequence_classifier_is_replayed_with_one_label_per_sequence(tmp_path,
     assert loop["equal_sizes"] == LAST_BATCH_LEFT_OUT, loop
     (row,) = loop["rows"]
     assert row["original_verdict"] == verdict, row
+
+
+POSITIONAL = """
+import torch
+from transformers import RobertaForSequenceClassification
+
+
+def train(model, train_dataloader, eval_dataloader, optimizer, writer, logger, args):
+    logger.info("  Num batches = %d", len(train_dataloader))
+    for step, batch in enumerate(train_dataloader):
+        batch = tuple(t.to(args.device) for t in batch)
+        inputs = {
+            "input_ids": batch[0],
+            "attention_mask": batch[1],
+            "token_type_ids": batch[2] if args.model_type == "bert" else None,
+            "labels": batch[3],
+        }
+        loss = model(**inputs)[0] / args.gradient_accumulation_steps
+        loss.backward()
+        writer.add_scalar("train/loss", loss.item(), step)
+        if step % args.gradient_accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+            for eval_batch in eval_dataloader:
+                logger.info("eval batch of %d", len(eval_batch[0]))
+"""
+
+
+def test_a_tuple_batch_indexed_by_position_is_served_and_its_first_window_counted(tmp_path):
+    """TensorDataset batches read by position into named inputs (`"labels": batch[3]`) are
+    tuples in that order; a log called with a string (`writer.add_scalar("train/loss", ...)`)
+    and an evaluation loader that is not drawn from before the step serve no micro-batches,
+    so the first window (`step % K == 0` from step 0) is counted: one micro-batch."""
+    root = project(tmp_path, {"glue.py": POSITIONAL})
+    result = gaaudit("verify", "glue.py", "-k", "4", "--format", "json", cwd=root)
+    (loop,) = json.loads(result.stdout)["loops"]
+    (row,) = loop["rows"]
+    assert row["first_window"] == 1, row
+    assert row["original_verdict"] == REPRODUCED and row["verdict"] == VERIFIED, row

@@ -88,6 +88,7 @@ class Plan:
     ignore_index: int | None = None
     data_arity: int = 0
     data_fillers: int = 0  # of data_arity, the unused values after (input_ids, labels)
+    data_keys: tuple = ()  # a tuple batch's keys by position, None where unnamed: `batch[3]`
     returns: tuple | None = None  # how the loop unpacks its model's result: `loss, (a, b) = ...`
     uses_accumulate: bool = False
     splits_batch: bool = False
@@ -372,6 +373,7 @@ class _Usage:
     result_attrs: set = field(default_factory=set)
     aliases: list = field(default_factory=list)
     generators: list = field(default_factory=list)
+    positions: dict = field(default_factory=lambda: defaultdict(dict))  # `{"labels": batch[3]}`
 
     def add(self, nodes: list[ast.stmt]) -> None:
         parents = {
@@ -390,6 +392,8 @@ class _Usage:
                     self._call(node, parents)
                 elif isinstance(node, (ast.For, ast.comprehension)):
                     self._iterated(node.iter, node.target)
+                elif isinstance(node, ast.Dict):
+                    self._positions(node)
                 elif _reads_output(node):
                     self.result_attrs.add(chain_of(node.value))
                 elif (
@@ -461,6 +465,21 @@ class _Usage:
             self._unpacks(source, parent.targets[0].elts)
             self.assigned[source] = [n for n in names if n]
 
+    def _positions(self, node: ast.Dict) -> None:
+        """`{"input_ids": batch[0], "labels": batch[3]}`: a tuple batch's values by position,
+        named by the keys they are given (a conditional value's first branch counts)."""
+        for key, value in zip(node.keys, node.values, strict=True):
+            value = value.body if isinstance(value, ast.IfExp) else value
+            if (
+                isinstance(key, ast.Constant)
+                and isinstance(key.value, str)
+                and isinstance(value, ast.Subscript)
+                and isinstance(value.value, ast.Name)
+                and isinstance(value.slice, ast.Constant)
+                and type(value.slice.value) is int
+            ):
+                self.positions[value.value.id][value.slice.value] = key.value
+
     def _iterated(self, iterable: ast.expr, target: ast.expr) -> None:
         """`for ... in enumerate(tqdm(loader))` and the like: `loader` is iterated."""
         sources = [iterable]
@@ -493,6 +512,16 @@ class _Usage:
             isinstance(n, ast.Name) and n.id.startswith("_") for n in names[2:]
         ):
             self.fillers.setdefault(chain, len(names) - 2)
+
+
+def _positional_keys(usage: _Usage) -> tuple:
+    """The keys of a batch the loop indexes by position into a dict of named inputs (one
+    name so indexed, with `input_ids` and `labels` among them), None where unnamed."""
+    named = [p for p in usage.positions.values() if {"input_ids", "labels"} <= set(p.values())]
+    if len(named) != 1:
+        return ()
+    (positions,) = named
+    return tuple(positions.get(i) for i in range(max(positions) + 1))
 
 
 def _is_minus_one(node: ast.expr) -> bool:
@@ -578,9 +607,12 @@ def _harness_made(chain: Chain, role: str | None, usage: _Usage) -> bool:
 
 
 def _string_call(usage: _Usage, chain: Chain) -> bool:
+    """`x, y = get_batch("train")`: called with a string, its result used; a call whose
+    result is dropped (`logger.info("...")`, `writer.add_scalar("loss", ...)`) serves no data."""
     return any(
         isinstance(a, ast.Constant) and isinstance(a.value, str)
-        for call, _ in usage.calls.get(chain, [])
+        for call, parent in usage.calls.get(chain, [])
+        if not isinstance(parent, ast.Expr)
         for a in call.args
     )
 
@@ -750,6 +782,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         ignore_index=_ignore_index(source, module_constants, kind),
         data_arity=arity,
         data_fillers=fillers,
+        data_keys=_positional_keys(usage),
         returns=_returns(usage, models),
         uses_accumulate=any(
             "accumulate" in usage.evidence.get(c, ())

@@ -208,10 +208,12 @@ class Objects:
     def drawn(self) -> int:
         """How many micro-batches the loop drew before its step, when that is the window it
         formed (0 when unknown: a prefetching loop, a loop that splits one batch, or several
-        data sources)."""
-        if len(self.sources) != 1 or self.plan.splits_batch or self.plan.prefetch:
+        data sources drawn from; a source bound but not drawn from, an evaluation loader say,
+        does not count)."""
+        served = [source.served for source in self.sources if source.served]
+        if len(served) != 1 or self.plan.splits_batch or self.plan.prefetch:
             return 0
-        return self.sources[0].served
+        return served[0]
 
     def _bind(self, chain, value, text: str, namespace: dict) -> None:
         root = chain[0]
@@ -295,14 +297,19 @@ def _accelerator(roles: dict, optimizer, device, steps: int) -> tuple:
 
 
 def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
-    """What the loop's data yields: the user's batches as they are, `(input_ids, labels)`
-    pairs, or `BatchEncoding`s; one merged batch for a loop that cuts it into micro-batches."""
+    """What the loop's data yields: the user's batches as they are, tuples by position
+    (`batch[3]` read as `labels`), `(input_ids, labels)` pairs, or `BatchEncoding`s; one merged batch for a loop that cuts it into micro-batches."""
     from transformers import BatchEncoding
 
     if plan.splits_batch:
         batches = [factory.concatenate(batches) if user else merge_batches(batches, ignore_index)]
     if user:
         return list(batches)
+    if plan.data_keys:  # a tuple by position; an input the harness does not make is zeros
+        return [
+            tuple(b.get(key, torch.zeros_like(b["input_ids"])) for key in plan.data_keys)
+            for b in batches
+        ]
     if plan.data_arity:
         return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
     if plan.model_kind == "sequence":  # the token sequences alone: the model scores them
