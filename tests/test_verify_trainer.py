@@ -170,3 +170,32 @@ def test_a_trainer_class_of_the_project_is_replayed_only_when_it_is_a_transforme
         result = gaaudit("verify", "-k", "2", "--format", "json", "train.py", cwd=tmp_path)
         loops = json.loads(result.stdout)["loops"]
         assert bool(loops) == replayed, loops
+
+
+PAIRS = """\
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+
+class PairTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False):
+        scores = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])[0]
+        loss = -F.logsigmoid(scores[0::2] - scores[1::2]).mean()
+        return (loss, scores) if return_outputs else loss
+
+
+model = AutoModelForCausalLM.from_pretrained("gpt2")
+args = TrainingArguments(output_dir="out", gradient_accumulation_steps=8)
+PairTrainer(model=model, args=args, train_dataset=pairs).train()
+"""
+
+
+def test_under_the_pin_a_pairwise_loss_over_the_padded_width_is_exact(tmp_path):
+    """Every micro-batch is padded to the window's width, as the full batch is, so a loss that
+    averages over every position of its pairs (here the tiny model's logits) holds as many
+    elements in each: under a pin before 4.46, mean/K is exact, as for a reward model."""
+    (tmp_path / "requirements.txt").write_text("transformers==4.43.4\n")
+    (tmp_path / "rm.py").write_text(PAIRS)
+    _, (loop,) = verify("rm.py", tmp_path)
+    assert loop["pinned"], loop
+    assert [row["original_verdict"] for row in loop["rows"]] == ["verified"] * 2, loop

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import io
 import tempfile
 import warnings
@@ -221,12 +222,15 @@ class Window:
         return user.build()
 
     def micro_batches(self) -> tuple[list, Callable, int]:
-        """The Trainer's dataset, its collator and the rows per micro-batch."""
+        """The Trainer's dataset, its collator (padding every micro-batch to the window's
+        width, so that a loss over padded positions matches the full batch's) and the rows
+        per micro-batch."""
         data = current_data()
         if data is not None:  # each item is one micro-batch, as the user's loader yields it
             return data.window(self.k, self.seed), _first, 1
         rows = examples(self.k * MICRO, self.seed, self.classifier, self.fixed)
-        return rows, collate, MICRO
+        width = max(len(r["input_ids"]) for r in rows)  # the full batch's: its exact slices
+        return rows, functools.partial(collate, width=width), MICRO
 
     def full_batch(self):
         data = current_data()
