@@ -460,9 +460,19 @@ def test_check_neither_runs_nor_imports_the_helper_module(tmp_path):
     assert "GA001 [high]" in result.stdout and not sentinel.exists()
 
 
-def test_fix_leaves_a_loss_from_another_module_alone_and_says_so(tmp_path):
-    folder = FIXTURES / "ga001_xmod_relative_helper"
+def test_a_helpers_module_constant_is_written_at_the_call_by_its_value(tmp_path):
+    """`causal_lm_loss` (sft/losses.py) ignores `IGNORE_INDEX`, a constant of its module: the
+    count at the call reads its value; a module global that is not a literal is refused."""
+    folder = tmp_path / "ga001_xmod_relative_helper"
+    shutil.copytree(FIXTURES / folder.name, folder)
     train = folder / "sft/train.py"
+    result = fix_source(train.read_bytes(), train, ALL, unsafe=True)
+    (outcome,) = result.outcomes
+    assert outcome.applied, outcome
+    count = 'micro_tokens = (batch["labels"][:, 1:].contiguous().view(-1) != (-100)).sum()'
+    assert count in result.after.decode()
+    losses = folder / "sft/losses.py"
+    losses.write_text(losses.read_text().replace("IGNORE_INDEX = -100", "IGNORE_INDEX = ignored()"))
     result = fix_source(train.read_bytes(), train, ALL, unsafe=True)
     assert not result.changed
     (outcome,) = result.outcomes

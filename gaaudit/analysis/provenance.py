@@ -557,8 +557,9 @@ class _Counts:
         self, expr: cst.BaseExpression, function: cst.FunctionDef, depth: int = 0
     ) -> cst.BaseExpression | None:
         """`expr` in the terms of `function`'s parameters (and `torch`): each local name
-        replaced by the one value it is bound to, casts dropped; None when it reads anything
-        else (`self`, a name bound twice, a module global)."""
+        replaced by the one value it is bound to, a module constant (`IGNORE_INDEX = -100`) by
+        its literal, casts dropped; None when it reads anything else (`self`, a name bound
+        twice, another module global)."""
         bindings = self.tree.bindings(function)
 
         def local(name: cst.Name) -> cst.BaseExpression | None:
@@ -569,6 +570,9 @@ class _Counts:
                 return None
             if isinstance(bound, cst.Param) and name.value != "self":
                 return None
+            constant = self._constant(name.value, bound)
+            if constant is not None:
+                return constant
             if (
                 depth >= MAX_DEPTH // 4
                 or not isinstance(bound, cst.Assign)
@@ -589,6 +593,24 @@ class _Counts:
             return _uncast(substituted(expr, local))
         except _Foreign:
             return None
+
+    def _constant(self, name: str, bound: cst.CSTNode | None) -> cst.BaseExpression | None:
+        """The literal a module binds `name` to, once and at its top level (`IGNORE_INDEX =
+        -100`): the same wherever it is read."""
+        module = self.tree.module
+        if not (
+            isinstance(bound, cst.Assign)
+            and self.tree.parents.get(self.tree.parents.get(bound)) is module
+            and len(self.tree.bindings(module).get(name, ())) == 1
+        ):
+            return None
+        value = bound.value
+        number = value.expression if isinstance(value, cst.UnaryOperation) else value
+        if isinstance(number, (cst.Integer, cst.Float)) and (
+            number is value or isinstance(value.operator, cst.Minus)
+        ):
+            return value
+        return None
 
     def _reaches(self, binding: cst.CSTNode, use: cst.CSTNode) -> bool:
         """Whether `binding`, the last before `use`, is the one `use` reads whichever way the
