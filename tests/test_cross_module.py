@@ -469,7 +469,7 @@ def test_a_helpers_module_constant_is_written_at_the_call_by_its_value(tmp_path)
     result = fix_source(train.read_bytes(), train, ALL, unsafe=True)
     (outcome,) = result.outcomes
     assert outcome.applied, outcome
-    count = 'micro_tokens = (batch["labels"][:, 1:].contiguous().view(-1) != (-100)).sum()'
+    count = 'micro_tokens = (batch["labels"][:, 1:].contiguous().view(-1) != -100).sum()'
     assert count in result.after.decode()
     losses = folder / "sft/losses.py"
     losses.write_text(losses.read_text().replace("IGNORE_INDEX = -100", "IGNORE_INDEX = ignored()"))
@@ -993,7 +993,7 @@ def test_a_helper_that_averages_on_every_path_over_one_count_is_counted_at_the_c
     are not its default `ignore_index=-100`, after `targets = targets.reshape(-1)`: the count
     is written at the call, in the loop's own arguments, and losses.py is left as it is."""
     after = _chunked_fix(CHUNKED)
-    assert "micro_tokens = (targets[..., 1:] != (-100)).sum()" in after
+    assert "micro_tokens = (targets[..., 1:] != -100).sum()" in after
     assert "return_count" not in after
 
 
@@ -1008,7 +1008,7 @@ def test_a_helper_whose_paths_average_over_different_counts_is_not_counted_at_th
     )
     train = folder / "train.py"
     result = fix_source(train.read_bytes(), train, Settings())
-    assert "!= (-100)).sum()" not in result.after.decode()
+    assert "!= -100).sum()" not in result.after.decode()
 
 
 def test_the_chunked_helpers_fix_matches_the_full_batch(tmp_path):

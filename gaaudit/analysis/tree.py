@@ -87,6 +87,15 @@ def substituted(expr: cst.BaseExpression, replace) -> cst.BaseExpression:
         def leave_Index(self, original: cst.Index, updated: cst.Index):
             return updated.with_changes(value=bare(original.value, updated.value))
 
+        def leave_ComparisonTarget(self, original, updated: cst.ComparisonTarget):
+            """`labels != -100`: a negative number compared needs no parentheses."""
+            value = updated.comparator
+            if isinstance(value, cst.UnaryOperation) and isinstance(
+                value.expression, (cst.Integer, cst.Float)
+            ):
+                return updated.with_changes(comparator=value.with_changes(lpar=[], rpar=[]))
+            return updated
+
         def leave_Name(self, original: cst.Name, updated: cst.Name):
             value = replace(original)
             if value is None:
