@@ -38,7 +38,7 @@ DROP_LAST = re.compile(r"\bdrop_last\s*=\s*True\b")
 # the replay downloads nothing: a user's `from_pretrained` fails at once instead
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # one target per sample and no `drop_last=True`: micro-batches of one size all the same, as a
-# loader makes them but for an epoch's last batch, where mean/K is off (GA-GUIDE section 3)
+# loader makes them before an epoch's last batch, the one where mean/K is off (GA-GUIDE 3)
 LAST_BATCH_LEFT_OUT = "no `drop_last=True` found: an epoch's last, short batch is left out"
 NOTHING_FIXED = (
     "nothing was fixed, so there is no patched loop "
@@ -778,7 +778,8 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
 
 def _one_target_per_sample(source: str, target: Target) -> bool:
     """Whether the harness replays the statement with a model of one target per sample
-    (SIZED_KINDS: an image classifier, a regressor), whose counts vary with sizes alone."""
+    (SIZED_KINDS: an image or sequence classifier, a regressor), whose counts vary with
+    sizes alone."""
     from gaaudit.harness.analysis import NotReplayable, analyse
     from gaaudit.harness.nets import SIZED_KINDS
 
