@@ -298,7 +298,8 @@ def _accelerator(roles: dict, optimizer, device, steps: int) -> tuple:
 
 def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
     """What the loop's data yields: the user's batches as they are, tuples by position
-    (`batch[3]` read as `labels`), `(input_ids, labels)` pairs, or `BatchEncoding`s; one merged batch for a loop that cuts it into micro-batches."""
+    (`batch[3]` read as `labels`), `(input_ids, labels)` pairs, or `BatchEncoding`s; one
+    merged batch for a loop that cuts it into micro-batches."""
     from transformers import BatchEncoding
 
     if plan.splits_batch:
@@ -307,7 +308,9 @@ def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
         return list(batches)
     if plan.data_keys:  # a tuple by position; an input the harness does not make is zeros
         return [
-            tuple(b.get(key, torch.zeros_like(b["input_ids"])) for key in plan.data_keys)
+            tuple(
+                b[key] if key in b else torch.zeros_like(b["input_ids"]) for key in plan.data_keys
+            )
             for b in batches
         ]
     if plan.data_arity:
