@@ -299,13 +299,38 @@ def test_a_loss_module_called_once_is_built_with_a_sum_and_a_weighted_one_refuse
     assert "class weights" in report.outcomes[0].reason
 
 
-def test_a_mean_mixed_with_another_term_is_refused_with_the_term():
+def test_a_mean_mixed_with_another_term_weights_only_the_mean_by_its_share():
     """Weighting `lm_loss * a + mc_loss * b` by the token count would weight the
-    multiple-choice term by tokens too (issue 16, item 6)."""
+    multiple-choice term by tokens too (issue 16, item 6): the loop reads each window ahead,
+    and only the mean's term moves from 1/K to its share of the window's tokens."""
     script = FIXTURES / "ga001_weighted_sum_of_means.py"
     report = fix_source(script.read_bytes(), script, ALL, True)
-    assert report.after == script.read_bytes()
-    assert "adds `mc_loss * args.mc_coef` to its mean" in report.outcomes[0].reason
+    (outcome,) = report.outcomes
+    assert outcome.applied, outcome.reason
+    after = report.after.decode()
+    assert (
+        "(lm_loss * args.lm_coef * window_share + mc_loss * args.mc_coef"
+        " / args.gradient_accumulation_steps).backward()" in after
+    )
+    assert 'pending.append(((step, batch), (batch["lm_labels"][..., 1:] != -100).sum()))' in after
+
+
+def test_a_mean_whose_weight_the_loop_changes_is_refused_with_the_term():
+    """A weight the loop rebinds is not the one the backward would read: refused, naming
+    the other term and why the window cannot be read ahead."""
+    script = FIXTURES / "ga001_weighted_sum_of_means.py"
+    source = (
+        script.read_text()
+        .replace(
+            "        lm_loss, mc_loss =", "        lm_coef = step / 10\n        lm_loss, mc_loss ="
+        )
+        .replace("lm_loss * args.lm_coef", "lm_loss * lm_coef")
+    )
+    report = fix_source(source.encode(), script, ALL, True)
+    assert report.after == source.encode()
+    (outcome,) = report.outcomes
+    assert "adds `mc_loss * args.mc_coef` to its mean" in outcome.reason
+    assert "reading the window ahead: the mean enters the loss" in outcome.reason
 
 
 def test_a_log_between_the_steps_reports_the_micro_batch_mean():
@@ -390,12 +415,57 @@ def test_a_models_labels_handed_by_position_are_found_by_their_name():
     assert "no ignore_index is visible" in report.outcomes[0].reason  # unsafe: -100? -1?
 
 
-def test_clipping_after_every_micro_batch_is_refused_with_what_to_do():
-    """Clipping inside the micro-steps would clip the token-weighted sum, far larger than the
-    mean the original clips: the fix is refused and says to clip once, at the step."""
+def test_clipping_after_every_micro_batch_reads_the_window_ahead():
+    """Clipping inside the micro-steps would clip a token-weighted sum far harder than the
+    mean the original clips: the loop reads each window ahead instead, and each micro-batch's
+    backward weights its mean by its share of the window's count, in the mean's magnitude."""
     script = FIXTURES / "ga001_clip_every_micro_batch.py"
-    report = fix_source(script.read_bytes(), script, ALL, True)
-    assert report.after == report.before
+    report = fix_source(script.read_bytes(), script, ALL, False)
     (outcome,) = report.outcomes
+    assert outcome.applied, outcome.reason
+    after = report.after.decode()
+    assert "in read_ahead(enumerate(loader)):" in after
+    assert "(loss * window_share * args.gradient_accumulation_steps).backward()" in after
+    assert "param.grad.div_" not in after  # no division at the step
+    assert "clip_grad_norm_(model.parameters(), args.max_grad_norm)" in after
+
+
+READ_AHEAD_GUARD = """
+import torch
+from transformers import GPT2LMHeadModel
+
+def train(model: GPT2LMHeadModel, loader, optimizer, args):
+    updates = 0
+    for input_ids, labels in loader:
+        out = model(input_ids, labels=labels)
+        loss = (out.loss + out.aux_loss) / args.k
+        loss.backward()
+        updates += 1
+        if updates % args.k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_window_whose_guard_reads_a_counter_of_the_body_is_not_read_ahead():
+    """The read-ahead generator evaluates the step's guard before the body runs: a counter the
+    body increments is not known there, so the fix is refused and says both why."""
+    (outcome,) = fix_source(READ_AHEAD_GUARD.encode(), Path("x.py"), ALL, True).outcomes
     assert not outcome.applied
-    assert "clipped after every micro-batch" in outcome.reason and "line 18" in outcome.reason
+    assert "adds `out.aux_loss` to its mean" in outcome.reason
+    assert "reading the window ahead: the step's guard reads `updates`" in outcome.reason
+
+
+def test_a_micro_batch_skipped_before_its_backward_makes_the_read_ahead_unsafe():
+    """A `continue` before the backward drops a micro-batch its window has already counted."""
+    skipping = (
+        READ_AHEAD_GUARD.replace(
+            "        loss = (",
+            "        if out.loss.isnan():\n            continue\n        loss = (",
+        )
+        .replace("updates % args.k == 0", "(step + 1) % args.k == 0")
+        .replace("for input_ids, labels in", "for step, (input_ids, labels) in enumerate(loader):#")
+    )
+    (outcome,) = fix_source(skipping.encode(), Path("x.py"), ALL, False).outcomes
+    assert not outcome.applied and "--unsafe-fixes" in outcome.reason, outcome.reason
+    assert "window_share" in fixed(skipping.encode(), unsafe=True).decode()

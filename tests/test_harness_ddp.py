@@ -8,7 +8,7 @@ import textwrap
 from dataclasses import asdict
 
 import pytest
-from conftest import FIXTURES, devices, gaaudit
+from conftest import FIXTURES, clipping_unfixed, devices, gaaudit
 
 from gaaudit.commands.verify import REPRODUCED, VERIFIED, Options, _replay_all, targets
 
@@ -137,9 +137,10 @@ def test_a_ddp_loop_replayed_in_one_process_says_how_to_replay_it():
 
 
 def test_a_flagged_loop_left_unfixed_says_how_to_replay_its_collective(tmp_path):
-    """A loop `fix` leaves as it is (clipping every micro-batch) whose own collective needs a
-    process group: the verdict says how to give it one, then that nothing was fixed."""
-    source = (FIXTURES / "ga001_clip_every_micro_batch.py").read_text()
+    """A loop `fix` leaves as it is (clipping every micro-batch, its step counted in the body)
+    whose own collective needs a process group: the verdict says how to give it one, then
+    that nothing was fixed."""
+    source = clipping_unfixed()
     script = tmp_path / "train.py"
     script.write_text(
         source.replace(

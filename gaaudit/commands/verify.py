@@ -497,11 +497,14 @@ def _first_line(tree, statement: cst.CSTNode) -> str:
 
 
 def _same_header(text: str, header: str) -> bool:
-    """A line that opens the same statement; a `def` matches by name (a fix may add a parameter)."""
+    """A line that opens the same statement; a `def` matches by name (a fix may add a parameter),
+    a `for` also as the fix's read-ahead loop."""
+    from gaaudit.fixes.read_ahead import reads_ahead
+
     text = text.strip()
     if header.startswith(("def ", "async def ")):
         return text.startswith(header.split("(", 1)[0] + "(")
-    return text == header
+    return text == header or (header.startswith("for ") and reads_ahead(text, header))
 
 
 def _occurrence(lines: list[str], header: str, line: int) -> int:

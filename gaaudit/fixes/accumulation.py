@@ -24,11 +24,13 @@ from gaaudit.discover.source import SourceError, parse
 from gaaudit.fixes.edits import (
     Edits,
     Unfixable,
+    atom,
     copy_edits,
     statement_line,
     with_argument,
     with_parameter,
 )
+from gaaudit.fixes.read_ahead import _ReadAhead
 from gaaudit.vocabulary import CLIPPERS
 
 # One line on each block a fix inserts, saying why it is there.
@@ -54,16 +56,6 @@ class Outcome:
         if self.cell is None:
             return f"{self.line}:{self.column}"
         return f"cell {self.cell}:line {self.line}:col {self.column}"
-
-
-def _atom(expr: cst.BaseExpression) -> str:
-    """An expression's code, parenthesised unless it already binds tighter than `.attr`."""
-    text = code(expr)
-    return (
-        text
-        if isinstance(expr, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
-        else f"({text})"
-    )
 
 
 FRAMEWORK_ONLY = {  # why a framework's own division has no mechanical rewrite, by "loss is returned"
@@ -246,18 +238,6 @@ class _Counting:
                 "weight each micro-batch by its valid-target count instead of that factor"
             )
         helper = self._helper_call(site) if source is not None else None
-        if origin.added:
-            raise Unfixable(
-                f"the loss adds `{origin.added}` to its mean: weighting the sum by the mean's count "
-                "would weight that term too; weight only the mean's term by its count"
-            )
-        clip = self._clips_each_micro_batch(site.window)
-        if clip is not None:
-            raise Unfixable(
-                f"the gradients are clipped after every micro-batch (`{code(clip.func)}`, line "
-                f"{self.tree.line(clip)}), before the window is complete: a token-weighted sum "
-                "would be clipped far harder than the mean it replaces; clip once, at the step"
-            )
         if origin.count is not None:  # a masked mean: the count it divides by
             counted = (code(origin.count), ""), True
         elif origin.module:  # the other module's function returns its count too
@@ -274,6 +254,23 @@ class _Counting:
         (count, caveat), safe = counted
         self._return_count(helper, count)
         return (self.micro, caveat), safe
+
+    def _window_blocker(self, site: Site) -> str:
+        """Why one division at the step cannot fix the window ("" when it can): the window's
+        count must then be read ahead, before the backward."""
+        if site.origin.added:
+            return (
+                f"the loss adds `{site.origin.added}` to its mean: weighting the sum by the "
+                "mean's count would weight that term too; weight only the mean's term by its count"
+            )
+        clip = self._clips_each_micro_batch(site.window)
+        if clip is not None:
+            return (
+                f"the gradients are clipped after every micro-batch (`{code(clip.func)}`, line "
+                f"{self.tree.line(clip)}), before the window is complete: a token-weighted sum "
+                "would be clipped far harder than the mean it replaces; clip once, at the step"
+            )
+        return ""
 
     def _clips_each_micro_batch(self, window: Window) -> cst.Call | None:
         """A gradient clipping the loop runs on every micro-batch, outside the step."""
@@ -489,9 +486,9 @@ class _CompanionCounts:
         func = call.func
         qualified = self.tree.qualified(func) or ""
         if qualified in ("torch.mean", "torch.nanmean"):
-            return (f"{_atom(positional(call)[0])}.numel()", ""), True
+            return (f"{atom(positional(call)[0])}.numel()", ""), True
         if isinstance(func, cst.Attribute) and func.attr.value in ("mean", "nanmean"):
-            return (f"{_atom(func.value)}.numel()", ""), True
+            return (f"{atom(func.value)}.numel()", ""), True
         if origin.from_model:
             return self._returned_count(call)
         configured = self.auditor.tracer.loss_instance(func) or call
@@ -506,7 +503,7 @@ class _CompanionCounts:
             caveat = (
                 f"assumes `{code(func)}` is its default" if named is not configured.func else ""
             )
-            return (f"{_atom(target)}.numel()", caveat), not caveat
+            return (f"{atom(target)}.numel()", caveat), not caveat
         if keyword(configured, "weight") is not None or (
             configured is not call and keyword(call, "weight")
         ):
@@ -535,7 +532,7 @@ class _CompanionCounts:
         if ignore:
             return (f"({code(target)} != {ignore.group(1)}).sum()", ""), True
         return (
-            f"{_atom(target)}.numel()",
+            f"{atom(target)}.numel()",
             "assumes every target counts: no ignore_index is visible",
         ), False
 
@@ -548,6 +545,8 @@ class _LossRewrite:
 
     def _rewrite(self, site: Site, count: str) -> None:
         """Make the micro-batch's loss its token sum, then prepare the window's one division."""
+        if site.window.anchor in self._ahead_windows:
+            raise Unfixable("the window is read ahead for another loss of it")
         kept = self._kept_for_reads(site)
         scaled = self._scaled(site)
         first = self._prepared.get(site.window.anchor)
@@ -674,10 +673,10 @@ class _LossRewrite:
             if _assigns_to_itself(statement, node):
                 self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
                 return node
-            atom = isinstance(left, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
+            bare = isinstance(left, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
             return (
                 left.with_changes(lpar=node.lpar, rpar=node.rpar)
-                if node.lpar and not atom
+                if node.lpar and not bare
                 else left
             )
         new = cst.parse_expression(f"{code(left)} * {factor}")
@@ -1096,7 +1095,14 @@ class _Window:
 
 
 class Planner(
-    _Counting, _CompanionCounts, _LossRewrite, _SumReduction, _Owners, _LoggedReads, _Window
+    _ReadAhead,
+    _Counting,
+    _CompanionCounts,
+    _LossRewrite,
+    _SumReduction,
+    _Owners,
+    _LoggedReads,
+    _Window,
 ):
     """Turns the sites of one file into edits, one accumulation window at a time."""
 
@@ -1121,6 +1127,7 @@ class Planner(
             cst.CSTNode, tuple[Site, str]
         ] = {}  # window -> (first site, optimizer)
         self._weighted: dict[cst.CSTNode, list[Weighted]] = {}  # window -> losses divided by K
+        self._ahead_windows: set[cst.CSTNode] = set()  # windows the loop now reads ahead
 
     def _fresh(self, name: str) -> str:
         return fresh(self.tree, name)
@@ -1140,10 +1147,20 @@ class Planner(
                 count, safe = self.count(site)
                 if not safe and not self.unsafe:
                     raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
-                self._rewrite(site, count[0])
+                blocker = self._window_blocker(site)
+                if blocker:
+                    self._read_ahead(site, count[0], blocker)
+                else:
+                    self._rewrite(site, count[0])
                 outcomes.append(Outcome(site, *self._position(site), True))
             except (Unfixable, cst.ParserSyntaxError) as exc:
-                self.edits, self._prepared, self._weighted, self.companions = saved
+                (
+                    self.edits,
+                    self._prepared,
+                    self._weighted,
+                    self.companions,
+                    self._ahead_windows,
+                ) = saved
                 reason = (
                     str(exc)
                     if isinstance(exc, Unfixable)
@@ -1162,4 +1179,10 @@ class Planner(
         """A copy to restore when a site turns out unfixable half-way through planning."""
         weighted = {k: list(v) for k, v in self._weighted.items()}
         companions = {p: (t, copy_edits(e)) for p, (t, e) in self.companions.items()}
-        return copy_edits(self.edits), dict(self._prepared), weighted, companions
+        return (
+            copy_edits(self.edits),
+            dict(self._prepared),
+            weighted,
+            companions,
+            set(self._ahead_windows),
+        )

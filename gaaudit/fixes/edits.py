@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from gaaudit.analysis.tree import Tree
+from gaaudit.analysis.tree import Tree, code
 
 
 class Unfixable(Exception):
@@ -24,13 +24,13 @@ class Edits:
     after: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
 
     def insert_before(self, anchor: cst.CSTNode, source: str) -> None:
-        self.before.setdefault(anchor, []).extend(_statements(source))
+        self.before.setdefault(anchor, []).extend(parsed_statements(source))
 
     def insert_after(self, anchor: cst.CSTNode, source: str) -> None:
-        self.after.setdefault(anchor, []).extend(_statements(source))
+        self.after.setdefault(anchor, []).extend(parsed_statements(source))
 
 
-def _statements(source: str) -> list[cst.BaseStatement]:
+def parsed_statements(source: str) -> list[cst.BaseStatement]:
     """The statements of `source`, a leading comment kept on the first (libcst gives it to
     the module's header)."""
     module = cst.parse_module(source)
@@ -97,6 +97,16 @@ def _appended(items: list, new):
 
 
 _SPACE_AFTER = {cst.Arg: "whitespace_after_arg", cst.Param: "whitespace_after_param"}
+
+
+def atom(expr: cst.BaseExpression) -> str:
+    """An expression's code, parenthesised unless it already binds tighter than `.attr`."""
+    text = code(expr)
+    return (
+        text
+        if isinstance(expr, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
+        else f"({text})"
+    )
 
 
 def statement_line(tree: Tree, node: cst.CSTNode) -> cst.CSTNode:

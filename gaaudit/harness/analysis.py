@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from gaaudit.analysis.domain import TASKS, TOKEN_TASKS
+from gaaudit.fixes.read_ahead import reads_ahead_call
 from gaaudit.harness.surroundings import (
     Chain,
     Derived,
@@ -487,12 +488,18 @@ class _Usage:
             sources
             and isinstance(sources[0], ast.Call)
             and sources[0].args
-            and (chain_of(sources[0].func) or ("",))[-1] in ITER_WRAPPERS
+            and (
+                (chain_of(sources[0].func) or ("",))[-1] in ITER_WRAPPERS
+                or reads_ahead_call((chain_of(sources[0].func) or ("",))[-1])
+            )
         ):
             call = sources.pop(0)
             wrapper = chain_of(call.func)[-1]
-            if wrapper == "enumerate" and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+            pair = isinstance(target, ast.Tuple) and len(target.elts) == 2
+            if wrapper == "enumerate" and pair:
                 target = target.elts[1]
+            elif reads_ahead_call(wrapper) and pair:  # `for (batch), share in read_ahead(loader)`
+                target = target.elts[0]
             sources[:0] = call.args if wrapper == "zip" else call.args[:1]
         for source in sources:
             chain = chain_of(source)
@@ -677,6 +684,24 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
     return None
 
 
+def _local_defs(tree: ast.Module, target: ast.stmt) -> dict[str, ast.FunctionDef]:
+    """Functions defined before `target` in the blocks around it, inside functions (the
+    read-ahead generator `gaaudit fix` writes above a loop)."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found: dict[str, ast.FunctionDef] = {}
+    node = target
+    while node in parents and parents[node] is not tree:
+        parent = parents[node]
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(parent, name, None)
+            if isinstance(block, list) and node in block:
+                for statement in block[: block.index(node)]:
+                    if isinstance(statement, ast.FunctionDef):
+                        found.setdefault(statement.name, statement)
+        node = parent
+    return found
+
+
 def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = None) -> Plan:
     """Plan the replay of the loop or function at `line` of `source`."""
     try:
@@ -685,6 +710,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         raise NotReplayable(f"cannot parse the source: {exc.msg} (line {exc.lineno})") from None
     target = find_target(tree, line)
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defs.update(_local_defs(tree, target))
     defs.pop(getattr(target, "name", None), None)
     is_def = isinstance(target, ast.FunctionDef)
     scan = FreeNames()

@@ -151,8 +151,10 @@ class RecordingOptimizer(torch.optim.SGD):
         super().__init__(params, lr=lr)
         self.param_groups = [_Group(group) for group in self.param_groups]
         self.grads: list[torch.Tensor] | None = None
-        # the gradients at the first clip, where it was, and the micro-batches drawn by then
+        # the gradients at the first and at the latest clip, where it was, and the
+        # micro-batches drawn by then
         self.clipped: tuple[list[torch.Tensor], str, int] | None = None
+        self.last_clipped: tuple[list[torch.Tensor], str, int] | None = None
         self.drawn: Callable[[], int] = lambda: 0  # micro-batches drawn so far (the replay's)
 
     def record(self, where: str = "optimizer.step") -> None:
@@ -161,11 +163,13 @@ class RecordingOptimizer(torch.optim.SGD):
         raise StepReached(where)
 
     def clip(self, where: str) -> None:
-        """A clipping call, which clips nothing here: the gradients before the first one are
-        kept and the replay goes on to the step. A clip at the step leaves them as they were
-        there; a loop that clips every micro-batch is measured at its step, over its window."""
+        """A clipping call, which clips nothing here: the gradients before the first and the
+        latest one are kept and the replay goes on to the step. A clip at the step leaves
+        them as they were there; a loop that clips every micro-batch is measured at its step,
+        over its window."""
+        self.last_clipped = (self._gradients(), where, self.drawn())
         if self.clipped is None:
-            self.clipped = (self._gradients(), where, self.drawn())
+            self.clipped = self.last_clipped
 
     def _gradients(self) -> list[torch.Tensor]:
         return snapshot(p for group in self.param_groups for p in group["params"])

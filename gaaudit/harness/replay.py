@@ -426,10 +426,12 @@ def _execute(
             grads, where = snapshot(model.parameters()), "end of statement"
             if objects.scaler is not None and objects.scaler.is_enabled():
                 grads = [g / objects.scaler.get_scale() for g in grads]
-    clipped = optimizer.clipped
-    if clipped is not None and (where in ("", "end of statement") or clipped[2] == drawn):
-        # the first clip belongs to the step (no micro-batch drawn since), or the replay
-        # went no further than the clip: the gradients there
+    stopped = where in ("", "end of statement")  # no further than the first clip, if any
+    clipped = optimizer.clipped if stopped else optimizer.last_clipped
+    if clipped is not None and (stopped or clipped[2] == drawn):
+        # the latest clip belongs to the step (no micro-batch drawn since; a loop that reads
+        # its window ahead drew it all before the first), or the replay went no further than
+        # the first clip: the gradients there
         (grads, where, drawn), reason = clipped, ""
     if grads is not None and not any(g.any() for g in grads):
         grads, reason = (

@@ -1,0 +1,405 @@
+"""Read each window's micro-batches ahead of its backward (GA-GUIDE section 5).
+
+Where one division at the step cannot fix a window (a term added beside the mean, gradients
+clipped after every micro-batch), the loop counts a window's valid targets before it runs it,
+and each micro-batch backpropagates its mean times its share of that count: the window's
+gradient is the token mean at every backward, in the original's magnitude.
+"""
+
+from __future__ import annotations
+
+import re
+
+import libcst as cst
+
+from gaaudit.analysis.tree import ATOMS, code, substituted, variables
+from gaaudit.checks.accumulation import Site
+from gaaudit.fixes.edits import Unfixable, atom, parsed_statements, statement_line
+
+AHEAD_NOTE = "# read ahead: each micro-batch's share of its window's valid targets, before backward"
+SAME_ELEMENTS = {  # a rebinding that keeps each element where it was, so the count
+    "to", "cuda", "cpu", "long", "int", "float", "double", "half", "bfloat16", "detach", "clone",
+    "contiguous",
+}  # fmt: skip
+READER, SHARE = "read_ahead", "window_share"  # the names it adds, suffixed where taken
+LOCALS = (
+    "items",
+    "pending",
+    "item",
+    "count",
+    "total",
+    "world",
+)  # the read-ahead functions' own names
+
+
+class _ReadAhead:
+    """Part of `Planner`: the loop reads each window ahead and weights each micro-batch's mean
+    by its share of the window's count; the user's names keep what they held."""
+
+    def _read_ahead(self, site: Site, count: str, blocker: str) -> None:
+        """Rewrite `site`'s loop to read its windows ahead, or raise `blocker` and why not."""
+        try:
+            self._plan_read_ahead(site, count)
+        except Unfixable as exc:
+            raise Unfixable(f"{blocker}; reading the window ahead: {exc}") from None
+
+    def _plan_read_ahead(self, site: Site, count: str) -> None:
+        window, loop = site.window, site.window.loop
+        if not (
+            window.kind == "modulo"
+            and isinstance(loop, cst.For)
+            and loop.asynchronous is None
+            and isinstance(window.anchor, cst.If)
+            and not window.skips
+        ):
+            raise Unfixable("the step is not guarded by a test of the loop's own counter")
+        if window.anchor in self._prepared or window.anchor in self._ahead_windows:
+            raise Unfixable("the window backpropagates more than one loss")
+        if count == self.micro:
+            raise Unfixable("the count comes out of the loss's own function, inside the loop")
+        if self._framework_factor(site) or self._backward_owner(site, "fabric"):
+            raise Unfixable("the backward divides by the accumulation steps itself")
+        if not _plain_target(loop.target):
+            raise Unfixable(f"the loop's target `{code(loop.target)}` is not plain names")
+        if not self._every_item_reaches(window.anchor, loop):
+            raise Unfixable("not every micro-batch reaches the step's guard")
+        targets = {n.value for n in _names(loop.target)}
+        guard = self._ahead_of(window.anchor.test, loop, targets, counted=False)
+        counted = self._ahead_of(cst.parse_expression(count), loop, targets, counted=True)
+        divisor = site.division.divisor if site.division is not None else None
+        if site.kind == "gradient-division" or (
+            divisor is not None and self._bound_in(loop, variables(divisor))
+        ):
+            raise Unfixable("the divisor changes inside the loop")
+        share = self._fresh(SHARE)
+        term = self._weighted_term(site, share, loop)
+        if self._skips_before(site.backward.call, loop) and not self.unsafe:
+            raise Unfixable(
+                "unsafe fix (a micro-batch the loop skips with `continue` before its "
+                "backward still counts in its window); apply with --unsafe-fixes"
+            )
+        self.edits.replace[site.backward.loss] = term
+        reader = self._write_reader(site, guard, counted, targets)
+        packed = (
+            f"({code(loop.target)})" if isinstance(loop.target, cst.Tuple) else code(loop.target)
+        )
+        self.edits.replace[loop.target] = cst.parse_expression(f"{packed}, {share}")
+        self.edits.replace[loop.iter] = cst.parse_expression(f"{reader}({code(loop.iter)})")
+        self._ahead_windows.add(window.anchor)
+
+    def _write_reader(
+        self,
+        site: Site,
+        guard: cst.BaseExpression,
+        counted: cst.BaseExpression,
+        targets: set[str],
+    ) -> str:
+        """Write the generator that reads the loop's windows ahead just above the loop, with a
+        blank line on either side; its name."""
+        loop = site.window.loop
+        reader, shares = self._fresh(READER), self._fresh(f"{SHARE}s")
+        taken = variables(counted) | variables(guard) | targets
+        items, pending, item, each, total, world = (_free(name, taken) for name in LOCALS)
+        target = code(loop.target)
+        packed = f"({target})" if isinstance(loop.target, cst.Tuple) else target
+        gather, factor = self._gathered(site, total, world)
+        functions = parsed_statements(
+            f"{AHEAD_NOTE}\n"
+            f"def {reader}({items}):\n"
+            f"    {pending} = []\n"
+            f"    for {target} in {items}:\n"
+            f"        {pending}.append(({packed}, {code(counted)}))\n"
+            f"        if {code(guard)}:\n"
+            f"            yield from {shares}({pending})\n"
+            f"            {pending} = []\n"
+            f"    yield from {shares}({pending})\n"
+            f"def {shares}({pending}):\n"
+            f"    {total} = sum({each} for _, {each} in {pending})\n"
+            + gather
+            + f"    {total} = max(float({total}), 1.0)\n"
+            f"    return [({item}, {each}{factor} / {total}) for {item}, {each} in {pending}]\n"
+        )
+        blank = cst.EmptyLine(indent=False)
+        last = functions[1]
+        functions[1] = last.with_changes(
+            leading_lines=[blank], body=last.body.with_changes(footer=[blank])
+        )
+        line = statement_line(self.tree, loop)
+        opens = getattr(self.tree.parents.get(line), "body", (line,))[0] is line
+        if not opens and not (line.leading_lines and line.leading_lines[0].comment is None):
+            first = functions[0]
+            functions[0] = first.with_changes(leading_lines=[blank, *first.leading_lines])
+        self.edits.before.setdefault(line, []).extend(functions)
+        return reader
+
+    def _weighted_term(self, site: Site, share: str, loop: cst.For) -> cst.BaseExpression:
+        """What the backward takes instead of the user's loss: the mean weighted by its share
+        where it was divided by K, any other term of the sum divided as the user divided it."""
+        loss = site.backward.loss
+        divisor = site.division.divisor if site.division is not None else None
+        if not site.origin.added:
+            text = code(loss) if isinstance(loss, ATOMS) else f"({code(loss)})"
+            undone = f" * {atom(divisor)}" if divisor is not None else ""
+            term = cst.parse_expression(f"{text} * {share}{undone}")
+        else:
+            summed, mean = self._mean_term(site, loop)
+            if self._bound_in(loop, variables(summed), after=summed, before=site.backward.call):
+                raise Unfixable("the loss's terms are rebound before the backward")
+            rest = _without(summed, mean, self.tree)
+            divided = f"{_factor(rest)} / {atom(divisor)}" if divisor is not None else code(rest)
+            term = cst.parse_expression(f"{_factor(mean)} * {share} + {divided}")
+        if isinstance(self.tree.parents.get(loss), cst.Attribute):  # `(...).backward()`
+            term = term.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        return term
+
+    def _mean_term(
+        self, site: Site, loop: cst.For
+    ) -> tuple[cst.BaseExpression, cst.BaseExpression]:
+        """The sum that was divided by K, and its term that holds the mean: the mean itself
+        (`res.loss` of `loss = res.loss + res.aux_loss; loss = loss / k`) or times a weight
+        the loop leaves alone (`lm_loss * args.lm_coef`)."""
+        division = site.division.node if site.division is not None else None
+        if isinstance(division, cst.BinaryOperation):
+            summed = division.left
+        elif isinstance(division, cst.AugAssign):
+            summed = division.target
+        else:
+            summed = site.backward.loss
+        summed, source = self._value_of(summed), site.origin.source
+
+        def mean(expr: cst.BaseExpression) -> bool:
+            return expr is source or self._value_of(expr) is source
+
+        for term in _added_terms(summed):
+            if mean(term):
+                return summed, term
+            if isinstance(term, cst.BinaryOperation) and isinstance(term.operator, cst.Multiply):
+                for factor, weight in ((term.left, term.right), (term.right, term.left)):
+                    if mean(factor) and not self._bound_in(loop, variables(weight)):
+                        return summed, term
+        raise Unfixable("the mean enters the loss in a way other than a weighted term")
+
+    def _value_of(self, expr: cst.BaseExpression) -> cst.BaseExpression:
+        """What a name was bound to (`a + b` for `loss` of `loss = a + b`, `x` for `lm` of
+        `lm, mc = x, y`), else `expr`."""
+        if not isinstance(expr, cst.Name):
+            return expr
+        bound = self.auditor.tracer.binding(expr.value, expr)
+        if not (isinstance(bound, cst.Assign) and len(bound.targets) == 1):
+            return expr
+        target, value = bound.targets[0].target, bound.value
+        if isinstance(target, cst.Name):
+            return value
+        if isinstance(target, cst.Tuple) and isinstance(value, cst.Tuple):
+            names, values = target.elements, value.elements
+            for name, element in zip(names, values, strict=False):
+                if len(names) == len(values) and code(name.value) == expr.value:
+                    return element.value
+        return expr
+
+    def _ahead_of(
+        self, expr: cst.BaseExpression, loop: cst.For, targets: set[str], counted: bool
+    ) -> cst.BaseExpression:
+        """`expr` written in the loop's target and the names the loop leaves alone; a local
+        the loop binds once from them is inlined (its moves to a device dropped, for a
+        count)."""
+
+        def replace(name: cst.Name) -> cst.BaseExpression | None:
+            bound = self._bindings_in(loop, name.value)
+            if not bound:
+                return None
+            if name.value in targets:
+                if counted and all(_moves(b, name.value) for b in bound):
+                    return None
+                raise Unfixable(f"the loop rebinds `{name.value}`, which the {what} reads")
+            if len(bound) != 1 or not counted or not _single(bound[0], name.value):
+                raise Unfixable(f"the {what} reads `{name.value}`, which the loop computes")
+            return self._ahead_of(_unmoved(bound[0].value), loop, targets, counted)
+
+        what = "count" if counted else "step's guard"
+        return substituted(expr, replace)
+
+    def _bindings_in(self, loop: cst.For, name: str) -> list[cst.CSTNode]:
+        scope = self.tree.scope_of(loop)
+        return [
+            b for b in self.tree.bindings(scope).get(name, ()) if self.tree.contains(loop.body, b)
+        ]
+
+    def _bound_in(
+        self,
+        loop: cst.For,
+        names: set[str],
+        after: cst.CSTNode | None = None,
+        before: cst.CSTNode | None = None,
+    ) -> bool:
+        """Whether the loop binds one of `names` (between `after` and `before`, if given)."""
+        for name in names:
+            for binding in self._bindings_in(loop, name):
+                where = self.tree.order[binding]
+                if after is not None and not (
+                    self.tree.order[after] < where < self.tree.order[before]
+                ):
+                    continue
+                return True
+        return False
+
+    def _every_item_reaches(self, guard: cst.If, loop: cst.For) -> bool:
+        """Whether the guard sits in the loop's body but for `try` and `with` blocks."""
+        for node in self.tree.ancestors(guard):
+            if node is loop:
+                return True
+            if not isinstance(node, (cst.IndentedBlock, cst.Try, cst.With)):
+                return False
+        return False
+
+    def _skips_before(self, backward: cst.Call, loop: cst.For) -> bool:
+        """A `continue` of this loop before the backward."""
+        for node in self.tree.walk(loop.body, into_defs=False):
+            if isinstance(node, cst.Continue) and self.tree.order[node] < self.tree.order[backward]:
+                inner = next(
+                    a for a in self.tree.ancestors(node) if isinstance(a, (cst.For, cst.While))
+                )
+                if inner is loop:
+                    return True
+        return False
+
+    def _gathered(self, site: Site, total: str, world: str) -> tuple[str, str]:
+        """Lines that sum a window's count over the processes, and the factor of the share
+        (their number), where the gradients are averaged over processes."""
+        receiver = self._accelerator(site)
+        if receiver:
+            gather = (
+                f"    {total} = {receiver}.reduce(\n"
+                f'        torch.as_tensor({total}, device={receiver}.device), reduction="sum"\n'
+                "    )\n"
+            )
+            return gather, f" * {receiver}.num_processes"
+        dist = self._distributed()
+        if dist is None:
+            return "", ""
+        optimizer = self._optimizer(site.window)
+        device = f'{optimizer}.param_groups[0]["params"][0].device'
+        gather = (
+            f"    {world} = {dist}.get_world_size() if {dist}.is_initialized() else 1\n"
+            f"    if {world} > 1:\n"
+            f"        {total} = torch.as_tensor({total}, device={device})\n"
+            f"        {dist}.all_reduce({total})\n"
+        )
+        return gather, f" * {world}"
+
+
+def _added_terms(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """The terms a sum adds with weight 1: `a` and `b` of `a + b - c`."""
+    if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add):
+        return [*_added_terms(expr.left), *_added_terms(expr.right)]
+    if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Subtract):
+        return _added_terms(expr.left)
+    return [expr]
+
+
+def _without(summed: cst.BaseExpression, term: cst.BaseExpression, tree) -> cst.BaseExpression:
+    """`summed` with one of its added terms left out: `b` of `a + b` for `a`, `-c` of
+    `a - c`."""
+    if not isinstance(summed, cst.BinaryOperation):
+        return summed
+    subtract = isinstance(summed.operator, cst.Subtract)
+    if summed.left is term:
+        return cst.UnaryOperation(cst.Minus(), summed.right) if subtract else summed.right
+    if summed.right is term:
+        return summed.left
+    side = "left" if tree.contains(summed.left, term) else "right"
+    return summed.with_changes(**{side: _without(getattr(summed, side), term, tree)})
+
+
+def _factor(term: cst.BaseExpression) -> str:
+    """A term's code as the left factor of a product."""
+    if isinstance(term, cst.BinaryOperation) and isinstance(term.operator, cst.Multiply):
+        return code(term)
+    return atom(term)
+
+
+def _plain_target(target: cst.BaseExpression) -> bool:
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return all(_plain_target(e.value) for e in target.elements)
+    if isinstance(target, cst.StarredElement):
+        return _plain_target(target.value)
+    return isinstance(target, cst.Name)
+
+
+def _names(target: cst.BaseExpression) -> list[cst.Name]:
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [n for e in target.elements for n in _names(e.value)]
+    if isinstance(target, cst.StarredElement):
+        return _names(target.value)
+    return [target] if isinstance(target, cst.Name) else []
+
+
+def _single(binding: cst.CSTNode, name: str) -> bool:
+    """`name = value`, one plain target."""
+    return (
+        isinstance(binding, cst.Assign)
+        and len(binding.targets) == 1
+        and isinstance(binding.targets[0].target, cst.Name)
+        and binding.targets[0].target.value == name
+    )
+
+
+def _moves(binding: cst.CSTNode, name: str) -> bool:
+    """`name = name.to(device)`, or `name = {k: v.cuda() for k, v in name.items()}`: the
+    same elements, moved or cast."""
+    if not _single(binding, name):
+        return False
+    value = binding.value
+    if isinstance(value, cst.DictComp):
+        loop = value.for_in
+        pair = loop.target
+        return (
+            loop.inner_for_in is None
+            and not loop.ifs
+            and isinstance(pair, cst.Tuple)
+            and len(pair.elements) == 2
+            and code(value.key) == code(pair.elements[0].value)
+            and code(_unmoved(value.value)) == code(pair.elements[1].value)
+            and value.value is not _unmoved(value.value)
+            and code(loop.iter) == f"{name}.items()"
+        )
+    value = _unmoved(value)
+    return isinstance(value, cst.Name) and value.value == name and value is not binding.value
+
+
+def _unmoved(value: cst.BaseExpression) -> cst.BaseExpression:
+    """`value` without its outer moves and casts: `batch["labels"]` for
+    `batch["labels"].to(device)`."""
+    while (
+        isinstance(value, cst.Call)
+        and isinstance(value.func, cst.Attribute)
+        and value.func.attr.value in SAME_ELEMENTS
+    ):
+        value = value.func.value
+    return value
+
+
+def _free(name: str, taken: set[str]) -> str:
+    """`name`, or with underscores appended: not one of the names `taken`."""
+    while name in taken:
+        name += "_"
+    return name
+
+
+def reads_ahead(text: str, header: str) -> bool:
+    """Whether the line `text` opens the loop whose first line is `header` (`for T in I:`)
+    rewritten to read its windows ahead (`for (T), window_share in read_ahead(I):`)."""
+    match = re.fullmatch(r"for (.+?) in (.+?)(:?)", header)
+    if match is None:
+        return False
+    target, items, colon = match.groups()
+    pattern = (
+        rf"for \(?{re.escape(target)}\)?, {SHARE}(_\d+)? in {READER}(_\d+)?\({re.escape(items)}"
+        + (r"\):" if colon else "")
+    )
+    return re.fullmatch(pattern, text) is not None
+
+
+def reads_ahead_call(name: str) -> bool:
+    """Whether `name` is the read-ahead generator the fix writes (`read_ahead`, `read_ahead_2`)."""
+    return re.fullmatch(rf"{READER}(_\d+)?", name) is not None
