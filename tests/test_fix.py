@@ -469,3 +469,17 @@ def test_a_micro_batch_skipped_before_its_backward_makes_the_read_ahead_unsafe()
     (outcome,) = fix_source(skipping.encode(), Path("x.py"), ALL, False).outcomes
     assert not outcome.applied and "--unsafe-fixes" in outcome.reason, outcome.reason
     assert "window_share" in fixed(skipping.encode(), unsafe=True).decode()
+
+
+def test_a_step_test_bound_once_in_the_loop_is_read_ahead_as_its_value():
+    """`boundary = (step + 1) % k == 0; ...; if boundary:` (DDP's `no_sync` shape): the
+    generator tests the value the loop binds, which reads only the loop's target."""
+    source = (FIXTURES / "ga001_ddp_no_sync_sft.py").read_text()
+    clipping = source.replace(
+        "            loss.backward()\n",
+        "            loss.backward()\n            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n",
+    )
+    after = fixed(clipping.encode(), unsafe=False).decode()
+    assert "            if (step + 1) % accumulation_steps == 0:\n" in after
+    assert "(loss * window_share * accumulation_steps).backward()" in after
+    assert "if boundary:" in after and "model.no_sync()" in after  # the loop's own lines stay

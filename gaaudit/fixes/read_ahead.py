@@ -64,8 +64,12 @@ class _ReadAhead:
         if not self._every_item_reaches(window.anchor, loop):
             raise Unfixable("not every micro-batch reaches the step's guard")
         targets = {n.value for n in _names(loop.target)}
-        guard = self._ahead_of(window.anchor.test, loop, targets, counted=False)
-        counted = self._ahead_of(cst.parse_expression(count), loop, targets, counted=True)
+        guard = self._ahead_of(window.anchor.test, loop, targets, False, window.anchor)
+        if isinstance(window.anchor.test, cst.Name):  # `if boundary:`, its value inlined
+            guard = guard.with_changes(lpar=[], rpar=[])
+        counted = self._ahead_of(
+            cst.parse_expression(count), loop, targets, True, site.backward.call
+        )
         divisor = site.division.divisor if site.division is not None else None
         if site.kind == "gradient-division" or (
             divisor is not None and self._bound_in(loop, variables(divisor))
@@ -198,11 +202,16 @@ class _ReadAhead:
         return expr
 
     def _ahead_of(
-        self, expr: cst.BaseExpression, loop: cst.For, targets: set[str], counted: bool
+        self,
+        expr: cst.BaseExpression,
+        loop: cst.For,
+        targets: set[str],
+        counted: bool,
+        before: cst.CSTNode,
     ) -> cst.BaseExpression:
         """`expr` written in the loop's target and the names the loop leaves alone; a local
-        the loop binds once from them is inlined (its moves to a device dropped, for a
-        count)."""
+        every micro-batch binds once from them before `before` is inlined (its moves to a
+        device dropped, for a count)."""
 
         def replace(name: cst.Name) -> cst.BaseExpression | None:
             bound = self._bindings_in(loop, name.value)
@@ -212,9 +221,16 @@ class _ReadAhead:
                 if counted and all(_moves(b, name.value) for b in bound):
                     return None
                 raise Unfixable(f"the loop rebinds `{name.value}`, which the {what} reads")
-            if len(bound) != 1 or not counted or not _single(bound[0], name.value):
+            (binding, *more) = bound
+            if (
+                more
+                or not _single(binding, name.value)
+                or not self._every_item_reaches(binding, loop)
+                or self.tree.order[binding] > self.tree.order[before]
+            ):
                 raise Unfixable(f"the {what} reads `{name.value}`, which the loop computes")
-            return self._ahead_of(_unmoved(bound[0].value), loop, targets, counted)
+            value = _unmoved(binding.value) if counted else binding.value
+            return self._ahead_of(value, loop, targets, counted, before)
 
         what = "count" if counted else "step's guard"
         return substituted(expr, replace)
@@ -243,12 +259,14 @@ class _ReadAhead:
                 return True
         return False
 
-    def _every_item_reaches(self, guard: cst.If, loop: cst.For) -> bool:
-        """Whether the guard sits in the loop's body but for `try` and `with` blocks."""
-        for node in self.tree.ancestors(guard):
+    def _every_item_reaches(self, statement: cst.CSTNode, loop: cst.For) -> bool:
+        """Whether a statement sits in the loop's body but for `try` and `with` blocks."""
+        for node in self.tree.ancestors(statement):
             if node is loop:
                 return True
-            if not isinstance(node, (cst.IndentedBlock, cst.Try, cst.With)):
+            if not isinstance(
+                node, (cst.IndentedBlock, cst.Try, cst.With, cst.SimpleStatementLine)
+            ):
                 return False
         return False
 
