@@ -809,6 +809,35 @@ class _Owners:
             return name if kind in name.lower() else None
         return None
 
+    def _gathering(self, site: Site, optimizer: str, names: list[str]) -> tuple[str, str]:
+        """Lines that sum each of `names` over the processes that average the gradients
+        (Fabric, accelerate, torch.distributed: guarded, since the same loop may run in a
+        single process), and the expression of their number ("" when none does)."""
+        receiver = self._accelerator(site)
+        fabric = self._backward_owner(site, "fabric")
+        dist = self._distributed()
+        if fabric:  # Fabric averages gradients over its processes, like DDP
+            gather = "".join(
+                f'{name} = {fabric}.all_reduce({name}, reduce_op="sum")\n' for name in names
+            )
+            return gather, f"{fabric}.world_size"
+        if receiver:
+            gather = "".join(  # a count of elements may be a Python number: reduce takes tensors
+                f"{name} = {receiver}.reduce(\n"
+                f'    torch.as_tensor({name}, device={receiver}.device), reduction="sum"\n)\n'
+                for name in names
+            )
+            return gather, f"{receiver}.num_processes"
+        if dist:
+            device = f'{optimizer}.param_groups[0]["params"][0].device'
+            gather = f"if {dist}.is_initialized():\n" + "".join(
+                f"    {name} = torch.as_tensor({name}, device={device})\n"
+                f"    {dist}.all_reduce({name})\n"
+                for name in names
+            )
+            return gather, f"({dist}.get_world_size() if {dist}.is_initialized() else 1)"
+        return "", ""
+
     def _distributed(self) -> str | None:
         """The local name of torch.distributed when the file trains with it, else None."""
         if "DistributedDataParallel" not in self.text and "torch.distributed" not in self.text:
@@ -1058,31 +1087,8 @@ class _Window:
         the device once per parameter."""
         total = self.window_total
         count = f"{total} / {self.reference}" if self._scaled(site) else total
-        scale = count
-        gather = ""
-        receiver = self._accelerator(site)
-        fabric = self._backward_owner(site, "fabric")
-        dist = self._distributed()
-        if fabric:  # Fabric averages gradients over its processes, like DDP
-            gather = "".join(
-                f'{name} = {fabric}.all_reduce({name}, reduce_op="sum")\n' for name in tracked
-            )
-            scale = f"{count} / {fabric}.world_size"
-        elif receiver:
-            gather = "".join(  # a count of elements may be a Python number: reduce takes tensors
-                f"{name} = {receiver}.reduce(\n"
-                f'    torch.as_tensor({name}, device={receiver}.device), reduction="sum"\n)\n'
-                for name in tracked
-            )
-            scale = f"{count} / {receiver}.num_processes"
-        elif dist:  # guarded: the same loop may run in a single process
-            device = f'{optimizer}.param_groups[0]["params"][0].device'
-            gather = f"if {dist}.is_initialized():\n" + "".join(
-                f"    {name} = torch.as_tensor({name}, device={device})\n"
-                f"    {dist}.all_reduce({name})\n"
-                for name in tracked
-            )
-            scale = f"{count} / ({dist}.get_world_size() if {dist}.is_initialized() else 1)"
+        gather, world = self._gathering(site, optimizer, tracked)
+        scale = f"{count} / {world}" if world else count
         return (
             f"{DIVIDE_NOTE}\n"
             + gather

@@ -22,14 +22,7 @@ SAME_ELEMENTS = {  # a rebinding that keeps each element where it was, so the co
     "contiguous",
 }  # fmt: skip
 READER, SHARE = "read_ahead", "window_share"  # the names it adds, suffixed where taken
-LOCALS = (
-    "items",
-    "pending",
-    "item",
-    "count",
-    "total",
-    "world",
-)  # the read-ahead functions' own names
+LOCALS = ("items", "pending", "item", "count", "total")  # the read-ahead functions' own names
 
 
 class _ReadAhead:
@@ -84,10 +77,7 @@ class _ReadAhead:
             )
         self.edits.replace[site.backward.loss] = term
         reader = self._write_reader(site, guard, counted, targets)
-        packed = (
-            f"({code(loop.target)})" if isinstance(loop.target, cst.Tuple) else code(loop.target)
-        )
-        self.edits.replace[loop.target] = cst.parse_expression(f"{packed}, {share}")
+        self.edits.replace[loop.target] = cst.parse_expression(f"{_packed(loop.target)}, {share}")
         self.edits.replace[loop.iter] = cst.parse_expression(f"{reader}({code(loop.iter)})")
         self._ahead_windows.add(window.anchor)
 
@@ -103,10 +93,11 @@ class _ReadAhead:
         loop = site.window.loop
         reader, shares = self._fresh(READER), self._fresh(f"{SHARE}s")
         taken = variables(counted) | variables(guard) | targets
-        items, pending, item, each, total, world = (_free(name, taken) for name in LOCALS)
-        target = code(loop.target)
-        packed = f"({target})" if isinstance(loop.target, cst.Tuple) else target
-        gather, factor = self._gathered(site, total, world)
+        items, pending, item, each, total = (_free(name, taken) for name in LOCALS)
+        target, packed = code(loop.target), _packed(loop.target)
+        gather, world = self._gathering(site, self._optimizer(site.window), [total])
+        gather = "".join(f"    {line}\n" for line in gather.splitlines())
+        per_process = f" / {world}" if world else ""  # the processes' gradients are averaged
         functions = parsed_statements(
             f"{AHEAD_NOTE}\n"
             f"def {reader}({items}):\n"
@@ -120,8 +111,8 @@ class _ReadAhead:
             f"def {shares}({pending}):\n"
             f"    {total} = sum({each} for _, {each} in {pending})\n"
             + gather
-            + f"    {total} = max(float({total}), 1.0)\n"
-            f"    return [({item}, {each}{factor} / {total}) for {item}, {each} in {pending}]\n"
+            + f"    {total} = max(float({total}), 1.0){per_process}\n"
+            f"    return [({item}, {each} / {total}) for {item}, {each} in {pending}]\n"
         )
         blank = cst.EmptyLine(indent=False)
         last = functions[1]
@@ -281,30 +272,6 @@ class _ReadAhead:
                     return True
         return False
 
-    def _gathered(self, site: Site, total: str, world: str) -> tuple[str, str]:
-        """Lines that sum a window's count over the processes, and the factor of the share
-        (their number), where the gradients are averaged over processes."""
-        receiver = self._accelerator(site)
-        if receiver:
-            gather = (
-                f"    {total} = {receiver}.reduce(\n"
-                f'        torch.as_tensor({total}, device={receiver}.device), reduction="sum"\n'
-                "    )\n"
-            )
-            return gather, f" * {receiver}.num_processes"
-        dist = self._distributed()
-        if dist is None:
-            return "", ""
-        optimizer = self._optimizer(site.window)
-        device = f'{optimizer}.param_groups[0]["params"][0].device'
-        gather = (
-            f"    {world} = {dist}.get_world_size() if {dist}.is_initialized() else 1\n"
-            f"    if {world} > 1:\n"
-            f"        {total} = torch.as_tensor({total}, device={device})\n"
-            f"        {dist}.all_reduce({total})\n"
-        )
-        return gather, f" * {world}"
-
 
 def _added_terms(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
     """The terms a sum adds with weight 1: `a` and `b` of `a + b - c`."""
@@ -334,6 +301,11 @@ def _factor(term: cst.BaseExpression) -> str:
     if isinstance(term, cst.BinaryOperation) and isinstance(term.operator, cst.Multiply):
         return code(term)
     return atom(term)
+
+
+def _packed(target: cst.BaseExpression) -> str:
+    """The loop's target as one value: `(step, batch)` for `step, batch`."""
+    return f"({code(target)})" if isinstance(target, cst.Tuple) else code(target)
 
 
 def _plain_target(target: cst.BaseExpression) -> bool:
