@@ -272,7 +272,7 @@ class Tree:
                         if isinstance(node, cst.Assign)
                         else [node.target]
                     )
-                    for name in set().union(*(_target_names(t) for t in targets)):
+                    for name in set().union(*(target_names(t) for t in targets)):
                         table.setdefault(name, []).append(node)
             self._bindings[scope] = table
         return self._bindings[scope]
@@ -395,12 +395,12 @@ class Tree:
         return bound
 
 
-def _target_names(target: cst.CSTNode) -> set[str]:
+def target_names(target: cst.CSTNode) -> set[str]:
     """Plain names a target binds: `a`, `a, (b, c)`, `*rest`."""
     if isinstance(target, (cst.Tuple, cst.List)):
-        return set().union(*(_target_names(e.value) for e in target.elements))
+        return set().union(*(target_names(e.value) for e in target.elements))
     if isinstance(target, cst.StarredElement):
-        return _target_names(target.value)
+        return target_names(target.value)
     return {target.value} if isinstance(target, cst.Name) else set()
 
 

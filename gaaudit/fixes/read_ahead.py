@@ -12,7 +12,7 @@ import re
 
 import libcst as cst
 
-from gaaudit.analysis.tree import ATOMS, code, substituted, variables
+from gaaudit.analysis.tree import ATOMS, code, substituted, target_names, variables
 from gaaudit.checks.accumulation import Site
 from gaaudit.fixes.edits import Unfixable, atom, parsed_statements, statement_line
 
@@ -56,7 +56,7 @@ class _ReadAhead:
             raise Unfixable(f"the loop's target `{code(loop.target)}` is not plain names")
         if not self._every_item_reaches(window.anchor, loop):
             raise Unfixable("not every micro-batch reaches the step's guard")
-        targets = {n.value for n in _names(loop.target)}
+        targets = target_names(loop.target)
         guard = self._ahead_of(window.anchor.test, loop, targets, False, window.anchor)
         if isinstance(window.anchor.test, cst.Name):  # `if boundary:`, its value inlined
             guard = guard.with_changes(lpar=[], rpar=[])
@@ -314,14 +314,6 @@ def _plain_target(target: cst.BaseExpression) -> bool:
     if isinstance(target, cst.StarredElement):
         return _plain_target(target.value)
     return isinstance(target, cst.Name)
-
-
-def _names(target: cst.BaseExpression) -> list[cst.Name]:
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return [n for e in target.elements for n in _names(e.value)]
-    if isinstance(target, cst.StarredElement):
-        return _names(target.value)
-    return [target] if isinstance(target, cst.Name) else []
 
 
 def _single(binding: cst.CSTNode, name: str) -> bool:
