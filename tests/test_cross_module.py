@@ -1050,3 +1050,79 @@ def test_the_chunked_helpers_fix_matches_the_full_batch(tmp_path):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     full = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert torch.allclose(optimizer.seen, full, atol=1e-6), (optimizer.seen - full).abs().max()
+
+
+GLOBAL_MODEL = FIXTURES / "ga001_xmod_global_model_from_factory"
+
+
+def _global_model_fix(folder: Path):
+    train = folder / "train.py"
+    return fix_source(train.read_bytes(), train, Settings())
+
+
+def test_a_global_model_built_by_a_factory_of_the_repository_says_whether_it_shifts(tmp_path):
+    """`model` is a global the main block binds after the function reads it, unpacked from
+    `init_model(...)` of model.py and wrapped by `torch.compile`: the class it was built from,
+    `TinyMoeForCausalLM`, says the labels are shifted. Named a seq2seq model, they are not;
+    with model.py gone, nothing tells, and the fix is refused."""
+    (outcome,) = _global_model_fix(GLOBAL_MODEL).outcomes
+    assert outcome.applied, outcome.reason
+    after = _global_model_fix(GLOBAL_MODEL).after.decode()
+    assert "(labels[..., 1:] != -100).sum()" in after
+    renamed = write(tmp_path / "seq2seq", {"train.py": (GLOBAL_MODEL / "train.py").read_text()})
+    (renamed / "model.py").write_text(
+        (GLOBAL_MODEL / "model.py").read_text().replace("MoeForCausalLM", "MoeForSeq2SeqLM")
+    )
+    after = _global_model_fix(renamed).after.decode()
+    assert "(labels != -100).sum()" in after and "labels[..., 1:]" not in after
+    alone = write(tmp_path / "alone", {"train.py": (GLOBAL_MODEL / "train.py").read_text()})
+    (outcome,) = _global_model_fix(alone).outcomes
+    assert not outcome.applied
+    assert "cannot tell whether the model shifts its labels" in outcome.reason
+
+
+def test_the_global_models_read_ahead_fix_matches_the_full_batch(tmp_path):
+    """Run the fixed loop on K = 4 micro-batches whose prompts mask 1 to 9 labels per row: at
+    the step the gradient is one full-batch step's, the token mean over the window plus the
+    router's auxiliary mean, which keeps its 1/K."""
+    import argparse
+
+    import torch
+
+    folder = tmp_path / "pkg"
+    shutil.copytree(GLOBAL_MODEL, folder)
+    (folder / "train.py").write_text(_global_model_fix(GLOBAL_MODEL).after.decode())
+    sys.path.insert(0, str(folder))
+    try:
+        import model as models
+        import train
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("train", None), sys.modules.pop("model", None)
+
+    torch.manual_seed(0)
+    net = models.TinyMoeForCausalLM()
+    batches = []
+    for masked in (1, 9, 4, 6):
+        ids = torch.randint(0, 32, (2, 12))
+        labels = ids.clone()
+        labels[:, :masked] = -100
+        batches.append((ids, labels))
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            self.seen = torch.cat([p.grad.flatten() for p in net.parameters()])
+            return super().step(closure)
+
+    train.model, train.optimizer = net, Recording(net.parameters(), lr=0.0)
+    train.args = argparse.Namespace(accumulation_steps=4)
+    train.train_epoch(batches)
+    net.zero_grad()
+    ids = torch.cat([b[0] for b in batches])
+    labels = torch.cat([b[1] for b in batches])
+    out = net(ids, labels=labels)
+    (out.loss + out.aux_loss).backward()
+    full = torch.cat([p.grad.flatten() for p in net.parameters()])
+    assert torch.allclose(train.optimizer.seen, full, atol=1e-6), (
+        (train.optimizer.seen - full).abs().max()
+    )

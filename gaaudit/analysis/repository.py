@@ -344,9 +344,9 @@ class _Callers:
                 return found
         return None
 
-    def built_by(self, factory: Summary, hops: int) -> Built | None:
-        """The class instance a factory function of the repository returns, with the imports
-        of the factory's module."""
+    def built_by(self, factory: Summary, hops: int, index: int | None = None) -> Built | None:
+        """The class instance a factory function of the repository returns (element `index`
+        of a returned tuple), with the imports of the factory's module."""
         path = factory.path
         try:
             data = path.read_bytes()
@@ -359,7 +359,7 @@ class _Callers:
         maker = Imports(tree, path.parent, self.repository, self.hops + 1, path.name)
         tracer = Tracer(tree, maker)
         for returned in tracer.returns(function):
-            built = _constructor(tracer, returned, maker, hops)
+            built = _constructor(tracer, returned, maker, hops, index)
             if built is not None:
                 return built
         return None
@@ -491,6 +491,12 @@ class Imports(_Callers):
         self.dependencies |= maker.dependencies
         return found
 
+    def class_of(self, tracer: Tracer, instance: cst.BaseExpression) -> str:
+        """The name of the repository class `instance` was built from ("" when not found):
+        `MiniMindForCausalLM` for `model` of `model, tok = init_model(cfg); model(x)`."""
+        built = _constructor(tracer, instance, self)
+        return built[1].name if built is not None else ""
+
     def _origin(
         self,
         returned: Returned | None,
@@ -520,20 +526,32 @@ Built = tuple["Imports", Reference, cst.Call]  # whose imports, which class, whi
 
 
 def _constructor(
-    tracer: Tracer, value: cst.BaseExpression, imports: Imports, hops: int = 4
+    tracer: Tracer,
+    value: cst.BaseExpression,
+    imports: Imports,
+    hops: int = 4,
+    index: int | None = None,
 ) -> Built | None:
     """The call that built the instance `value` names, the class it names and the imports
     of the file that makes it: a class of the repository, found through the names it is
-    bound to, the wrappers that take it first (`model = DDP(model, ...)`,
-    `torch.compile(model)`) and the factory functions of the repository that return it
-    (`model = build_model(args)`)."""
+    bound to (a function's global, where the module binds it), the wrappers that take it
+    first (`model = DDP(model, ...)`, `torch.compile(model)`) and the factory functions of
+    the repository that return it (`model = build_model(args)`; element `index` of what
+    `model, tokenizer = init_model(cfg)` unpacks)."""
     if hops < 0:
         return None
     if isinstance(value, cst.Name) and value in tracer.tree.order:
-        bound = tracer.binding(value.value, value)
+        bound = _global_binding(tracer, value)
         if not isinstance(bound, cst.Assign) or len(bound.targets) != 1:
             return None
+        index = _unpacked_at(bound.targets[0].target, value.value)
+        if index == -1:
+            return None
         value = bound.value
+    if isinstance(value, cst.Tuple) and index is not None:  # `return model, tokenizer`
+        if index >= len(value.elements):
+            return None
+        return _constructor(tracer, value.elements[index].value, imports, hops)
     if not isinstance(value, cst.Call):
         return None
     if isinstance(value.func, cst.Attribute) and value.func.attr.value in MOVES:
@@ -549,9 +567,33 @@ def _constructor(
         passed = argument_for(value, found.passes, found.parameters[found.passes])
         return _constructor(tracer, passed, imports, hops - 1) if passed is not None else None
     if found is not None:
-        return imports.built_by(found, hops - 1)
+        return imports.built_by(found, hops - 1, index)
     first = positional(value)[:1]
     return _constructor(tracer, first[0], imports, hops - 1) if first else None
+
+
+def _global_binding(tracer: Tracer, name: cst.Name) -> cst.CSTNode | None:
+    """The statement that binds `name` where it is read: the last before it in its scope, or,
+    for a function's global, the module's last binding of it (under `if __name__ ==
+    "__main__":`, say, after the function)."""
+    bound = tracer.binding(name.value, name)
+    if bound is not None or tracer.tree.scope_of(name) is tracer.tree.module:
+        return bound
+    later = tracer.tree.bindings(tracer.tree.module).get(name.value)
+    return later[-1] if later else None
+
+
+def _unpacked_at(target: cst.BaseExpression, name: str) -> int | None:
+    """Where a flat tuple target unpacks `name` (None for a plain name target; -1 when the
+    target is neither)."""
+    if isinstance(target, cst.Name):
+        return None if target.value == name else -1
+    if isinstance(target, cst.Tuple) and all(
+        isinstance(e.value, cst.Name) for e in target.elements
+    ):
+        names = [e.value.value for e in target.elements]
+        return names.index(name) if name in names else -1
+    return -1
 
 
 def lifted_count(

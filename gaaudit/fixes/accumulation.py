@@ -477,6 +477,9 @@ class _CompanionCounts:
         if labels is None:
             raise Unfixable("the labels passed to the model are not visible at the loss")
         causal = shifts_labels(self.text)
+        tracer = self.auditor.tracer
+        if causal is None and call is not None and tracer.imports is not None:
+            causal = shifts_labels(tracer.imports.class_of(tracer, call.func))  # built elsewhere
         if causal is None:
             raise Unfixable("cannot tell whether the model shifts its labels (causal LM) or not")
         shifted = f"{labels}[..., 1:]" if causal else labels
