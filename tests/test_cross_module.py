@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import subprocess
@@ -981,6 +982,20 @@ def test_a_count_made_in_another_method_is_not_returned_from_forward(tmp_path):
 CHUNKED = FIXTURES / "ga001_xmod_chunked_loss_helper"
 
 
+def _fixed_package(source: Path, folder: Path, fixed: str, *modules: str) -> list:
+    """A copy of the package `source` in `folder` whose train.py is `fixed`: its `modules`
+    and then train.py, imported from there and forgotten again by `sys.modules`."""
+    shutil.copytree(source, folder)
+    (folder / "train.py").write_text(fixed)
+    sys.path.insert(0, str(folder))
+    try:
+        return [importlib.import_module(name) for name in (*modules, "train")]
+    finally:
+        sys.path.remove(str(folder))
+        for name in (*modules, "train"):
+            sys.modules.pop(name, None)
+
+
 def _chunked_fix(folder: Path) -> str:
     train = folder / "train.py"
     result = fix_source(train.read_bytes(), train, Settings())
@@ -1016,16 +1031,7 @@ def test_the_chunked_helpers_fix_matches_the_full_batch(tmp_path):
     at the step its gradient equals one full-batch step's over the same rows."""
     import torch
 
-    folder = tmp_path / "pkg"
-    shutil.copytree(CHUNKED, folder)
-    (folder / "train.py").write_text(_chunked_fix(CHUNKED))
-    sys.path.insert(0, str(folder))
-    try:
-        import losses
-        import train
-    finally:
-        sys.path.remove(str(folder))
-        sys.modules.pop("train", None), sys.modules.pop("losses", None)
+    losses, train = _fixed_package(CHUNKED, tmp_path / "pkg", _chunked_fix(CHUNKED), "losses")
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
@@ -1089,16 +1095,8 @@ def test_the_global_models_read_ahead_fix_matches_the_full_batch(tmp_path):
 
     import torch
 
-    folder = tmp_path / "pkg"
-    shutil.copytree(GLOBAL_MODEL, folder)
-    (folder / "train.py").write_text(_global_model_fix(GLOBAL_MODEL).after.decode())
-    sys.path.insert(0, str(folder))
-    try:
-        import model as models
-        import train
-    finally:
-        sys.path.remove(str(folder))
-        sys.modules.pop("train", None), sys.modules.pop("model", None)
+    fixed = _global_model_fix(GLOBAL_MODEL).after.decode()
+    models, train = _fixed_package(GLOBAL_MODEL, tmp_path / "pkg", fixed, "model")
 
     torch.manual_seed(0)
     net = models.TinyMoeForCausalLM()
