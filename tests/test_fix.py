@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import textwrap
@@ -49,12 +50,27 @@ def original_of(pair: Path) -> Path:
     return pair.with_name(pair.name.replace(".fixed.py", ".py"))
 
 
-def test_every_fixable_shape_has_a_pair():
+def test_every_fixable_shape_has_a_pair_and_every_finding_an_outcome():
     assert len(PAIRS) >= 20
     for script in fixture_scripts():
         if expected(script):
-            changes = fixed(script.read_bytes()) != script.read_bytes()
+            data = script.read_bytes()
+            result = fix_source(data, script, ALL, unsafe=True)
+            changes = result.after != data
             assert changes == script.with_name(script.stem + ".fixed.py").exists(), script.name
+            found = {(f.code, f.span.line, f.span.column) for f in check_file(script, ALL).findings}
+            told = {(o.site.code, o.line, o.column) for o in result.outcomes}
+            assert found <= told, script.name
+
+
+def test_a_finding_no_rewrite_covers_is_reported_not_fixed(tmp_path, cli):
+    """A JAX step whose micro-gradients another module averages: `fix` says so and exits 1."""
+    shutil.copytree(FIXTURES / "ga005_xmod_microbatch_combinator", tmp_path / "repo")
+    result = cli("fix", "train.py", cwd=tmp_path / "repo")
+    assert result.exit_code == 1
+    assert "train.py:18:" in result.output and "GA005 not fixed: `" in result.output
+    assert "(accumulation.py line 22), another module gaaudit does not rewrite" in result.output
+    assert "Fixed 0 findings in 0 files; 1 not fixed." in result.output
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.stem)

@@ -21,6 +21,7 @@ from gaaudit.analysis.provenance import (
 from gaaudit.analysis.tree import Tree, code, dotted, keyword, positional, walk
 from gaaudit.checks.accumulation import Auditor, Site
 from gaaudit.discover.source import SourceError, parse
+from gaaudit.findings import Finding
 from gaaudit.fixes.edits import (
     Edits,
     Unfixable,
@@ -44,7 +45,7 @@ RETURN_COUNT = "return_count"
 class Outcome:
     """What happened to one finding: fixed (safe or unsafe) or skipped, and why."""
 
-    site: Site
+    site: Site | Finding  # a finding where no planner took it
     line: int
     column: int
     applied: bool

@@ -14,6 +14,8 @@ from gaaudit.fixes.codemod import FileFix, apply
 
 # Why a GA001-GA003 finding needs no rewrite of its own: a framework fix changed its line.
 COVERED = "by the GA004/GA005 rewrite of the same code"
+# Why a finding no planner took is left as it is.
+NO_REWRITE = "gaaudit has no rewrite for this shape; follow the hint (`gaaudit explain {code}`)"
 
 
 def fix_source(
@@ -58,6 +60,12 @@ def fix_source(
         outcomes += planner.plan(sites)
         edits = _merged(edits, planner.edits)
         companions = [_rewritten(p, t, e) for p, (t, e) in planner.companions.items()]
+    handled = {(o.site.code, o.line, o.column) for o in outcomes}
+    outcomes += [
+        Outcome(f, f.span.line, f.span.column, False, NO_REWRITE.format(code=f.code))
+        for f in findings
+        if (f.code, f.span.line, f.span.column) not in handled
+    ]
     outcomes.sort(key=lambda o: (o.line, o.column, o.site.code))
     if not any(o.applied for o in outcomes):
         return FileFix(shown, data, data, outcomes)
@@ -101,7 +109,7 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool)
         outcomes += planner.plan(sites)
         edits = _merged(edits, planner.edits)
     if any(code == "GA005" for code, _, _ in reported):
-        optax_audit = OptaxAudit(tree, context.accumulation_names)
+        optax_audit = OptaxAudit(tree, context.accumulation_names, context.imports)
         sites = [s for s in optax_audit.sites() if ("GA005", *_start(tree, s.node)) in reported]
         planner = OptaxPlanner(tree, optax_audit)
         outcomes += planner.plan(sites)

@@ -485,6 +485,13 @@ class OptaxPlanner(_LossFunction, _Averages, _MultiSteps):
         return outcomes
 
     def _fix(self, site: Site) -> str:
+        if site.kind == "combinator":
+            where = site.accumulation.removeprefix("accumulation: ")
+            raise Unfixable(
+                f"{where}, another module gaaudit does not rewrite: make it sum the "
+                "micro-gradients, and return each micro-batch's loss sum divided by the "
+                "window's total count (counted over the whole batch before it is split)"
+            )
         if site.kind == "multisteps-sum":
             raise Unfixable(
                 "MultiSteps already sums the micro-gradients: return each micro-batch's loss sum "
