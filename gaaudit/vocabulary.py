@@ -53,3 +53,11 @@ def steps_optimizer(receiver: str, positional: int) -> bool:
     if "sched" in receiver:
         return False
     return bool(OPTIMIZER.search(receiver)) or ("scaler" in receiver and positional == 1)
+
+
+# Functions that move a batch's tensors to a device and keep its structure (accelerate's
+# `send_to_device`, the common `to_device(batch, device)` helper): a count read through one
+# is the batch's, and a replay that cannot import one moves the batch itself.
+MOVERS = frozenset(
+    ("to_device", "move_to_device", "send_to_device", "batch_to_device", "to_cuda", "move_to_cuda")
+)

@@ -170,6 +170,30 @@ def test_hf_loop_bug_reproduced_and_fix_verified(start):
     assert result.patched.replay.captured_at == "clip_grad_norm_"
 
 
+MOVED = """\
+from project.utils_not_on_this_path import to_device
+
+
+def train(model, loader, optimizer, device, k):
+    for step, batch in enumerate(loader):
+        batch = to_device(batch, device)
+        loss = model(**batch).loss / k
+        loss.backward()
+        if (step + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_batch_mover_that_cannot_be_imported_still_moves_the_batch():
+    """`to_device(batch, device)` of a project module the replay cannot import: the batch is
+    moved (a stub would hand the model nothing), and `device` is the device, not the mover."""
+    result = check(MOVED, line_of(MOVED, "for step"), k=4, divisor_names=["k"], device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason
+    assert result.replay.bindings["device"] == "cpu"
+    assert "to_device" not in result.replay.bindings
+
+
 def test_an_auxiliary_loss_the_tiny_model_lacks_reads_as_zero():
     """`out.loss + out.aux_loss` (minimind's mixture of experts): the tiny model has no
     auxiliary loss, so the term is zero and the mean/K bug is measured as in HF_BUGGY."""

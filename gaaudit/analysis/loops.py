@@ -108,7 +108,7 @@ class _WindowFinding:
     a micro-step loop, a function that steps, an accelerate `accumulate()` block."""
 
     def _window(self, backward: Backward) -> Window | None:
-        if self._deepspeed_engine(backward) and self.deepspeed_accumulation():
+        if self.deepspeed_engine(backward) and self.deepspeed_accumulation():
             return Window("framework", None, None, backward.call, ())
         flag = self.stepping_callable(backward.call) if backward.call is not None else None
         if flag is not None:
@@ -353,7 +353,7 @@ class _Frameworks:
 
     def dividing_framework(self, backward: Backward, window: Window) -> str | None:
         """Which framework divides this backward's loss by the accumulation steps, if any."""
-        if self._deepspeed_engine(backward):
+        if self.deepspeed_engine(backward):
             where = self.deepspeed_accumulation()
             return f"DeepSpeed, gradient_accumulation_steps in {where}" if where else None
         if window.kind == "framework" and self._accelerate_deepspeed(backward):
@@ -420,7 +420,7 @@ class _Frameworks:
         )
         return plugin and not self._configured_accelerator() and not self._deepspeed_config[0]
 
-    def _deepspeed_engine(self, backward: Backward) -> bool:
+    def deepspeed_engine(self, backward: Backward) -> bool:
         """Whether the backward's receiver was unpacked from `deepspeed.initialize(...)`."""
         return self._receiver(backward) in self._deepspeed_engines
 

@@ -182,7 +182,9 @@ def targets(
     lines = text.removeprefix("\ufeff").splitlines()
     patched_lines = patched.decode("utf-8", "replace").splitlines()
     found: dict[int, Target] = {}
-    auditor = Auditor(tree, imports=Imports(tree, path.parent, name=path.name))
+    auditor = Auditor(
+        tree, directory=path.parent, imports=Imports(tree, path.parent, name=path.name)
+    )
     evidence = scan(text.removeprefix("\ufeff"))
     domains = Domains(tree, auditor.tracer, evidence, text)
     windows = [
@@ -194,7 +196,10 @@ def targets(
     windows += [(s.window, s.node, (), True, "") for s in Windows(tree, auditor.structure).sites()]
     for backward in auditor.structure.backwards():
         window = auditor.structure.window(backward)
-        if window is not None and window.kind in ("modulo", "micro-loop", "accumulate"):
+        if window is not None and (
+            window.kind in ("modulo", "micro-loop", "accumulate")
+            or auditor.structure.deepspeed_engine(backward)
+        ):
             windows.append((window, backward.call, (), False, ""))
     equal = _drops_last(path) if windows else ""
     for window, anchor, divisions, flagged, fixed in windows:
@@ -478,6 +483,8 @@ def _trainer_targets(
 
 def _replayed_statement(tree, window, anchor: cst.CSTNode) -> cst.CSTNode | None:
     """The loop that holds both the backward calls and the optimizer step, else the function."""
+    from gaaudit.analysis.tree import target_names, variables
+
     loops = [a for a in tree.ancestors(anchor) if isinstance(a, (cst.For, cst.While))]
     if window.kind == "micro-loop" and window.loop in loops:
         outer = loops[loops.index(window.loop) + 1 :]  # the loop whose body also steps
@@ -486,6 +493,15 @@ def _replayed_statement(tree, window, anchor: cst.CSTNode) -> cst.CSTNode | None
     if window.kind in ("modulo", "accumulate") and loops:
         return window.loop or loops[-1]
     scope = tree.scope_of(anchor)
+    if window.kind == "framework" and loops and tree.scope_of(loops[0]) is scope:
+        inner = loops[0]  # a DeepSpeed engine's: the loop that draws its micro-batches, or the
+        for outer in loops[1:]:  # loop around it whose items they are (`for b in window:`)
+            if not (isinstance(inner, cst.For) and isinstance(outer, cst.For)):
+                break
+            if not variables(inner.iter) & target_names(outer.target):
+                break
+            inner = outer
+        return inner
     return scope if isinstance(scope, cst.FunctionDef) else None
 
 
@@ -638,6 +654,7 @@ def _replay_all(jobs: list[dict]) -> list[list[dict]]:
     `options.distributed` processes when set, with the user's model when given); the jobs
     share their options, so the model factory and the processes are set up once."""
     from gaaudit.harness.factory import load_data_factory, load_factory, user_data, user_model
+    from gaaudit.harness.replay import engine_process
 
     options = Options(**{k: tuple(v) if k == "ks" else v for k, v in jobs[0]["options"].items()})
     factory = None
@@ -650,6 +667,7 @@ def _replay_all(jobs: list[dict]) -> list[list[dict]]:
         user_model(load_factory(*factory) if factory else None),
         user_data(data),
         _ranks(options, factory) as ranks,
+        engine_process(),
     ):
         outcomes = [_replay_targets(job, options, ranks) for job in jobs]
     if jobs[0].get("progress"):

@@ -188,9 +188,11 @@ class _Counting:
         """(count expression, caveat) and whether the fix is safe."""
         origin = site.origin
         source = origin.source
-        if site.kind == "framework-division" and (
-            self._accelerator(site) is None or site.window.kind == "framework"
-        ):  # DeepSpeed's engine, or accelerate handing the loss to it
+        if (
+            site.kind == "framework-division"
+            and (self._accelerator(site) is None or site.window.kind == "framework")
+            and self._engine(site) is None
+        ):  # a framework's returned loss, or accelerate handing the loss to DeepSpeed
             raise Unfixable(FRAMEWORK_ONLY[site.backward.call is None])
         if site.window.kind == "calls":
             function = self.tree.scope_of(site.window.anchor).name.value
@@ -259,6 +261,8 @@ class _Counting:
     def _window_blocker(self, site: Site) -> str:
         """Why one division at the step cannot fix the window ("" when it can): the window's
         count must then be read ahead, before the backward."""
+        if self._engine(site) is not None:
+            return FRAMEWORK_ONLY[False]
         if site.origin.added:
             return (
                 f"the loss adds `{site.origin.added}` to its mean: weighting the sum by the "
@@ -799,6 +803,17 @@ class _Owners:
         """The `accelerator` of `accelerator.backward(loss)`, else None."""
         return self._backward_owner(site, "accelerator")
 
+    def _engine(self, site: Site) -> str | None:
+        """The DeepSpeed engine of `engine.backward(loss)`, else None."""
+        if site.backward.call is None or not self.auditor.structure.deepspeed_engine(site.backward):
+            return None
+        return dotted(site.backward.call.func.value)
+
+    @staticmethod
+    def _device(optimizer: str) -> str:
+        """Where the optimizer's parameters live."""
+        return f'{optimizer}.param_groups[0]["params"][0].device'
+
     def _backward_owner(self, site: Site, kind: str) -> str | None:
         """The receiver of `<kind>.backward(loss)` (an Accelerator or a Fabric), else None."""
         if site.backward.call is None:
@@ -813,13 +828,16 @@ class _Owners:
             return name if kind in name.lower() else None
         return None
 
-    def _gathering(self, site: Site, optimizer: str, names: list[str]) -> tuple[str, str]:
+    def _gathering(self, site: Site, device: str, names: list[str]) -> tuple[str, str]:
         """Lines that sum each of `names` over the processes that average the gradients
-        (Fabric, accelerate, torch.distributed: guarded, since the same loop may run in a
-        single process), and the expression of their number ("" when none does)."""
+        (Fabric, accelerate, DeepSpeed, torch.distributed: guarded, since the same loop may run
+        in a single process), and the expression of their number ("" when none does); `device`
+        is where torch.distributed reduces."""
         receiver = self._accelerator(site)
         fabric = self._backward_owner(site, "fabric")
         dist = self._distributed()
+        if self._engine(site) is not None:  # DeepSpeed runs on torch.distributed
+            dist = dist or "torch.distributed"
         if fabric:  # Fabric averages gradients over its processes, like DDP
             gather = "".join(
                 f'{name} = {fabric}.all_reduce({name}, reduce_op="sum")\n' for name in names
@@ -833,7 +851,6 @@ class _Owners:
             )
             return gather, f"{receiver}.num_processes"
         if dist:
-            device = f'{optimizer}.param_groups[0]["params"][0].device'
             gather = f"if {dist}.is_initialized():\n" + "".join(
                 f"    {name} = torch.as_tensor({name}, device={device})\n"
                 f"    {dist}.all_reduce({name})\n"
@@ -1091,7 +1108,7 @@ class _Window:
         the device once per parameter."""
         total = self.window_total
         count = f"{total} / {self.reference}" if self._scaled(site) else total
-        gather, world = self._gathering(site, optimizer, tracked)
+        gather, world = self._gathering(site, self._device(optimizer), tracked)
         scale = f"{count} / {world}" if world else count
         return (
             f"{DIVIDE_NOTE}\n"

@@ -12,9 +12,18 @@ import re
 
 import libcst as cst
 
-from gaaudit.analysis.tree import ATOMS, code, substituted, target_names, variables
+from gaaudit.analysis.tree import (
+    ATOMS,
+    code,
+    dotted,
+    positional,
+    substituted,
+    target_names,
+    variables,
+)
 from gaaudit.checks.accumulation import Site
 from gaaudit.fixes.edits import Unfixable, atom, parsed_statements, statement_line
+from gaaudit.vocabulary import MOVERS
 
 AHEAD_NOTE = "# read ahead: each micro-batch's share of its window's valid targets, before backward"
 SAME_ELEMENTS = {  # a rebinding that keeps each element where it was, so the count
@@ -37,15 +46,14 @@ class _ReadAhead:
             raise Unfixable(f"{blocker}; reading the window ahead: {exc}") from None
 
     def _plan_read_ahead(self, site: Site, count: str) -> None:
-        window, loop = site.window, site.window.loop
-        if not (
-            window.kind == "modulo"
-            and isinstance(loop, cst.For)
-            and loop.asynchronous is None
-            and isinstance(window.anchor, cst.If)
-            and not window.skips
+        window, engine = site.window, self._engine(site)
+        loop, last = self._engine_loop(site, engine) if engine else (window.loop, None)
+        if not engine and not (
+            window.kind == "modulo" and isinstance(window.anchor, cst.If) and not window.skips
         ):
             raise Unfixable("the step is not guarded by a test of the loop's own counter")
+        if not (isinstance(loop, cst.For) and loop.asynchronous is None):
+            raise Unfixable("the micro-batches are not drawn by a `for` loop")
         if window.anchor in self._prepared or window.anchor in self._ahead_windows:
             raise Unfixable("the window backpropagates more than one loss")
         if count == self.micro:
@@ -54,15 +62,18 @@ class _ReadAhead:
             raise Unfixable("the backward divides by the accumulation steps itself")
         if not _plain_target(loop.target):
             raise Unfixable(f"the loop's target `{code(loop.target)}` is not plain names")
-        if not self._every_item_reaches(window.anchor, loop):
-            raise Unfixable("not every micro-batch reaches the step's guard")
         targets = target_names(loop.target)
-        guard = self._ahead_of(window.anchor.test, loop, targets, False, window.anchor)
-        if isinstance(window.anchor.test, cst.Name):  # `if boundary:`, its value inlined
-            guard = guard.with_changes(lpar=[], rpar=[])
+        if engine:  # DeepSpeed's own boundary test, written by the reader
+            guard = None
+        elif not self._every_item_reaches(window.anchor, loop):
+            raise Unfixable("not every micro-batch reaches the step's guard")
+        else:
+            guard = self._ahead_of(window.anchor.test, loop, targets, False, window.anchor)
+            if isinstance(window.anchor.test, cst.Name):  # `if boundary:`, its value inlined
+                guard = guard.with_changes(lpar=[], rpar=[])
         counted = self._ahead_of(
             cst.parse_expression(count), loop, targets, True, site.backward.call
-        )
+        ).visit(_Unmoved())
         divisor = site.division.divisor if site.division is not None else None
         if site.kind == "gradient-division" or (
             divisor is not None and self._bound_in(loop, variables(divisor))
@@ -70,13 +81,14 @@ class _ReadAhead:
             raise Unfixable("the divisor changes inside the loop")
         share = self._fresh(SHARE)
         term = self._weighted_term(site, share, loop)
-        if self._skips_before(site.backward.call, loop) and not self.unsafe:
+        last = last or site.backward.call  # the engine counts a micro-batch at its step
+        if self._skips_before(last, loop) and not self.unsafe:
             raise Unfixable(
-                "unsafe fix (a micro-batch the loop skips with `continue` before its "
-                "backward still counts in its window); apply with --unsafe-fixes"
+                "unsafe fix (a micro-batch the loop skips with `continue` before "
+                f"`{code(last.func)}(...)` still counts in its window); apply with --unsafe-fixes"
             )
         self.edits.replace[site.backward.loss] = term
-        reader = self._write_reader(site, guard, counted, targets)
+        reader = self._write_reader(site, loop, guard, counted, targets)
         self.edits.replace[loop.target] = cst.parse_expression(f"{_packed(loop.target)}, {share}")
         self.edits.replace[loop.iter] = cst.parse_expression(f"{reader}({code(loop.iter)})")
         self._ahead_windows.add(window.anchor)
@@ -84,20 +96,31 @@ class _ReadAhead:
     def _write_reader(
         self,
         site: Site,
-        guard: cst.BaseExpression,
+        loop: cst.For,
+        guard: cst.BaseExpression | None,
         counted: cst.BaseExpression,
         targets: set[str],
     ) -> str:
         """Write the generator that reads the loop's windows ahead just above the loop, with a
-        blank line on either side; its name."""
-        loop = site.window.loop
+        blank line on either side; its name. With no `guard`, a DeepSpeed engine's windows."""
         reader, shares = self._fresh(READER), self._fresh(f"{SHARE}s")
-        taken = variables(counted) | variables(guard) | targets
+        engine = self._engine(site)
+        taken = variables(counted) | targets | (variables(guard) if guard else {engine})
         items, pending, item, each, total = (_free(name, taken) for name in LOCALS)
         target, packed = code(loop.target), _packed(loop.target)
-        gather, world = self._gathering(site, self._optimizer(site.window), [total])
+        if engine:
+            device = f"{engine}.device"
+            guard = cst.parse_expression(
+                f"({engine}.micro_steps + len({pending})) "
+                f"% {engine}.gradient_accumulation_steps() == 0"
+            )
+        else:
+            device = self._device(self._optimizer(site.window))
+        gather, world = self._gathering(site, device, [total])
         gather = "".join(f"    {line}\n" for line in gather.splitlines())
         per_process = f" / {world}" if world else ""  # the processes' gradients are averaged
+        if engine:  # the engine divides by its steps: a window cut short by the epoch weighs less
+            per_process += f" / len({pending})"
         functions = parsed_statements(
             f"{AHEAD_NOTE}\n"
             f"def {reader}({items}):\n"
@@ -107,7 +130,8 @@ class _ReadAhead:
             f"        if {code(guard)}:\n"
             f"            yield from {shares}({pending})\n"
             f"            {pending} = []\n"
-            f"    yield from {shares}({pending})\n"
+            f"    if {pending}:\n"
+            f"        yield from {shares}({pending})\n"
             f"def {shares}({pending}):\n"
             f"    {total} = sum({each} for _, {each} in {pending})\n"
             + gather
@@ -126,6 +150,28 @@ class _ReadAhead:
             functions[0] = first.with_changes(leading_lines=[blank, *first.leading_lines])
         self.edits.before.setdefault(line, []).extend(functions)
         return reader
+
+    def _engine_loop(self, site: Site, engine: str) -> tuple[cst.For, cst.Call]:
+        """The loop whose every micro-batch a DeepSpeed engine backpropagates and steps, and
+        its `engine.step()`."""
+        call = site.backward.call
+        scope = self.tree.scope_of(call)
+        loop = next(
+            (a for a in self.tree.ancestors(call) if a is scope or isinstance(a, cst.For)), None
+        )
+        if not isinstance(loop, cst.For):
+            raise Unfixable("the backward is not in a `for` loop over the micro-batches")
+        steps = [
+            node
+            for node in self.tree.walk(loop.body, into_defs=False)
+            if isinstance(node, cst.Call) and code(node.func) == f"{engine}.step"
+        ]
+        if len(steps) != 1:
+            raise Unfixable(f"the loop calls `{engine}.step()` {len(steps)} times, not once")
+        for node in (call, steps[0]):
+            if not self._every_item_reaches(statement_line(self.tree, node), loop):
+                raise Unfixable(f"not every micro-batch reaches `{code(node.func)}(...)`")
+        return loop, steps[0]
 
     def _weighted_term(self, site: Site, share: str, loop: cst.For) -> cst.BaseExpression:
         """What the backward takes instead of the user's loss: the mean weighted by its share
@@ -327,38 +373,64 @@ def _single(binding: cst.CSTNode, name: str) -> bool:
 
 
 def _moves(binding: cst.CSTNode, name: str) -> bool:
-    """`name = name.to(device)`, or `name = {k: v.cuda() for k, v in name.items()}`: the
-    same elements, moved or cast."""
+    """`name = name.to(device)`, `name = to_device(name, device)`, or
+    `name = {k: v.cuda() for k, v in name.items()}`: the same elements, moved or cast."""
     if not _single(binding, name):
         return False
-    value = binding.value
-    if isinstance(value, cst.DictComp):
-        loop = value.for_in
-        pair = loop.target
-        return (
-            loop.inner_for_in is None
-            and not loop.ifs
-            and isinstance(pair, cst.Tuple)
-            and len(pair.elements) == 2
-            and code(value.key) == code(pair.elements[0].value)
-            and code(_unmoved(value.value)) == code(pair.elements[1].value)
-            and value.value is not _unmoved(value.value)
-            and code(loop.iter) == f"{name}.items()"
-        )
-    value = _unmoved(value)
+    value = _unmoved(binding.value)
     return isinstance(value, cst.Name) and value.value == name and value is not binding.value
 
 
 def _unmoved(value: cst.BaseExpression) -> cst.BaseExpression:
     """`value` without its outer moves and casts: `batch["labels"]` for
-    `batch["labels"].to(device)`."""
-    while (
-        isinstance(value, cst.Call)
-        and isinstance(value.func, cst.Attribute)
-        and value.func.attr.value in SAME_ELEMENTS
+    `batch["labels"].to(device)`, `batch` for `to_device(batch, device)` and for
+    `{k: v.cuda() for k, v in batch.items()}`."""
+    while True:
+        func = value.func if isinstance(value, cst.Call) else None
+        if isinstance(func, cst.Attribute) and func.attr.value in SAME_ELEMENTS:
+            value = func.value
+        elif func is not None and (dotted(func) or "").rsplit(".", 1)[-1] in MOVERS:
+            if not positional(value):
+                return value
+            value = positional(value)[0]
+        elif _moved_dict(value) is not None:
+            value = _moved_dict(value)
+        else:
+            return value
+
+
+def _moved_dict(value: cst.BaseExpression) -> cst.BaseExpression | None:
+    """`batch` of `{k: v.cuda() for k, v in batch.items()}`, else None."""
+    if not isinstance(value, cst.DictComp):
+        return None
+    loop, pair = value.for_in, value.for_in.target
+    items = loop.iter
+    if not (
+        loop.inner_for_in is None
+        and not loop.ifs
+        and isinstance(pair, cst.Tuple)
+        and len(pair.elements) == 2
+        and code(value.key) == code(pair.elements[0].value)
+        and code(_unmoved(value.value)) == code(pair.elements[1].value)
+        and value.value is not _unmoved(value.value)
+        and isinstance(items, cst.Call)
+        and isinstance(items.func, cst.Attribute)
+        and items.func.attr.value == "items"
+        and not items.args
     ):
-        value = value.func.value
-    return value
+        return None
+    return items.func.value
+
+
+class _Unmoved(cst.CSTTransformer):
+    """A count without the moves and casts inside it (`{k: v.cuda() ...}["labels"]` counts as
+    `batch["labels"]`): the reader counts on the batch as drawn."""
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        return _unmoved(updated)
+
+    def leave_DictComp(self, original: cst.DictComp, updated: cst.DictComp):
+        return _moved_dict(original) or updated  # judged before its moves were dropped
 
 
 def _free(name: str, taken: set[str]) -> str:

@@ -69,8 +69,8 @@ class NotReplayable(Exception):
 class Plan:
     """What replay needs to run one statement. `free` holds the names the statement and its
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
-    binds there (model, optimizer, data, data-call, divisor, micro-size, width, accelerator,
-    fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into micro-batches
+    binds there (model, engine, optimizer, data, data-call, divisor, micro-size, width,
+    accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into micro-batches
     itself, so it is served the whole window at once. `owner`: the class whose method holds
     the statement. `derived`: assignments before the statement to evaluate. `stages`: two
     models chained as encoder and decoder. `settings`: the script's option defaults, given
@@ -375,6 +375,7 @@ class _Usage:
     aliases: list = field(default_factory=list)
     generators: list = field(default_factory=list)
     positions: dict = field(default_factory=lambda: defaultdict(dict))  # `{"labels": batch[3]}`
+    tensor_backward: bool = False  # `loss.backward()`: a backward not handed to an engine
 
     def add(self, nodes: list[ast.stmt]) -> None:
         parents = {
@@ -429,6 +430,8 @@ class _Usage:
             and _is_minus_one(call.args[0])
         ):
             self.evidence[args[-1]].add("width")  # `logits.view(-1, V)`: V is the output width
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "backward" and not args:
+            self.tensor_backward = True
         if func is None:
             return
         parent = parents.get(call)
@@ -450,6 +453,8 @@ class _Usage:
                     self.evidence[arg].add("optimizer-arg")
         elif method in MODEL_METHODS:
             self.evidence[receiver].add("model-method")
+        elif method == "backward" and call.args:
+            self.evidence[receiver].add("backward")  # `engine.backward(loss)`: DeepSpeed's
         elif method == "accumulate":
             self.evidence[receiver].add("accumulate")
             for arg in args:
@@ -663,6 +668,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "loss-scaler"  # `loss_scaler(loss, optimizer, update_grad=...)`: timm's, MAE's
     if chain[0] in helpers and len(chain) == 1:
         return None
+    if called and "backward" in ev:
+        return "engine"  # called as the model, and backpropagates: a DeepSpeed engine
     if called and CRITERION_RE.fullmatch(last):
         return "criterion"
     if "iterated-call" in ev:
@@ -679,8 +686,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "data"
     if called and _string_call(usage, chain):
         return "data"
-    if last == "device" or last.endswith("_device"):
-        return "device"
+    if not called and (last == "device" or last.endswith("_device")):
+        return "device"  # not `to_device(batch, device)`, which moves a batch
     return None
 
 
@@ -841,6 +848,10 @@ def _roles(
         role = _role(chain, usage, divisor_names, helper_names)
         if role:
             roles[chain] = role
+    if usage.tensor_backward or {"loss-scaler", "scaler"} & set(roles.values()):
+        # the loop also backpropagates past the engine (a branch without DeepSpeed): an engine
+        # there would refuse it, so the model is the harness's own
+        roles = {c: "model" if r == "engine" else r for c, r in roles.items()}
     return roles
 
 

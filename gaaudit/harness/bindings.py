@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import builtins
 import math
+import os
 import types
 from collections.abc import Mapping
 
@@ -82,6 +83,9 @@ class Objects:
             "width": (width, f"{width}, the model's output width"),
             "device": (str(device), str(device)),
         }
+        if "engine" in roles.values():
+            engine = _deepspeed(model, self.optimizer, k, device)
+            described["engine"] = (engine, f"DeepSpeed engine (gradient_accumulation_steps={k})")
         stages = self._stages(model)
         for chain, role in roles.items():
             if role in ("data", "data-call"):
@@ -294,6 +298,32 @@ def _accelerator(roles: dict, optimizer, device, steps: int) -> tuple:
 
     accelerator.clip_grad_norm_ = accelerator.clip_grad_value_ = clip
     return accelerator, accelerator.prepare(optimizer), "recording SGD, prepared"
+
+
+def _deepspeed(model, optimizer, k: int, device):
+    """A real DeepSpeed engine around the tiny model that steps the recording optimizer every
+    `k` micro-batches, without clipping (the gradient is compared before any), on the
+    replay's process group."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+        import deepspeed.ops
+    except ImportError:
+        raise ModuleNotFoundError(
+            "the loop steps a DeepSpeed engine; install deepspeed to replay it"
+        ) from None
+    import torch.distributed as dist
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo: no kernel to build
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # one machine: local is global
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": k,
+        "gradient_clipping": 0.0,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
 
 
 def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:

@@ -50,8 +50,11 @@ from gaaudit.harness.stubs import (
     stub_range,
     trange,
 )
-from gaaudit.vocabulary import CLIPPERS
+from gaaudit.vocabulary import CLIPPERS, MOVERS
 
+ENGINE_STARTUP = 120.0  # seconds a fresh process may take to import torch and DeepSpeed
+# the process kept for DeepSpeed replays (in the verifying process), and whether this is it
+_apart: dict = {"pool": None, "engine": False}
 TRACKERS = (
     "wandb",
     "mlflow",
@@ -368,7 +371,14 @@ def _execute(
     wrap=None,
 ) -> Replay:
     """Run the planned statement once; never raises for what the user's code does. `wrap`
-    (e.g. DistributedDataParallel) is applied to the fresh model."""
+    (e.g. DistributedDataParallel) is applied to the fresh model, unless a DeepSpeed engine
+    wraps it."""
+    engine = "engine" in plan.roles.values()
+    dist = torch.distributed
+    ranks = dist.is_initialized() and dist.get_world_size() > 1  # a rank of --distributed
+    if engine and not ranks and not _apart["engine"]:
+        args = (plan, filename, batches, k, ignore_index, seed, device, dtype, timeout)
+        return _in_own_process(args, timeout)
     output, bindings = io.StringIO(), {}
     grads, where, reason, drawn = None, "", "", 0
     precision = autocast(device, dtype)  # the harness's own, made before the loop's are changed
@@ -382,7 +392,7 @@ def _execute(
         warnings.simplefilter("ignore")
         kind = plan.model_kind
         model = build_model(kind, seed, ignore_index, plan.returns).to(device)
-        if wrap is None:
+        if wrap is None or engine:
             model.no_sync = contextlib.nullcontext  # DDP's, for one process: nothing to skip
         else:
             model = wrap(model)
@@ -453,10 +463,68 @@ def _execute(
     )
 
 
+def _in_own_process(args: tuple, timeout: float) -> Replay:
+    """A replay on one process of a loop that steps a DeepSpeed engine, in the process kept for
+    them: DeepSpeed wants a process group and keeps state of its own, which the replays here
+    must not meet (a Trainer would see a distributed run)."""
+    import multiprocessing
+
+    if _apart["pool"] is None:
+        context = multiprocessing.get_context("spawn")
+        _apart["pool"] = context.Pool(1, initializer=_engine_process)
+    job = _apart["pool"].apply_async(
+        _engine_replay, (factory.current(), factory.current_data(), args)
+    )
+    try:
+        return job.get(timeout + ENGINE_STARTUP)
+    except multiprocessing.TimeoutError:
+        _engine_process_stopped()  # it may still be running: the next replay gets a fresh one
+        return Replay(None, f"timed out after {timeout:g} s")
+    except Exception as exc:  # noqa: BLE001 - the process could not run the replay
+        return Replay(None, f"{type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def engine_process():
+    """Within the block, DeepSpeed replays share one process, started at the first; it stops
+    when the block ends (a verify run)."""
+    try:
+        yield
+    finally:
+        _engine_process_stopped()
+
+
+def _engine_process_stopped() -> None:
+    if _apart["pool"] is not None:
+        _apart["pool"].terminate()
+        _apart["pool"] = None
+
+
+def _engine_process() -> None:
+    """The kept process starts: a gloo group of one, for every DeepSpeed replay it runs."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    _apart["engine"] = True
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _engine_replay(model, data, args: tuple) -> Replay:
+    """In the kept process: the replay with the user's factories."""
+    with factory.user_model(model), factory.user_data(data):
+        result = _execute(*args)
+    if result.grads is not None:
+        result = replace(result, grads=[g.cpu() for g in result.grads])
+    return result
+
+
 def _namespace(plan: Plan, filename: str) -> dict:
     """Module globals: `range` that tolerates stub limits, `open` that tolerates stub paths,
-    the source's imports (stubs for those that fail; trackers and tqdm replaced), then the
-    module-level helpers the statement uses."""
+    the source's imports (stubs for those that fail, but a batch mover such as `to_device`,
+    which moves the batch; trackers and tqdm replaced), then the module-level helpers the
+    statement uses."""
     namespace = {
         "__name__": "__gaaudit_replay__",
         "__builtins__": builtins,
@@ -469,7 +537,8 @@ def _namespace(plan: Plan, filename: str) -> dict:
         except (Exception, SystemExit):  # noqa: BLE001 - its names become stubs
             for alias in node.names:
                 name = alias.asname or alias.name.split(".")[0]
-                namespace.setdefault(name, Stub(name))
+                mover = alias.name in MOVERS  # `to_device(batch, device)`: moves, keeps all
+                namespace.setdefault(name, factory.to_device if mover else Stub(name))
     for name, value in list(namespace.items()):
         module = (
             value.__name__

@@ -1,0 +1,232 @@
+"""A DeepSpeed engine's loop (GA003) with real DeepSpeed on CPU. Its read-ahead fix, run on one
+process and on two gloo processes: at every optimizer step the patched loop's gradient is the
+token mean over the window's micro-batches of every rank, where the original's is not. And
+`gaaudit verify`, which replays such a loop with a real engine around its tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FIXTURES, gaaudit
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from gaaudit.commands.verify import REPRODUCED, VERIFIED
+from gaaudit.config import Settings
+from gaaudit.fixes.fixer import fix_source
+
+K, MICRO, WIDTH = 4, 2, 12  # accumulation steps, rows per micro-batch, padded width
+TINY = {  # a GPT-2 small enough for CPU, without dropout: the same weights give the same loss
+    "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 32,
+    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 1, "eos_token_id": 1,
+}  # fmt: skip
+
+TRAIN = """\
+import deepspeed
+import torch
+from transformers import GPT2LMHeadModel
+
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 0.0,
+}
+
+
+def to_device(batch, device):
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def main(net: GPT2LMHeadModel, optimizer, loader, epochs):
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, config=CONFIG)
+    for epoch in range(epochs):
+        for step, batch in enumerate(loader):
+            batch = to_device(batch, engine.device)
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            print(f"epoch {epoch} step {step} loss {loss.item():.4f}")
+"""
+
+# One process of a run: DeepSpeed on the CPU over gloo, a recording optimizer with lr 0 (the
+# model stays as built, so every step's gradient is compared on the same weights).
+WORKER = """\
+import json, os, runpy, sys
+import torch
+import torch.distributed as dist
+import deepspeed, deepspeed.ops
+from transformers import GPT2Config, GPT2LMHeadModel
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo, no kernel to compile
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+script, data, out, epochs = sys.argv[1:]
+
+
+class Recording(torch.optim.SGD):
+    steps = []
+
+    def step(self, closure=None):
+        Recording.steps.append([p.grad.clone() for p in self.param_groups[0]["params"]])
+        return super().step(closure)
+
+
+torch.manual_seed(0)
+net = GPT2LMHeadModel(GPT2Config(**json.loads(os.environ["GA_TINY_GPT2"])))
+loader = [{k: torch.tensor(v) for k, v in b.items()} for b in json.load(open(data))[rank]]
+runpy.run_path(script)["main"](net, Recording(net.parameters(), lr=0.0), loader, int(epochs))
+torch.save(Recording.steps, f"{out}.{rank}")
+"""
+
+
+def model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(**TINY))
+
+
+def batches(rank: int, count: int) -> list[dict]:
+    """Micro-batches of one padded width whose valid-label counts differ widely."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for i in range(count):
+        ids = torch.randint(1, 64, (MICRO, WIDTH), generator=generator)
+        labels = ids.clone()
+        valid = 2 + (5 * i + 3 * rank) % (WIDTH - 2)  # from 2 to WIDTH - 1 labels per row
+        labels[:, valid:] = -100
+        out.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return out
+
+
+def token_mean_gradient(windows: list[list[dict]]) -> list[torch.Tensor]:
+    """The gradient of the token mean over the concatenation of micro-batches, averaged over
+    `windows` (an equal-weight mix of parts, where an epoch's end cuts a window in two)."""
+    net = model()
+    for part in windows:
+        full = {k: torch.cat([torch.tensor(b[k]) for b in part]) for k in ("input_ids", "labels")}
+        (net(**full).loss / len(windows)).backward()
+    return [p.grad for p in net.parameters()]
+
+
+def run(tmp_path: Path, source: str, world: int, per_rank: int, epochs: int) -> list:
+    """Each optimizer step's gradients (rank 0's: the engine averages them over ranks)."""
+    tmp_path.mkdir()
+    script, worker, data = tmp_path / "train.py", tmp_path / "worker.py", tmp_path / "data.json"
+    script.write_text(source)
+    worker.write_text(WORKER)
+    data.write_text(json.dumps([batches(r, per_rank) for r in range(world)]))
+    out = tmp_path / "steps"
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(29600 + world + 7 * epochs),
+        "WORLD_SIZE": str(world),
+        "GA_TINY_GPT2": json.dumps(TINY),
+    }
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(script), str(data), str(out), str(epochs)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    for process in processes:
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, output[-3000:]
+    return torch.load(f"{out}.0")
+
+
+def distance(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    flat = torch.cat([g.flatten() for g in got])
+    return float((flat - torch.cat([w.flatten() for w in want])).norm() / flat.norm())
+
+
+@pytest.fixture(scope="module")
+def fixed() -> str:
+    result = fix_source(TRAIN.encode(), Path("train.py"), Settings())
+    (outcome,) = result.outcomes
+    assert outcome.applied and outcome.site.code == "GA003", outcome.reason
+    text = result.after.decode()
+    assert "engine.backward(loss * window_share)" in text
+    assert 'print(f"epoch {epoch} step {step} loss {loss.item():.4f}")' in text  # the log keeps
+    return text
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_step_of_the_fixed_loop_is_the_windows_token_mean(tmp_path, fixed, world):
+    per_rank = 2 * K  # two whole windows
+    data = [batches(r, per_rank) for r in range(world)]
+    windows = [
+        [b for rank in data for b in rank[w * K : (w + 1) * K]] for w in range(per_rank // K)
+    ]
+    original = run(tmp_path / "original", TRAIN, world, per_rank, epochs=1)
+    patched = run(tmp_path / "patched", fixed, world, per_rank, epochs=1)
+    assert len(original) == len(patched) == len(windows)
+    for before, after, window in zip(original, patched, windows, strict=True):
+        want = token_mean_gradient([window])
+        assert distance(after, want) < 1e-4
+        assert distance(before, want) > 1e-2  # the bug the fix removes
+
+
+def test_a_window_an_epoch_cuts_in_two_keeps_the_original_weight(tmp_path, fixed):
+    """Six micro-batches an epoch and K = 4: the second step's window ends one epoch and opens
+    the next; each part is a token mean weighing half, as its micro-batches do in the
+    original."""
+    per_rank = 6
+    epoch = batches(0, per_rank)
+    patched = run(tmp_path / "patched", fixed, 1, per_rank, epochs=2)
+    assert len(patched) == 3
+    assert distance(patched[0], token_mean_gradient([epoch[:4]])) < 1e-4
+    assert distance(patched[1], token_mean_gradient([epoch[4:], epoch[:2]])) < 1e-4
+    assert distance(patched[2], token_mean_gradient([epoch[2:]])) < 1e-4
+
+
+def test_the_fix_reads_deepspeeds_own_window_boundary(fixed):
+    assert (
+        textwrap.dedent(
+            """\
+        if (engine.micro_steps + len(pending)) % engine.gradient_accumulation_steps() == 0:
+        """
+        ).strip()
+        in fixed
+    )
+    assert "torch.distributed.all_reduce(total)" in fixed
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_verify_replays_the_engine_loop_and_proves_its_fix(processes):
+    """One process: the replay runs in a fresh process of its own, with a gloo group of one;
+    two: on the ranks' group, the engine averaging the gradients over them (and each
+    whole-window replay of the original, on one process, again in a process of its own)."""
+    fixture = FIXTURES / "ga003_deepspeed_json_config.py"  # K in ds_config_zero2.json beside it
+    extra = ["--distributed", "2", "-k", "2,4"] if processes == 2 else ["-k", "4"]
+    result = gaaudit("verify", "--format", "json", *extra, str(fixture))
+    assert result.returncode == 0, result.stderr[-2000:]
+    (loop,) = json.loads(result.stdout)["loops"]
+    assert loop["header"] == "for step, batch in enumerate(loader):"
+    for row in loop["rows"]:
+        assert row["original_verdict"] == REPRODUCED and row["original_error"] > 0.1, row
+        assert row["verdict"] == VERIFIED and row["patched_error"] < 1e-5, row
+        assert row["processes"] == processes
+
+
+def test_an_engine_replay_leaves_the_replaying_process_as_it_was():
+    """The DeepSpeed replay runs apart: the process that replays the next file has no process
+    group, so a Trainer replayed there is not taken for a distributed run."""
+    from gaaudit.commands.verify import Options, verify_files
+
+    engine = FIXTURES / "ga003_deepspeed_json_config.py"
+    trainer = FIXTURES / "ga004_labels_branch_old_signature.py"
+    outcomes = verify_files([(engine, None), (trainer, None)], Options(ks=(4,)))
+    verdicts = [[o.verdict for o in file] for file in outcomes]
+    assert verdicts == [[VERIFIED], [REPRODUCED]], verdicts
