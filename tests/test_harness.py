@@ -194,6 +194,27 @@ def test_a_batch_mover_that_cannot_be_imported_still_moves_the_batch():
     assert "to_device" not in result.replay.bindings
 
 
+EMA = """\
+def train(model, model_ema, loader, optimizer, k):
+    for step, batch in enumerate(loader):
+        loss = model(**batch).loss / k
+        loss.backward()
+        if model_ema is not None:
+            model_ema(model)
+        if (step + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_wrapper_handed_the_model_is_not_taken_for_a_second_model():
+    """`model_ema(model)` updates an average of the weights: it is a stand-in, not a model
+    that the loop's model is fed to."""
+    result = check(EMA, line_of(EMA, "for step"), k=4, divisor_names=["k"], device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason
+    assert "tiny" not in result.replay.bindings["model_ema"]
+
+
 def test_an_auxiliary_loss_the_tiny_model_lacks_reads_as_zero():
     """`out.loss + out.aux_loss` (minimind's mixture of experts): the tiny model has no
     auxiliary loss, so the term is zero and the mean/K bug is measured as in HF_BUGGY."""

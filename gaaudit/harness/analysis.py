@@ -852,7 +852,17 @@ def _roles(
         # the loop also backpropagates past the engine (a branch without DeepSpeed): an engine
         # there would refuse it, so the model is the harness's own
         roles = {c: "model" if r == "engine" else r for c, r in roles.items()}
+    models = {c for c, r in roles.items() if r in ("model", "engine")}
+    for chain in list(roles):  # `model_ema(model)`: a wrapper handed the model, not a model
+        calls = usage.calls.get(chain, [])
+        if chain in models and calls and all(_hands_on(call, models) for call, _ in calls):
+            del roles[chain]
     return roles
+
+
+def _hands_on(call: ast.Call, models: set) -> bool:
+    """Whether a call is handed one of `models` itself (not its output)."""
+    return any(chain_of(a) in models for a in call.args)
 
 
 def _ignore_index(source: str, module_constants: dict, kind: str) -> int | None:
