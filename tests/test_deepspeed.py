@@ -203,30 +203,32 @@ def test_the_fix_reads_deepspeeds_own_window_boundary(fixed):
     assert "torch.distributed.all_reduce(total)" in fixed
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_verify_replays_the_engine_loop_and_proves_its_fix(processes):
-    """One process: the replay runs in a fresh process of its own, with a gloo group of one;
-    two: on the ranks' group, the engine averaging the gradients over them (and each
-    whole-window replay of the original, on one process, again in a process of its own)."""
-    fixture = FIXTURES / "ga003_deepspeed_json_config.py"  # K in ds_config_zero2.json beside it
-    extra = ["--distributed", "2", "-k", "2,4"] if processes == 2 else ["-k", "4"]
-    result = gaaudit("verify", "--format", "json", *extra, str(fixture))
+ENGINE = FIXTURES / "ga003_deepspeed_json_config.py"  # K in ds_config_zero2.json beside it
+
+
+def test_verify_replays_the_engine_loop_apart_and_proves_its_fix():
+    """On one process the replays run in a process kept apart, with a gloo group of one: the
+    process that replays the next file has none, so a Trainer replayed there is not taken for
+    a distributed run."""
+    trainer = FIXTURES / "ga004_labels_branch_old_signature.py"
+    result = gaaudit("verify", "-k", "4", "--format", "json", str(ENGINE), str(trainer))
+    engine_file, trainer_file = json.loads(result.stdout)
+    (loop,) = engine_file["loops"]
+    assert loop["header"] == "for step, batch in enumerate(loader):"
+    (row,) = loop["rows"]
+    assert row["original_verdict"] == REPRODUCED and row["original_error"] > 0.1, row
+    assert row["verdict"] == VERIFIED and row["patched_error"] < 1e-5, row
+    assert [loop["verdict"] for loop in trainer_file["loops"]] == [REPRODUCED]
+    assert result.returncode == 1  # the Trainer's loop, whose fix is not verified
+
+
+def test_verify_replays_the_engine_loop_on_the_ranks():
+    """Two processes: on the ranks' group, the engine averaging the gradients over them (and
+    each whole-window replay of the original, on one process, apart again)."""
+    result = gaaudit("verify", "--distributed", "2", "-k", "2,4", "--format", "json", str(ENGINE))
     assert result.returncode == 0, result.stderr[-2000:]
     (loop,) = json.loads(result.stdout)["loops"]
-    assert loop["header"] == "for step, batch in enumerate(loader):"
     for row in loop["rows"]:
         assert row["original_verdict"] == REPRODUCED and row["original_error"] > 0.1, row
         assert row["verdict"] == VERIFIED and row["patched_error"] < 1e-5, row
-        assert row["processes"] == processes
-
-
-def test_an_engine_replay_leaves_the_replaying_process_as_it_was():
-    """The DeepSpeed replay runs apart: the process that replays the next file has no process
-    group, so a Trainer replayed there is not taken for a distributed run."""
-    from gaaudit.commands.verify import Options, verify_files
-
-    engine = FIXTURES / "ga003_deepspeed_json_config.py"
-    trainer = FIXTURES / "ga004_labels_branch_old_signature.py"
-    outcomes = verify_files([(engine, None), (trainer, None)], Options(ks=(4,)))
-    verdicts = [[o.verdict for o in file] for file in outcomes]
-    assert verdicts == [[VERIFIED], [REPRODUCED]], verdicts
+        assert row["processes"] == 2
