@@ -215,6 +215,36 @@ def test_a_wrapper_handed_the_model_is_not_taken_for_a_second_model():
     assert "tiny" not in result.replay.bindings["model_ema"]
 
 
+TRIPLES = """\
+def train(model, loader, optimizer, k, metric):
+    for step, (input_ids, attention_mask, labels) in enumerate(loader):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        loss = out.loss / k
+        loss.backward()
+        acc, shown = metric.summary()
+        rate = scheduler.get_last_lr()[0]
+        if (step + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_batch_unpacked_into_named_fields_is_served_in_that_order():
+    """`(input_ids, attention_mask, labels)`: three values a batch, named as the harness's
+    fields; `acc, shown = metric.summary()` unpacks a helper's result, not a model output
+    (though `f()[0]` is read elsewhere)."""
+    from gaaudit.harness.analysis import analyse
+
+    plan = analyse(TRIPLES, line_of(TRIPLES, "for step"))
+    assert plan.data_keys == ("input_ids", "attention_mask", "labels")
+    assert ("metric", "summary") not in plan.roles
+    source = TRIPLES.replace("        acc, shown = metric.summary()\n", "").replace(
+        "        rate = scheduler.get_last_lr()[0]\n", ""
+    )
+    result = check(source, 2, k=4, divisor_names=["k"], device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason
+
+
 def test_an_auxiliary_loss_the_tiny_model_lacks_reads_as_zero():
     """`out.loss + out.aux_loss` (minimind's mixture of experts): the tiny model has no
     auxiliary loss, so the term is zero and the mean/K bug is measured as in HF_BUGGY."""

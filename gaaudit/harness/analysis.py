@@ -31,6 +31,11 @@ DEFS = (ast.FunctionDef,)
 ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip", "log_every"}
 HF_KWARGS = {"input_ids", "labels", "attention_mask", "decoder_input_ids", "inputs_embeds"}
 MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
+BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness's batches
+    **dict.fromkeys(("input_ids", "ids", "tokens", "input_tokens"), "input_ids"),
+    **dict.fromkeys(("attention_mask", "attn_mask", "input_mask", "mask"), "attention_mask"),
+    **dict.fromkeys(("labels", "label_ids", "targets", "target"), "labels"),
+}
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
 SCHEDULER_RE = re.compile(r"sched", re.IGNORECASE)
@@ -376,6 +381,7 @@ class _Usage:
     generators: list = field(default_factory=list)
     positions: dict = field(default_factory=lambda: defaultdict(dict))  # `{"labels": batch[3]}`
     tensor_backward: bool = False  # `loss.backward()`: a backward not handed to an engine
+    unpacked: dict = field(default_factory=dict)  # the names each batch unpacks into
 
     def add(self, nodes: list[ast.stmt]) -> None:
         parents = {
@@ -396,7 +402,7 @@ class _Usage:
                     self._iterated(node.iter, node.target)
                 elif isinstance(node, ast.Dict):
                     self._positions(node)
-                elif _reads_output(node):
+                elif _reads_output(node) and chain_of(node.value):  # not `f()[0]`
                     self.result_attrs.add(chain_of(node.value))
                 elif (
                     isinstance(node, ast.Assign)
@@ -520,20 +526,26 @@ class _Usage:
         """Each batch of `chain` unpacks into `names`; values after the first two that go to
         `_` names are not used (VideoMAE's `samples, targets, _, _`)."""
         self.arity.setdefault(chain, len(names))
+        self.unpacked.setdefault(chain, [n.id if isinstance(n, ast.Name) else None for n in names])
         if len(names) > 2 and all(
             isinstance(n, ast.Name) and n.id.startswith("_") for n in names[2:]
         ):
             self.fillers.setdefault(chain, len(names) - 2)
 
 
-def _positional_keys(usage: _Usage) -> tuple:
+def _positional_keys(usage: _Usage, data: list[Chain]) -> tuple:
     """The keys of a batch the loop indexes by position into a dict of named inputs (one
-    name so indexed, with `input_ids` and `labels` among them), None where unnamed."""
+    name so indexed, with `input_ids` and `labels` among them), or unpacks into names that say
+    them (`for input_ids, attention_mask, labels in loader`); None where unnamed."""
     named = [p for p in usage.positions.values() if {"input_ids", "labels"} <= set(p.values())]
-    if len(named) != 1:
-        return ()
-    (positions,) = named
-    return tuple(positions.get(i) for i in range(max(positions) + 1))
+    if len(named) == 1:
+        (positions,) = named
+        return tuple(positions.get(i) for i in range(max(positions) + 1))
+    for chain in data:
+        keys = tuple(BATCH_KEYS.get(name or "") for name in usage.unpacked.get(chain, ()))
+        if {"input_ids", "labels"} <= set(keys):
+            return keys
+    return ()
 
 
 def _is_minus_one(node: ast.expr) -> bool:
@@ -815,7 +827,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         ignore_index=_ignore_index(source, module_constants, kind),
         data_arity=arity,
         data_fillers=fillers,
-        data_keys=_positional_keys(usage),
+        data_keys=_positional_keys(usage, data),
         returns=_returns(usage, models),
         uses_accumulate=any(
             "accumulate" in usage.evidence.get(c, ())

@@ -241,7 +241,11 @@ def _plan(source: str, line: int, divisor_names, model_kind, ignore_index) -> Pl
         plan = analyse(source, line, tuple(divisor_names), model_kind)
         if ignore_index is not None:
             plan.ignore_index = ignore_index
-        if plan.data_arity - plan.data_fillers not in (0, 2) and factory.current_data() is None:
+        if (
+            plan.data_arity - plan.data_fillers not in (0, 2)
+            and not plan.data_keys
+            and factory.current_data() is None
+        ):
             return (
                 f"the loop unpacks {plan.data_arity} values from each batch; the harness "
                 "serves dict batches or (input_ids, labels) pairs (hand in batches of your "
