@@ -75,8 +75,8 @@ class Plan:
     """What replay needs to run one statement. `free` holds the names the statement and its
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
     binds there (model, engine, optimizer, data, data-call, divisor, micro-size, width,
-    accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into micro-batches
-    itself, so it is served the whole window at once. `owner`: the class whose method holds
+    accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into
+    micro-batches itself, so it is served the whole window at once. `owner`: the class whose method holds
     the statement. `derived`: assignments before the statement to evaluate. `stages`: two
     models chained as encoder and decoder. `settings`: the script's option defaults, given
     to the stubs that stand for its parsed arguments."""

@@ -506,11 +506,8 @@ def _engine_process_stopped() -> None:
 
 def _engine_process() -> None:
     """The kept process starts: a gloo group of one, for every DeepSpeed replay it runs."""
-    import os
-
     import torch.distributed as dist
 
-    os.environ.setdefault("LOCAL_RANK", "0")
     _apart["engine"] = True
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
