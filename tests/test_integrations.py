@@ -104,12 +104,14 @@ def git_repository(path: Path, files: dict[str, Path | str]) -> Path:
 
 
 @pytest.fixture(scope="session")
-def try_repo(tmp_path_factory):
-    """Run `pre-commit try-repo <this checkout> HOOK --all-files` in a target repository.
+def pre_commit_run(tmp_path_factory):
+    """Run the real pre-commit with hook HOOK of this checkout on a target repository.
 
     The checkout's working tree (tracked and untracked, not ignored) is committed to a copy,
-    since try-repo installs the hook from a commit. Every call shares one PRE_COMMIT_HOME, so
-    the hook's virtualenv (gaaudit and its dependencies from PyPI) is built once.
+    which a configuration outside the target names at that commit, as a user's
+    `.pre-commit-config.yaml` would. Every call shares one PRE_COMMIT_HOME, so the hook's
+    virtualenv (gaaudit and its dependencies from PyPI) is built once (`pre-commit try-repo`
+    builds it anew on every call).
     """
     base = tmp_path_factory.mktemp("pre-commit")
     listed = subprocess.run(
@@ -129,13 +131,20 @@ def try_repo(tmp_path_factory):
     git("add", ".", cwd=copy)
     identity = ("-c", "user.email=ci@example.com", "-c", "user.name=CI")
     git(*identity, "commit", "-q", "-m", "snapshot", cwd=copy)
+    rev = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=copy, check=True, capture_output=True, text=True
+    ).stdout.strip()
     env = {**os.environ, "PRE_COMMIT_HOME": str(base / "home"), "PRE_COMMIT_COLOR": "never"}
 
     def run(hook: str, target: Path, *files: str) -> subprocess.CompletedProcess:
         """The hook on these `files`, or on every file of the repository."""
+        config = base / f"{hook}.yaml"
+        config.write_text(
+            f"repos:\n- repo: {copy.as_posix()}\n  rev: {rev}\n  hooks:\n  - id: {hook}\n"
+        )
         chosen = ["--files", *files] if files else ["--all-files"]
         result = subprocess.run(
-            [sys.executable, "-m", "pre_commit", "try-repo", str(copy), hook, *chosen],
+            [sys.executable, "-m", "pre_commit", "run", "-c", str(config), *chosen],
             cwd=target,
             env=env,
             capture_output=True,
@@ -155,26 +164,26 @@ def try_repo(tmp_path_factory):
     return run
 
 
-def test_pre_commit_check_hook(try_repo, tmp_path):
+def test_pre_commit_check_hook(pre_commit_run, tmp_path):
     both = git_repository(tmp_path / "both", {"train.py": BUGGY, "eval.py": CLEAN})
-    failed = try_repo("gaaudit", both)
+    failed = pre_commit_run("gaaudit", both)
     assert failed.returncode == 1, failed.stdout
     assert "GA002" in failed.stdout and "train.py" in failed.stdout
     clean = git_repository(tmp_path / "clean", {"eval.py": CLEAN})
-    passed = try_repo("gaaudit", clean)
+    passed = pre_commit_run("gaaudit", clean)
     assert passed.returncode == 0, passed.stdout
 
 
-def test_pre_commit_fix_hook(try_repo, tmp_path):
+def test_pre_commit_fix_hook(pre_commit_run, tmp_path):
     repository = git_repository(tmp_path / "repo", {"train.py": BUGGY, "eval.py": CLEAN})
-    result = try_repo("gaaudit-fix", repository)
+    result = pre_commit_run("gaaudit-fix", repository)
     assert result.returncode == 1, result.stdout
     assert "files were modified by this hook" in result.stdout
     assert (repository / "train.py").read_text() == BUGGY.with_suffix(".fixed.py").read_text()
     assert (repository / "eval.py").read_text() == CLEAN.read_text()
 
 
-def test_pre_commit_hooks_honour_the_configured_excludes(try_repo, tmp_path):
+def test_pre_commit_hooks_honour_the_configured_excludes(pre_commit_run, tmp_path):
     repository = git_repository(
         tmp_path / "repo",
         {
@@ -183,23 +192,23 @@ def test_pre_commit_hooks_honour_the_configured_excludes(try_repo, tmp_path):
             "train.py": BUGGY,
         },
     )
-    result = try_repo("gaaudit-fix", repository)
+    result = pre_commit_run("gaaudit-fix", repository)
     assert result.returncode == 1, result.stdout
     assert (repository / "legacy" / "train.py").read_text() == BUGGY.read_text()
     assert (repository / "train.py").read_text() == BUGGY.with_suffix(".fixed.py").read_text()
     git("add", ".", cwd=repository)
-    assert try_repo("gaaudit", repository).returncode == 0  # what is left is excluded
+    assert pre_commit_run("gaaudit", repository).returncode == 0  # what is left is excluded
 
 
 PIN = "transformers==4.40.0\n"  # before the Trainer's accumulation fix (GA006)
 ACCUMULATES = FIXTURES / "ga001_hf_clm_sft_no_trainer.py"  # --gradient_accumulation_steps 8
 
 
-def test_pre_commit_check_hook_runs_when_a_requirements_file_changes(try_repo, tmp_path):
+def test_pre_commit_check_hook_runs_when_a_requirements_file_changes(pre_commit_run, tmp_path):
     repository = git_repository(
         tmp_path / "repo", {"requirements.txt": PIN, "train.py": ACCUMULATES}
     )
-    result = try_repo("gaaudit", repository, "requirements.txt")
+    result = pre_commit_run("gaaudit", repository, "requirements.txt")
     assert result.returncode == 1, result.stdout
     assert "requirements.txt:1:1: GA006" in result.stdout
 
