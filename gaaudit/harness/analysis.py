@@ -39,8 +39,11 @@ BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
 SCHEDULER_RE = re.compile(r"sched", re.IGNORECASE)
+# a function that makes something (`get_sft_collate_fn(**kwargs)`): not a model called on a batch
+FACTORY_RE = re.compile(r"(get|make|build|create|load)_", re.IGNORECASE)
 DATA_RE = re.compile(r"batch|loader|data|(^|_)iter(ator)?($|_)", re.IGNORECASE)
 DIVISOR_RE = re.compile(r"accum", re.IGNORECASE)
+COUNT_RE = re.compile(r"(steps|iters?)$", re.IGNORECASE)
 NOT_DIVISOR_RE = re.compile(r"loss|token|count|item|sum|total", re.IGNORECASE)
 MICRO_SIZE_RE = re.compile(r"micro_?(batch_?)?(size|bs)$|^mbs$", re.IGNORECASE)
 # a loss function handed in (`train_one_epoch(model, criterion, ...)`, `self.loss_fn`)
@@ -74,12 +77,13 @@ class NotReplayable(Exception):
 class Plan:
     """What replay needs to run one statement. `free` holds the names the statement and its
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
-    binds there (model, engine, optimizer, data, data-call, divisor, micro-size, width,
-    accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into
+    binds there (model, engine, optimizer, data, data-call, divisor, divisor-call, micro-size,
+    width, accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into
     micro-batches itself, so it is served the whole window at once. `owner`: the class whose method holds
     the statement. `derived`: assignments before the statement to evaluate. `stages`: two
     models chained as encoder and decoder. `settings`: the script's option defaults, given
-    to the stubs that stand for its parsed arguments."""
+    to the stubs that stand for its parsed arguments. `counters`: the string items of a free
+    mapping that the statement counts with (they start at 0)."""
 
     target: ast.stmt
     imports: list[ast.stmt]
@@ -90,6 +94,7 @@ class Plan:
     roles: dict[Chain, str]
     prefetch: dict[Chain, list[str]] = field(default_factory=dict)
     initial: dict[str, object] = field(default_factory=dict)
+    counters: dict[str, tuple[str, ...]] = field(default_factory=dict)
     model_kind: str = "causal"
     ignore_index: int | None = None
     data_arity: int = 0
@@ -326,6 +331,24 @@ def _initial_values(
         if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)
     }
     return {**dict.fromkeys(augmented & set(free), 0), **found}
+
+
+def _counters(target: ast.stmt, free: list[str]) -> dict[str, tuple[str, ...]]:
+    """Free names of mappings whose string items the statement augments: the counters a loop
+    keeps in a dict (lit-gpt's `state["iter_num"] += 1`), by name."""
+    counters = defaultdict(list)
+    for node in ast.walk(target):
+        item = node.target if isinstance(node, ast.AugAssign) else None
+        if (
+            isinstance(item, ast.Subscript)
+            and isinstance(item.value, ast.Name)
+            and item.value.id in free
+            and isinstance(item.slice, ast.Constant)
+            and isinstance(item.slice.value, str)
+            and item.slice.value not in counters[item.value.id]
+        ):
+            counters[item.value.id].append(item.slice.value)
+    return {name: tuple(keys) for name, keys in counters.items()}
 
 
 def _tested_for_none(target: ast.AST) -> set[str]:
@@ -664,8 +687,11 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
     if last in ITER_WRAPPERS:
         return None  # it iterates the data it is handed
     called = "called" in ev
-    if not called and _is_divisor(chain, divisor_names):
-        return "divisor"
+    if _is_divisor(chain, divisor_names):
+        if not called:
+            return "divisor"
+        if COUNT_RE.search(last) and "accumulate" not in ev:
+            return "divisor-call"  # lit-gpt's `train.gradient_accumulation_iters(devices)`
     if not called and MICRO_SIZE_RE.search(last):
         return "micro-size"
     if not called and "width" in ev:
@@ -686,12 +712,13 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "criterion"
     if "iterated-call" in ev:
         return "data-call"
+    if any(SCHEDULER_RE.search(part) for part in chain):
+        return None  # `scheduler.get_last_lr()[0]` reads no model output
     shape = _call_shape(usage, chain)
-    model_like = "model-method" in ev or (shape and (MODEL_RE.search(last) or shape == "hf"))
+    named = MODEL_RE.search(last) or (shape == "hf" and not FACTORY_RE.match(last))
+    model_like = "model-method" in ev or (shape and named)
     if model_like and not (shape == "logits" and DATA_RE.search(last)):
         return "model"
-    if SCHEDULER_RE.search(last):
-        return None
     if ev & {"zero_grad", "step", "optimizer-arg"} or (not called and OPTIMIZER_RE.search(last)):
         return "optimizer"
     if ev & {"iterated", "next"} or (called and DATA_RE.search(last)):
@@ -822,6 +849,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         roles=roles,
         prefetch=prefetch,
         initial=_initial_values(tree, target, free, settings),
+        counters=_counters(target, free),
         settings=settings,
         model_kind=kind,
         ignore_index=_ignore_index(source, module_constants, kind),

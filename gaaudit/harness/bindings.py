@@ -79,6 +79,7 @@ class Objects:
                 "loss scaler stand-in: backward, and a step where update_grad holds",
             ),
             "divisor": (k, f"K = {k}"),
+            "divisor-call": (lambda *args, **kwargs: k, f"a function returning K = {k}"),
             "micro-size": (size, f"{size} samples: a batch of {samples} makes {k} micro-batches"),
             "width": (width, f"{width}, the model's output width"),
             "device": (str(device), str(device)),
@@ -106,6 +107,11 @@ class Objects:
             if name not in self.values and name not in namespace:
                 self.values[name] = value
                 self.bindings[name] = f"{value!r}, as assigned before the statement"
+        for name, keys in plan.counters.items():
+            if name not in self.values and name not in namespace:
+                self.values[name] = Stub(name, items=dict.fromkeys(keys, 0))
+                counted = ", ".join(f"[{key!r}]" for key in keys)
+                self.bindings[name] = f"stub whose counters {counted} start at 0"
         self._derive(namespace)
         params = [p for p in plan.params or [] if p not in plan.optional]
         for name in plan.free + params:

@@ -14,12 +14,15 @@ class Stub:
     data first, it returns the data),
     attribute-able (attributes are stubs too, or the values given in `children`),
     iterable-empty, falsy, a no-op context manager, absorbing in arithmetic, unequal to
-    everything else and larger than any number (a limit such as `args.max_steps` is never
-    reached). Its repr names the expression it replaces."""
+    everything else, larger than any number and, on the left of `<`, below another stub (a
+    limit such as `args.max_steps` is never reached, `epoch < args.epochs` holds). Items set
+    on it are kept, and `items` gives some from the start (`state["iter_num"] += 1` counts
+    from 0). Its repr names the expression it replaces."""
 
-    def __init__(self, path: str = "stub", children: dict | None = None):
+    def __init__(self, path: str = "stub", children: dict | None = None, items: dict | None = None):
         object.__setattr__(self, "_path", path)
         object.__setattr__(self, "_children", dict(children or {}))
+        object.__setattr__(self, "_items", dict(items or {}))
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -40,10 +43,14 @@ class Stub:
         return Stub(f"{self._path}()")
 
     def __getitem__(self, key):
-        return Stub(f"{self._path}[]")
+        try:
+            return self._items[key]
+        except (KeyError, TypeError):  # not set, or a key that cannot be kept (a slice)
+            return Stub(f"{self._path}[]")
 
     def __setitem__(self, key, value) -> None:
-        pass
+        with contextlib.suppress(TypeError):
+            self._items[key] = value
 
     def __enter__(self):
         return self
@@ -88,12 +95,12 @@ def _absorb(self, *other):
     return self
 
 
-def _false(self, other):
-    return False
+def _below(self, other):
+    return isinstance(other, Stub)
 
 
-def _true(self, other):
-    return True
+def _above(self, other):
+    return not isinstance(other, Stub)
 
 
 for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or"):
@@ -102,9 +109,9 @@ for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"
 for _name in ("neg", "pos", "abs", "invert"):
     setattr(Stub, f"__{_name}__", _absorb)
 for _name in ("lt", "le"):
-    setattr(Stub, f"__{_name}__", _false)
+    setattr(Stub, f"__{_name}__", _below)
 for _name in ("gt", "ge"):
-    setattr(Stub, f"__{_name}__", _true)
+    setattr(Stub, f"__{_name}__", _above)
 del _name, _form
 
 
