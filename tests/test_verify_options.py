@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import devices, gaaudit
+from conftest import FIXTURES, devices, gaaudit
 from torch import nn
 
 from gaaudit.commands.verify import (
@@ -346,6 +346,42 @@ def test_a_stand_in_reaching_torch_is_named_with_its_line(tmp_path):
     verdict = loop["rows"][0]["original_verdict"]
     assert verdict.startswith("not replayable: TypeError")
     assert "(line 11; it reads `cfg.max_len`, which the harness could not bind" in verdict
+
+
+UNPACKS_A_STAND_IN = """\
+from mylib.metrics import TokenMetric  # not installed here: a stand-in
+
+metric = TokenMetric()
+
+
+def train(model, loader, optimizer, accum):
+    for step, batch in enumerate(loader):
+        loss = model(**batch).loss / accum
+        loss.backward()
+        acc, running = metric.get_metric()
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_stand_in_unpacks_and_a_deepspeed_window_set_up_at_launch_is_named(tmp_path):
+    """`acc, running = metric.get_metric()` of a library that is not installed unpacks into
+    stand-ins, so the loop replays (the bug reproduced); an accelerate loop whose window
+    DeepSpeed forms, with K in the configuration given at launch, is not replayed as if each
+    micro-batch were a window, and the verdict says why."""
+    (tmp_path / "train.py").write_text(UNPACKS_A_STAND_IN)
+    launched = FIXTURES / "ga003_accelerate_deepspeed_plugin_at_launch.py"
+    result = gaaudit(
+        "verify", "train.py", str(launched), "-k", "2", "--format", "json", cwd=tmp_path
+    )
+    unpacked, deepspeed = (report["loops"][0] for report in json.loads(result.stdout))
+    assert unpacked["rows"][0]["original_verdict"] == "bug reproduced", unpacked
+    assert deepspeed["verdict"] == (
+        "not replayable: the window is DeepSpeed's, set up through accelerate at launch (its K "
+        "is in the configuration given there), which the replay does not build; the loop "
+        "itself steps every micro-batch"
+    )
 
 
 OWN_MODEL_CALLS = """

@@ -142,7 +142,7 @@ class _WindowFinding:
             found = self._calls_window(scope)
             if found is not None:
                 return found
-        if self._accelerate_deepspeed(backward):  # the engine accumulates behind `optimizer.step()`
+        if self.accelerate_deepspeed(backward):  # the engine accumulates behind `optimizer.step()`
             return Window("framework", None, None, backward.call, ())
         return None
 
@@ -356,7 +356,7 @@ class _Frameworks:
         if self.deepspeed_engine(backward):
             where = self.deepspeed_accumulation()
             return f"DeepSpeed, gradient_accumulation_steps in {where}" if where else None
-        if window.kind == "framework" and self._accelerate_deepspeed(backward):
+        if window.kind == "framework" and self.accelerate_deepspeed(backward):
             return "accelerate with DeepSpeed, gradient_accumulation_steps in the config given at launch"
         receiver = self._receiver(backward)
         if receiver is None or not self._is_accelerator(receiver):
@@ -402,7 +402,7 @@ class _Frameworks:
             keyword(c, "gradient_accumulation_steps") is not None for c in accelerators
         )
 
-    def _accelerate_deepspeed(self, backward: Backward) -> bool:
+    def accelerate_deepspeed(self, backward: Backward) -> bool:
         """An accelerator's backward in a file that runs it with DeepSpeed configured at launch
         (`accelerator.state.deepspeed_plugin`), K set nowhere in the file."""
         receiver = self._receiver(backward)

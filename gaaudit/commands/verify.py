@@ -188,21 +188,24 @@ def targets(
     evidence = scan(text.removeprefix("\ufeff"))
     domains = Domains(tree, auditor.tracer, evidence, text)
     windows = [
-        (site.window, site.backward.call or site.node, site.origin.divisions, True, fixed)
+        (site.window, site.backward.call or site.node, site.origin.divisions, True, fixed, stops)
         for site in auditor.sites()
         for domain in [domains.of(site.origin)]
         for fixed in [domain.sign if domain.varies is False else ""]
+        for stops in [_launched_window(auditor.structure, site.backward, site.window)]
     ]
-    windows += [(s.window, s.node, (), True, "") for s in Windows(tree, auditor.structure).sites()]
+    windows += [
+        (s.window, s.node, (), True, "", "") for s in Windows(tree, auditor.structure).sites()
+    ]
     for backward in auditor.structure.backwards():
         window = auditor.structure.window(backward)
         if window is not None and (
             window.kind in ("modulo", "micro-loop", "accumulate")
             or auditor.structure.deepspeed_engine(backward)
         ):
-            windows.append((window, backward.call, (), False, ""))
+            windows.append((window, backward.call, (), False, "", ""))
     equal = _drops_last(path) if windows else ""
-    for window, anchor, divisions, flagged, fixed in windows:
+    for window, anchor, divisions, flagged, fixed, stops in windows:
         statement = _replayed_statement(tree, window, anchor)
         if statement is None:
             continue
@@ -221,7 +224,14 @@ def targets(
             fixed = ""  # another finding of this loop does not say so
         patched_line = _find(patched_lines, header, _occurrence(lines, header, start))
         found[start] = Target(
-            start, patched_line, header, merged, flagged, fixed_length=fixed, equal_sizes=equal
+            start,
+            patched_line,
+            header,
+            merged,
+            flagged,
+            fixed_length=fixed,
+            equal_sizes=equal,
+            stops=stops,
         )
     statements = {line for line, t in found.items() if t.flagged}
     audit = TrainerAudit(tree)
@@ -386,6 +396,18 @@ def _built_with(tree, call: cst.Call) -> tuple[str, str]:
                 "batches with --data-factory)"
             ), ""
     return "", loss.value if loss is not None else ""
+
+
+def _launched_window(structure, backward, window) -> str:
+    """Why a window that DeepSpeed forms behind accelerate, with K in the configuration given
+    at launch, is not replayed (the loop itself steps every micro-batch); else ""."""
+    if window.kind == "framework" and structure.accelerate_deepspeed(backward):
+        return (
+            "the window is DeepSpeed's, set up through accelerate at launch (its K is in the "
+            "configuration given there), which the replay does not build; the loop itself "
+            "steps every micro-batch"
+        )
+    return ""
 
 
 def _drops_last(path: Path) -> str:

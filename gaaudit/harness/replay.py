@@ -573,17 +573,45 @@ def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
     target is defined without its decorators), and the keyword arguments to call it with."""
     values = objects.values
     namespace.update({n: v for n, v in values.items() if n not in (plan.params or ())})
+    namespace[_UNPACK] = _unpacked
+    target = _StubsUnpack().visit(copy.deepcopy(plan.target))
     if plan.params is not None:
-        node = copy.copy(plan.target)
-        node.decorator_list = []
-        exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
-        return namespace[node.name], {n: values[n] for n in plan.params if n in values}
+        target.decorator_list = []
+        module = ast.fix_missing_locations(ast.Module([target], []))
+        exec(compile(module, filename, "exec"), namespace)  # noqa: S102
+        return namespace[target.name], {n: values[n] for n in plan.params if n in values}
     wrapper = ast.parse(f"def __gaaudit_replay__({', '.join(values)}):\n    pass").body[0]
-    wrapper.body = [plan.target]
+    wrapper.body = [target]
     ast.copy_location(wrapper, plan.target)
     module = ast.fix_missing_locations(ast.Module([wrapper], []))
     exec(compile(module, filename, "exec"), namespace)  # noqa: S102
     return namespace["__gaaudit_replay__"], values
+
+
+_UNPACK = "__gaaudit_unpacked__"
+
+
+class _StubsUnpack(ast.NodeTransformer):
+    """`acc, loss = metric.get_metric()`: the value goes through `_unpacked`, so that a stub
+    unpacks into as many stubs as there are names (iterated, a stub is empty)."""
+
+    def visit_Assign(self, node: ast.Assign) -> ast.Assign:
+        self.generic_visit(node)
+        (target, *more) = node.targets
+        if (
+            not more
+            and isinstance(target, (ast.Tuple, ast.List))
+            and not any(isinstance(e, ast.Starred) for e in target.elts)
+        ):
+            unpack = ast.Name(_UNPACK, ast.Load())
+            node.value = ast.Call(unpack, [node.value, ast.Constant(len(target.elts))], [])
+        return node
+
+
+def _unpacked(value, count: int):
+    if type(value) is Stub:
+        return tuple(Stub(f"{value._path}[{i}]") for i in range(count))
+    return value
 
 
 @contextlib.contextmanager
