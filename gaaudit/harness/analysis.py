@@ -34,7 +34,7 @@ MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
 BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness's batches
     **dict.fromkeys(("input_ids", "ids", "tokens", "input_tokens"), "input_ids"),
     **dict.fromkeys(("attention_mask", "attn_mask", "input_mask", "mask"), "attention_mask"),
-    **dict.fromkeys(("labels", "label_ids", "targets", "target"), "labels"),
+    **dict.fromkeys(("labels", "label_ids", "targets", "target", "target_ids"), "labels"),
 }
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
@@ -100,6 +100,8 @@ class Plan:
     data_arity: int = 0
     data_fillers: int = 0  # of data_arity, the unused values after (input_ids, labels)
     data_keys: tuple = ()  # a tuple batch's keys by position, None where unnamed: `batch[3]`
+    # a dict batch's fields the loop reads under other names: `batch["input_mask"]`
+    data_aliases: dict[str, str] = field(default_factory=dict)
     returns: tuple | None = None  # how the loop unpacks its model's result: `loss, (a, b) = ...`
     uses_accumulate: bool = False
     splits_batch: bool = False
@@ -405,6 +407,7 @@ class _Usage:
     positions: dict = field(default_factory=lambda: defaultdict(dict))  # `{"labels": batch[3]}`
     tensor_backward: bool = False  # `loss.backward()`: a backward not handed to an engine
     unpacked: dict = field(default_factory=dict)  # the names each batch unpacks into
+    keys: set = field(default_factory=set)  # string keys read: `batch_data["input_mask"]`
 
     def add(self, nodes: list[ast.stmt]) -> None:
         parents = {
@@ -419,6 +422,8 @@ class _Usage:
                 chain = chain_of(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
                 if chain:
                     self.chains.add(chain)
+                if _keyed(node):
+                    self.keys.add(node.slice.value)
                 if isinstance(node, ast.Call):
                     self._call(node, parents)
                 elif isinstance(node, (ast.For, ast.comprehension)):
@@ -856,6 +861,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         data_arity=arity,
         data_fillers=fillers,
         data_keys=_positional_keys(usage, data),
+        data_aliases={k: BATCH_KEYS[k] for k in usage.keys if BATCH_KEYS.get(k, k) != k},
         returns=_returns(usage, models),
         uses_accumulate=any(
             "accumulate" in usage.evidence.get(c, ())

@@ -353,4 +353,8 @@ def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
         return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
     if plan.model_kind == "sequence":  # the token sequences alone: the model scores them
         return [b["input_ids"] for b in batches]
-    return [BatchEncoding(dict(b)) for b in batches]
+    aliased = plan.data_aliases.items()  # `batch["input_mask"]`: the field under that name
+    return [
+        BatchEncoding({**b, **{alias: b[key] for alias, key in aliased if key in b}})
+        for b in batches
+    ]
