@@ -20,8 +20,8 @@ DDP_FIXTURES = sorted(
 )
 # Those the harness cannot serve, with the reason their replay gives.
 NOT_REPLAYABLE = {
-    # reads batch["tokens"] and batch["loss_mask"]: keys the harness data does not hold
-    "ga001_ddp_masked_mean_loss_mask": "KeyError: 'tokens'",
+    # reads batch["loss_mask"]: a key the harness data does not hold (`tokens` is served as the input ids)
+    "ga001_ddp_masked_mean_loss_mask": "KeyError: 'loss_mask'",
 }
 
 # One target per image in chunks of one size: the mean/K is exact (GA-GUIDE section 3).
