@@ -100,12 +100,7 @@ NOT_REPLAYABLE = {
         "not replayable: RuntimeError: random_ expects",
         ("random_ expects 'from' to be less than 'to'",),
     ),
-    # Batches with keys the harness's data does not hold (`loss_mask`, `chosen`; `tokens` is
-    # served as the input ids).
-    "ga001_ddp_masked_mean_loss_mask": (
-        "not replayable: KeyError: 'loss_mask'",
-        ("KeyError: 'loss_mask'",),
-    ),
+    # Batches with keys the harness's data does not hold (`chosen`).
     "ga001_exact_dpo_named_logsigmoid": (
         "not replayable: KeyError: 'chosen'",
         ("KeyError: 'chosen'",),

@@ -35,6 +35,8 @@ BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness
     **dict.fromkeys(("input_ids", "ids", "tokens", "input_tokens"), "input_ids"),
     **dict.fromkeys(("attention_mask", "attn_mask", "input_mask", "mask"), "attention_mask"),
     **dict.fromkeys(("labels", "label_ids", "targets", "target", "target_ids"), "labels"),
+    # made from the labels: 1 where the loss counts a target, 0 where it ignores one
+    **dict.fromkeys(("loss_mask", "label_mask", "labels_mask", "target_mask"), "loss_mask"),
 }
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
@@ -861,7 +863,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         data_arity=arity,
         data_fillers=fillers,
         data_keys=_positional_keys(usage, data),
-        data_aliases={k: BATCH_KEYS[k] for k in usage.keys if BATCH_KEYS.get(k, k) != k},
+        data_aliases={k: BATCH_KEYS[k] for k in usage.keys if k in BATCH_KEYS},
         returns=_returns(usage, models),
         uses_accumulate=any(
             "accumulate" in usage.evidence.get(c, ())
