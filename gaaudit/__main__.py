@@ -66,8 +66,7 @@ def main() -> None:
     except UsageError as exc:
         print(f"gaaudit: error: {exc}", file=sys.stderr)
         code = EXIT_ERROR
-    except KeyboardInterrupt:
-        print("gaaudit: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # as typer does for the other command lines
         code = EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader left (`| head`): say nothing more, as click does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

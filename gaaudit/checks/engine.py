@@ -220,6 +220,7 @@ def _in_workers(
     work: list[tuple[Path, cache.Entry | None]], settings: Settings, recording: bool, jobs: int
 ) -> Iterator[Result]:
     """Results from `jobs` worker processes, at most `IN_FLIGHT` tasks per worker queued."""
+    import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     pool = ProcessPoolExecutor(max_workers=jobs, initializer=_start_worker)
@@ -239,7 +240,11 @@ def _in_workers(
             tasks[pool.submit(_checked, task, settings, recording)] = task
         while tasks:
             yield from finished()
-    finally:  # on Ctrl-C too: drop queued work, let the workers finish their task and exit
+    except BaseException:  # Ctrl-C, or the reader left: stop the workers mid-task, at once
+        for worker in multiprocessing.active_children():  # they only read and analyse
+            worker.terminate()
+        raise
+    finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
