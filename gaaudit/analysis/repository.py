@@ -290,7 +290,8 @@ class _Callers:
         file beside this one is a dependency: a caller edited re-judges this file."""
         if not self.name or self.hops > MAX_HOPS:
             return None
-        needle = function.encode() + b"("
+        # a caller names the function, and this module where it imports it
+        needles = (function.encode() + b"(", Path(self.name).stem.encode())
         for path in sorted(self.directory.glob("*.py")):
             digest = file_digest(path)
             self.dependencies.add(Dependency(str(path), digest))
@@ -298,7 +299,7 @@ class _Callers:
                 continue
             try:
                 data = path.read_bytes()
-                if needle not in data:
+                if not all(needle in data for needle in needles):
                     continue
                 tree = Tree(parse(data), data)
             except (OSError, SourceError, RecursionError):
