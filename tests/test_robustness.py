@@ -42,6 +42,12 @@ TRIGGER = "\nfor i, x in enumerate(xs):\n    f(x).backward()\n    if i % 2:\n   
 CONSOLE = Path(sys.executable).with_name("gaaudit")
 # The installed console script keeps the working directory off `sys.path`, unlike `python -m`.
 COMMAND = [str(CONSOLE)] if CONSOLE.exists() else [sys.executable, "-I", "-m", "gaaudit"]
+# Runs the command line after it with Ctrl-C's default action (exec keeps it).
+DEFAULT_SIGINT = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])",
+]
 LINUX = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="counts processes in /proc")
 
 
@@ -588,12 +594,18 @@ def _workers(group: int, main: int) -> list[int]:
 
 
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path, Path]:
-    """The console script in its own process group; output goes to files, which,
-    unlike pipes nobody reads while it runs, never fill up and block it."""
+    """The console script in its own process group, with Ctrl-C's default action as in a
+    terminal (a runner started in the background ignores SIGINT, and its children inherit
+    that); output goes to files, which, unlike pipes nobody reads while it runs, never fill
+    up and block it."""
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with stdout.open("wb") as out, stderr.open("wb") as err:
         process = subprocess.Popen(
-            [*COMMAND, *args], cwd=tmp_path, stdout=out, stderr=err, start_new_session=True
+            [*DEFAULT_SIGINT, *COMMAND, *args],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
         )
     return process, stdout, stderr
 
