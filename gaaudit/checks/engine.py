@@ -223,6 +223,7 @@ def _in_workers(
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+    others = set(multiprocessing.active_children())  # processes not the pool's
     pool = ProcessPoolExecutor(max_workers=jobs, initializer=_start_worker)
     tasks: dict = {}  # future -> its chunk
 
@@ -241,7 +242,7 @@ def _in_workers(
         while tasks:
             yield from finished()
     except BaseException:  # Ctrl-C, or the reader left: stop the workers mid-task, at once
-        for worker in multiprocessing.active_children():  # they only read and analyse
+        for worker in set(multiprocessing.active_children()) - others:  # they only analyse
             worker.terminate()
         raise
     finally:

@@ -336,8 +336,6 @@ def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
     """What the loop's data yields: the user's batches as they are, tuples by position
     (`batch[3]` read as `labels`), `(input_ids, labels)` pairs, or `BatchEncoding`s; one
     merged batch for a loop that cuts it into micro-batches."""
-    from transformers import BatchEncoding
-
     if plan.splits_batch:
         batches = [factory.concatenate(batches) if user else merge_batches(batches, ignore_index)]
     if user:
@@ -348,6 +346,8 @@ def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
         return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
     if plan.model_kind == "sequence":  # the token sequences alone: the model scores them
         return [b["input_ids"] for b in batches]
+    from transformers import BatchEncoding  # imported only here: other kinds run without it
+
     aliased = plan.data_aliases.items()  # `batch["input_mask"]`: the field under that name
     return [
         BatchEncoding(
