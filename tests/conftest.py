@@ -101,18 +101,6 @@ def sarif_schema() -> dict:
     return json.loads((DATA / "sarif-schema-2.1.0.json").read_text(encoding="utf-8"))
 
 
-# Files that replay loops (a verify run costs seconds of imports): with `--dist loadfile` each file
-# goes whole to one worker in collection order, and one of these taken last would leave the
-# other worker idle for minutes.
-REPLAY_HEAVY = ("test_verify_", "test_proof", "test_deepspeed", "test_cross_module")
-
-
 def pytest_collection_modifyitems(items):
-    """The replay-heavy files first; JAX tests last: once JAX has started its threads, forking
-    worker pools could deadlock."""
-    items.sort(
-        key=lambda item: (
-            item.path.name == "test_optax_fix_runtime.py",
-            not item.path.name.startswith(REPLAY_HEAVY),
-        )
-    )
+    """JAX tests run last: once JAX has started its threads, forking worker pools could deadlock."""
+    items.sort(key=lambda item: item.path.name == "test_optax_fix_runtime.py")
