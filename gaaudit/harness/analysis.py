@@ -102,7 +102,7 @@ class Plan:
     data_arity: int = 0
     data_fillers: int = 0  # of data_arity, the unused values after (input_ids, labels)
     data_keys: tuple = ()  # a tuple batch's keys by position, None where unnamed: `batch[3]`
-    # a dict batch's fields the loop reads under other names: `batch["input_mask"]`
+    # the fields a dict batch is read by, with the harness's field each names: `batch["input_mask"]`
     data_aliases: dict[str, str] = field(default_factory=dict)
     returns: tuple | None = None  # how the loop unpacks its model's result: `loss, (a, b) = ...`
     uses_accumulate: bool = False

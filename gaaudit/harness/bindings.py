@@ -340,8 +340,14 @@ def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
         batches = [factory.concatenate(batches) if user else merge_batches(batches, ignore_index)]
     if user:
         return list(batches)
-    if plan.data_keys:  # a tuple by position
-        return [tuple(_field(b, key, ignore_index) for key in plan.data_keys) for b in batches]
+    fields = [_fields(b, ignore_index) for b in batches]
+    if plan.data_keys:  # a tuple by position; an input the harness does not make is zeros
+        return [
+            tuple(
+                f[key] if key in f else torch.zeros_like(f["input_ids"]) for key in plan.data_keys
+            )
+            for f in fields
+        ]
     if plan.data_arity:
         return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
     if plan.model_kind == "sequence":  # the token sequences alone: the model scores them
@@ -350,25 +356,14 @@ def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
 
     aliased = plan.data_aliases.items()  # `batch["input_mask"]`: the field under that name
     return [
-        BatchEncoding(
-            {
-                **b,
-                **{
-                    alias: _field(b, key, ignore_index)
-                    for alias, key in aliased
-                    if key in b or key == "loss_mask"
-                },
-            }
-        )
-        for b in batches
+        BatchEncoding({**b, **{alias: f[key] for alias, key in aliased if key in f}})
+        for b, f in zip(batches, fields)
     ]
 
 
-def _field(batch: dict, key: str | None, ignore_index: int):
-    """A field of a harness batch: the loss mask made from its labels; an input the harness
-    does not make is zeros."""
-    if key in batch:
-        return batch[key]
-    if key == "loss_mask":
-        return (batch["labels"] != ignore_index).long()
-    return torch.zeros_like(batch["input_ids"])
+def _fields(batch: dict, ignore_index: int) -> dict:
+    """A harness batch's fields, with the loss mask made from its labels (1 where the loss
+    counts a target) where it has labels."""
+    if "labels" not in batch:
+        return batch
+    return {**batch, "loss_mask": (batch["labels"] != ignore_index).long()}
