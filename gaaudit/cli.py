@@ -279,11 +279,14 @@ def verify(
         typer.Option("-k", metavar="K,K", help="Window sizes, comma-separated [default: 2,4,8]."),
     ] = None,
     device: Annotated[
-        str | None, typer.Option(metavar="DEVICE", help="auto, cpu or cuda [default: auto].")
+        str | None,
+        typer.Option("--device", metavar="DEVICE", help="auto, cpu or cuda [default: auto]."),
     ] = None,
     dtype: Annotated[
         str | None,
-        typer.Option(metavar="DTYPE", help="float32, bfloat16 or float16 [default: float32]."),
+        typer.Option(
+            "--dtype", metavar="DTYPE", help="float32, bfloat16 or float16 [default: float32]."
+        ),
     ] = None,
     seed: Annotated[
         int | None, typer.Option(metavar="N", help="Seed for the model and the data.")
