@@ -23,25 +23,32 @@ class DemoRow:
 
 def run_demo(ks: Iterable[int] = range(1, 33), seed: int = 0, max_len: int = 63) -> list[DemoRow]:
     """Split max(ks) sequences of random length 4..max_len (right-padded, labels -100 on
-    padding) into K micro-batches for each K and accumulate both ways."""
+    padding) into K micro-batches for each K and accumulate both ways. The two ways weight the
+    same micro-batch gradients (1/K each, or the micro-batch's tokens over the window's), so
+    each micro-batch is backpropagated once; the full batch, the same for every K, once."""
     ks = list(ks)
     records = make_records("causal", max(ks), seed, min_len=4, max_len=max_len)
     rows = []
     with deterministic(seed, torch.device("cpu")):
         model = build_model("causal", seed)
+        reference = full_batch_grads(model, split_window("causal", records, 1))
         for k in ks:
             window = split_window("causal", records, k)
-            reference = full_batch_grads(model, window)
-            for batch in window.micro:
-                (model(**batch).loss / k).backward()
-            mean_over_k = relative_error(snapshot(model.parameters()), reference)
-            model.zero_grad(set_to_none=True)
-            for batch in window.micro:
-                (model(**batch).loss * count_tokens("causal", batch)).backward()
             total = sum(count_tokens("causal", batch) for batch in window.micro)
-            summed = [g / total for g in snapshot(model.parameters())]
-            model.zero_grad(set_to_none=True)
-            rows.append(DemoRow(k, mean_over_k, relative_error(summed, reference)))
+            mean_over_k = [torch.zeros_like(g) for g in reference]
+            summed = [torch.zeros_like(g) for g in reference]
+            for batch in window.micro:
+                model(**batch).loss.backward()
+                share = count_tokens("causal", batch) / total
+                for grad, m, s in zip(snapshot(model.parameters()), mean_over_k, summed):
+                    m.add_(grad, alpha=1 / k)
+                    s.add_(grad, alpha=share)
+                model.zero_grad(set_to_none=True)
+            rows.append(
+                DemoRow(
+                    k, relative_error(mean_over_k, reference), relative_error(summed, reference)
+                )
+            )
     return rows
 
 
