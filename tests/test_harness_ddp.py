@@ -97,7 +97,8 @@ def replayed_in_one_process(original: str, patched: str) -> dict:
         "options": asdict(Options(ks=(2,), device="cpu", timeout=60)),
         "filename": str(FIXTURES / "ga001_ddp_no_sync_chunks.py"),
     }
-    ((row,),) = [outcome["rows"] for outcome in _replay_all([job])[0]]
+    (outcomes,) = _replay_all([job])
+    ((row,),) = [outcome["rows"] for outcome in outcomes]
     return row
 
 

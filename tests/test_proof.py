@@ -6,7 +6,9 @@ proof (bug reproduced before the fix, verified after) is tests/test_verify_fixtu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 from conftest import FIXTURES, gaaudit
 
 from gaaudit.commands.verify import VERIFIED, _last_error
@@ -43,17 +45,6 @@ def test_verify_cli_table_json_and_exit_codes(tmp_path):
     assert skipped["loops"][0]["verdict"].startswith(f"not replayable: {UNREPLAYABLE}")
 
 
-def test_verify_times_out_a_hanging_loop(tmp_path):
-    script = tmp_path / "hang.py"
-    script.write_text(
-        "import time\nfor step, batch in enumerate(loader):\n    time.sleep(1000)\n"
-        "    loss = model(**batch).loss / accum_steps\n    loss.backward()\n"
-        "    if (step + 1) % accum_steps == 0:\n        optimizer.step()\n"
-    )
-    result = gaaudit("verify", str(script), "-k", "2", "--timeout", "8")
-    assert result.returncode == 2 and "not replayable: timed out after 8 s" in result.stdout
-
-
 def test_the_loops_own_autocast_runs_in_the_precision_verify_asks(tmp_path):
     """A loop under its own mixed precision (`torch.autocast(..., dtype=torch.bfloat16)`, as
     scripts run on a GPU) is replayed in --dtype's precision: float32 by default, where the
@@ -77,22 +68,31 @@ def test_the_loops_own_autocast_runs_in_the_precision_verify_asks(tmp_path):
     assert row["dtype"] == "bfloat16" and row["patched_error"] > 1e-5, row
 
 
-def test_a_replay_that_ends_its_process_loses_only_its_own_file(tmp_path):
-    """A process that dies in one file's replay (as after a device-side assert on a GPU) does
-    not take the other files' rows with it: each file is replayed again alone."""
-    crash = tmp_path / "crash.py"
-    crash.write_text(
-        "import os\nfor step, batch in enumerate(loader):\n    os.abort()\n"
+def failing_loop(statement: str) -> str:
+    return (
+        f"import os, time\nfor step, batch in enumerate(loader):\n    {statement}\n"
         "    loss = model(**batch).loss / accum_steps\n    loss.backward()\n"
         "    if (step + 1) % accum_steps == 0:\n        optimizer.step()\n"
     )
+
+
+def test_a_replay_that_ends_its_process_or_hangs_loses_only_its_own_file(tmp_path):
+    """A process that dies in one file's replay (as after a device-side assert on a GPU) does
+    not take the other files' rows with it: a new process replays the files after it. A file
+    that runs past --timeout says so; the files answered before it keep their rows."""
+    crash, hang = tmp_path / "crash.py", tmp_path / "hang.py"
+    crash.write_text(failing_loop("os.abort()"))
+    hang.write_text(failing_loop("time.sleep(1000)"))
     script = tmp_path / "train.py"
     script.write_bytes((FIXTURES / "ga001_hf_mlm_bert.py").read_bytes())
-    result = gaaudit("verify", str(crash), str(script), "-k", "2", "--format", "json")
-    crashed, replayed = json.loads(result.stdout)
+    paths = map(str, (crash, script, hang))
+    result = gaaudit("verify", *paths, "-k", "2", "--timeout", "20", "--format", "json")
+    crashed, replayed, hung = json.loads(result.stdout)
     reason = "not replayable: the replay process failed (ended by SIGABRT)"
     assert crashed["loops"][0]["verdict"] == reason
     assert replayed["loops"][0]["verdict"] == VERIFIED
+    assert hung["loops"][0]["verdict"] == "not replayable: timed out after 20 s"
+    assert result.returncode == 1  # two loops not verified, one verified
 
 
 def test_a_failed_replay_process_is_named_by_its_exception_not_by_cudas_advice():
@@ -131,23 +131,11 @@ def test_demo_error_grows_with_k_and_sum_and_count_is_exact(tmp_path):
     assert all(r["sum_and_count"] < 1e-5 for r in rows)
 
 
-def test_a_division_taken_only_when_k_exceeds_one_is_fixed_for_every_k():
-    """`if K > 1: loss = loss / K` (issue 17, item 2): the fix counts on every path, so the
-    patched loop matches the full batch at K = 1 as well as at K = 4."""
-    script = FIXTURES / "ga001_division_guarded_by_k.py"
-    result = gaaudit("verify", str(script), "-k", "1,4", "--device", "cpu", "--format", "json")
-    (loop,) = json.loads(result.stdout)["loops"]
-    rows = {row["k"]: row for row in loop["rows"]}
-    assert rows[1]["original_error"] < 1e-5  # at K = 1 there is nothing to get wrong
-    assert rows[4]["original_error"] > 1e-2
-    assert all(row["verdict"] == VERIFIED and row["patched_error"] < 1e-5 for row in rows.values())
-    assert result.returncode == 0
-
-
-def test_a_correct_loop_is_replayed_and_matches_the_full_batch():
-    """A loop with no finding is replayed too (issue 18, item 1): sum and count matches the
-    full batch at every K, with no patched error (there is no patch), and verify exits 0."""
+@pytest.fixture(scope="module")
+def at_one_and_four() -> dict[str, tuple[int, list[dict]]]:
+    """The exit code of one `verify -k 1,4` run over the scripts below, and each one's loops."""
     scripts = [
+        FIXTURES / "ga001_division_guarded_by_k.py",
         FIXTURES / "ok_division_guarded_by_k_window_tokens.py",
         FIXTURES / "ok_clip_once_at_the_step.py",
     ]
@@ -155,13 +143,32 @@ def test_a_correct_loop_is_replayed_and_matches_the_full_batch():
         "verify", *map(str, scripts), "-k", "1,4", "--device", "cpu", "--format", "json"
     )
     files = json.loads(result.stdout)
-    assert len(files) == 2
-    for entry in files:
-        (loop,) = entry["loops"]
-        assert loop["verdict"] == VERIFIED, loop
+    assert [f["path"] for f in files] == [s.as_posix() for s in scripts]
+    return result.returncode, {Path(f["path"]).stem: f["loops"] for f in files}
+
+
+def test_a_division_taken_only_when_k_exceeds_one_is_fixed_for_every_k(at_one_and_four):
+    """`if K > 1: loss = loss / K` (issue 17, item 2): the fix counts on every path, so the
+    patched loop matches the full batch at K = 1 as well as at K = 4."""
+    code, loops = at_one_and_four
+    (loop,) = loops["ga001_division_guarded_by_k"]
+    rows = {row["k"]: row for row in loop["rows"]}
+    assert rows[1]["original_error"] < 1e-5  # at K = 1 there is nothing to get wrong
+    assert rows[4]["original_error"] > 1e-2
+    assert all(row["verdict"] == VERIFIED and row["patched_error"] < 1e-5 for row in rows.values())
+    assert code == 0  # every loop of the run verified: the correct ones below too
+
+
+def test_a_correct_loop_is_replayed_and_matches_the_full_batch(at_one_and_four):
+    """A loop with no finding is replayed too (issue 18, item 1): sum and count matches the
+    full batch at every K, with no patched error (there is no patch), and verify exits 0."""
+    code, loops = at_one_and_four
+    for name in ("ok_division_guarded_by_k_window_tokens", "ok_clip_once_at_the_step"):
+        (loop,) = loops[name]
+        assert loop["verdict"] == VERIFIED and not loop["flagged"], loop
         for row in loop["rows"]:
             assert row["original_error"] < 1e-5 and row["patched_error"] is None, row
-    assert result.returncode == 0
+    assert code == 0
 
 
 def test_a_loop_under_a_comment_is_found_by_its_own_first_line():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, devices, gaaudit
+from conftest import FIXTURES, devices, gaaudit, verify_projects
 from torch import nn
 
 from gaaudit.commands.verify import (
@@ -337,12 +337,10 @@ def train(model, loader, optimizer, accum):
 """
 
 
-def test_a_stand_in_reaching_torch_is_named_with_its_line(tmp_path):
+def test_a_stand_in_reaching_torch_is_named_with_its_line(at_two):
     """`cfg` comes from a library that is not installed: the replay binds a stand-in, and
     when torch is handed `cfg.max_len` the verdict says which value it lacked, and where."""
-    (tmp_path / "train.py").write_text(STUB_REACHES_TORCH)
-    result = gaaudit("verify", "train.py", "-k", "2", "--format", "json", cwd=tmp_path)
-    (loop,) = json.loads(result.stdout)["loops"]
+    (loop,) = at_two["stub_reaches_torch"]
     verdict = loop["rows"][0]["original_verdict"]
     assert verdict.startswith("not replayable: TypeError")
     assert "(line 11; it reads `cfg.max_len`, which the harness could not bind" in verdict
@@ -395,25 +393,56 @@ def train(model, loader, optimizer, accumulation_steps):
 """
 
 
-@pytest.mark.parametrize(
-    ("call", "error"),
-    [
-        ('model(batch["input_ids"], return_loss=True)', "TypeError"),
-        ("model(**batch).loss * model.loss_weight", "AttributeError"),
-    ],
-)
-def test_a_model_call_the_tiny_model_refuses_names_the_model_factory(tmp_path, call, error):
+MODEL_CALLS = {
+    "keyword": ('model(batch["input_ids"], return_loss=True)', "TypeError"),
+    "attribute": ("model(**batch).loss * model.loss_weight", "AttributeError"),
+}
+
+
+WRITES_TO_ITS_OUTPUT = """
+import os
+
+
+def train(model, loader, optimizer, accum):
+    for step, batch in enumerate(loader):
+        os.write(1, b"{ not an answer\\n")  # to the process's output, past sys.stdout
+        loss = model(**batch).loss / accum
+        loss.backward()
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.fixture(scope="module")
+def at_two(tmp_path_factory) -> dict[str, list[dict]]:
+    """The loops of the scripts above, from one `verify -k 2` run over them all."""
+    projects = {
+        "stub_reaches_torch": ("train.py", {"train.py": STUB_REACHES_TORCH}),
+        "writes": ("train.py", {"train.py": WRITES_TO_ITS_OUTPUT}),
+    }
+    for name, (call, _) in MODEL_CALLS.items():
+        projects[name] = ("train.py", {"train.py": OWN_MODEL_CALLS.format(call=call)})
+    root = tmp_path_factory.mktemp("at_two")
+    return verify_projects(root, projects, "-k", "2")[1]
+
+
+@pytest.mark.parametrize("name", MODEL_CALLS)
+def test_a_model_call_the_tiny_model_refuses_names_the_model_factory(at_two, name):
     """A keyword argument or attribute of the user's own model (issue 18, item 4): the
     verdict says which option would hand the harness that model."""
-    (tmp_path / "train.py").write_text(OWN_MODEL_CALLS.format(call=call))
-    result = gaaudit("verify", "train.py", "-k", "2", "--format", "json", cwd=tmp_path)
-    (loop,) = json.loads(result.stdout)["loops"]
+    (loop,) = at_two[name]
     verdict = loop["rows"][0]["original_verdict"]
-    assert verdict.startswith(f"not replayable: {error}: "), verdict
+    assert verdict.startswith(f"not replayable: {MODEL_CALLS[name][1]}: "), verdict
     assert verdict.endswith(
         "the loop calls its model in a way the harness's tiny model does not take: "
         "pass your model with --model-factory"
     ), verdict
+
+
+def test_what_a_loop_writes_to_the_process_output_does_not_mix_with_the_answers(at_two):
+    (loop,) = at_two["writes"]
+    assert loop["rows"][0]["original_verdict"] == REPRODUCED, loop
 
 
 MASKED_TRIPLES = """
@@ -606,21 +635,21 @@ def train(model, train_dataloader, optimizer, args):
 """
 
 
-@pytest.mark.parametrize(
-    ("divided", "verdict"),
-    [("/ args.gradient_accumulation_steps", VERIFIED), ("", REPRODUCED)],
-    ids=["mean-over-k", "no-division"],
-)
-def test_a_sequence_classifier_is_replayed_with_one_label_per_sequence(tmp_path, divided, verdict):
+DIVISIONS = {
+    "mean-over-k": ("/ args.gradient_accumulation_steps", VERIFIED),
+    "no-division": ("", REPRODUCED),
+}
+
+
+@pytest.mark.parametrize("name", DIVISIONS)
+def test_a_sequence_classifier_is_replayed_with_one_label_per_sequence(at_four, name):
     """A GLUE-style loop (`AutoModelForSequenceClassification`): one label per sequence, so
     mean/K is exact on micro-batches of one size (GA-GUIDE section 3), the last short batch
     left out, while a missing division stays K times too large."""
-    root = project(tmp_path, {"glue.py": GLUE.format(divided=divided)})
-    result = gaaudit("verify", "glue.py", "-k", "4", "--format", "json", cwd=root)
-    (loop,) = json.loads(result.stdout)["loops"]
+    (loop,) = at_four[name]
     assert loop["equal_sizes"] == LAST_BATCH_LEFT_OUT, loop
     (row,) = loop["rows"]
-    assert row["original_verdict"] == verdict, row
+    assert row["original_verdict"] == DIVISIONS[name][1], row
 
 
 POSITIONAL = """
@@ -649,14 +678,23 @@ def train(model, train_dataloader, eval_dataloader, optimizer, writer, logger, a
 """
 
 
-def test_a_tuple_batch_indexed_by_position_is_served_and_its_first_window_counted(tmp_path):
+@pytest.fixture(scope="module")
+def at_four(tmp_path_factory) -> dict[str, list[dict]]:
+    """The loops of the sequence classifiers above, from one `verify -k 4` run over them all."""
+    projects = {
+        name: ("glue.py", {"glue.py": GLUE.format(divided=divided)})
+        for name, (divided, _) in DIVISIONS.items()
+    }
+    projects["positional"] = ("glue.py", {"glue.py": POSITIONAL})
+    return verify_projects(tmp_path_factory.mktemp("at_four"), projects, "-k", "4")[1]
+
+
+def test_a_tuple_batch_indexed_by_position_is_served_and_its_first_window_counted(at_four):
     """TensorDataset batches read by position into named inputs (`"labels": batch[3]`) are
     tuples in that order; a log called with a string (`writer.add_scalar("train/loss", ...)`)
     and an evaluation loader that is not drawn from before the step serve no micro-batches,
     so the first window (`step % K == 0` from step 0) is counted: one micro-batch."""
-    root = project(tmp_path, {"glue.py": POSITIONAL})
-    result = gaaudit("verify", "glue.py", "-k", "4", "--format", "json", cwd=root)
-    (loop,) = json.loads(result.stdout)["loops"]
+    (loop,) = at_four["positional"]
     (row,) = loop["rows"]
     assert row["first_window"] == 1, row
     assert row["original_verdict"] == REPRODUCED and row["verdict"] == VERIFIED, row

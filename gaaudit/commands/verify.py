@@ -13,10 +13,14 @@ import contextlib
 import functools
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -621,36 +625,61 @@ def verify_pairs(
 
 
 def _replayed(jobs: list[dict], timeout: float) -> list[list[dict] | str]:
-    """Each job's rows from one child process, bounded by `timeout` per job; a job's verdict
-    instead where the child timed out or failed. A child that failed on several jobs (a
-    device-side assert on a GPU, a crash in the user's code) ends them all: each is replayed
-    again alone, so that only its own rows are lost."""
-    try:
-        child = subprocess.run(
+    """Each job's rows, which one child process answers job by job (a line each), waiting at
+    most `timeout` seconds for each; a job's verdict instead where the child timed out or
+    ended on it (a device-side assert on a GPU, a crash in the user's code). The jobs after
+    that one are replayed by a new child: a failure loses only its own file's rows."""
+    answers: list[list[dict] | str] = []
+    with tempfile.TemporaryFile("w+") as given, tempfile.TemporaryFile("w+") as errors:
+        json.dump(jobs, given)
+        given.seek(0)
+        child = subprocess.Popen(
             [sys.executable, "-m", "gaaudit.commands.verify"],
-            input=json.dumps(jobs),
-            env={**os.environ, **OFFLINE},
+            stdin=given,
             stdout=subprocess.PIPE,
-            stderr=None if jobs[0]["progress"] else subprocess.PIPE,
+            stderr=None if jobs[0]["progress"] else errors,
+            env={**os.environ, **OFFLINE},
             text=True,
-            timeout=timeout * len(jobs),
-            check=False,
         )
-    except subprocess.TimeoutExpired:
-        return [f"not replayable: timed out after {timeout * len(jobs):g} s"] * len(jobs)
-    if child.returncode != 0:
-        if len(jobs) > 1:
-            return [answer for job in jobs for answer in _replayed([job], timeout)]
-        reason = (
-            f"ended by {signal.Signals(-child.returncode).name}"
-            if child.returncode < 0
-            else _last_error(child.stderr)
-        )
-        return [f"not replayable: the replay process failed ({reason})"]
-    answer = json.loads(child.stdout)
-    if isinstance(answer, dict):
-        raise VerifyError(answer["error"])
-    return answer
+        lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        threading.Thread(target=_read_lines, args=(child.stdout, lines), daemon=True).start()
+        try:
+            while len(answers) < len(jobs):
+                try:
+                    line = lines.get(timeout=timeout)
+                except queue.Empty:
+                    answers.append(f"not replayable: timed out after {timeout:g} s")
+                    break
+                if line is None:  # the child ended before it answered every job
+                    code = child.wait()
+                    errors.seek(0)
+                    reason = (
+                        f"ended by {signal.Signals(-code).name}"
+                        if code < 0
+                        else _last_error(None if jobs[0]["progress"] else errors.read())
+                    )
+                    answers.append(f"not replayable: the replay process failed ({reason})")
+                    break
+                answer = json.loads(line)
+                if isinstance(answer, dict):
+                    raise VerifyError(answer["error"])
+                answers.append(answer)
+        finally:
+            if len(answers) == len(jobs):  # done: it stops the processes it started (DDP ranks)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=timeout)
+            child.kill()
+            child.wait()
+    rest = jobs[len(answers) :]
+    return answers + (_replayed(rest, timeout) if rest else [])
+
+
+def _read_lines(stream, lines: queue.SimpleQueue) -> None:
+    """The child's answers, a line each, then None when it closes its output."""
+    with stream:
+        for line in stream:
+            lines.put(line)
+    lines.put(None)
 
 
 def _last_error(stderr: str | None) -> str:
@@ -671,7 +700,7 @@ def _failed(target: Target, verdict: str) -> Outcome:
     )
 
 
-def _replay_all(jobs: list[dict]) -> list[list[dict]]:
+def _replay_all(jobs: list[dict]) -> Iterator[list[dict]]:
     """The child's side: replay every target of every job for every K with the harness (on
     `options.distributed` processes when set, with the user's model when given); the jobs
     share their options, so the model factory and the processes are set up once."""
@@ -691,10 +720,10 @@ def _replay_all(jobs: list[dict]) -> list[list[dict]]:
         _ranks(options, factory) as ranks,
         engine_process(),
     ):
-        outcomes = [_replay_targets(job, options, ranks) for job in jobs]
+        for job in jobs:
+            yield _replay_targets(job, options, ranks)
     if jobs[0].get("progress"):
         _progress("")
-    return outcomes
 
 
 @contextlib.contextmanager
@@ -901,15 +930,18 @@ def _hinted(verdict: str, options: Options) -> str:
 
 
 def _child() -> None:
-    """`python -m gaaudit.commands.verify`: a list of jobs on stdin, the list of their outcomes (or
-    {"error": ...}) on stdout."""
+    """`python -m gaaudit.commands.verify`: a list of jobs on stdin; on stdout, each job's
+    outcomes on a line as soon as they are known (or {"error": ...})."""
     from gaaudit.harness.distributed import DistributedError
     from gaaudit.harness.factory import FactoryError
 
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # what else is printed cannot mix in
     try:
-        print(json.dumps(_replay_all(json.loads(sys.stdin.read()))))
+        for rows in _replay_all(json.loads(sys.stdin.read())):
+            print(json.dumps(rows), file=channel, flush=True)
     except (FactoryError, DistributedError) as exc:
-        print(json.dumps({"error": str(exc)}))
+        print(json.dumps({"error": str(exc)}), file=channel, flush=True)
 
 
 if __name__ == "__main__":
