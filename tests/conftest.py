@@ -83,6 +83,29 @@ def gaaudit(
     )
 
 
+def verify_projects(
+    root: Path, projects: dict[str, tuple[str, dict[str, str]]], *options: str
+) -> tuple[subprocess.CompletedProcess, dict[str, list[dict]]]:
+    """One `gaaudit verify --format json` run over the scripts of several projects (name: its
+    script, then its files), so that their replays share one process (torch, transformers
+    imported once); each project has a pyproject.toml of its own and the run starts outside
+    them all, so each is read as a project alone. The run and each project's loops."""
+    scripts = []
+    for name, (script, files) in projects.items():
+        for relative, text in {"pyproject.toml": f"[project]\nname = '{name}'\n", **files}.items():
+            (root / name / relative).parent.mkdir(parents=True, exist_ok=True)
+            (root / name / relative).write_text(text)
+        scripts.append(root / name / script)
+    (root / "elsewhere").mkdir()
+    result = gaaudit(
+        "verify", *options, "--format", "json", *map(str, scripts), cwd=root / "elsewhere"
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    files = json.loads(result.stdout)
+    assert [Path(f["path"]) for f in files] == scripts, result.stdout
+    return result, {name: found["loops"] for name, found in zip(projects, files)}
+
+
 @pytest.fixture
 def cli(monkeypatch):
     """Invoke the Typer app in-process from a chosen working directory."""

@@ -12,6 +12,7 @@ import pty
 import re
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -121,10 +122,14 @@ NOT_REPLAYABLE = {
 }
 
 
+# Trainer subclasses with no finding, replayed in the same run (see the test at the end).
+CORRECT_TRAINERS = ["ok_trainer_num_items_used", "ok_trainer_accepts_loss_kwargs_false"]
+
+
 @pytest.fixture(scope="module", params=devices())
 def loops(request) -> dict[str, list[dict]]:
     """Each fixture's per-loop outcomes from one `gaaudit verify --format json` run."""
-    paths = map(str, ORIGINALS)
+    paths = [*map(str, ORIGINALS), *(str(FIXTURES / f"{name}.py") for name in CORRECT_TRAINERS)]
     result = gaaudit("verify", *paths, "-k", "4", "--device", request.param, "--format", "json")
     assert result.returncode == 1, result.stdout + result.stderr  # the unsafe fixes fail
     assert "Traceback" not in result.stderr
@@ -132,7 +137,7 @@ def loops(request) -> dict[str, list[dict]]:
 
 
 def test_every_fixed_fixture_is_replayed(loops):
-    assert sorted(loops) == NAMES
+    assert sorted(loops) == sorted(NAMES + CORRECT_TRAINERS)
     assert not (LOOPLESS | MISMODELLED) & set(NOT_REPLAYABLE)
     assert set(TRAINER_LIMITS) <= TRAINERS and len(TRAINERS - set(TRAINER_LIMITS)) >= 6
     assert len(NAMES) - len(LOOPLESS | MISMODELLED | set(NOT_REPLAYABLE)) >= 21
@@ -148,6 +153,9 @@ def test_original_reproduces_the_bug_and_patched_is_verified(loops, name):
     for loop in loops[name]:
         (row,) = loop["rows"]
         assert row["k"] == 4, row
+        if "deepspeed" in name and find_spec("deepspeed") is None:  # the test extra lacking
+            assert loop["verdict"].endswith("install deepspeed to replay it"), loop
+            continue
         if name in NOT_REPLAYABLE:
             original, reasons = NOT_REPLAYABLE[name]
             if original is None:
@@ -198,18 +206,12 @@ def test_the_table_says_what_it_measures_and_what_was_not_fixed(tmp_path):
     assert result.stdout.count("the patched loop's first window") == 0
 
 
-@pytest.mark.parametrize("device", devices())
-def test_correct_trainer_subclasses_match_the_full_batch(device):
+def test_correct_trainer_subclasses_match_the_full_batch(loops):
     """Trainer subclasses without a finding (issue 18, items 1 and 5) are trained by a real
     Trainer, as they are, and match one full-batch step."""
-    names = ("ok_trainer_num_items_used", "ok_trainer_accepts_loss_kwargs_false")
-    paths = [str(FIXTURES / f"{name}.py") for name in names]
-    result = gaaudit("verify", *paths, "-k", "4", "--device", device, "--format", "json")
-    assert result.returncode == 0, result.stdout + result.stderr
-    files = json.loads(result.stdout)
-    loops = [loop for f in files for loop in f["loops"]]
-    assert len(loops) == 3 and all(loop["header"].startswith("class ") for loop in loops)
-    for loop in loops:
+    found = [loop for name in CORRECT_TRAINERS for loop in loops[name]]
+    assert len(found) == 3 and all(loop["header"].startswith("class ") for loop in found)
+    for loop in found:
         (row,) = loop["rows"]
         assert not loop["flagged"] and row["patched_error"] is None, loop
         assert loop["verdict"] == "verified" and row["original_error"] < 1e-5, loop

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import gaaudit
+from conftest import gaaudit, verify_projects
 
 pytest.importorskip("lightning")
 
@@ -72,6 +72,33 @@ def module():
 """
 
 
+FIXED_LENGTH = "\nblock_size = 24  # the data are packed blocks of this many tokens\n"
+FIT = "\n\ndef main():\n    trainer = L.Trainer(accumulate_grad_batches=4)\n    trainer.fit(LitLM())\n"
+
+
+def lit(package="lightning", extra="", parameters="", loss=MEAN, after="") -> str:
+    return MODULE.format(package=package, extra=extra, parameters=parameters, loss=loss) + after
+
+
+# One project per test below (their module, lit.py), replayed with the options of none.
+PROJECTS = {
+    "lightning": ("lit.py", {"lit.py": lit()}),
+    "pytorch_lightning": ("lit.py", {"lit.py": lit(package="pytorch_lightning")}),
+    "fixed_length": ("lit.py", {"lit.py": lit(extra=FIXED_LENGTH)}),
+    "flagged_fixed_length": ("lit.py", {"lit.py": lit(extra=FIXED_LENGTH, after=FIT)}),
+    "arguments": ("lit.py", {"lit.py": lit(parameters=", lr")}),
+}
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory) -> dict[str, dict]:
+    """Each project's one loop, from one `gaaudit verify -k 2,4` run over them all."""
+    root = tmp_path_factory.mktemp("projects")
+    result, loops = verify_projects(root, PROJECTS, "-k", "2,4")
+    assert result.returncode == 1, result.stdout + result.stderr
+    return {name: loop for name, (loop,) in loops.items()}
+
+
 def verify(tmp_path, *options: str) -> tuple[int, dict]:
     result = gaaudit("verify", "-k", "2,4", "--format", "json", *options, "lit.py", cwd=tmp_path)
     assert "Traceback" not in result.stderr, result.stderr
@@ -80,36 +107,28 @@ def verify(tmp_path, *options: str) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
-def test_a_mean_loss_divided_by_lightning_reproduces_the_bug(tmp_path, package):
-    source = MODULE.format(package=package, extra="", parameters="", loss=MEAN)
-    (tmp_path / "lit.py").write_text(source)
-    code, loop = verify(tmp_path)
-    assert code == 1 and loop["header"] == "class LitLM(L.LightningModule):", loop
+def test_a_mean_loss_divided_by_lightning_reproduces_the_bug(replayed, package):
+    loop = replayed[package]
+    assert loop["verdict"] == "bug reproduced", loop
+    assert loop["header"] == "class LitLM(L.LightningModule):", loop
     assert [row["original_verdict"] for row in loop["rows"]] == ["bug reproduced"] * 2, loop
     assert 1e-2 < loop["rows"][0]["original_error"] < loop["rows"][1]["original_error"]
 
 
-def test_on_fixed_length_blocks_the_mean_is_exact(tmp_path):
-    extra = "\nblock_size = 24  # the data are packed blocks of this many tokens\n"
-    source = MODULE.format(package="lightning", extra=extra, parameters="", loss=MEAN)
-    (tmp_path / "lit.py").write_text(source)
-    code, loop = verify(tmp_path)
-    assert code == 0 and loop["fixed_length"], loop
+def test_on_fixed_length_blocks_the_mean_is_exact(replayed):
+    loop = replayed["fixed_length"]
+    assert loop["verdict"] == "verified" and loop["fixed_length"], loop
     assert all(row["verdict"] == "verified" for row in loop["rows"]), loop
 
 
-def test_a_flagged_module_that_matches_the_full_batch_as_it_is_is_verified(tmp_path):
+def test_a_flagged_module_that_matches_the_full_batch_as_it_is_is_verified(replayed, tmp_path):
     """GA003 reports the module at low confidence and `fix` leaves it: on its fixed-length
     blocks it matches the full batch, so it needs no patch and no hint to run `fix`."""
-    extra = "\nblock_size = 24  # the data are packed blocks of this many tokens\n"
-    source = MODULE.format(package="lightning", extra=extra, parameters="", loss=MEAN)
-    fit = "trainer = L.Trainer(accumulate_grad_batches=4)\n    trainer.fit(LitLM())"
-    (tmp_path / "lit.py").write_text(f"{source}\n\ndef main():\n    {fit}\n")
-    assert (
-        "GA003 [low]" in gaaudit("check", "--min-confidence", "low", "lit.py", cwd=tmp_path).stdout
-    )
-    code, loop = verify(tmp_path)
-    assert code == 0, loop
+    (tmp_path / "lit.py").write_text(PROJECTS["flagged_fixed_length"][1]["lit.py"])
+    checked = gaaudit("check", "--min-confidence", "low", "lit.py", cwd=tmp_path).stdout
+    assert "GA003 [low]" in checked
+    loop = replayed["flagged_fixed_length"]
+    assert loop["verdict"] == "verified", loop
     assert [row["verdict"] for row in loop["rows"]] == ["verified"] * 2, loop
 
 
@@ -117,8 +136,7 @@ def test_a_flagged_module_that_matches_the_full_batch_as_it_is_is_verified(tmp_p
     ("loss", "code", "verdict"), [(TOKEN_SUM, 0, "verified"), (MEAN, 1, "bug reproduced")]
 )
 def test_factories_hand_in_the_module_and_its_batches(tmp_path, loss, code, verdict):
-    source = MODULE.format(package="lightning", extra="", parameters=", lr", loss=loss)
-    (tmp_path / "lit.py").write_text(source)
+    (tmp_path / "lit.py").write_text(lit(parameters=", lr", loss=loss))
     (tmp_path / "factories.py").write_text(DATA)
     factories = ("--model-factory", "factories:module", "--data-factory", "factories:window")
     got, loop = verify(tmp_path, *factories)
@@ -126,19 +144,16 @@ def test_factories_hand_in_the_module_and_its_batches(tmp_path, loss, code, verd
     assert [row["original_verdict"] for row in loop["rows"]] == [verdict] * 2, loop
 
 
-def test_a_module_that_needs_arguments_asks_for_the_model_factory(tmp_path):
-    source = MODULE.format(package="lightning", extra="", parameters=", lr", loss=MEAN)
-    (tmp_path / "lit.py").write_text(source)
-    code, loop = verify(tmp_path)
-    assert code == 2
+def test_a_module_that_needs_arguments_asks_for_the_model_factory(replayed):
+    loop = replayed["arguments"]
+    assert loop["verdict"].startswith("not replayable: "), loop
     for row in loop["rows"]:
         assert row["verdict"].startswith("not replayable: TypeError: `LitLM()` cannot be built")
         assert "pass your module with --model-factory" in row["verdict"]
 
 
 def test_a_framework_trainer_is_replayed_in_one_process(tmp_path):
-    source = MODULE.format(package="lightning", extra="", parameters="", loss=MEAN)
-    (tmp_path / "lit.py").write_text(source)
+    (tmp_path / "lit.py").write_text(lit())
     code, loop = verify(tmp_path, "--distributed", "2")
     assert code == 2
     for row in loop["rows"]:

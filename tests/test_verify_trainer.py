@@ -6,11 +6,13 @@ release trains."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import tomllib
-from conftest import FIXTURES, ROOT, gaaudit
+from conftest import FIXTURES, ROOT, gaaudit, verify_projects
 
-from gaaudit.commands.verify import targets
+from gaaudit.commands.verify import Outcome, report, targets
 
 GA006 = tomllib.loads((ROOT / "rules" / "GA006.toml").read_text())
 
@@ -28,65 +30,109 @@ PACKED = """
 dataset = dataset.map(group_texts, batched=True)  # blocks of block_size tokens"""
 
 
-def verify(path, cwd) -> tuple[int, list[dict]]:
-    result = gaaudit("verify", "-k", "2,4", "--format", "json", str(path), cwd=cwd)
-    assert "Traceback" not in result.stderr, result.stderr
-    return result.returncode, json.loads(result.stdout)["loops"]
+REWARD_SCRIPT = "from reward import RewardModel\n" + SCRIPT.format(data="").replace(
+    'AutoModelForCausalLM.from_pretrained("gpt2")', "RewardModel()"
+)
+
+PAIRS = """\
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 
-def test_a_pin_before_4_46_is_replayed_as_it_trains_and_as_the_installed_release(tmp_path):
-    (tmp_path / "train.py").write_text(GA006["bad"])
-    code, (loop,) = verify("train.py", tmp_path)
-    assert code == 1
-    assert loop["header"].startswith("Trainer(model=model") and loop["flagged"]
-    assert loop["pinned"] == "`transformers==4.45.2` (train.py line 6)"
-    for row in loop["rows"]:
+class PairTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False):
+        scores = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])[0]
+        loss = -F.logsigmoid(scores[0::2] - scores[1::2]).mean()
+        return (loss, scores) if return_outputs else loss
+
+
+model = AutoModelForCausalLM.from_pretrained("gpt2")
+args = TrainingArguments(output_dir="out", gradient_accumulation_steps=8)
+PairTrainer(model=model, args=args, train_dataset=pairs).train()
+"""
+
+# One project per test below: its script, then every file it holds.
+PROJECTS = {
+    "pinned": ("train.py", {"train.py": GA006["bad"]}),
+    "stock": ("train.py", {"train.py": GA006["good"]}),
+    "requirements": (
+        "scripts/sft.py",
+        {
+            "requirements.txt": "torch\ntransformers>=4.30,<4.40\n",
+            "scripts/sft.py": SCRIPT.format(data=""),
+        },
+    ),
+    "packed": (
+        "train.py",
+        {"requirements.txt": "transformers==4.38.2\n", "train.py": SCRIPT.format(data=PACKED)},
+    ),
+    "own_model": ("train.py", {"train.py": REWARD_SCRIPT}),
+    "bound": (
+        "train.py",
+        {
+            "train.py": SCRIPT.format(data="").replace(
+                "trainer = Trainer(", "FinetuningTrainer = Trainer\ntrainer = FinetuningTrainer("
+            )
+        },
+    ),
+    "pairs": ("rm.py", {"requirements.txt": "transformers==4.43.4\n", "rm.py": PAIRS}),
+}
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory) -> dict[str, Outcome]:
+    """Each project's one loop, from one `gaaudit verify -k 2,4` run over them all."""
+    result, loops = verify_projects(tmp_path_factory.mktemp("projects"), PROJECTS, "-k", "2,4")
+    assert result.returncode == 1, result.stdout + result.stderr  # the pinned ones are not verified
+    replayed = {}
+    for name, (loop,) in loops.items():
+        replayed[name] = Outcome(**{key: value for key, value in loop.items() if key != "verdict"})
+    return replayed
+
+
+def test_a_pin_before_4_46_is_replayed_as_it_trains_and_as_the_installed_release(replayed, capsys):
+    loop = replayed["pinned"]
+    assert loop.header.startswith("Trainer(model=model") and loop.flagged
+    # where the pin is, as a path from the current directory (here absolute: outside it)
+    assert loop.pinned.startswith("`transformers==4.45.2` (/"), loop.pinned
+    assert loop.pinned.endswith("/pinned/train.py line 6)"), loop.pinned
+    for row in loop.rows:
         assert row["original_verdict"] == "bug reproduced" and row["original_error"] > 1e-2
         assert row["installed_error"] < 1e-5, row
         assert row["verdict"].endswith(": verified: require transformers>=4.46.2"), row
-    errors = [row["original_error"] for row in loop["rows"]]
+    errors = [row["original_error"] for row in loop.rows]
     assert errors[1] > errors[0]  # more micro-batches, more unequal weights
 
-    table = gaaudit("verify", "-k", "2", "train.py", cwd=tmp_path).stdout
+    assert report([(Path("train.py"), [loop])], "text") == 1
+    table = capsys.readouterr().out
     assert "replayed as transformers before 4.46 trains, which `transformers==4.45.2`" in table
 
 
-def test_the_stock_trainer_without_a_pin_matches_the_full_batch(tmp_path):
-    (tmp_path / "train.py").write_text(GA006["good"])
-    code, (loop,) = verify("train.py", tmp_path)
-    assert code == 0 and not loop["flagged"] and loop["pinned"] == ""
-    assert all(row["verdict"] == "verified" for row in loop["rows"]), loop
+def test_the_stock_trainer_without_a_pin_matches_the_full_batch(replayed):
+    loop = replayed["stock"]
+    assert not loop.flagged and loop.pinned == ""
+    assert loop.verdict == "verified", loop
 
 
-def test_a_pin_in_a_requirements_file_above_the_script_counts(tmp_path):
-    (tmp_path / "requirements.txt").write_text("torch\ntransformers>=4.30,<4.40\n")
-    (tmp_path / "scripts").mkdir()
-    (tmp_path / "scripts" / "sft.py").write_text(SCRIPT.format(data=""))
-    code, (loop,) = verify("scripts/sft.py", tmp_path)
-    assert code == 1
-    assert loop["pinned"] == "`transformers>=4.30,<4.40` (requirements.txt line 2)"
-    assert all(row["original_verdict"] == "bug reproduced" for row in loop["rows"]), loop
+def test_a_pin_in_a_requirements_file_above_the_script_counts(replayed):
+    loop = replayed["requirements"]
+    assert loop.pinned.startswith("`transformers>=4.30,<4.40` (/"), loop.pinned
+    assert loop.pinned.endswith("/requirements/requirements.txt line 2)"), loop.pinned
+    assert all(row["original_verdict"] == "bug reproduced" for row in loop.rows), loop
+    assert loop.verdict != "verified"
 
 
-def test_under_the_pin_fixed_length_blocks_are_exact(tmp_path):
-    (tmp_path / "requirements.txt").write_text("transformers==4.38.2\n")
-    (tmp_path / "train.py").write_text(SCRIPT.format(data=PACKED))
-    code, (loop,) = verify("train.py", tmp_path)
-    assert code == 0, loop
-    assert loop["fixed_length"] == "`group_texts`, line 6" and loop["pinned"]
-    assert all(row["original_verdict"] == "verified" for row in loop["rows"]), loop
+def test_under_the_pin_fixed_length_blocks_are_exact(replayed):
+    loop = replayed["packed"]
+    assert loop.fixed_length == "`group_texts`, line 6" and loop.pinned
+    assert all(row["original_verdict"] == "verified" for row in loop.rows), loop
+    assert loop.verdict == "verified"
 
 
-def test_a_trainer_given_a_model_of_the_project_is_not_replayed(tmp_path):
-    script = SCRIPT.format(data="").replace(
-        'AutoModelForCausalLM.from_pretrained("gpt2")', "RewardModel()"
-    )
-    (tmp_path / "train.py").write_text("from reward import RewardModel\n" + script)
-    code, (loop,) = verify("train.py", tmp_path)
-    assert code == 2
-    assert all(
-        "`RewardModel(...)` (line 5), a model of the project" in r["verdict"] for r in loop["rows"]
-    )
+def test_a_trainer_given_a_model_of_the_project_is_not_replayed(replayed):
+    rows = replayed["own_model"].rows
+    assert all("`RewardModel(...)` (line 5), a model of the project" in r["verdict"] for r in rows)
+    assert all(r["verdict"].startswith("not replayable: ") for r in rows)
 
 
 REWARD = """\
@@ -124,10 +170,7 @@ def unequal(k):
 def test_factories_replay_a_trainer_of_the_projects_own_model(tmp_path):
     """A per-example mean divided by K (the Trainer's, for a model that takes no token count)
     is exact on micro-batches of one size and wrong on micro-batches of different sizes."""
-    script = SCRIPT.format(data="").replace(
-        'AutoModelForCausalLM.from_pretrained("gpt2")', "RewardModel()"
-    )
-    (tmp_path / "train.py").write_text("from reward import RewardModel\n" + script)
+    (tmp_path / "train.py").write_text(REWARD_SCRIPT)
     (tmp_path / "reward.py").write_text(REWARD)
     factories = ["--model-factory", "reward:build", "train.py", "--format", "json"]
     for data, code, verdict in (("equal", 0, "verified"), ("unequal", 1, "bug reproduced")):
@@ -153,14 +196,10 @@ def test_lightnings_trainer_is_no_transformers_trainer():
         assert found and not [header for header in found if "Trainer(" in header], found
 
 
-def test_a_trainer_class_bound_to_a_name_first_is_replayed(tmp_path):
+def test_a_trainer_class_bound_to_a_name_first_is_replayed(replayed):
     """`FinetuningTrainer = Trainer` then `FinetuningTrainer(...)`, as LMFlow builds it."""
-    script = SCRIPT.format(data="").replace(
-        "trainer = Trainer(", "FinetuningTrainer = Trainer\ntrainer = FinetuningTrainer("
-    )
-    (tmp_path / "train.py").write_text(script)
-    code, (loop,) = verify("train.py", tmp_path)
-    assert code == 0 and loop["header"].startswith("trainer = FinetuningTrainer("), loop
+    loop = replayed["bound"]
+    assert loop.verdict == "verified" and loop.header.startswith("trainer = FinetuningTrainer(")
 
 
 def test_a_trainer_class_of_the_project_is_replayed_only_when_it_is_a_transformers_one(tmp_path):
@@ -170,38 +209,18 @@ def test_a_trainer_class_of_the_project_is_replayed_only_when_it_is_a_transforme
         "trainer = Trainer(", "from trainers import SFTTrainer\ntrainer = SFTTrainer("
     )
     (tmp_path / "train.py").write_text(script)
-    for base, replayed in (("Trainer", True), ("nn.Module", False)):
+    for base, is_replayed in (("Trainer", True), ("nn.Module", False)):
         (tmp_path / "trainers.py").write_text(
             "from torch import nn\nfrom transformers import Trainer\n\n\n"
             f"class SFTTrainer({base}):\n    pass\n"
         )
-        assert bool(headers(tmp_path / "train.py")) == replayed
+        assert bool(headers(tmp_path / "train.py")) == is_replayed
 
 
-PAIRS = """\
-import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-
-
-class PairTrainer(Trainer):
-    def compute_loss(self, model, inputs, return_outputs=False):
-        scores = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])[0]
-        loss = -F.logsigmoid(scores[0::2] - scores[1::2]).mean()
-        return (loss, scores) if return_outputs else loss
-
-
-model = AutoModelForCausalLM.from_pretrained("gpt2")
-args = TrainingArguments(output_dir="out", gradient_accumulation_steps=8)
-PairTrainer(model=model, args=args, train_dataset=pairs).train()
-"""
-
-
-def test_under_the_pin_a_pairwise_loss_over_the_padded_width_is_exact(tmp_path):
+def test_under_the_pin_a_pairwise_loss_over_the_padded_width_is_exact(replayed):
     """Every micro-batch is padded to the window's width, as the full batch is, so a loss that
     averages over every position of its pairs (here the tiny model's logits) holds as many
     elements in each: under a pin before 4.46, mean/K is exact, as for a reward model."""
-    (tmp_path / "requirements.txt").write_text("transformers==4.43.4\n")
-    (tmp_path / "rm.py").write_text(PAIRS)
-    _, (loop,) = verify("rm.py", tmp_path)
-    assert loop["pinned"], loop
-    assert [row["original_verdict"] for row in loop["rows"]] == ["verified"] * 2, loop
+    loop = replayed["pairs"]
+    assert loop.pinned, loop
+    assert [row["original_verdict"] for row in loop.rows] == ["verified"] * 2, loop
