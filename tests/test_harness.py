@@ -245,6 +245,39 @@ def test_a_batch_unpacked_into_named_fields_is_served_in_that_order():
     assert result.verdict == "bug reproduced", result.replay.reason
 
 
+LANGUAGE_MODELLING = """
+def train(args, model, tokenizer, train_dataloader, optimizer):
+    for step, batch in enumerate(train_dataloader):
+        inputs, labels = mask_tokens(batch, tokenizer, args) if args.mlm else (batch, batch)
+        inputs = inputs.to(args.device)
+        outputs = model(inputs, labels=labels.to(args.device))
+        loss = outputs[0] / args.gradient_accumulation_steps
+        loss.backward()
+        if (step + 1) % args.gradient_accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "tensor"),
+    [
+        ({}, True),  # the old transformers run_language_modeling.py
+        ({"(batch, batch)": "(batch[0], batch[1])"}, False),  # a tuple by position
+        ({"model(inputs, ": "model(input_ids=inputs, "}, True),
+        ({"(batch, batch)": "(batch.input_ids, batch.labels)"}, False),  # fields of it
+    ],
+)
+def test_a_batch_the_model_is_called_on_is_served_as_token_ids(change, tensor):
+    from gaaudit.harness.analysis import analyse
+
+    source = LANGUAGE_MODELLING
+    for old, new in change.items():
+        assert old in source
+        source = source.replace(old, new)
+    assert analyse(source, line_of(source, "for step")).data_tensor is tensor
+
+
 def test_an_auxiliary_loss_the_tiny_model_lacks_reads_as_zero():
     """`out.loss + out.aux_loss` (minimind's mixture of experts): the tiny model has no
     auxiliary loss, so the term is zero and the mean/K bug is measured as in HF_BUGGY."""

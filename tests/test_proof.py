@@ -138,6 +138,7 @@ def at_one_and_four() -> dict[str, tuple[int, list[dict]]]:
         FIXTURES / "ga001_division_guarded_by_k.py",
         FIXTURES / "ok_division_guarded_by_k_window_tokens.py",
         FIXTURES / "ok_clip_once_at_the_step.py",
+        FIXTURES / "ok_tensor_batch_window_token_count.py",
     ]
     result = gaaudit(
         "verify", *map(str, scripts), "-k", "1,4", "--device", "cpu", "--format", "json"
@@ -163,7 +164,12 @@ def test_a_correct_loop_is_replayed_and_matches_the_full_batch(at_one_and_four):
     """A loop with no finding is replayed too (issue 18, item 1): sum and count matches the
     full batch at every K, with no patched error (there is no patch), and verify exits 0."""
     code, loops = at_one_and_four
-    for name in ("ok_division_guarded_by_k_window_tokens", "ok_clip_once_at_the_step"):
+    correct = [
+        "ok_division_guarded_by_k_window_tokens",
+        "ok_clip_once_at_the_step",
+        "ok_tensor_batch_window_token_count",  # each batch a tensor of token ids
+    ]
+    for name in correct:
         (loop,) = loops[name]
         assert loop["verdict"] == VERIFIED and not loop["flagged"], loop
         for row in loop["rows"]:

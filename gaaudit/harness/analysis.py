@@ -104,6 +104,7 @@ class Plan:
     data_keys: tuple = ()  # a tuple batch's keys by position, None where unnamed: `batch[3]`
     # the fields a dict batch is read by, with the harness's field each names: `batch["input_mask"]`
     data_aliases: dict[str, str] = field(default_factory=dict)
+    data_tensor: bool = False  # each batch is a tensor of token ids the model is called on
     returns: tuple | None = None  # how the loop unpacks its model's result: `loss, (a, b) = ...`
     uses_accumulate: bool = False
     splits_batch: bool = False
@@ -410,6 +411,7 @@ class _Usage:
     tensor_backward: bool = False  # `loss.backward()`: a backward not handed to an engine
     unpacked: dict = field(default_factory=dict)  # the names each batch unpacks into
     keys: set = field(default_factory=set)  # string keys read: `batch_data["input_mask"]`
+    items: dict = field(default_factory=dict)  # the one name each iterated chain's item is bound to
 
     def add(self, nodes: list[ast.stmt]) -> None:
         parents = {
@@ -551,6 +553,8 @@ class _Usage:
                 self.evidence[chain].add("iterated")
                 if isinstance(target, (ast.Tuple, ast.List)):
                     self._unpacks(chain, target.elts)
+                elif isinstance(target, ast.Name):
+                    self.items.setdefault(chain, target.id)
 
     def _unpacks(self, chain: Chain, names: list[ast.expr]) -> None:
         """Each batch of `chain` unpacks into `names`; values after the first two that go to
@@ -576,6 +580,60 @@ def _positional_keys(usage: _Usage, data: list[Chain]) -> tuple:
         if {"input_ids", "labels"} <= set(keys):
             return keys
     return ()
+
+
+# methods that keep a tensor a tensor of the same values: `batch.to(device)`, `batch.clone()`
+SAME_TENSOR = {"to", "cuda", "clone", "long", "contiguous", "detach"}
+
+
+def _tensor_batch(target: ast.stmt, usage: _Usage, models: list[Chain], data: list[Chain]) -> bool:
+    """Whether each batch is one tensor of token ids that the loop calls its model on, as the
+    old transformers language-modelling scripts do (`inputs, labels = (batch, batch)`, then
+    `model(inputs.to(device), labels=labels)`): never indexed by a key or a position."""
+    names = {usage.items[c] for c in data if c in usage.items}
+    if not names:
+        return False
+
+    def tensor(node: ast.expr) -> str | None:
+        while (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in SAME_TENSOR
+        ):
+            node = node.func.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    pairs = []  # (name, value) of each assignment; each branch of `x if mlm else (b, b)`
+    for node in ast.walk(target):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            left, right = node.targets[0], node.value
+            for value in (right.body, right.orelse) if isinstance(right, ast.IfExp) else (right,):
+                if isinstance(left, ast.Tuple) and isinstance(value, ast.Tuple):
+                    pairs += zip(left.elts, value.elts)
+                else:
+                    pairs.append((left, value))
+    grown = True
+    while grown:  # `inputs = batch`, then `x = inputs.to(device)`
+        aliases = {
+            left.id
+            for left, right in pairs
+            if isinstance(left, ast.Name) and tensor(right) in names
+        }
+        grown = not aliases <= names
+        names |= aliases
+    if any(
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Constant)
+        and tensor(node.value) in names
+        for node in ast.walk(target)
+    ):
+        return False  # `batch[0]`, `batch["input_ids"]`: a tuple or a dict
+    return any(
+        tensor(value) in names
+        for model in models
+        for call, _ in usage.calls.get(model, [])
+        for value in [*call.args[:1], *(k.value for k in call.keywords if k.arg == "input_ids")]
+    )
 
 
 def _is_minus_one(node: ast.expr) -> bool:
@@ -864,6 +922,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         data_fillers=fillers,
         data_keys=_positional_keys(usage, data),
         data_aliases={k: BATCH_KEYS[k] for k in usage.keys if k in BATCH_KEYS},
+        data_tensor=_tensor_batch(target, usage, models, data),
         returns=_returns(usage, models),
         uses_accumulate=any(
             "accumulate" in usage.evidence.get(c, ())

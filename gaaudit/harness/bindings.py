@@ -8,6 +8,7 @@ import ast
 import builtins
 import math
 import os
+import re
 import types
 from collections.abc import Mapping
 
@@ -16,10 +17,12 @@ import torch
 from gaaudit.harness import factory
 from gaaudit.harness.analysis import Plan, chain_of
 from gaaudit.harness.data import merge_batches
-from gaaudit.harness.models import ignore_value, vocab_size
+from gaaudit.harness.models import PAD_ID, ignore_value, vocab_size
 from gaaudit.harness.nets import output_width
 from gaaudit.harness.stubs import Criterion, DataSource, Fabric, LossScaler, Stub
 from gaaudit.harness.surroundings import literal
+
+TOKENIZER = re.compile(r"tokeni[sz]er", re.IGNORECASE)
 
 MISSING_NAMES = 8  # module names the owner class's definition reads that become stubs
 
@@ -120,8 +123,14 @@ class Objects:
             if name not in self.values and (
                 name in params or (name not in namespace and name not in vars(builtins))
             ):
-                self.values[name] = Stub(name)
-                self.bindings.setdefault(name, "stub")
+                if TOKENIZER.search(name):  # `labels[labels == tokenizer.pad_token_id] = -100`
+                    self.values[name] = Stub(name, children={"pad_token_id": PAD_ID})
+                    self.bindings.setdefault(
+                        name, f"stub whose pad_token_id is {PAD_ID}, the data's"
+                    )
+                else:
+                    self.values[name] = Stub(name)
+                    self.bindings.setdefault(name, "stub")
         for name, value in self.values.items():  # `args.ignore_index`: the script's default
             if type(value) is Stub and plan.settings:
                 for option, default in plan.settings.items():
@@ -350,7 +359,7 @@ def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
         ]
     if plan.data_arity:
         return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
-    if plan.model_kind == "sequence":  # the token sequences alone: the model scores them
+    if plan.data_tensor or plan.model_kind == "sequence":  # the token sequences alone
         return [b["input_ids"] for b in batches]
     from transformers import BatchEncoding  # imported only here: other kinds run without it
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from gaaudit.harness.models import LABELS, ignore_value, vocab_size
+from gaaudit.harness.models import LABELS, PAD_ID, ignore_value, vocab_size
 from gaaudit.harness.nets import NET_KINDS, PADDED_KINDS, SIZED_KINDS, net_record
 
 MASK_ID = 1  # the [MASK] token of the tiny MLM; real tokens are drawn from 2..vocab_size()-1
@@ -71,7 +71,7 @@ def make_records(
 def collate(
     kind: str, records: list, ignore_index: int | None = None, widths: dict | None = None
 ) -> dict[str, torch.Tensor]:
-    """Right-pad `records` into one batch (each key to its `widths` entry at least): pad id 0,
+    """Right-pad `records` into one batch (each key to its `widths` entry at least): PAD_ID,
     labels padded with the ignored value; fixed-shape samples (images, features) are stacked."""
     if kind in NET_KINDS and kind not in PADDED_KINDS:
         return {key: torch.stack([r[key] for r in records]) for key in ("input_ids", "labels")}
@@ -82,7 +82,7 @@ def collate(
             [torch.cat([r[key], r[key].new_full((width - len(r[key]),), value)]) for r in records]
         )
 
-    batch = {"input_ids": pad("input_ids", 0)}
+    batch = {"input_ids": pad("input_ids", PAD_ID)}
     if kind not in ("nanogpt", *PADDED_KINDS):
         lengths = torch.tensor([len(r["input_ids"]) for r in records])
         batch["attention_mask"] = (

@@ -13,6 +13,7 @@ from gaaudit.harness import factory
 from gaaudit.harness.nets import NET_KINDS, build_net, net_count, net_loss
 
 VOCAB = 256
+PAD_ID = 0  # the padding of the harness's token sequences (their tokens start at 2)
 MAX_POSITIONS = 128
 KINDS = ("causal", "seq2seq", "mlm", "classify", "nanogpt", "logits", *NET_KINDS)
 LABELS = 3  # the classes of the `classify` kind: one label per sequence
@@ -95,7 +96,7 @@ class TinyTokenModel(nn.Module):
 def _hf_model(kind: str) -> nn.Module:
     import transformers as tf
 
-    ids = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+    ids = {"vocab_size": VOCAB, "pad_token_id": PAD_ID, "bos_token_id": 0, "eos_token_id": 0}
     if kind in ("causal", "classify"):
         config = tf.GPT2Config(
             n_layer=2,
