@@ -40,9 +40,9 @@ def run_demo(ks: Iterable[int] = range(1, 33), seed: int = 0, max_len: int = 63)
             for batch in window.micro:
                 model(**batch).loss.backward()
                 share = count_tokens("causal", batch) / total
-                for grad, m, s in zip(snapshot(model.parameters()), mean_over_k, summed):
-                    m.add_(grad, alpha=1 / k)
-                    s.add_(grad, alpha=share)
+                for grad, by_k, by_tokens in zip(snapshot(model.parameters()), mean_over_k, summed):
+                    by_k.add_(grad, alpha=1 / k)
+                    by_tokens.add_(grad, alpha=share)
                 model.zero_grad(set_to_none=True)
             rows.append(
                 DemoRow(
