@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import tomllib
 from conftest import FIXTURES, ROOT, gaaudit
 
 GA001 = FIXTURES / "ga001_hf_clm_sft_no_trainer.py"  # GA001 high, safely fixable
@@ -19,6 +20,7 @@ LOW = FIXTURES / "ga001_exact_image_cls_drop_last.py"  # one GA001 at low confid
 UNFIXABLE = FIXTURES / "ga003_deepspeed_dict_config_sft.py"  # GA003: its count is in a helper
 CLEAN = FIXTURES / "ok_single_step_no_accumulation.py"
 BROKEN = "def f(:\n    loss.backward()\n"  # a trigger in code that does not parse
+GA006_BAD = tomllib.loads((ROOT / "rules" / "GA006.toml").read_text())["bad"]
 
 
 def project(root: Path, files: dict[str, Path | str], config: str = "") -> Path:
@@ -195,6 +197,26 @@ def test_fix_exits_1_while_findings_remain(tmp_path):
     assert "Fixed 0 findings in 0 files; 1 not fixed." in result.stdout
     assert gaaudit("fix", ".", "--exit-zero", cwd=root).returncode == 0
     assert gaaudit("fix", ".", "--diff", cwd=root).returncode == 1
+
+
+def test_fix_counts_a_pin_in_a_requirements_file_as_not_fixed(tmp_path):
+    """GA006 on a dependency file: `fix` has no rewrite for a version pin, so it names it as
+    `check` does and exits 1, leaving every file as it was."""
+    script = "\n".join(
+        line for line in GA006_BAD.splitlines() if not line.startswith("#")
+    )  # the script without its inline metadata: the pin is in requirements.txt
+    root = project(tmp_path, {"train.py": script, "requirements.txt": "transformers==4.45.2\n"})
+    assert codes(gaaudit("check", ".", "--no-cache", cwd=root).stdout) == [
+        ("requirements.txt", "GA006")
+    ]
+    result = gaaudit("fix", ".", "--no-cache", cwd=root)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "requirements.txt:1:1: GA006 not fixed: gaaudit has no rewrite" in result.stdout
+    assert "Fixed 0 findings in 0 files; 1 not fixed." in result.stdout
+    assert (root / "train.py").read_text() == script
+    assert (root / "requirements.txt").read_text() == "transformers==4.45.2\n"
+    assert gaaudit("fix", "requirements.txt", "--no-cache", cwd=root).returncode == 1
+    assert gaaudit("fix", ".", "--exit-zero", cwd=root).returncode == 0
 
 
 def test_fix_skips_files_the_cache_knows_are_clean(tmp_path):

@@ -131,7 +131,7 @@ def check(options: CheckOptions) -> int:
         files = list(discover(paths, settings, options.force_exclude))
         if not files:
             warn_nothing_found(paths)
-        pins = _named_dependency_files(files)  # read by GA006, not as Python
+        pins = dependency_files(files)  # read by GA006, not as Python
         store = None if options.no_cache else cache_for(options, settings)
         sources = [f for f in files if f not in pins] if pins else files
         checked = check_files(sources, settings, options.jobs, store)
@@ -153,8 +153,8 @@ def check(options: CheckOptions) -> int:
         from gaaudit.fixes.fixer import count_fixable
 
         fixable = count_fixable([p for p, r in found if r.findings], settings)
-    if stdin is None and settings.enabled("GA006", "") and _dependency_files_possible(paths, files):
-        reports += _repository_reports(files, paths, pins, settings)
+    if stdin is None:
+        reports += pin_reports(files, paths, pins, settings)
     run = CheckRun(
         reports=reports,
         files_checked=len(files),
@@ -229,7 +229,7 @@ def _dependency_files_possible(paths, files) -> bool:
     )
 
 
-def _named_dependency_files(files: list[Path]) -> list[Path]:
+def dependency_files(files: list[Path]) -> list[Path]:
     """The requirements, pyproject.toml, setup.cfg or environment files named on the command
     line (a folder's walk yields only Python files and notebooks)."""
     named = [f for f in files if not f.name.endswith((".py", ".ipynb"))]
@@ -240,10 +240,12 @@ def _named_dependency_files(files: list[Path]) -> list[Path]:
     return [f for f in named if is_pin_file(f)]
 
 
-def _repository_reports(files, paths, pins, settings):
-    """GA006 findings on dependency files, filtered like the per-file ones. A dependency
-    file named on the command line is judged against the code of its folder, as when that
-    folder is checked."""
+def pin_reports(files, paths, pins, settings) -> list:
+    """GA006 findings on dependency files, filtered like the per-file ones (none when GA006
+    is off or there are no such files to read). A dependency file named on the command line
+    is judged against the code of its folder, as when that folder is checked."""
+    if not settings.enabled("GA006", "") or not _dependency_files_possible(paths, files):
+        return []  # and the imports below are skipped too
     from gaaudit.checks.engine import display_path
     from gaaudit.checks.versions import check_repository
     from gaaudit.discover.files import discover

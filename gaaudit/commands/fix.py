@@ -17,6 +17,8 @@ from gaaudit.commands.check import (
     STDIN,
     CheckOptions,
     cache_for,
+    dependency_files,
+    pin_reports,
     settings_for,
     stdin_target,
     use_color,
@@ -62,11 +64,14 @@ def fix(options: FixOptions) -> int:
         if not files:
             warn_nothing_found(paths)
         store = None if options.no_cache else cache_for(options, settings)
+        pins = dependency_files(files)  # read by GA006, not as Python
         for path in files:
             known = store.get(path) if store is not None else None
             if known and store.fresh(path, known) and not known.findings and not known.error:
                 continue  # checked clean since it last changed: nothing to fix
-            _fix_one(path, settings, options, tally)
+            if path not in pins:
+                _fix_one(path, settings, options, tally)
+        _pins_left(pin_reports(files, paths, pins, settings), options, tally)
     if not options.quiet:
         verb = "Would fix" if options.diff else "Fixed"
         files = plural(len(tally.changed), "file")
@@ -140,6 +145,18 @@ def _fix_one(path: Path, settings, options: FixOptions, tally: Tally, data: byte
     if options.diff and result.changed and data is None:
         diff = "".join(f.diff() for f in (result, *result.companions))
         sys.stdout.write(_colour_diff(diff) if use_color() else diff)
+
+
+def _pins_left(reports, options: FixOptions, tally: Tally) -> None:
+    """GA006's findings on dependency files (requirements, pyproject.toml, ...): a version
+    pin has no rewrite, so each is left for the user, as `check` reports it."""
+    from gaaudit.fixes.fixer import NO_REWRITE
+
+    for report in reports:
+        for finding in report.findings:
+            tally.skipped += 1
+            where = f"{report.path}:{finding.location}: {finding.code}"
+            _say(f"{where} not fixed: {NO_REWRITE.format(code=finding.code)}", _to_stderr(options))
 
 
 def _held_back(path: Path, result) -> str:
