@@ -80,7 +80,7 @@ def lit(package="lightning", extra="", parameters="", loss=MEAN, after="") -> st
     return MODULE.format(package=package, extra=extra, parameters=parameters, loss=loss) + after
 
 
-# One project per test below (their module, lit.py), replayed with the options of none.
+# One project per test below, each a module lit.py, all replayed in one run.
 PROJECTS = {
     "lightning": ("lit.py", {"lit.py": lit()}),
     "pytorch_lightning": ("lit.py", {"lit.py": lit(package="pytorch_lightning")}),
