@@ -132,7 +132,7 @@ def test_demo_error_grows_with_k_and_sum_and_count_is_exact(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def at_one_and_four() -> dict[str, tuple[int, list[dict]]]:
+def at_one_and_four() -> tuple[int, dict[str, list[dict]]]:
     """The exit code of one `verify -k 1,4` run over the scripts below, and each one's loops."""
     scripts = [
         FIXTURES / "ga001_division_guarded_by_k.py",
