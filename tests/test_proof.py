@@ -25,17 +25,20 @@ def three_value_loop() -> str:
 
 
 def test_verify_cli_table_json_and_exit_codes(tmp_path):
+    """The table over two files (exit 1: one loop verified, one not replayable), then the
+    JSON of one loop chosen by its line; exits 0 and 2 are the other tests'."""
     script = tmp_path / "train.py"
     script.write_bytes((FIXTURES / "ga001_hf_mlm_bert.py").read_bytes())
-    result = gaaudit("verify", str(script), "-k", "2,4", "--device", "cpu")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"executing loops of {script}" in result.stderr
-    assert result.stdout.count("verified") == 2
     unreplayable = tmp_path / "three.py"
     unreplayable.write_text(three_value_loop())
-    result = gaaudit("verify", str(unreplayable), "-k", "4")
-    assert result.returncode == 2 and f"not replayable: {UNREPLAYABLE}" in result.stdout
+    result = gaaudit("verify", str(script), str(unreplayable), "-k", "2,4", "--device", "cpu")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"executing loops of {script}" in result.stderr
     assert "Traceback" not in result.stderr
+    table = result.stdout.splitlines()
+    assert table.index(str(script)) < table.index(str(unreplayable))  # a heading per file
+    assert result.stdout.count("verified") == 2  # the script's two windows
+    assert f"not replayable: {UNREPLAYABLE}" in result.stdout
     both = gaaudit("verify", f"{script}:76", str(unreplayable), "-k", "4", "--format", "json")
     assert both.returncode == 1, both.stdout + both.stderr  # one loop verified, one not
     verified, skipped = json.loads(both.stdout)
