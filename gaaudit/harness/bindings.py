@@ -17,8 +17,8 @@ import torch
 from gaaudit.harness import factory
 from gaaudit.harness.analysis import Plan, chain_of
 from gaaudit.harness.data import merge_batches
-from gaaudit.harness.models import PAD_ID, ignore_value, vocab_size
-from gaaudit.harness.nets import output_width
+from gaaudit.harness.models import ignore_value, vocab_size
+from gaaudit.harness.nets import PAD_ID, output_width
 from gaaudit.harness.stubs import Criterion, DataSource, Fabric, LossScaler, Stub
 from gaaudit.harness.surroundings import literal
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from gaaudit.harness.models import LABELS, PAD_ID, ignore_value, vocab_size
-from gaaudit.harness.nets import NET_KINDS, PADDED_KINDS, SIZED_KINDS, net_record
+from gaaudit.harness.models import LABELS, ignore_value, vocab_size
+from gaaudit.harness.nets import NET_KINDS, PAD_ID, PADDED_KINDS, SIZED_KINDS, net_record
 
 MASK_ID = 1  # the [MASK] token of the tiny MLM; real tokens are drawn from 2..vocab_size()-1
 

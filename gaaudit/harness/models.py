@@ -10,10 +10,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from gaaudit.harness import factory
-from gaaudit.harness.nets import NET_KINDS, build_net, net_count, net_loss
+from gaaudit.harness.nets import NET_KINDS, PAD_ID, build_net, net_count, net_loss
 
 VOCAB = 256
-PAD_ID = 0  # the padding of the harness's token sequences (their tokens start at 2)
 MAX_POSITIONS = 128
 KINDS = ("causal", "seq2seq", "mlm", "classify", "nanogpt", "logits", *NET_KINDS)
 LABELS = 3  # the classes of the `classify` kind: one label per sequence
@@ -109,7 +108,7 @@ def _hf_model(kind: str) -> nn.Module:
             num_labels=LABELS,
             **ids,
         )
-        if kind == "classify":  # reads the last token that is not padding (id 0)
+        if kind == "classify":  # reads the last token that is not padding (PAD_ID)
             return tf.GPT2ForSequenceClassification(config)
         model = tf.GPT2LMHeadModel(config)
         model.loss_type = "ForCausalLM"  # the class name does not say so; silences a warning

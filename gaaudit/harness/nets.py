@@ -9,7 +9,8 @@ from torch import nn
 from torch.nn import functional as F
 
 NET_KINDS = ("image", "segment", "regression", "pair", "sequence")
-# Kinds whose samples are token sequences of varied length, padded with id 0 in a batch.
+PAD_ID = 0  # the padding of the harness's token sequences (their tokens start at 2)
+# Kinds whose samples are token sequences of varied length, padded with PAD_ID in a batch.
 PADDED_KINDS = ("pair", "sequence")
 # Kinds with one target per sample and no ignored value (and models.py's sequence
 # classifier): the valid count of a micro-batch is its number of samples, so the harness
@@ -57,7 +58,7 @@ class TinyRegressor(nn.Module):
 
 
 class TinyEncoder(nn.Module):
-    """`forward(src (B, S)) -> (outputs (B, S, W), state (B, W))`; pad id 0 is masked out, so
+    """`forward(src (B, S)) -> (outputs (B, S, W), state (B, W))`; PAD_ID is masked out, so
     that the result does not depend on how wide the batch is padded."""
 
     def __init__(self, vocab: int):
@@ -65,7 +66,7 @@ class TinyEncoder(nn.Module):
         self.embed = nn.Embedding(vocab, WIDTH)
 
     def forward(self, src):
-        mask = (src != 0).unsqueeze(-1)
+        mask = (src != PAD_ID).unsqueeze(-1)
         outputs = self.embed(src.clamp_min(0)) * mask
         return outputs, outputs.sum(1) / mask.sum(1).clamp_min(1)
 
@@ -104,7 +105,7 @@ class TinyPair(nn.Module):
 class TinySequenceModel(nn.Module):
     """A model that takes the token sequence and scores it itself, as lucidrains' models do:
     `forward(seq (B, T + 1), return_loss=True) -> loss`, the mean cross-entropy of each next
-    token over the positions that are not padding (id 0); logits (B, T, vocab) without
+    token over the positions that are not padding (PAD_ID); logits (B, T, vocab) without
     `return_loss`. Position-wise, so padding does not change the other positions. `returns`:
     how the loop unpacks the loss (`loss, (ce, aux) = model(...)`, as nested tuples of None):
     the loss first, zeros in the other places."""
@@ -119,7 +120,8 @@ class TinySequenceModel(nn.Module):
         logits = self.out(self.embed(seq[:, :-1]))
         if not return_loss:
             return logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), seq[:, 1:].flatten(), ignore_index=0)
+        targets = seq[:, 1:].flatten()
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=PAD_ID)
 
         def shaped(part, first: bool):
             if part is None:
