@@ -65,12 +65,11 @@ def fix(options: FixOptions) -> int:
             warn_nothing_found(paths)
         store = None if options.no_cache else cache_for(options, settings)
         pins = dependency_files(files)  # read by GA006, not as Python
-        for path in files:
+        for path in (f for f in files if f not in pins):
             known = store.get(path) if store is not None else None
             if known and store.fresh(path, known) and not known.findings and not known.error:
                 continue  # checked clean since it last changed: nothing to fix
-            if path not in pins:
-                _fix_one(path, settings, options, tally)
+            _fix_one(path, settings, options, tally)
         _pins_left(pin_reports(files, paths, pins, settings), options, tally)
     if not options.quiet:
         verb = "Would fix" if options.diff else "Fixed"
@@ -152,11 +151,12 @@ def _pins_left(reports, options: FixOptions, tally: Tally) -> None:
     pin has no rewrite, so each is left for the user, as `check` reports it."""
     from gaaudit.fixes.fixer import NO_REWRITE
 
+    stderr = _to_stderr(options)
     for report in reports:
         for finding in report.findings:
             tally.skipped += 1
             where = f"{report.path}:{finding.location}: {finding.code}"
-            _say(f"{where} not fixed: {NO_REWRITE.format(code=finding.code)}", _to_stderr(options))
+            _say(f"{where} not fixed: {NO_REWRITE.format(code=finding.code)}", stderr)
 
 
 def _held_back(path: Path, result) -> str:
