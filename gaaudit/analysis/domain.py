@@ -93,7 +93,11 @@ class Domain:
         if self.kind not in ("dense", "examples"):
             return text
         singular = self.elements.removesuffix("s")
-        return text.replace("valid tokens", self.elements).replace("valid-token", singular)
+        return (
+            text.replace("valid tokens", self.elements)
+            .replace("valid-token", singular)
+            .replace("per token", f"per {singular}")
+        )
 
     def confidence(self) -> tuple[Confidence, str]:
         if self.varies:
@@ -150,7 +154,11 @@ class Domains:
             return Domain(
                 "examples", False, "a mean in a classifier's file, one element per example"
             )
-        return self._tokens("a mean whose elements gaaudit cannot name")
+        what = "a mean whose elements gaaudit cannot name"
+        found = self._tokens(what)
+        if found.varies is None and _reduces_here(origin) and not tasks(self.text):
+            return Domain("dense", None, what)  # no sign of tokens: it counts its elements
+        return found
 
     def _spelled(self, expr: cst.BaseExpression, hops: int = 3) -> str:
         """The code of what `.mean()` reduces: a name's assigned value (`loss = -logsigmoid(z)`),
@@ -275,6 +283,18 @@ class Domains:
             line, sign = evidence.masked
             return Domain("tokens", True, f"{what}; the inputs are padded ({sign}, line {line})")
         return Domain("tokens", None, what)
+
+
+def _reduces_here(origin: Origin) -> bool:
+    """Whether the loss is an unmasked `x.mean()` or `torch.mean(x)` written in this file."""
+    source = origin.source
+    if origin.module or not isinstance(source, cst.Call):
+        return False
+    func = source.func
+    return (func.attr.value if isinstance(func, cst.Attribute) else dotted(func)) in (
+        "mean",
+        "nanmean",
+    )
 
 
 def _task_of(name: str) -> str | None:

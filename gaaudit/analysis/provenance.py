@@ -248,9 +248,16 @@ class _Calls:
                 and not positional(call)
                 and keyword(call, "dim") is None
             ):
-                # the mean of a mean (DataParallel's per-device means) is that mean
-                inner = self.origin(func.value, depth + 1)
-                return inner if inner.kind == "mean" else self._mean(call, f"`{code(call)}`")
+                # the mean of a mean (DataParallel's per-device means) is that mean; the mean of
+                # a product is over its elements (`(losses["loss"] * weights).mean()`)
+                product = isinstance(func.value, cst.BinaryOperation) and isinstance(
+                    func.value.operator, cst.Multiply
+                )
+                if not product:
+                    inner = self.origin(func.value, depth + 1)
+                    if inner.kind == "mean":
+                        return inner
+                return self._mean(call, f"`{code(call)}`")
             if (
                 method in ("sum", "nansum")
                 and not positional(call)

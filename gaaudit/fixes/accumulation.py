@@ -26,8 +26,10 @@ from gaaudit.fixes.edits import (
     Edits,
     Unfixable,
     atom,
+    bound_torch,
     copy_edits,
     statement_line,
+    torch_module,
     with_argument,
     with_parameter,
 )
@@ -836,23 +838,25 @@ class _Owners:
         receiver = self._accelerator(site)
         fabric = self._backward_owner(site, "fabric")
         dist = self._distributed()
-        if self._engine(site) is not None:  # DeepSpeed runs on torch.distributed
-            dist = dist or "torch.distributed"
+        if self._engine(site) is not None and dist is None:  # DeepSpeed runs on torch.distributed
+            dist = f"{torch_module(self.tree, self.edits)}.distributed"
         if fabric:  # Fabric averages gradients over its processes, like DDP
             gather = "".join(
                 f'{name} = {fabric}.all_reduce({name}, reduce_op="sum")\n' for name in names
             )
             return gather, f"{fabric}.world_size"
         if receiver:
+            torch = torch_module(self.tree, self.edits)
             gather = "".join(  # a count of elements may be a Python number: reduce takes tensors
                 f"{name} = {receiver}.reduce(\n"
-                f'    torch.as_tensor({name}, device={receiver}.device), reduction="sum"\n)\n'
+                f'    {torch}.as_tensor({name}, device={receiver}.device), reduction="sum"\n)\n'
                 for name in names
             )
             return gather, f"{receiver}.num_processes"
         if dist:
+            torch = torch_module(self.tree, self.edits)
             gather = f"if {dist}.is_initialized():\n" + "".join(
-                f"    {name} = torch.as_tensor({name}, device={device})\n"
+                f"    {name} = {torch}.as_tensor({name}, device={device})\n"
                 f"    {dist}.all_reduce({name})\n"
                 for name in names
             )
@@ -866,7 +870,8 @@ class _Owners:
         for local, full in self.tree.imports.items():
             if full == "torch.distributed":
                 return local
-        return "torch.distributed" if "torch" in self.tree.imports else None
+        torch = bound_torch(self.tree)
+        return f"{torch}.distributed" if torch else None
 
 
 class _LoggedReads:
@@ -1174,6 +1179,7 @@ class Planner(
                 count, safe = self.count(site)
                 if not safe and not self.unsafe:
                     raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
+                self._all_weighted(site, sites)
                 blocker = self._window_blocker(site)
                 if blocker:
                     self._read_ahead(site, count[0], blocker)
@@ -1197,6 +1203,28 @@ class Planner(
         for site, optimizer in self._prepared.values():
             self._finish_window(site, optimizer)
         return outcomes
+
+    def _all_weighted(self, site: Site, sites: list[Site]) -> None:
+        """Refuse a window with a backward call the fix would not weight (`(loss * scale)
+        .backward()` on another branch): the one division at the step would divide that path's
+        gradients too."""
+        if site.backward.call is None:
+            return
+        fixed = {s.backward.call for s in sites}
+        losses = {s.origin.source for s in sites} | {s.division.node for s in sites if s.division}
+        losses.discard(None)
+        structure, tracer = self.auditor.structure, self.auditor.tracer
+        for backward in structure.backwards():
+            window = structure.window(backward) if backward.call not in fixed else None
+            if window is None or window.anchor is not site.window.anchor:
+                continue
+            origin = tracer.origin(backward.loss)  # the same loss on another branch is weighted
+            if origin.source not in losses and not {d.node for d in origin.divisions} & losses:
+                raise Unfixable(
+                    f"the window also backpropagates `{code(backward.loss)}` (line "
+                    f"{self.tree.line(backward.call)}), which is not a mean gaaudit can weight; "
+                    "the one division at the step would divide its gradients too"
+                )
 
     def _position(self, site: Site) -> tuple[int, int]:
         span = self.tree.span(site.node)

@@ -4,6 +4,7 @@ layout kept, and a node's statement."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -105,6 +106,7 @@ def atom(expr: cst.BaseExpression) -> str:
     return (
         text
         if isinstance(expr, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
+        or getattr(expr, "lpar", ())
         else f"({text})"
     )
 
@@ -129,3 +131,68 @@ def copy_edits(edits: Edits) -> Edits:
         {k: list(v) for k, v in edits.before.items()},
         {k: list(v) for k, v in edits.after.items()},
     )
+
+
+def bound_torch(tree: Tree) -> str | None:
+    """The name the file's top level binds to the torch module (`th` after `import torch as
+    th`; `torch` after `import torch.distributed`), else None."""
+    for statement in tree.module.body:
+        if not isinstance(statement, cst.SimpleStatementLine):
+            continue
+        for small in statement.body:
+            for alias in small.names if isinstance(small, cst.Import) else ():
+                name = code(alias.name)
+                if name == "torch" and alias.asname is not None:
+                    return alias.asname.name.value
+                if name == "torch" or (alias.asname is None and name.startswith("torch.")):
+                    return "torch"
+    return None
+
+
+def torch_module(tree: Tree, edits: Edits) -> str:
+    """The file's name for the torch module; where its top level binds none, `edits` gets an
+    `import torch` among the file's third-party imports, in alphabetical order."""
+    bound = bound_torch(tree)
+    if bound is not None:
+        return bound
+    imports = [
+        (statement, root)
+        for statement in tree.module.body
+        if isinstance(statement, cst.SimpleStatementLine)
+        and (root := _imported_root(statement.body[0])) not in (None, "__future__")
+    ]
+    third_party = [(s, root) for s, root in imports if root not in sys.stdlib_module_names]
+    later = next((s for s, root in third_party if root > "torch"), None)
+    if later is not None:
+        add, anchor = edits.insert_before, later
+    elif third_party or imports:
+        add, anchor = edits.insert_after, (third_party or imports)[-1][0]
+    else:  # before the first statement that is not the docstring or a `__future__` import
+        add, anchor = (
+            edits.insert_before,
+            next(
+                (
+                    s
+                    for s in tree.module.body
+                    if not (
+                        isinstance(s, cst.SimpleStatementLine)
+                        and isinstance(s.body[0], (cst.Expr, cst.ImportFrom))
+                    )
+                ),
+                tree.module.body[0],
+            ),
+        )
+    placed = (edits.before if add == edits.insert_before else edits.after).get(anchor, ())
+    if all(code(s).strip() != "import torch" for s in placed):
+        add(anchor, "import torch\n")
+    return "torch"
+
+
+def _imported_root(statement: cst.BaseSmallStatement) -> str | None:
+    """The top-level package an import statement reads (None for a relative import or another
+    statement)."""
+    if isinstance(statement, cst.Import):
+        return code(statement.names[0].name).split(".")[0]
+    if isinstance(statement, cst.ImportFrom) and not statement.relative and statement.module:
+        return code(statement.module).split(".")[0]
+    return None
