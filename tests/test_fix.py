@@ -180,6 +180,17 @@ def test_window_across_calls_is_refused_with_what_to_do(tmp_path, cli):
     assert (tmp_path / script.name).read_bytes() == script.read_bytes()
 
 
+def test_a_window_with_a_backward_the_fix_would_not_weight_is_refused():
+    """The fp16 branch backpropagates `loss * loss_scale`, which is no mean to weight: one
+    division at the step would divide that branch's gradients too."""
+    script = FIXTURES / "ga002_microbatch_slices_fp16_branch.py"
+    (outcome,) = fix_source(script.read_bytes(), script, ALL, unsafe=True).outcomes
+    assert not outcome.applied and outcome.line == 28
+    assert outcome.reason.startswith(
+        "the window also backpropagates `(loss * loss_scale)` (line 26)"
+    )
+
+
 def test_diff_writes_nothing_and_git_applies(tmp_path, cli):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     for name in ("ga001_hf_clm_sft_no_trainer.py", "ok_sum_and_count_grad_div.py"):
