@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import libcst as cst
@@ -18,7 +18,7 @@ from gaaudit.analysis.provenance import (
     loss_target,
     valid_targets,
 )
-from gaaudit.analysis.tree import Tree, code, dotted, keyword, positional, walk
+from gaaudit.analysis.tree import Tree, code, dotted, keyword, positional, target_names, walk
 from gaaudit.checks.accumulation import Auditor, Site
 from gaaudit.discover.source import SourceError, parse
 from gaaudit.findings import Finding
@@ -605,7 +605,9 @@ class _LossRewrite:
                     leading_lines=guard.leading_lines
                 )
             anchor = guard
-        if anchor not in self.edits.before:
+        place = self._counted_at(site, count, anchor)
+        placed = self.edits.before if place is anchor else self.edits.after
+        if place not in placed:
             reference = (
                 f"if {self.reference} is None:\n"
                 f"    {self.reference} = max(float({self.micro}), 1.0)\n"
@@ -613,11 +615,41 @@ class _LossRewrite:
                 else ""
             )
             counted = "" if count == self.micro else f"{self.micro} = {count}\n"
-            self.edits.insert_before(
-                anchor,
-                f"{WEIGHT_NOTE}\n{counted}{self.window_total} += {self.micro}\n" + reference,
-            )
+            lines = f"{WEIGHT_NOTE}\n{counted}{self.window_total} += {self.micro}\n" + reference
+            if place is anchor:
+                self.edits.insert_before(anchor, lines)
+            else:
+                self.edits.insert_after(place, lines)
         self._prepare_window(site)
+
+    def _counted_at(self, site: Site, count: str, anchor: cst.CSTNode) -> cst.CSTNode:
+        """Where the count is taken: before `anchor`, unless a name it reads is bound again
+        between the loss and `anchor` (the next batch fetched before the backward, as nanoGPT
+        does): then right after the loss's statement, which must run whenever `anchor` does."""
+        source = site.origin.source
+        if source is None or count == self.micro or source not in self.tree.order:
+            return anchor
+        made = statement_line(self.tree, source)
+        tracer = self.auditor.tracer
+        rebound = [
+            name.value
+            for name in walk(cst.parse_expression(count))
+            if isinstance(name, cst.Name)
+            and tracer.binding(name.value, anchor) not in (made, tracer.binding(name.value, source))
+        ]
+        if not rebound:
+            return anchor
+        around = set(self.tree.ancestors(anchor))
+        for node in self.tree.ancestors(made):
+            if node in around:
+                return made
+            if not isinstance(node, (cst.With, cst.IndentedBlock)):
+                break
+        raise Unfixable(
+            f"`{rebound[0]}`, which the count reads, is bound again between the loss (line "
+            f"{self.tree.line(made)}) and its backward; count the targets where the loss is "
+            "computed"
+        )
 
     @staticmethod
     def _scaled(site: Site) -> bool:
@@ -1066,7 +1098,9 @@ class _Window:
             for call in self.auditor.structure.steps_in(region):
                 if is_step(call):
                     args = positional(call)
-                    return code(args[0]) if args else code(call.func.value)
+                    optimizer = args[0] if args else call.func.value
+                    self._bound_before(optimizer, call, region)
+                    return code(optimizer)
                 helpers.append(call)
         for call in helpers:
             optimizer = self._stepped_by(call)
@@ -1081,6 +1115,21 @@ class _Window:
         raise Unfixable(
             "no optimizer step is visible for this window; gaaudit cannot tell whose gradients to divide"
         )
+
+    def _bound_before(self, optimizer: cst.BaseExpression, step: cst.Call, region) -> None:
+        """Refuse an optimizer the step reaches as a loop's target (`for opt, sched in
+        zip(optimizers, schedulers): opt.step()`): the one division, written before that loop,
+        would read a name not yet bound, and divide one optimizer's gradients of several."""
+        root = (dotted(optimizer) or "").split(".")[0]
+        for loop in self.tree.ancestors(step):
+            if isinstance(loop, cst.For) and root in target_names(loop.target):
+                raise Unfixable(
+                    f"the optimizer steps as `{root}` of `for {code(loop.target)} in "
+                    f"{code(loop.iter)}` (line {self.tree.line(loop)}); divide the gradients of "
+                    "each of them once, before that loop, by the window's count"
+                )
+            if loop is region:
+                return
 
     def _stepped_by(self, call: cst.Call) -> str | None:
         """The optimizer a same-file helper steps (`self.optimizers_step()`, `step(opt)`),
@@ -1179,12 +1228,18 @@ class Planner(
                 count, safe = self.count(site)
                 if not safe and not self.unsafe:
                     raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
-                self._all_weighted(site, sites)
+                siblings = self._siblings(site, sites)
                 blocker = self._window_blocker(site)
+                if blocker and siblings:
+                    raise Unfixable(
+                        f"the loss is backpropagated on {len(siblings) + 1} branches of a window "
+                        f"that must be read ahead ({blocker})"
+                    )
                 if blocker:
                     self._read_ahead(site, count[0], blocker)
                 else:
-                    self._rewrite(site, count[0])
+                    for each in (site, *siblings):
+                        self._rewrite(each, count[0])
                 outcomes.append(Outcome(site, *self._position(site), True))
             except (Unfixable, cst.ParserSyntaxError) as exc:
                 (
@@ -1204,27 +1259,36 @@ class Planner(
             self._finish_window(site, optimizer)
         return outcomes
 
-    def _all_weighted(self, site: Site, sites: list[Site]) -> None:
-        """Refuse a window with a backward call the fix would not weight (`(loss * scale)
-        .backward()` on another branch): the one division at the step would divide that path's
-        gradients too."""
+    def _siblings(self, site: Site, sites: list[Site]) -> list[Site]:
+        """The site again at each other backward call of its window that backpropagates the
+        same loss (`with model.no_sync(): loss.backward()` / `else: loss.backward()`), where
+        the rewrite weights each backward call; a window with a backward of another loss is
+        refused: the one division at the step would divide its gradients too."""
         if site.backward.call is None:
-            return
+            return []
         fixed = {s.backward.call for s in sites}
-        losses = {s.origin.source for s in sites} | {s.division.node for s in sites if s.division}
-        losses.discard(None)
+        rewritten = {s.division.node for s in sites if s.kind == "loss-division"}
         structure, tracer = self.auditor.structure, self.auditor.tracer
+        siblings = []
         for backward in structure.backwards():
             window = structure.window(backward) if backward.call not in fixed else None
             if window is None or window.anchor is not site.window.anchor:
                 continue
-            origin = tracer.origin(backward.loss)  # the same loss on another branch is weighted
-            if origin.source not in losses and not {d.node for d in origin.divisions} & losses:
-                raise Unfixable(
-                    f"the window also backpropagates `{code(backward.loss)}` (line "
-                    f"{self.tree.line(backward.call)}), which is not a mean gaaudit can weight; "
-                    "the one division at the step would divide its gradients too"
-                )
+            origin = tracer.origin(backward.loss)
+            if {d.node for d in origin.divisions} & rewritten:
+                continue  # the loss the rewrite made a sum, read on another branch
+            if site.kind != "loss-division" and (origin.source, origin.divisions) == (
+                site.origin.source,
+                site.origin.divisions,
+            ):
+                siblings.append(replace(site, backward=backward))
+                continue
+            raise Unfixable(
+                f"the window also backpropagates `{code(backward.loss)}` (line "
+                f"{self.tree.line(backward.call)}), which the rewrite would not weight; the "
+                "one division at the step would divide its gradients too"
+            )
+        return siblings
 
     def _position(self, site: Site) -> tuple[int, int]:
         span = self.tree.span(site.node)
