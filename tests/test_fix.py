@@ -191,6 +191,33 @@ def test_a_window_with_a_backward_the_fix_would_not_weight_is_refused():
     )
 
 
+def test_a_count_rebound_before_a_skipped_backward_is_refused():
+    """The next batch is fetched after the loss, then a non-finite loss skips its backward:
+    counting right after the loss would count a micro-batch the window never sees."""
+    source = textwrap.dedent(
+        """\
+        import torch
+        import torch.nn.functional as F
+
+
+        def train(model, optimizer, get_batch, accum_steps):
+            X, Y = get_batch()
+            for micro_step in range(accum_steps):
+                logits = model(X)
+                loss = F.cross_entropy(logits.flatten(0, 1), Y.flatten(), ignore_index=-1)
+                X, Y = get_batch()
+                if not torch.isfinite(loss):
+                    continue
+                loss.backward()
+            optimizer.step()
+        """
+    )
+    result = fix_source(source.encode(), Path("train.py"), ALL, unsafe=True)
+    (outcome,) = result.outcomes
+    assert not outcome.applied and result.after == source.encode()
+    assert outcome.reason.startswith("`Y`, which the count reads, is bound again between the loss")
+
+
 def test_diff_writes_nothing_and_git_applies(tmp_path, cli):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     for name in ("ga001_hf_clm_sft_no_trainer.py", "ok_sum_and_count_grad_div.py"):

@@ -631,17 +631,24 @@ class _LossRewrite:
             return anchor
         made = statement_line(self.tree, source)
         tracer = self.auditor.tracer
-        rebound = [
+        rebound = [  # bound at the loss (not first bound after it), and bound again since
             name.value
             for name in walk(cst.parse_expression(count))
             if isinstance(name, cst.Name)
-            and tracer.binding(name.value, anchor) not in (made, tracer.binding(name.value, source))
+            and (before := tracer.binding(name.value, source)) is not None
+            and tracer.binding(name.value, anchor) not in (made, before)
         ]
         if not rebound:
             return anchor
         around = set(self.tree.ancestors(anchor))
+        order = self.tree.order
+        scope = self.tree.scope_of(anchor)
+        exits = any(  # a micro-batch counted, then skipped before its backward
+            isinstance(node, EXITS) and order[made] < order[node] < order[anchor]
+            for node in self.tree.walk(scope, into_defs=False)
+        )
         for node in self.tree.ancestors(made):
-            if node in around:
+            if node in around and not exits:
                 return made
             if not isinstance(node, (cst.With, cst.IndentedBlock)):
                 break
