@@ -941,8 +941,11 @@ class _LoggedReads:
         step, the window's mean; in the micro-step after the rewrite, the micro-batch's mean."""
         at_step, in_micro_step = [], []
         window_mean = f"({self.window_loss} / {self.window_total})"  # clamped by then
+        first = self._prepared.get(window.anchor)
+        scaled = first is not None and self._scaled(first[0])  # weighted by micro / reference
         for weighted in self._weighted.get(window.anchor, ()):
-            micro_mean = f"({weighted.name} / max({self.micro}, 1))"
+            value = f"{weighted.name} * {self.reference}" if scaled else weighted.name
+            micro_mean = f"({value} / max({self.micro}, 1))"
             after = self.tree.last[weighted.statement]
             for node in self.tree.walk(window.loop, into_defs=False):
                 if not (isinstance(node, cst.Name) and node.value == weighted.name):
