@@ -1,16 +1,24 @@
 """Loops that `gaaudit fix` rewrote, run on real torch against one full-batch step of the same
 data: a batch cut into slices (in a file that imports torch as `th`), a next batch fetched
 between the forward and the backward, and a backward on two branches (`model.no_sync()` on
-all but the last micro-batch, real DDP on a gloo process group). Each original misses the
-full batch's gradient; each patched loop matches it, and the correct twin does too."""
+all but the last micro-batch, real DDP on a gloo process group); then generated loops of every
+division form (a GradScaler's included), window shape and loss source, with and without a
+log after the backward. Each original misses the full batch's gradient; each patched loop
+matches it, logs what the original logged, and the correct twin matches too."""
 
 from __future__ import annotations
+
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import FIXTURES
+
+from gaaudit.config import Settings
+from gaaudit.fixes.fixer import fix_source
 
 BATCH, MICRO, WIDTH = 8, 3, 5  # slices of 3, 3 and 2
 K, VOCAB, LENGTH, ROWS = 4, 11, 6, 2
@@ -149,3 +157,105 @@ def test_patched_no_sync_branches_both_weighted(process_group):
     assert error(no_sync_step(original), reference) > 0.1
     patched = no_sync_step(original.replace(".py", ".fixed.py"))
     assert error(patched, reference) < 1e-6
+
+
+# --- every division form, window shape and loss source, with and without a log --------------
+
+FORMS = {  # how the loop divides by K and backpropagates
+    "divide": ("loss = loss / accum_steps\n", "loss.backward()\n"),
+    "divide-at-backward": ("", "(loss / accum_steps).backward()\n"),
+    "scaler": ("loss = loss / accum_steps\n", "scaler.scale(loss).backward()\n"),
+    "no-division": ("", "loss.backward()\n"),
+}
+LOSSES = {  # an explicit token loss (made a sum), and a causal LM's `.loss` (weighted)
+    "cross-entropy": "loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)\n",
+    "model": "loss = model(input_ids=x, labels=y).loss\n",
+}
+HEADER = (
+    "import torch\nimport torch.nn.functional as F\nfrom transformers import AutoModelForCausalLM\n\n\n"
+    "def train(model, batches, optimizer, accum_steps, logged, scaler):\n"
+)
+
+
+def generated(form: str, window: str, loss: str, log: bool) -> str:
+    divide, backward = FORMS[form]
+    body = LOSSES[loss] + divide + backward + ("logged.append(loss.item())\n" if log else "")
+    step = "optimizer.step()\noptimizer.zero_grad()\n"
+    if form == "scaler":
+        step = "scaler.step(optimizer)\nscaler.update()\n" + step.replace("optimizer.step()\n", "")
+    if window == "modulo":
+        loop = "for step, (x, y) in enumerate(batches):\n" + textwrap.indent(body, "    ")
+        loop += "    if (step + 1) % accum_steps == 0:\n" + textwrap.indent(step, "        ")
+    else:
+        loop = "for start in range(0, len(batches), accum_steps):\n"
+        loop += "    for x, y in batches[start : start + accum_steps]:\n"
+        loop += textwrap.indent(body, "        ") + textwrap.indent(step, "    ")
+    return HEADER + textwrap.indent(loop, "    ")
+
+
+class CausalLM(torch.nn.Module):
+    """Logits for `model(x)`; for `model(input_ids=..., labels=...)` an output whose `.loss`
+    is the token mean of the shifted labels, as HF causal LMs return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
+
+    def forward(self, x=None, input_ids=None, labels=None):
+        if labels is None:
+            return self.net(x)
+        logits = self.net(input_ids)[:, :-1]
+        mean = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+        return type("Output", (), {"loss": mean})
+
+
+def window_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(K):
+        x = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=generator)
+        y = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=generator)
+        y[:, 2 + i :] = -100  # 2 + i targets a row, one of them after the causal shift
+        out.append((x, y))
+    return out
+
+
+def generated_run(source: str) -> tuple[list[float], list[torch.Tensor]]:
+    model = CausalLM()
+    optimizer = Recording(model.parameters(), lr=0.0)
+    logged: list[float] = []
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    loaded_source(source)["train"](model, window_batches(), optimizer, K, logged, scaler)
+    return logged, optimizer.seen
+
+
+def loaded_source(source: str) -> dict:
+    namespace: dict = {}
+    exec(compile(source, "train.py", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["quiet", "logged"])
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("window", ["modulo", "micro-loop"])
+@pytest.mark.parametrize("form", FORMS)
+def test_every_generated_loop_fixed_steps_with_the_full_batch_and_logs_the_same(
+    form, window, loss, log
+):
+    source = generated(form, window, loss, log)
+    patched = fix_source(source.encode(), Path("train.py"), Settings(), False).after.decode()
+    assert patched != source
+    model = CausalLM()
+    x = torch.cat([b[0] for b in window_batches()])
+    y = torch.cat([b[1] for b in window_batches()])
+    if loss == "model":
+        model(input_ids=x, labels=y).loss.backward()
+    else:
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    reference = [p.grad for p in model.parameters()]
+    logged, grads = generated_run(source)
+    patched_logged, patched_grads = generated_run(patched)
+    assert error(grads, reference) > 0.1
+    assert error(patched_grads, reference) < 1e-6
+    assert patched_logged == pytest.approx(logged, rel=1e-5) and len(logged) == K * log
