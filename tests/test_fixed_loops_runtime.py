@@ -32,10 +32,12 @@ class Recording(torch.optim.SGD):
             self.seen = [p.grad.clone() for group in self.param_groups for p in group["params"]]
 
 
-def loaded(name: str) -> dict:
+def loaded(name: str = "", source: str = "") -> dict:
+    """The names a fixture (or the given source) defines, run as a module."""
+    path = FIXTURES / name if name else None
     namespace: dict = {}
-    path = FIXTURES / name
-    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102
+    text = path.read_text() if path else source
+    exec(compile(text, str(path or "train.py"), "exec"), namespace)  # noqa: S102
     return namespace
 
 
@@ -178,7 +180,7 @@ HEADER = (
 )
 
 
-def generated(form: str, window: str, loss: str, log: bool) -> str:
+def generated(form: str, window: str, loss: str, log: bool, distributed: bool = False) -> str:
     divide, backward = FORMS[form]
     body = LOSSES[loss] + divide + backward + ("logged.append(loss.item())\n" if log else "")
     step = "optimizer.step()\noptimizer.zero_grad()\n"
@@ -191,7 +193,8 @@ def generated(form: str, window: str, loss: str, log: bool) -> str:
         loop = "for start in range(0, len(batches), accum_steps):\n"
         loop += "    for x, y in batches[start : start + accum_steps]:\n"
         loop += textwrap.indent(body, "        ") + textwrap.indent(step, "    ")
-    return HEADER + textwrap.indent(loop, "    ")
+    header = HEADER.replace("import torch\n", "import torch\nimport torch.distributed as dist\n", 1)
+    return (header if distributed else HEADER) + textwrap.indent(loop, "    ")
 
 
 class CausalLM(torch.nn.Module):
@@ -228,14 +231,20 @@ def generated_run(source: str, k: int) -> tuple[list[float], list[torch.Tensor]]
     optimizer = Recording(model.parameters(), lr=0.0)
     logged: list[float] = []
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    loaded_source(source)["train"](model, window_batches(), optimizer, k, logged, scaler)
+    loaded(source=source)["train"](model, window_batches(), optimizer, k, logged, scaler)
     return logged, optimizer.seen
 
 
-def loaded_source(source: str) -> dict:
-    namespace: dict = {}
-    exec(compile(source, "train.py", "exec"), namespace)  # noqa: S102
-    return namespace
+def generated_reference(loss: str, k: int) -> list[torch.Tensor]:
+    """The gradient of one step on the first `k` micro-batches joined into one batch."""
+    model = CausalLM()
+    x = torch.cat([b[0] for b in window_batches()[:k]])
+    y = torch.cat([b[1] for b in window_batches()[:k]])
+    if loss == "model":
+        model(input_ids=x, labels=y).loss.backward()
+    else:
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    return [p.grad for p in model.parameters()]
 
 
 @pytest.mark.parametrize("k", [K, 1])
@@ -250,16 +259,29 @@ def test_every_generated_loop_fixed_steps_with_the_full_batch_and_logs_the_same(
     source = generated(form, window, loss, log)
     patched = fix_source(source.encode(), Path("train.py"), Settings(), False).after.decode()
     assert patched != source
-    model = CausalLM()
-    x = torch.cat([b[0] for b in window_batches()[:k]])
-    y = torch.cat([b[1] for b in window_batches()[:k]])
-    if loss == "model":
-        model(input_ids=x, labels=y).loss.backward()
-    else:
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-    reference = [p.grad for p in model.parameters()]
+    reference = generated_reference(loss, k)
     logged, grads = generated_run(source, k)
     patched_logged, patched_grads = generated_run(patched, k)
     assert error(grads, reference) > 0.1 if k > 1 else error(grads, reference) < 1e-6
     assert error(patched_grads, reference) < 1e-6
     assert patched_logged == pytest.approx(logged, rel=1e-5) and len(logged) == K * log
+
+
+@pytest.mark.parametrize("process_group", ["gloo"], indirect=True)
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("window", ["modulo", "micro-loop"])
+@pytest.mark.parametrize("form", FORMS)
+def test_generated_loops_of_a_distributed_file_gather_their_count(
+    process_group, form, window, loss
+):
+    """A file that imports torch.distributed gets the count all-reduced under
+    `dist.is_initialized()`: run in a gloo process group, the patched loop still matches the
+    full batch and logs what the original logged."""
+    source = generated(form, window, loss, log=True, distributed=True)
+    patched = fix_source(source.encode(), Path("train.py"), Settings(), False).after.decode()
+    assert "dist.all_reduce(window_" in patched
+    reference = generated_reference(loss, K)
+    logged, _ = generated_run(source, K)
+    patched_logged, patched_grads = generated_run(patched, K)
+    assert error(patched_grads, reference) < 1e-6
+    assert patched_logged == pytest.approx(logged, rel=1e-5)
