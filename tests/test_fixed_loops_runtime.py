@@ -3,8 +3,9 @@ data: a batch cut into slices (in a file that imports torch as `th`), a next bat
 between the forward and the backward, and a backward on two branches (`model.no_sync()` on
 all but the last micro-batch, real DDP on a gloo process group); then generated loops of every
 division form (a GradScaler's included), window shape and loss source, with and without a
-log after the backward. Each original misses the full batch's gradient; each patched loop
-matches it, logs what the original logged, and the correct twin matches too."""
+log after the backward, at K = 4 and K = 1, and in a file that imports torch.distributed (run
+in a gloo process group). Each original with K > 1 misses the full batch's gradient; each
+patched loop matches it and logs what the original logged; the correct twin matches too."""
 
 from __future__ import annotations
 
