@@ -218,6 +218,28 @@ def test_a_count_rebound_before_a_skipped_backward_is_refused():
     assert outcome.reason.startswith("`Y`, which the count reads, is bound again between the loss")
 
 
+def test_a_file_that_imports_nothing_gets_import_torch_after_its_docstring():
+    source = textwrap.dedent(
+        '''\
+        """Fine-tunes an AutoModelForCausalLM handed in by the caller."""
+
+
+        def train(model, loader, optimizer, accelerator):
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+        '''
+    )
+    after = fixed(source.encode()).decode()
+    docstring = '"""Fine-tunes an AutoModelForCausalLM handed in by the caller."""'
+    assert after.startswith(f"{docstring}\nimport torch\n\n\ndef train(")
+    assert "torch.as_tensor(window_tokens" in after and fixed(after.encode()).decode() == after
+    compile(after, "train.py", "exec")
+
+
 def test_diff_writes_nothing_and_git_applies(tmp_path, cli):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     for name in ("ga001_hf_clm_sft_no_trainer.py", "ok_sum_and_count_grad_div.py"):

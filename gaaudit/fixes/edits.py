@@ -4,6 +4,7 @@ layout kept, and a node's statement."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass, field
 
@@ -164,27 +165,23 @@ def torch_module(tree: Tree, edits: Edits) -> str:
     third_party = [(s, root) for s, root in imports if root not in sys.stdlib_module_names]
     later = next((s for s, root in third_party if root > "torch"), None)
     if later is not None:
-        add, anchor = edits.insert_before, later
+        anchor, before = later, True
     elif third_party or imports:
-        add, anchor = edits.insert_after, (third_party or imports)[-1][0]
-    else:  # before the first statement that is not the docstring or a `__future__` import
-        add, anchor = (
-            edits.insert_before,
-            next(
-                (
-                    s
-                    for s in tree.module.body
-                    if not (
-                        isinstance(s, cst.SimpleStatementLine)
-                        and isinstance(s.body[0], (cst.Expr, cst.ImportFrom))
-                    )
+        anchor, before = (third_party or imports)[-1][0], False
+    else:  # after the docstring and `from __future__` imports, else at the top
+        heading = list(
+            itertools.takewhile(
+                lambda s: (
+                    isinstance(s, cst.SimpleStatementLine)
+                    and isinstance(s.body[0], (cst.Expr, cst.ImportFrom))
                 ),
-                tree.module.body[0],
-            ),
+                tree.module.body,
+            )
         )
-    placed = (edits.before if add == edits.insert_before else edits.after).get(anchor, ())
+        anchor, before = (heading[-1], False) if heading else (tree.module.body[0], True)
+    placed = (edits.before if before else edits.after).get(anchor, ())
     if all(code(s).strip() != "import torch" for s in placed):
-        add(anchor, "import torch\n")
+        (edits.insert_before if before else edits.insert_after)(anchor, "import torch\n")
     return "torch"
 
 
