@@ -102,37 +102,54 @@ def test_patched_slices_step_with_the_full_batch_mean(process_group):
     assert error(slices_step("ok_microbatch_slices_weighted_share.py"), reference) < 1e-6
 
 
-# --- token batches: micro-batches of padded targets (-1), each with its own count -----------
+# --- token batches: micro-batches of padded targets, each with its own count ---------------
 
 
-def token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def token_batches(count: int, ignore: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Micro-batches whose targets are padded with `ignore`: 2, 3, 4, 5, 5, ... targets a
+    row, at least one of them after a causal shift (a window of 4 counts otherwise than the
+    next 4, so a count of the wrong batch changes the window's total)."""
     generator = torch.Generator().manual_seed(2)
     out = []
-    for i in range(2 * K + 1):  # the prefetching loop draws one batch more than it uses
+    for i in range(count):
         x = torch.randint(1, VOCAB, (ROWS, LENGTH), generator=generator)
         y = torch.randint(1, VOCAB, (ROWS, LENGTH), generator=generator)
-        y[:, 1 + i % (LENGTH - 1) :] = -1  # a count of its own in each micro-batch
+        y[:, min(2 + i, LENGTH - 1) :] = ignore
         out.append((x, y))
     return out
 
 
-def tiny_lm() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
+class CausalLM(torch.nn.Module):
+    """Logits for `model(x)`; for `model(input_ids=..., labels=...)` an output whose `.loss`
+    is the token mean of the shifted labels, as HF causal LMs return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
+
+    def forward(self, x=None, input_ids=None, labels=None):
+        if labels is None:
+            return self.net(x)
+        logits = self.net(input_ids)[:, :-1]
+        mean = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+        return type("Output", (), {"loss": mean})
 
 
-def full_batch(batches, clip: bool) -> list[torch.Tensor]:
-    model = tiny_lm()
+def full_batch(batches, ignore: int, clip: bool = False) -> list[torch.Tensor]:
+    """The gradient of one step on `batches` joined into one batch."""
+    model = CausalLM()
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
-    F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-1).backward()
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=ignore).backward()
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     return [p.grad for p in model.parameters()]
 
 
 def prefetch_step(name: str) -> list[torch.Tensor]:
-    model, batches = tiny_lm(), iter(token_batches())
+    # the prefetching loop draws one batch more than it uses
+    model, batches = CausalLM(), iter(token_batches(K + 1, -1))
     optimizer = Recording(model.parameters(), lr=0.0)
     namespace = loaded(name)
     namespace["get_batch"] = lambda data, block_size, batch_size: next(batches)
@@ -141,22 +158,22 @@ def prefetch_step(name: str) -> list[torch.Tensor]:
 
 
 def test_patched_prefetching_loop_counts_the_batch_its_loss_read():
-    reference = full_batch(token_batches()[:K], clip=True)
+    reference = full_batch(token_batches(K, -1), -1, clip=True)
     original = "ga002_prefetch_between_forward_and_backward.py"
     assert error(prefetch_step(original), reference) > 0.1
     assert error(prefetch_step(original.replace(".py", ".fixed.py")), reference) < 1e-6
 
 
 def no_sync_step(name: str) -> list[torch.Tensor]:
-    model = torch.nn.parallel.DistributedDataParallel(tiny_lm())
+    model = torch.nn.parallel.DistributedDataParallel(CausalLM())
     optimizer = Recording(model.parameters(), lr=0.0)
-    loaded(name)["train"](model, optimizer, token_batches()[:K], K)
+    loaded(name)["train"](model, optimizer, token_batches(K, -1), K)
     return optimizer.seen
 
 
 @pytest.mark.parametrize("process_group", ["gloo"], indirect=True)  # DDP's `no_sync()`
 def test_patched_no_sync_branches_both_weighted(process_group):
-    reference = full_batch(token_batches()[:K], clip=False)
+    reference = full_batch(token_batches(K, -1), -1)
     original = "ga001_grad_division_no_sync_last_branch.py"
     assert error(no_sync_step(original), reference) > 0.1
     patched = no_sync_step(original.replace(".py", ".fixed.py"))
@@ -198,53 +215,26 @@ def generated(form: str, window: str, loss: str, log: bool, distributed: bool = 
     return (header if distributed else HEADER) + textwrap.indent(loop, "    ")
 
 
-class CausalLM(torch.nn.Module):
-    """Logits for `model(x)`; for `model(input_ids=..., labels=...)` an output whose `.loss`
-    is the token mean of the shifted labels, as HF causal LMs return."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
-
-    def forward(self, x=None, input_ids=None, labels=None):
-        if labels is None:
-            return self.net(x)
-        logits = self.net(input_ids)[:, :-1]
-        mean = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
-        return type("Output", (), {"loss": mean})
-
-
-def window_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(3)
-    out = []
-    for i in range(K):
-        x = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=generator)
-        y = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=generator)
-        y[:, 2 + i :] = -100  # 2 + i targets a row, one of them after the causal shift
-        out.append((x, y))
-    return out
-
-
 def generated_run(source: str, k: int) -> tuple[list[float], list[torch.Tensor]]:
     """What the loop logged, and the gradient of its first step."""
     model = CausalLM()
     optimizer = Recording(model.parameters(), lr=0.0)
     logged: list[float] = []
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    loaded(source=source)["train"](model, window_batches(), optimizer, k, logged, scaler)
+    batches = token_batches(K, -100)
+    loaded(source=source)["train"](model, batches, optimizer, k, logged, scaler)
     return logged, optimizer.seen
 
 
 def generated_reference(loss: str, k: int) -> list[torch.Tensor]:
     """The gradient of one step on the first `k` micro-batches joined into one batch."""
+    batches = token_batches(k, -100)
+    if loss != "model":
+        return full_batch(batches, -100)
     model = CausalLM()
-    x = torch.cat([b[0] for b in window_batches()[:k]])
-    y = torch.cat([b[1] for b in window_batches()[:k]])
-    if loss == "model":
-        model(input_ids=x, labels=y).loss.backward()
-    else:
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    model(input_ids=x, labels=y).loss.backward()
     return [p.grad for p in model.parameters()]
 
 
