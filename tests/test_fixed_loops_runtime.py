@@ -4,7 +4,7 @@ between the forward and the backward, and a backward on two branches (`model.no_
 all but the last micro-batch, real DDP on a gloo process group); then generated loops of every
 division form (a GradScaler's included), window shape and loss source, with and without a
 log after the backward, at K = 4 and K = 1, and in a file that imports torch.distributed (run
-in a gloo process group). Each original with K > 1 misses the full batch's gradient; each
+in a gloo process group); the generated loops again on a GPU (NCCL) where one is present. Each original with K > 1 misses the full batch's gradient; each
 patched loop matches it and logs what the original logged; the correct twin matches too."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import FIXTURES
+from conftest import FIXTURES, cuda_devices, devices
 
 from gaaudit.config import Settings
 from gaaudit.fixes.fixer import fix_source
@@ -49,9 +49,12 @@ def error(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
 
 @pytest.fixture(params=["single", "gloo"])
 def process_group(request, tmp_path):
-    if request.param == "gloo":
+    """No process group, or one of a single process: gloo, or NCCL where a GPU is present."""
+    if request.param == "nccl" and cuda_devices() < 1:
+        pytest.skip(f"needs 1 CUDA device(s); this machine has {cuda_devices()}")
+    if request.param != "single":
         dist.init_process_group(
-            "gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1
+            request.param, init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1
         )
     yield request.param
     if dist.is_initialized():
@@ -105,7 +108,9 @@ def test_patched_slices_step_with_the_full_batch_mean(process_group):
 # --- token batches: micro-batches of padded targets, each with its own count ---------------
 
 
-def token_batches(count: int, ignore: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def token_batches(
+    count: int, ignore: int, device: str = "cpu"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Micro-batches whose targets are padded with `ignore`: 2, 3, 4, 5, 5, ... targets a
     row, at least one of them after a causal shift (a window of 4 counts otherwise than the
     next 4, so a count of the wrong batch changes the window's total)."""
@@ -115,7 +120,7 @@ def token_batches(count: int, ignore: int) -> list[tuple[torch.Tensor, torch.Ten
         x = torch.randint(1, VOCAB, (ROWS, LENGTH), generator=generator)
         y = torch.randint(1, VOCAB, (ROWS, LENGTH), generator=generator)
         y[:, min(2 + i, LENGTH - 1) :] = ignore
-        out.append((x, y))
+        out.append((x.to(device), y.to(device)))
     return out
 
 
@@ -138,7 +143,7 @@ class CausalLM(torch.nn.Module):
 
 def full_batch(batches, ignore: int, clip: bool = False) -> list[torch.Tensor]:
     """The gradient of one step on `batches` joined into one batch."""
-    model = CausalLM()
+    model = CausalLM().to(batches[0][0].device)
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=ignore).backward()
@@ -215,50 +220,51 @@ def generated(form: str, window: str, loss: str, log: bool, distributed: bool = 
     return (header if distributed else HEADER) + textwrap.indent(loop, "    ")
 
 
-def generated_run(source: str, k: int) -> tuple[list[float], list[torch.Tensor]]:
+def generated_run(source: str, k: int, device: str) -> tuple[list[float], list[torch.Tensor]]:
     """What the loop logged, and the gradient of its first step."""
-    model = CausalLM()
+    model = CausalLM().to(device)
     optimizer = Recording(model.parameters(), lr=0.0)
     logged: list[float] = []
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    batches = token_batches(K, -100)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**8)
+    batches = token_batches(K, -100, device)
     loaded(source=source)["train"](model, batches, optimizer, k, logged, scaler)
     return logged, optimizer.seen
 
 
-def generated_reference(loss: str, k: int) -> list[torch.Tensor]:
+def generated_reference(loss: str, k: int, device: str) -> list[torch.Tensor]:
     """The gradient of one step on the first `k` micro-batches joined into one batch."""
-    batches = token_batches(k, -100)
+    batches = token_batches(k, -100, device)
     if loss != "model":
         return full_batch(batches, -100)
-    model = CausalLM()
+    model = CausalLM().to(device)
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     model(input_ids=x, labels=y).loss.backward()
     return [p.grad for p in model.parameters()]
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("k", [K, 1])
 @pytest.mark.parametrize("log", [False, True], ids=["quiet", "logged"])
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("window", ["modulo", "micro-loop"])
 @pytest.mark.parametrize("form", FORMS)
 def test_every_generated_loop_fixed_steps_with_the_full_batch_and_logs_the_same(
-    form, window, loss, log, k
+    form, window, loss, log, k, device
 ):
     """At K = 4 and at K = 1, where the fix's names must be bound as well."""
     source = generated(form, window, loss, log)
     patched = fix_source(source.encode(), Path("train.py"), Settings(), False).after.decode()
     assert patched != source
-    reference = generated_reference(loss, k)
-    logged, grads = generated_run(source, k)
-    patched_logged, patched_grads = generated_run(patched, k)
+    reference = generated_reference(loss, k, device)
+    logged, grads = generated_run(source, k, device)
+    patched_logged, patched_grads = generated_run(patched, k, device)
     assert error(grads, reference) > 0.1 if k > 1 else error(grads, reference) < 1e-6
     assert error(patched_grads, reference) < 1e-6
     assert patched_logged == pytest.approx(logged, rel=1e-5) and len(logged) == K * log
 
 
-@pytest.mark.parametrize("process_group", ["gloo"], indirect=True)
+@pytest.mark.parametrize("process_group", ["gloo", "nccl"], indirect=True)
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("window", ["modulo", "micro-loop"])
 @pytest.mark.parametrize("form", FORMS)
@@ -266,13 +272,15 @@ def test_generated_loops_of_a_distributed_file_gather_their_count(
     process_group, form, window, loss
 ):
     """A file that imports torch.distributed gets the count all-reduced under
-    `dist.is_initialized()`: run in a gloo process group, the patched loop still matches the
-    full batch and logs what the original logged."""
+    `dist.is_initialized()`: run in a process group (gloo on CPU; NCCL on a GPU, where the
+    count must be a tensor on the model's device), the patched loop still matches the full
+    batch and logs what the original logged."""
+    device = "cuda" if process_group == "nccl" else "cpu"
     source = generated(form, window, loss, log=True, distributed=True)
     patched = fix_source(source.encode(), Path("train.py"), Settings(), False).after.decode()
     assert "dist.all_reduce(window_" in patched
-    reference = generated_reference(loss, K)
-    logged, _ = generated_run(source, K)
-    patched_logged, patched_grads = generated_run(patched, K)
+    reference = generated_reference(loss, K, device)
+    logged, _ = generated_run(source, K, device)
+    patched_logged, patched_grads = generated_run(patched, K, device)
     assert error(patched_grads, reference) < 1e-6
     assert patched_logged == pytest.approx(logged, rel=1e-5)
