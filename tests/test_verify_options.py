@@ -617,6 +617,23 @@ def test_drop_last_counts_in_a_module_the_file_imports_relatively(tmp_path, monk
     assert _drops_last(Path("pkg/engine.py")) == ""
 
 
+def test_drop_last_is_searched_in_the_files_repository_only(tmp_path, monkeypatch):
+    """Run from a folder holding several repositories (a home directory), the search reads
+    the file's repository: a script of another one that imports a module of the same name
+    does not count; the whole folder is read where the file is in no repository."""
+    (tmp_path / "project" / ".git").mkdir(parents=True)
+    (tmp_path / "project" / "engine.py").write_text("import torch\n")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "main.py").write_text(
+        "import engine\nDataLoader(x, drop_last=True)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert _drops_last(Path("project/engine.py")) == ""
+    (tmp_path / "project" / ".git").rmdir()
+    expected = "`drop_last=True`, elsewhere/main.py, line 2"
+    assert _drops_last(Path("project/engine.py")) == expected
+
+
 GLUE = """
 import torch
 from torch.utils.data import DataLoader

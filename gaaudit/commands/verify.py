@@ -482,10 +482,15 @@ def _pinned(path: Path) -> str:
 
 
 def _search_root(path: Path) -> Path:
-    """How far up the project is read for `path`: the current directory when the file is
-    under it, else its project root."""
+    """How far up the project is read for `path`: when the file is under the current
+    directory, its git repository where that lies within the current directory (run from a
+    home directory, the search reads one repository, not every project in it), else the
+    current directory; outside it, its project root."""
     here, cwd = path.resolve(), Path.cwd().resolve()
-    return cwd if here.is_relative_to(cwd) else _project_root(path)
+    if not here.is_relative_to(cwd):
+        return _project_root(path)
+    repository = next((d for d in here.parents if (d / ".git").exists()), cwd)
+    return repository if repository.is_relative_to(cwd) else cwd
 
 
 def _trainer_targets(
