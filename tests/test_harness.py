@@ -761,6 +761,52 @@ def test_unknown_limits_stub_ranges_cuda_calls_and_no_grad_helpers_do_not_block_
     assert result.replay.bindings["evaluate"] == "stub"
 
 
+BENCHMARK_BETWEEN_WINDOWS = source("""
+    import torch
+    from evaluation import render_example
+
+    for step, batch in enumerate(loader):
+        if step % 500 == 0:
+            model.eval()
+            for index in range(10):
+                tokens, label = render_example(index)
+                with torch.no_grad():
+                    scale = model(tokens.to(device)).logits[0, -1, label]
+            model.train()
+        loss = model(**batch).loss / accum_steps
+        loss.backward()
+        if (step + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+""")
+
+
+@pytest.mark.parametrize(
+    ("change", "left_out"),
+    [
+        ({}, True),
+        # the training code reads a name that only the block binds
+        ({".loss / accum_steps": ".loss * scale / accum_steps"}, False),
+        # the block takes part in the gradients
+        ({"model.train()": "model.train()\n        scale.backward()"}, False),
+    ],
+    ids=["evaluation", "binds-a-name-read-later", "backward-in-it"],
+)
+def test_an_evaluation_block_between_windows_is_left_out_of_the_replay(change, left_out):
+    """A benchmark pass under `torch.no_grad()` (examples from a module the replay cannot
+    import, build-nanogpt's HellaSwag) is left out; kept where the training code reads a
+    name only it binds, or where it backpropagates, and then its stand-in reaches torch."""
+    text = BENCHMARK_BETWEEN_WINDOWS
+    for old, new in change.items():
+        assert text.count(old) == 1
+        text = text.replace(old, new)
+    result = replay(text, line_of(text, "for step"), k=4, device="cpu")
+    if left_out:
+        assert result.ok, result.reason
+    else:
+        assert not result.ok and "must be Tensor, not Stub" in result.reason, result.reason
+
+
 @pytest.mark.parametrize("kind", ["image", "regression", "classify"])
 def test_per_sample_windows_differ_in_size_unless_packed(kind):
     sizes = [len(b["labels"]) for b in make_window(kind, 4, micro_batch_size=2).micro]

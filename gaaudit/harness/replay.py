@@ -17,6 +17,7 @@ import threading
 import traceback
 import types
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -50,7 +51,7 @@ from gaaudit.harness.stubs import (
     stub_range,
     trange,
 )
-from gaaudit.vocabulary import CLIPPERS, MOVERS
+from gaaudit.vocabulary import BACKWARDS, CLIPPERS, MOVERS
 
 ENGINE_STARTUP = 120.0  # seconds a fresh process may take to import torch and DeepSpeed
 # the process kept for DeepSpeed replays (in the verifying process), and whether this is it
@@ -574,7 +575,7 @@ def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
     values = objects.values
     namespace.update({n: v for n, v in values.items() if n not in (plan.params or ())})
     namespace[_UNPACK] = _unpacked
-    target = _StubsUnpack().visit(copy.deepcopy(plan.target))
+    target = _StubsUnpack().visit(_EvaluationLeftOut(plan.target).visit(copy.deepcopy(plan.target)))
     if plan.params is not None:
         target.decorator_list = []
         module = ast.fix_missing_locations(ast.Module([target], []))
@@ -589,6 +590,47 @@ def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
 
 
 _UNPACK = "__gaaudit_unpacked__"
+# calls by which a block takes part in the window's gradients
+GRADIENT_CALLS = frozenset({*BACKWARDS, *CLIPPERS, "step", "zero_grad", "unscale_"})
+
+
+class _EvaluationLeftOut(ast.NodeTransformer):
+    """An `if` block that evaluates (a `torch.no_grad()` or `torch.inference_mode()` block,
+    or a `.eval()` call, in it), makes none of GRADIENT_CALLS and binds no name that only it
+    binds and the rest of the statement reads is left out: a validation pass, a benchmark or
+    samples drawn every N steps read data the harness does not make (build-nanogpt's
+    HellaSwag examples) and cannot change the gradients at the step. (A name that the
+    training code binds again, `logits, loss = model(x)`, is that code's own.)"""
+
+    def __init__(self, target: ast.stmt) -> None:
+        self.reads, self.binds = _names(target, ast.Load), _names(target, ast.Store)
+
+    def visit_If(self, node: ast.If) -> ast.stmt:
+        calls = {_called(n) for n in ast.walk(node) if isinstance(n, ast.Call)}
+        evaluates = "eval" in calls or any(
+            _called(item.context_expr) in ("no_grad", "inference_mode")
+            for n in ast.walk(node)
+            if isinstance(n, ast.With)
+            for item in n.items
+        )
+        binds, reads = _names(node, ast.Store), _names(node, ast.Load)
+        only_here = set(binds) - set(self.binds - binds)
+        if evaluates and not calls & GRADIENT_CALLS and not only_here & set(self.reads - reads):
+            return ast.copy_location(ast.Pass(), node)
+        return self.generic_visit(node)
+
+
+def _called(node: ast.expr) -> str:
+    """The name a call calls (`torch.no_grad()`: `no_grad`), else ""."""
+    func = node.func if isinstance(node, ast.Call) else None
+    return getattr(func, "attr", None) or getattr(func, "id", None) or ""
+
+
+def _names(node: ast.AST, context: type) -> Counter:
+    """How often each name is read (`ast.Load`) or bound (`ast.Store`) under `node`."""
+    return Counter(
+        n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, context)
+    )
 
 
 class _StubsUnpack(ast.NodeTransformer):
