@@ -1126,6 +1126,35 @@ def test_a_timm_style_engine_loop_reaches_its_step():
     assert bindings["use_amp"] == bindings["log_file"] == "stub"
 
 
+ITERATION_ENGINE = source("""
+    import torch
+    from common.logger import MetricLogger  # not installed here: a stand-in
+
+
+    def inner_loop(model, data_loader, optimizer, iters_per_epoch, accum_grad_iters):
+        data_loader = iter(data_loader)
+        metric_logger = MetricLogger(delimiter="  ")
+        for i in metric_logger.log_every(range(iters_per_epoch), 50, "Train"):
+            if i >= iters_per_epoch:
+                break
+            samples = next(data_loader)
+            loss = model(**samples).loss / accum_grad_iters
+            loss.backward()
+            if (i + 1) % accum_grad_iters == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+""")
+
+
+def test_a_stand_in_logger_around_the_turns_of_a_range_yields_them():
+    """LAVIS's iteration-based loop: a stand-in `log_every` handed `range(iters_per_epoch)`
+    (an unknown end) yields its turns, so the loop draws its batches and reaches its step;
+    it ended at once, with no backward, before."""
+    result = check(ITERATION_ENGINE, line_of(ITERATION_ENGINE, "for i in"), k=4, device="cpu")
+    assert result.verdict == "bug reproduced", result
+    assert result.replay.bindings["iters_per_epoch"] == "stub"
+
+
 HANDED_LOSS = source("""
     def train(model, loader, optimizer, loss_fn, accum_steps):
         for step, batch in enumerate(loader):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+import types
 
 import torch
 
@@ -38,8 +39,10 @@ class Stub:
         decorated = args[0] if len(args) == 1 and not kwargs else None
         if inspect.isroutine(decorated) or inspect.isclass(decorated):
             return decorated  # a decorator of a library that is not installed: `@beartype`
-        if args and isinstance(args[0], DataSource):
-            return args[0]  # a wrapper around the data: `metric_logger.log_every(loader, ...)`
+        if args and isinstance(args[0], (DataSource, range, types.GeneratorType)):
+            # a wrapper around the data or the turns: `metric_logger.log_every(loader, ...)`,
+            # `log_every(range(iters_per_epoch), ...)`
+            return args[0]
         return Stub(f"{self._path}()")
 
     def __getitem__(self, key):
