@@ -1128,31 +1128,42 @@ def test_a_timm_style_engine_loop_reaches_its_step():
 
 ITERATION_ENGINE = source("""
     import torch
-    from common.logger import MetricLogger  # not installed here: a stand-in
+    from common.logger import MetricLogger  # not installed here: stand-ins
+    from datasets.data_utils import prepare_sample
 
 
-    def inner_loop(model, data_loader, optimizer, iters_per_epoch, accum_grad_iters):
+    def inner_loop(model, data_loader, optimizer, iters_per_epoch, accum_grad_iters, cuda):
         data_loader = iter(data_loader)
         metric_logger = MetricLogger(delimiter="  ")
         for i in metric_logger.log_every(range(iters_per_epoch), 50, "Train"):
             if i >= iters_per_epoch:
                 break
-            samples = next(data_loader)
-            loss = model(**samples).loss / accum_grad_iters
+            samples = prepare_sample(next(data_loader), cuda_enabled=cuda)
+            if not isinstance(samples, dict):
+                samples = {"is_empty": True}
+            samples.update({"iters": i})
+            output = model(samples)
+            loss_dict = {k: v for k, v in output.items() if "loss" in k}
+            loss = output["loss"] / accum_grad_iters
             loss.backward()
             if (i + 1) % accum_grad_iters == 0:
                 optimizer.step()
                 optimizer.zero_grad()
+            metric_logger.update(**loss_dict)
 """)
 
 
-def test_a_stand_in_logger_around_the_turns_of_a_range_yields_them():
-    """LAVIS's iteration-based loop: a stand-in `log_every` handed `range(iters_per_epoch)`
-    (an unknown end) yields its turns, so the loop draws its batches and reaches its step;
-    it ended at once, with no backward, before."""
+def test_lavis_iteration_loop_reaches_its_step():
+    """LAVIS's iteration-based loop (and Video-LLaMA's, built on it): a stand-in
+    `log_every` handed `range(iters_per_epoch)` yields its turns; a stand-in handed the batch
+    (`prepare_sample`) returns it; the batch is a dict, as a collate function's is; the
+    model handed the whole batch (`model(samples)`) takes the entries its `forward` names;
+    and `metric_logger.update(**loss_dict)`, whose value is dropped, is not a model."""
     result = check(ITERATION_ENGINE, line_of(ITERATION_ENGINE, "for i in"), k=4, device="cpu")
     assert result.verdict == "bug reproduced", result
-    assert result.replay.bindings["iters_per_epoch"] == "stub"
+    bindings = result.replay.bindings
+    assert bindings["iters_per_epoch"] == bindings["metric_logger"] == "stub", bindings
+    assert bindings["model"] == "tiny causal model"
 
 
 HANDED_LOSS = source("""

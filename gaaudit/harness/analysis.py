@@ -667,9 +667,11 @@ def _keyed(node: ast.expr) -> bool:
 
 def _call_shape(usage: _Usage, chain: Chain) -> str | None:
     """'hf', 'nanogpt', 'sequence' or 'logits' from how `chain` is called; None if it is
-    not."""
+    not. A call whose value is dropped (`metric_logger.update(**loss_dict)`) is not a model's."""
     shapes = set()
     for call, parent in usage.calls.get(chain, []):
+        if isinstance(parent, ast.Expr):
+            continue
         keywords = {k.arg for k in call.keywords}
         if None in keywords or keywords & HF_KWARGS:
             shapes.add("hf")

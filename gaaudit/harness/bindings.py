@@ -19,7 +19,7 @@ from gaaudit.harness.analysis import Plan, chain_of
 from gaaudit.harness.data import merge_batches
 from gaaudit.harness.models import ignore_value, vocab_size
 from gaaudit.harness.nets import PAD_ID, output_width
-from gaaudit.harness.stubs import Criterion, DataSource, Fabric, LossScaler, Stub
+from gaaudit.harness.stubs import Batch, Criterion, DataSource, Fabric, LossScaler, Stub
 from gaaudit.harness.surroundings import literal
 
 TOKENIZER = re.compile(r"tokeni[sz]er", re.IGNORECASE)
@@ -343,7 +343,7 @@ def _deepspeed(model, optimizer, k: int, device):
 
 def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
     """What the loop's data yields: the user's batches as they are, tuples by position
-    (`batch[3]` read as `labels`), `(input_ids, labels)` pairs, or `BatchEncoding`s; one
+    (`batch[3]` read as `labels`), `(input_ids, labels)` pairs, or dict `Batch`es; one
     merged batch for a loop that cuts it into micro-batches."""
     if plan.splits_batch:
         batches = [factory.concatenate(batches) if user else merge_batches(batches, ignore_index)]
@@ -361,11 +361,9 @@ def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
         return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
     if plan.data_tensor or plan.model_kind == "sequence":  # the token sequences alone
         return [b["input_ids"] for b in batches]
-    from transformers import BatchEncoding  # imported only here: other kinds run without it
-
     aliased = plan.data_aliases.items()  # `batch["input_mask"]`: the field under that name
     return [
-        BatchEncoding({**b, **{alias: f[key] for alias, key in aliased if key in f}})
+        Batch({**b, **{alias: f[key] for alias, key in aliased if key in f}})
         for b, f in zip(batches, fields)
     ]
 

@@ -4,6 +4,7 @@ own model while factory.user_model() is active."""
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -167,8 +168,19 @@ def build_model(
         model = build_net(kind, VOCAB, returns)
     else:
         model = _hf_model(kind)
+        model.register_forward_pre_hook(_batch_as_keywords, with_kwargs=True)
         model.register_forward_hook(_lenient_output)
     return model.eval()
+
+
+def _batch_as_keywords(module: nn.Module, args: tuple, kwargs: dict):
+    """`model(samples)`, the whole batch dict handed to a project's model (LAVIS's BLIP-2):
+    the transformers model takes the entries its `forward` names as keywords (the loop's
+    own, `samples["epoch"]`, left out)."""
+    if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
+        named = inspect.signature(module.forward).parameters
+        return (), {key: value for key, value in args[0].items() if key in named}
+    return None
 
 
 def _lenient_output(module: nn.Module, inputs, output):

@@ -39,9 +39,10 @@ class Stub:
         decorated = args[0] if len(args) == 1 and not kwargs else None
         if inspect.isroutine(decorated) or inspect.isclass(decorated):
             return decorated  # a decorator of a library that is not installed: `@beartype`
-        if args and isinstance(args[0], (DataSource, range, types.GeneratorType)):
-            # a wrapper around the data or the turns: `metric_logger.log_every(loader, ...)`,
-            # `log_every(range(iters_per_epoch), ...)`
+        if args and isinstance(args[0], (DataSource, Batch, range, types.GeneratorType)):
+            # a wrapper around the data or the turns, `metric_logger.log_every(loader, ...)`
+            # or `log_every(range(iters_per_epoch), ...)`; a function of a batch that the
+            # replay cannot import, `prepare_sample(samples, cuda_enabled=...)`, returns it
             return args[0]
         return Stub(f"{self._path}()")
 
@@ -178,6 +179,21 @@ def progress_module(path: str = "tqdm") -> Stub:
 
 class Exhausted(BaseException):
     """The loop read far more micro-batches than one window without stepping the optimizer."""
+
+
+class Batch(dict):
+    """A dict batch, as a collate function returns (`isinstance(batch, dict)` holds: LAVIS
+    and meshgpt branch on it), that also moves with `.to(...)` and reads its keys as
+    attributes, as a tokenizer's BatchEncoding does."""
+
+    def to(self, *args, **kwargs) -> Batch:
+        return Batch({k: v.to(*args, **kwargs) for k, v in self.items()})
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 class DataSource(Stub):
