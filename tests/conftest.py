@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from functools import cache
@@ -12,6 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from gaaudit.cli import app
+
+# One OpenMP thread per torch process: the suite runs a worker per core, and each starts
+# replay and training processes of its own; more threads would contend for the same cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"

@@ -21,7 +21,7 @@ from gaaudit.harness.gradcheck import (
 )
 from gaaudit.harness.models import build_model, count_tokens
 from gaaudit.harness.replay import check, compare, replay
-from gaaudit.harness.stubs import Stub
+from gaaudit.harness.stubs import Batch, Stub
 from gaaudit.harness.stubs import stub_range as range_of
 
 
@@ -1164,6 +1164,13 @@ def test_lavis_iteration_loop_reaches_its_step():
     bindings = result.replay.bindings
     assert bindings["iters_per_epoch"] == bindings["metric_logger"] == "stub", bindings
     assert bindings["model"] == "tiny causal model"
+
+
+def test_a_dict_batch_moves_its_tensors_and_keeps_what_the_loop_added():
+    batch = Batch(input_ids=torch.ones(2, 3), iters=3)
+    moved = batch.to(torch.float64)
+    assert isinstance(moved, dict) and moved.iters == 3
+    assert moved.input_ids.dtype == torch.float64 and batch.input_ids.dtype == torch.float32
 
 
 HANDED_LOSS = source("""

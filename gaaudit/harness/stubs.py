@@ -187,7 +187,10 @@ class Batch(dict):
     attributes, as a tokenizer's BatchEncoding does."""
 
     def to(self, *args, **kwargs) -> Batch:
-        return Batch({k: v.to(*args, **kwargs) for k, v in self.items()})
+        """The batch moved: its tensors (a loop may have added others, `samples["iters"]`)."""
+        return Batch(
+            {k: v.to(*args, **kwargs) if torch.is_tensor(v) else v for k, v in self.items()}
+        )
 
     def __getattr__(self, name: str):
         try:
