@@ -33,14 +33,17 @@ def cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
-def devices(needed: int = 1) -> list:
-    """`cpu`, and `cuda` where `needed` CUDA devices are present (else skipped, saying so):
-    the harness's GPU paths run wherever a GPU is lent."""
+def on_cuda(value: str, needed: int = 1):
+    """A parameter that runs where `needed` CUDA devices are present, else is skipped,
+    saying so."""
     reason = f"needs {needed} CUDA device(s); this machine has {cuda_devices()}"
-    return [
-        "cpu",
-        pytest.param("cuda", marks=pytest.mark.skipif(cuda_devices() < needed, reason=reason)),
-    ]
+    return pytest.param(value, marks=pytest.mark.skipif(cuda_devices() < needed, reason=reason))
+
+
+def devices(needed: int = 1) -> list:
+    """`cpu`, and `cuda` where `needed` CUDA devices are present: the harness's GPU paths
+    run wherever a GPU is lent."""
+    return ["cpu", on_cuda("cuda", needed)]
 
 
 def clipping_unfixed() -> str:

@@ -731,14 +731,16 @@ def _string_call(usage: _Usage, chain: Chain) -> bool:
     )
 
 
+def disables_grad(node: ast.expr) -> bool:
+    """`torch.no_grad()` or `torch.inference_mode()`, as a decorator or a `with` item."""
+    chain = chain_of(node.func if isinstance(node, ast.Call) else node) or ("",)
+    return chain[-1] in ("no_grad", "inference_mode")
+
+
 def _no_grad(node: ast.stmt) -> bool:
     """A helper under `@torch.no_grad()` or `@torch.inference_mode()` cannot change a gradient;
     it stays a stub (it usually evaluates on data the harness does not serve)."""
-    return any(
-        (chain_of(d.func if isinstance(d, ast.Call) else d) or ("",))[-1]
-        in ("no_grad", "inference_mode")
-        for d in getattr(node, "decorator_list", [])
-    )
+    return any(disables_grad(d) for d in getattr(node, "decorator_list", []))
 
 
 def _is_divisor(chain: Chain, divisor_names) -> bool:

@@ -25,7 +25,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gaaudit.harness import factory
-from gaaudit.harness.analysis import NotReplayable, Plan, analyse
+from gaaudit.harness.analysis import NotReplayable, Plan, analyse, disables_grad
 from gaaudit.harness.bindings import Objects
 from gaaudit.harness.data import Window, make_window, merge_batches
 from gaaudit.harness.gradcheck import (
@@ -608,7 +608,7 @@ class _EvaluationLeftOut(ast.NodeTransformer):
     def visit_If(self, node: ast.If) -> ast.stmt:
         calls = {_called(n) for n in ast.walk(node) if isinstance(n, ast.Call)}
         evaluates = "eval" in calls or any(
-            _called(item.context_expr) in ("no_grad", "inference_mode")
+            disables_grad(item.context_expr)
             for n in ast.walk(node)
             if isinstance(n, ast.With)
             for item in n.items
@@ -620,10 +620,10 @@ class _EvaluationLeftOut(ast.NodeTransformer):
         return self.generic_visit(node)
 
 
-def _called(node: ast.expr) -> str:
-    """The name a call calls (`torch.no_grad()`: `no_grad`), else ""."""
-    func = node.func if isinstance(node, ast.Call) else None
-    return getattr(func, "attr", None) or getattr(func, "id", None) or ""
+def _called(call: ast.Call) -> str:
+    """The name a call calls, also on a call's result (`scaler.scale(loss).backward()`:
+    `backward`)."""
+    return getattr(call.func, "attr", None) or getattr(call.func, "id", None) or ""
 
 
 def _names(node: ast.AST, context: type) -> Counter:
