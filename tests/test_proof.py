@@ -142,6 +142,7 @@ def at_one_and_four() -> tuple[int, dict[str, list[dict]]]:
         FIXTURES / "ok_division_guarded_by_k_window_tokens.py",
         FIXTURES / "ok_clip_once_at_the_step.py",
         FIXTURES / "ok_tensor_batch_window_token_count.py",
+        FIXTURES / "ok_accelerate_forward_contexts_token_sum.py",
     ]
     result = gaaudit(
         "verify", *map(str, scripts), "-k", "1,4", "--device", "cpu", "--format", "json"
@@ -171,6 +172,7 @@ def test_a_correct_loop_is_replayed_and_matches_the_full_batch(at_one_and_four):
         "ok_division_guarded_by_k_window_tokens",
         "ok_clip_once_at_the_step",
         "ok_tensor_batch_window_token_count",  # each batch a tensor of token ids
+        "ok_accelerate_forward_contexts_token_sum",  # micro-batches under `with context():`
     ]
     for name in correct:
         (loop,) = loops[name]

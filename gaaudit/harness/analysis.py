@@ -79,8 +79,8 @@ class NotReplayable(Exception):
 class Plan:
     """What replay needs to run one statement. `free` holds the names the statement and its
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
-    binds there (model, engine, optimizer, data, data-call, divisor, divisor-call, micro-size,
-    width, accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into
+    binds there (model, engine, optimizer, data, data-call, contexts, divisor, divisor-call,
+    micro-size, width, accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into
     micro-batches itself, so it is served the whole window at once. `owner`: the class whose method holds
     the statement. `derived`: assignments before the statement to evaluate. `stages`: two
     models chained as encoder and decoder. `settings`: the script's option defaults, given
@@ -430,6 +430,8 @@ class _Usage:
                     self.keys.add(node.slice.value)
                 if isinstance(node, ast.Call):
                     self._call(node, parents)
+                elif isinstance(node, ast.For) and _entered(node):
+                    self._contexts(node.iter)
                 elif isinstance(node, (ast.For, ast.comprehension)):
                     self._iterated(node.iter, node.target)
                 elif isinstance(node, ast.Dict):
@@ -523,6 +525,12 @@ class _Usage:
                 and type(value.slice.value) is int
             ):
                 self.positions[value.value.id][value.slice.value] = key.value
+
+    def _contexts(self, iterable: ast.expr) -> None:
+        """`for context in model_forward_contexts(accelerator, model, K): with context():`:
+        a call that yields one context per micro-batch (each draws its batch in the body)."""
+        if isinstance(iterable, ast.Call) and chain_of(iterable.func):
+            self.evidence[chain_of(iterable.func)].add("contexts")
 
     def _iterated(self, iterable: ast.expr, target: ast.expr) -> None:
         """`for ... in enumerate(tqdm(loader))` and the like: `loader` is iterated."""
@@ -709,6 +717,25 @@ def _returns(usage: _Usage, models: list[Chain]) -> tuple | None:
     return next(map(shape, unpacked), None)
 
 
+def _entered(loop: ast.For) -> bool:
+    """Whether the loop's one target is entered as a context in its body (`with ctx():` or
+    `with ctx:`): the loop iterates contexts, not batches."""
+    if not isinstance(loop.target, ast.Name):
+        return False
+    name = loop.target.id
+    return any(
+        isinstance(item, ast.Name) and item.id == name
+        for node in ast.walk(ast.Module(loop.body, []))
+        if isinstance(node, ast.With)
+        for entered in node.items
+        for item in [
+            entered.context_expr.func
+            if isinstance(entered.context_expr, ast.Call)
+            else entered.context_expr
+        ]
+    )
+
+
 def _harness_made(chain: Chain, role: str | None, usage: _Usage) -> bool:
     """Whether a module-level function is replaced rather than run: a model, a generator of
     batches (`for x, y in batches(pairs, bsz)`), or a data source that is iterated or called
@@ -779,6 +806,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "engine"  # called as the model, and backpropagates: a DeepSpeed engine
     if called and CRITERION_RE.fullmatch(last):
         return "criterion"
+    if "contexts" in ev:
+        return "contexts"
     if "iterated-call" in ev:
         return "data-call"
     if any(SCHEDULER_RE.search(part) for part in chain):

@@ -19,7 +19,7 @@ from gaaudit.harness.analysis import Plan, chain_of
 from gaaudit.harness.data import merge_batches
 from gaaudit.harness.models import ignore_value, vocab_size
 from gaaudit.harness.nets import PAD_ID, output_width
-from gaaudit.harness.stubs import Batch, Criterion, DataSource, Fabric, LossScaler, Stub
+from gaaudit.harness.stubs import Batch, Criterion, DataSource, Fabric, LossScaler, Stub, Turn
 from gaaudit.harness.surroundings import literal
 
 TOKENIZER = re.compile(r"tokeni[sz]er", re.IGNORECASE)
@@ -82,6 +82,10 @@ class Objects:
                 "loss scaler stand-in: backward, and a step where update_grad holds",
             ),
             "divisor": (k, f"K = {k}"),
+            "contexts": (
+                lambda *args, **kwargs: [Turn() for _ in range(k)],
+                f"a function yielding K = {k} no-op contexts",
+            ),
             "divisor-call": (lambda *args, **kwargs: k, f"a function returning K = {k}"),
             "micro-size": (size, f"{size} samples: a batch of {samples} makes {k} micro-batches"),
             "width": (width, f"{width}, the model's output width"),

@@ -253,6 +253,15 @@ class Fabric(Stub):
         return data  # one process: the sum over processes is the value itself
 
 
+class Turn(contextlib.nullcontext):
+    """One micro-batch's context from a helper such as `model_forward_contexts(accelerator,
+    model, K)` (no gradient sync but at the last): for one process, nothing; entered as it is
+    or called first (`with context():`)."""
+
+    def __call__(self, *args, **kwargs) -> Turn:
+        return self
+
+
 class LossScaler(Stub):
     """timm's and MAE's `NativeScaler` for one process in full precision: `loss_scaler(loss,
     optimizer, clip_grad=..., parameters=..., update_grad=...)` backpropagates the loss and,
