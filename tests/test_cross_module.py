@@ -1132,3 +1132,11 @@ def test_the_global_models_read_ahead_fix_matches_the_full_batch(tmp_path):
     assert torch.allclose(train.optimizer.seen, full, atol=1e-6), (
         (train.optimizer.seen - full).abs().max()
     )
+
+
+def test_a_model_class_of_the_same_file_is_named_as_such():
+    """The loss of a model class the training file defines itself: its evidence says so (not
+    "imported from `.<the file itself>`"), and its inline `nn.CrossEntropyLoss(...)(...)` is
+    the loss the fix counts (the fixture's .fixed.py)."""
+    (finding,) = check_file(FIXTURES / "ga001_seq2seq_keyword_model.py", ALL).findings
+    assert finding.evidence[0].endswith("returned by `Seq2Seq.forward()` of this file")

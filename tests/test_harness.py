@@ -1218,3 +1218,78 @@ def test_a_model_that_scores_its_own_sequences_is_replayed(packed):
         assert result.verdict == "verified" and result.error < 1e-5, result.verdict
     else:
         assert result.verdict == "bug reproduced" and result.error > 1e-2, result.verdict
+
+
+# CodeBERT's code2nl loop: turns counted by a progress bar over a range, micro-batches drawn
+# from a cycled loader, a tuple batch unpacked by name, and a project encoder-decoder called
+# by keyword that returns its mean loss, the loss times its count, and the count.
+KEYED_TURNS = source("""
+    from itertools import cycle
+
+    from tqdm import tqdm
+
+    def train(model, optimizer, train_dataloader, device, args, num_train_optimization_steps):
+        bar = tqdm(range(num_train_optimization_steps), total=num_train_optimization_steps)
+        train_dataloader = cycle(train_dataloader)
+        nb_tr_steps = 0
+        for step in bar:
+            batch = next(train_dataloader)
+            batch = tuple(t.to(device) for t in batch)
+            source_ids, source_mask, target_ids, target_mask = batch
+            loss, _, _ = model(
+                source_ids=source_ids,
+                source_mask=source_mask,
+                target_ids=target_ids,
+                target_mask=target_mask,
+            )
+            loss = loss / args.gradient_accumulation_steps
+            loss.backward()
+            bar.set_description(f"loss {loss.item():.4f}")
+            nb_tr_steps += 1
+            if nb_tr_steps % args.gradient_accumulation_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+""")
+
+
+# The same loop correct: each micro-batch's loss sum backpropagated, the gradients divided once
+# by the window's count.
+KEYED_SUM = {
+    "loss, _, _ = model(": "_, loss_sum, count = model(",
+    "loss = loss / args.gradient_accumulation_steps\n        loss.backward()": (
+        "loss_sum.backward()\n        total = total + count"
+    ),
+    'f"loss {loss.item():.4f}"': 'f"loss {loss_sum.item():.4f}"',
+    "optimizer.step()": (
+        "for param in model.parameters():\n"
+        "                param.grad /= total\n"
+        "            optimizer.step()"
+    ),
+    "nb_tr_steps = 0": "nb_tr_steps, total = 0, 0",
+}
+# CodeXGLUE's code-to-text loop: the bar wraps the loader itself.
+KEYED_LOADER = {
+    "tqdm(range(num_train_optimization_steps), total=num_train_optimization_steps)": (
+        "tqdm(train_dataloader)"
+    ),
+    "        batch = next(train_dataloader)\n": "",
+    "for step in bar": "for batch in bar",
+}
+
+
+@pytest.mark.parametrize("loader", [False, True], ids=["range-turns", "loader-turns"])
+@pytest.mark.parametrize("correct", [False, True], ids=["mean-over-k", "sum-and-count"])
+def test_a_keyword_encoder_decoder_loop_is_replayed_over_its_own_window(loader, correct):
+    """The bar over a range counts turns, so the loader alone serves the window (K
+    micro-batches, known); the keyword model's mean over K misses the full batch, the sum of
+    its loss times count divided once by the counts it returns matches it."""
+    text = KEYED_TURNS
+    for old, new in {**(KEYED_SUM if correct else {}), **(KEYED_LOADER if loader else {})}.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    result = check(text, line_of(text, "for "), k=4, device="cpu")
+    assert result.replay.model_kind == "keyed" and result.replay.drawn == 4, result
+    if correct:
+        assert result.verdict == "verified" and result.error < 1e-5, result
+    else:
+        assert result.verdict == "bug reproduced" and result.error > 1e-2, result

@@ -454,7 +454,10 @@ class _Callees:
         return replace(found, configured=configured)
 
     def loss_instance(self, func: cst.BaseExpression) -> cst.Call | None:
-        """The `nn.CrossEntropyLoss(...)` call a callee was bound to, if any."""
+        """The `nn.CrossEntropyLoss(...)` call a callee was bound to, or is (called at once:
+        `nn.CrossEntropyLoss(ignore_index=-1)(logits, labels)`), if any."""
+        if isinstance(func, cst.Call) and self._is_torch_loss(func):
+            return func
         name = dotted(func)
         if name is None:
             return None

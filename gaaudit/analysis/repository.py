@@ -514,13 +514,21 @@ class Imports(_Callers):
             returned.kind,
             f"{returned.what}{where}{returned.via}",
             divisions=tuple(_division(d, found, func, call) for d in returned.divisors),
-            via=via or f", returned by `{found.name}()` imported from `{reference.spelled}`",
+            via=via or f", returned by `{found.name}()` {_whence(reference, self.name)}",
             module=shown(found.path),
             path=found.path,
             callee=found.name,
             variable=found.variable,
             count=lifted_count(found, returned, call),
         )
+
+
+def _whence(reference: Reference, name: str) -> str:
+    """Where a class or function comes from, in words: this file, or the module it is imported
+    from."""
+    if name and reference.level == 1 and reference.module == Path(name).stem:
+        return "of this file"
+    return f"imported from `{reference.spelled}`"
 
 
 Built = tuple["Imports", Reference, cst.Call]  # whose imports, which class, which call

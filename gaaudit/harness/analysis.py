@@ -32,8 +32,10 @@ ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip", "log_every"}
 HF_KWARGS = {"input_ids", "labels", "attention_mask", "decoder_input_ids", "inputs_embeds"}
 MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
 BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness's batches
-    **dict.fromkeys(("input_ids", "ids", "tokens", "input_tokens"), "input_ids"),
-    **dict.fromkeys(("attention_mask", "attn_mask", "input_mask", "mask"), "attention_mask"),
+    **dict.fromkeys(("input_ids", "ids", "tokens", "input_tokens", "source_ids"), "input_ids"),
+    **dict.fromkeys(
+        ("attention_mask", "attn_mask", "input_mask", "mask", "source_mask"), "attention_mask"
+    ),
     **dict.fromkeys(("labels", "label_ids", "targets", "target", "target_ids"), "labels"),
     # made from the labels: 1 where the loss counts a target, 0 where it ignores one
     **dict.fromkeys(("loss_mask", "label_mask", "labels_mask", "target_mask"), "loss_mask"),
@@ -79,8 +81,8 @@ class NotReplayable(Exception):
 class Plan:
     """What replay needs to run one statement. `free` holds the names the statement and its
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
-    binds there (model, engine, optimizer, data, data-call, contexts, divisor, divisor-call,
-    micro-size, width, accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into
+    binds there (model, engine, optimizer, data, data-call, contexts, turns, divisor,
+    divisor-call, micro-size, width, accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into
     micro-batches itself, so it is served the whole window at once. `owner`: the class whose method holds
     the statement. `derived`: assignments before the statement to evaluate. `stages`: two
     models chained as encoder and decoder. `settings`: the script's option defaults, given
@@ -412,6 +414,8 @@ class _Usage:
     unpacked: dict = field(default_factory=dict)  # the names each batch unpacks into
     keys: set = field(default_factory=set)  # string keys read: `batch_data["input_mask"]`
     items: dict = field(default_factory=dict)  # the one name each iterated chain's item is bound to
+    drawn: dict = field(default_factory=dict)  # the name each `next(chain)` is bound to
+    named_unpacks: dict = field(default_factory=dict)  # `ids, labels = batch`: names by batch
 
     def add(self, nodes: list[ast.stmt]) -> None:
         parents = {
@@ -440,6 +444,12 @@ class _Usage:
                     self.result_attrs.add(chain_of(node.value))
                 elif (
                     isinstance(node, ast.Assign)
+                    and isinstance(node.value, ast.Name)
+                    and isinstance(node.targets[0], (ast.Tuple, ast.List))
+                ):
+                    self.named_unpacks.setdefault(node.value.id, node.targets[0].elts)
+                elif (
+                    isinstance(node, ast.Assign)
                     and chain_of(node.value)
                     and isinstance(node.targets[0], ast.Name)
                 ):
@@ -455,6 +465,9 @@ class _Usage:
                 self.evidence[func].add("iterated-call")
                 if arity:
                     self.arity.setdefault(func, arity)
+        for chain, name in [*self.items.items(), *self.drawn.items()]:
+            if name in self.named_unpacks:  # `for batch in loader: ...; ids, labels = batch`
+                self._unpacks(chain, self.named_unpacks[name])
         for alias, chain in self.aliases:  # `active = train_loader; for batch in active:`
             self.evidence[chain] |= self.evidence.get((alias,), set()) & {"iterated", "next"}
             if (alias,) in self.arity:
@@ -480,6 +493,8 @@ class _Usage:
         if func in (("next",), ("iter",)) and args and args[0]:
             self.evidence[args[0]].add("next")
             self._unpacked(args[0], parent)
+            if isinstance(parent, ast.Assign) and isinstance(parent.targets[0], ast.Name):
+                self.drawn.setdefault(args[0], parent.targets[0].id)
         self._unpacked(func, parent)
         if len(func) < 2:
             return
@@ -674,14 +689,17 @@ def _keyed(node: ast.expr) -> bool:
 
 
 def _call_shape(usage: _Usage, chain: Chain) -> str | None:
-    """'hf', 'nanogpt', 'sequence' or 'logits' from how `chain` is called; None if it is
-    not. A call whose value is dropped (`metric_logger.update(**loss_dict)`) is not a model's."""
+    """'keyed', 'hf', 'nanogpt', 'sequence' or 'logits' from how `chain` is called; None if
+    it is not. A call whose value is dropped (`metric_logger.update(**loss_dict)`) is not a
+    model's."""
     shapes = set()
     for call, parent in usage.calls.get(chain, []):
         if isinstance(parent, ast.Expr):
             continue
         keywords = {k.arg for k in call.keywords}
-        if None in keywords or keywords & HF_KWARGS:
+        if {"source_ids", "target_ids"} <= keywords:
+            shapes.add("keyed")  # CodeBERT's `Seq2Seq(source_ids=..., target_ids=...)`
+        elif None in keywords or keywords & HF_KWARGS:
             shapes.add("hf")
         elif "return_loss" in keywords and call.args and not _keyed(call.args[0]):
             shapes.add("sequence")  # `model(seq, return_loss=True)`: a sequence, not a field
@@ -695,7 +713,7 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
             shapes.add("hf")
         else:
             shapes.add("logits")
-    for shape in ("hf", "nanogpt", "sequence", "logits"):
+    for shape in ("keyed", "hf", "nanogpt", "sequence", "logits"):
         if shape in shapes:
             return shape
     return None
@@ -715,6 +733,20 @@ def _returns(usage: _Usage, models: list[Chain]) -> tuple | None:
         if isinstance(parent, ast.Assign) and isinstance(parent.targets[0], (ast.Tuple, ast.List))
     )
     return next(map(shape, unpacked), None)
+
+
+def _counts_turns(value: ast.expr) -> bool:
+    """`range(n)`, also wrapped (`tqdm(range(n), total=n)`): the turns, not the data."""
+    while (
+        isinstance(value, ast.Call)
+        and value.args
+        and (chain_of(value.func) or ("",))[-1] in ITER_WRAPPERS
+    ):
+        value = value.args[0]
+    return isinstance(value, ast.Call) and (chain_of(value.func) or ("",))[-1] in (
+        "range",
+        "trange",
+    )
 
 
 def _entered(loop: ast.For) -> bool:
@@ -916,6 +948,9 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         else set()
     )
     roles = _roles(usage, free, params or [], own, divisor_names, helper_names)
+    for item in derived:  # `bar = tqdm(range(steps)); for step in bar:` counts turns
+        if roles.get(item.chain) == "data" and _counts_turns(item.value):
+            roles[item.chain] = "turns"
     module_constants = constants(list(_module_level(tree.body)))
     imported = {
         (a.asname or a.name).split(".")[0] for node in _imports(tree, target) for a in node.names
@@ -1116,6 +1151,6 @@ def _kind(source: str, shapes: set) -> str:
     """The tiny model to bind: from how the model is called, then from the source's hints."""
     if "hf" in shapes or not shapes - {None}:
         return next((kind for kind, hint in KIND_HINTS if hint.search(source)), "causal")
-    if "nanogpt" in shapes or "sequence" in shapes:
-        return "nanogpt" if "nanogpt" in shapes else "sequence"
+    if shapes & {"keyed", "nanogpt", "sequence"}:
+        return next(s for s in ("keyed", "nanogpt", "sequence") if s in shapes)
     return next((kind for kind, hint in NET_HINTS if hint.search(source)), "logits")

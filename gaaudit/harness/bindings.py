@@ -19,7 +19,16 @@ from gaaudit.harness.analysis import Plan, chain_of
 from gaaudit.harness.data import merge_batches
 from gaaudit.harness.models import ignore_value, vocab_size
 from gaaudit.harness.nets import PAD_ID, output_width
-from gaaudit.harness.stubs import Batch, Criterion, DataSource, Fabric, LossScaler, Stub, Turn
+from gaaudit.harness.stubs import (
+    Batch,
+    Criterion,
+    DataSource,
+    Fabric,
+    LossScaler,
+    Stub,
+    Turn,
+    Turns,
+)
 from gaaudit.harness.surroundings import literal
 
 TOKENIZER = re.compile(r"tokeni[sz]er", re.IGNORECASE)
@@ -82,6 +91,7 @@ class Objects:
                 "loss scaler stand-in: backward, and a step where update_grad holds",
             ),
             "divisor": (k, f"K = {k}"),
+            "turns": (Turns("turns"), "the loop's turns, counted from 0"),
             "contexts": (
                 lambda *args, **kwargs: [Turn() for _ in range(k)],
                 f"a function yielding K = {k} no-op contexts",

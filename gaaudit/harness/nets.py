@@ -1,6 +1,7 @@
 """Tiny plain-torch models, samples and reference losses for the kinds that are not language
 models: image classification (`image`), per-pixel segmentation (`segment`), regression
-(`regression`) and an encoder-decoder called as two models (`pair`)."""
+(`regression`), an encoder-decoder called as two models (`pair`) or by keywords (`keyed`),
+and a model that scores its token sequence itself (`sequence`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-NET_KINDS = ("image", "segment", "regression", "pair", "sequence")
+NET_KINDS = ("image", "segment", "regression", "pair", "keyed", "sequence")
 PAD_ID = 0  # the padding of the harness's token sequences (their tokens start at 2)
 # Kinds whose samples are token sequences of varied length, padded with PAD_ID in a batch.
-PADDED_KINDS = ("pair", "sequence")
+PADDED_KINDS = ("pair", "keyed", "sequence")
 # Kinds with one target per sample and no ignored value (and models.py's sequence
 # classifier): the valid count of a micro-batch is its number of samples, so the harness
 # makes the micro-batches differ in size.
@@ -102,6 +103,25 @@ class TinyPair(nn.Module):
         return self.decoder(target[:, :-1], *self.encoder(src))
 
 
+class TinyKeyedSeq2Seq(nn.Module):
+    """An encoder-decoder called by keywords, as the `Seq2Seq` of CodeBERT's code-to-text
+    scripts (copied across CodeXGLUE, GraphCodeBERT, UniXcoder): `forward(source_ids,
+    source_mask, target_ids, target_mask) -> (loss, loss * count, count)`, the mean
+    cross-entropy of each target after the first where `target_mask` is set, over `count`
+    such targets."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.pair = TinyPair(vocab)
+
+    def forward(self, source_ids, source_mask=None, target_ids=None, target_mask=None, **options):
+        log_probs = self.pair(source_ids, target_ids).flatten(0, 1).float()
+        active = target_mask[:, 1:].ne(0).flatten()
+        loss = F.nll_loss(log_probs[active], target_ids[:, 1:].flatten()[active])
+        count = active.sum()
+        return loss, loss * count, count
+
+
 class TinySequenceModel(nn.Module):
     """A model that takes the token sequence and scores it itself, as lucidrains' models do:
     `forward(seq (B, T + 1), return_loss=True) -> loss`, the mean cross-entropy of each next
@@ -142,6 +162,8 @@ def build_net(kind: str, vocab: int, returns: tuple | None = None) -> nn.Module:
         return TinyRegressor()
     if kind == "sequence":
         return TinySequenceModel(vocab, returns)
+    if kind == "keyed":
+        return TinyKeyedSeq2Seq(vocab)
     return TinyPair(vocab)
 
 
@@ -159,6 +181,9 @@ def net_loss(
         return F.mse_loss(model(inputs).float(), labels)
     if kind == "sequence":
         return model(inputs, return_loss=True)
+    if kind == "keyed":
+        mask = (labels != ignore_index).long()
+        return model(source_ids=inputs, target_ids=labels, target_mask=mask)[0]
     if kind == "pair":
         log_probs = model(inputs, labels)
         return F.nll_loss(
@@ -185,7 +210,7 @@ def net_record(kind: str, gen: torch.Generator, length, tokens, ignore_index: in
             "input_ids": torch.randn(FEATURES, generator=gen),
             "labels": torch.randn(TARGETS, generator=gen),
         }
-    if kind == "pair":
+    if kind in ("pair", "keyed"):
         return {"input_ids": tokens(length()), "labels": tokens(length() + 1)}
     if kind == "sequence":  # the model shifts the sequence itself
         seq = tokens(length() + 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import operator
 import types
 
@@ -251,6 +252,14 @@ class Fabric(Stub):
 
     def all_reduce(self, data, *args, **kwargs):
         return data  # one process: the sum over processes is the value itself
+
+
+class Turns(Stub):
+    """The turns a loop counts, `bar = tqdm(range(steps))`: 0, 1, 2, ... until the replay
+    ends at the step; its other attributes are stubs (`bar.set_description(...)`)."""
+
+    def __iter__(self):
+        return itertools.count()
 
 
 class Turn(contextlib.nullcontext):
