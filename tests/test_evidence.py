@@ -116,7 +116,21 @@ def fixed(token, previous) -> str | None:
             strings = strings[:-2]
         if _after_randint(strings):
             return "random fixed-length windows drawn with `randint` over the data's length"
+    if token.string == ")" and _viewed_blocks(previous):
+        return "inputs and targets viewed as B x T blocks of one token buffer"
     return None
+
+
+def _viewed_blocks(previous) -> bool:
+    """Whether the tokens end with `[:-1]).view(B, T` (the closing parenthesis optional)."""
+    strings = [t.string for t in previous]
+    names = [t.type == tokenize.NAME for t in previous]
+    head = ["[", ":", "-", "1", "]"]
+    for tail in ([")", ".", "view", "("], [".", "view", "("]):
+        n = len(head) + len(tail) + 3
+        if strings[-n:-3] == head + tail and names[-3] and strings[-2] == "," and names[-1]:
+            return True
+    return False
 
 
 def _after_randint(strings: list[str]) -> bool:
@@ -139,6 +153,8 @@ SNIPPETS = {
     "random windows": "i = torch.randint(len(data) - T, (B,))\nj = randint(0, n)\n",
     "random crops over a size": "s = torch.randint(0, self.data.size(0) - n, (1,))\n",
     "random crops over a shape": "s = randint(0, data.shape[0] - n)\n",
+    "token buffer views": "x = (buf[:-1]).view(B, T)\ny = buf[1:].view(B, T)\n",
+    "other views": "a = buf[:-1].view(-1)\nb = x[:, :-1].view(B, T)\nc = buf[: -1 ].view(n, m)\n",
     "random tokens are no crop": "x = torch.randint(0, vocab.size, (4, 8))\ny = randint(0, n.size)\n",
     "tokenizer padding only": "tok(t, padding='max_length')\nnn.Conv2d(3, 8, 3, padding=1)\n",
     "padding and equality": "if padding == 'x':\n    f(padding = 'longest')\n",

@@ -1293,3 +1293,26 @@ def test_a_keyword_encoder_decoder_loop_is_replayed_over_its_own_window(loader, 
         assert result.verdict == "verified" and result.error < 1e-5, result
     else:
         assert result.verdict == "bug reproduced" and result.error > 1e-2, result
+
+
+# modded-nanogpt's step: two optimizers and their schedulers stepped in a `zip`, and a model
+# told not to return its logits.
+OPTIMIZER_LIST = source("""
+    def train(model, loader, optimizers, schedulers, accum):
+        for step, (x, y) in enumerate(loader):
+            _, loss = model(x, y, return_logits=False)
+            (loss / accum).backward()
+            if (step + 1) % accum == 0:
+                for opt, sched in zip(optimizers, schedulers):
+                    opt.step()
+                    sched.step()
+                model.zero_grad(set_to_none=True)
+""")
+
+
+def test_optimizers_and_schedulers_stepped_in_a_zip_are_lists_of_one():
+    result = check(OPTIMIZER_LIST, line_of(OPTIMIZER_LIST, "for step"), k=4, device="cpu")
+    bindings = result.replay.bindings
+    assert bindings["optimizers"].startswith("a list of one optimizer"), bindings
+    assert bindings["schedulers"] == "a list of one inert scheduler", bindings
+    assert result.verdict == "bug reproduced" and result.replay.drawn == 4, result

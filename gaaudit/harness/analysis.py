@@ -81,8 +81,8 @@ class NotReplayable(Exception):
 class Plan:
     """What replay needs to run one statement. `free` holds the names the statement and its
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
-    binds there (model, engine, optimizer, data, data-call, contexts, turns, divisor,
-    divisor-call, micro-size, width, accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into
+    binds there (model, engine, optimizer, optimizers, schedulers, data, data-call, contexts,
+    turns, divisor, divisor-call, micro-size, width, accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into
     micro-batches itself, so it is served the whole window at once. `owner`: the class whose method holds
     the statement. `derived`: assignments before the statement to evaluate. `stages`: two
     models chained as encoder and decoder. `settings`: the script's option defaults, given
@@ -842,13 +842,16 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "contexts"
     if "iterated-call" in ev:
         return "data-call"
+    iterated = not called and "iterated" in ev  # `for opt, sched in zip(optimizers, schedulers)`
     if any(SCHEDULER_RE.search(part) for part in chain):
-        return None  # `scheduler.get_last_lr()[0]` reads no model output
+        return "schedulers" if iterated else None  # `scheduler.get_last_lr()[0]`: no output
     shape = _call_shape(usage, chain)
     named = MODEL_RE.search(last) or (shape == "hf" and not FACTORY_RE.match(last))
     model_like = "model-method" in ev or (shape and named)
     if model_like and not (shape == "logits" and DATA_RE.search(last)):
         return "model"
+    if iterated and OPTIMIZER_RE.search(last):
+        return "optimizers"
     if ev & {"zero_grad", "step", "optimizer-arg"} or (not called and OPTIMIZER_RE.search(last)):
         return "optimizer"
     if ev & {"iterated", "next"} or (called and DATA_RE.search(last)):

@@ -83,6 +83,8 @@ class Objects:
         described = {
             "model": (model, f"tiny {plan.model_kind} model"),
             "optimizer": (self.optimizer, text),
+            "optimizers": ([self.optimizer], f"a list of one optimizer: {text}"),
+            "schedulers": ([Stub("scheduler")], "a list of one inert scheduler"),
             "accelerator": (self.accelerator, f"Accelerator(gradient_accumulation_steps={steps})"),
             "scaler": (self.scaler, f"GradScaler(enabled={getattr(self.scaler, '_enabled', 0)})"),
             "fabric": (fabric, "single-process Fabric stand-in"),

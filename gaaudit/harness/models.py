@@ -65,7 +65,7 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(width)
         self.lm_head = nn.Linear(width, VOCAB, bias=False)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, **options):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=-1)
         heads = lambda t: t.unflatten(-1, (2, -1)).transpose(1, 2)
