@@ -48,7 +48,8 @@ def ignore_value(kind: str, ignore_index: int | None = None) -> int:
 
 class TinyGPT(nn.Module):
     """A nanoGPT-style causal LM: `forward(idx, targets=None) -> (logits, loss)`; the loss
-    ignores `ignore_index` (-1 as in nanoGPT)."""
+    ignores `ignore_index` (-1 as in nanoGPT); other keywords (`return_logits=False`) are
+    taken and ignored."""
 
     def __init__(self, width: int = 64, ignore_index: int = -1):
         super().__init__()
