@@ -1316,3 +1316,24 @@ def test_optimizers_and_schedulers_stepped_in_a_zip_are_lists_of_one():
     assert bindings["optimizers"].startswith("a list of one optimizer"), bindings
     assert bindings["schedulers"] == "a list of one inert scheduler", bindings
     assert result.verdict == "bug reproduced" and result.replay.drawn == 4, result
+
+
+# Megatron's timers: called with a string, like `get_batch("train")`, but their result is a
+# timer whose methods the loop calls, not a batch.
+TIMED = source("""
+    def train(model, loader, optimizer, timers, accum):
+        for step, batch in enumerate(loader):
+            timers("forward").start()
+            loss = model(**batch).loss / accum
+            timers("forward").stop()
+            loss.backward()
+            if (step + 1) % accum == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+""")
+
+
+def test_a_function_called_with_a_string_whose_result_has_methods_serves_no_data():
+    result = check(TIMED, line_of(TIMED, "for step"), k=4, device="cpu")
+    assert "timers" not in result.replay.bindings or result.replay.bindings["timers"] == "stub"
+    assert result.verdict == "bug reproduced" and result.replay.drawn == 4, result

@@ -781,11 +781,12 @@ def _harness_made(chain: Chain, role: str | None, usage: _Usage) -> bool:
 
 def _string_call(usage: _Usage, chain: Chain) -> bool:
     """`x, y = get_batch("train")`: called with a string, its result used; a call whose
-    result is dropped (`logger.info("...")`, `writer.add_scalar("loss", ...)`) serves no data."""
+    result is dropped (`logger.info("...")`, `writer.add_scalar("loss", ...)`) or has a method
+    called (`timers("forward").start()`) serves no data."""
     return any(
         isinstance(a, ast.Constant) and isinstance(a.value, str)
         for call, parent in usage.calls.get(chain, [])
-        if not isinstance(parent, ast.Expr)
+        if not isinstance(parent, (ast.Expr, ast.Attribute))
         for a in call.args
     )
 
