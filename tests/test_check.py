@@ -358,3 +358,21 @@ def gaaudit_python(code: str, cwd: Path):
         text=True,
         timeout=120,
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "first", "rest"),
+    [
+        ("ga007_enumerate_step_guard_from_zero", "1 micro-batch instead of", "is shifted"),
+        (
+            "ga007_counter_raised_before_test_plus_one",
+            "gradient_accumulation_steps - 1 micro-batches instead of",
+            "already counts this micro-batch",
+        ),
+    ],
+)
+def test_an_off_by_one_window_says_how_many_micro_batches_the_first_holds(name, first, rest):
+    """GA007 from both sides: a counter from 0 tested with `i % K` (the first window holds one
+    micro-batch), and one raised before `(i + 1) % K` (K - 1)."""
+    (finding,) = [f for f in check_file(FIXTURES / f"{name}.py", ALL).findings if f.code == "GA007"]
+    assert f"the first window holds {first}" in finding.message and rest in finding.message

@@ -1,6 +1,7 @@
 """GA007: an optimizer step guarded by `i % K == 0` on a counter that starts at 0 and is
 tested after the backward, so the first window closes after one micro-batch (or after K + 1,
-with `and i > 0`) and every later window is shifted."""
+with `and i > 0`) and every later window is shifted; or by `(i + 1) % K == 0` on a counter
+already raised for this micro-batch, so the first window closes after K - 1."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ CODE = "GA007"
 
 @dataclass(frozen=True)
 class Site:
-    """A step test `i % K == 0` whose counter `i` is 0 at the first backward."""
+    """A step test `i % K == 0` whose counter `i` is 0 at the first backward, or
+    `(i + 1) % K == 0` whose counter is already 1 there (`ahead`)."""
 
     node: cst.Comparison | cst.UnaryOperation  # `i % K == 0` or `not i % K`
     modulo: cst.BinaryOperation
@@ -31,6 +33,7 @@ class Site:
     # the loop's other tests of `i % K` after the backward (a `zero_grad` under its own `if`),
     # which must move with the step
     others: tuple[cst.BinaryOperation, ...]
+    ahead: bool = False  # `(i + 1) % K` on a counter raised before the test: one ahead
 
     code = CODE
 
@@ -38,7 +41,16 @@ class Site:
     def first(self) -> str:
         """The number of micro-batches in the first window, in words."""
         size = code(self.modulo.right)
+        if self.ahead:
+            return f"{size} - 1 micro-batches"
         return f"{size} + 1 micro-batches" if self.conjunct is not None else "1 micro-batch"
+
+    @property
+    def counted(self) -> cst.BaseExpression:
+        """What the test should take the modulo of: the micro-batches so far, from 1."""
+        if self.ahead:
+            return cst.Name(self.counter.value)
+        return cst.parse_expression(f"({self.counter.value} + 1)")
 
 
 class Windows:
@@ -60,7 +72,10 @@ class Windows:
 
     def _site(self, window: Window, backward: cst.Call) -> Site | None:
         modulo = self.tree.parents.get(window.size) if window.size is not None else None
-        if not (isinstance(modulo, cst.BinaryOperation) and isinstance(modulo.left, cst.Name)):
+        if not isinstance(modulo, cst.BinaryOperation):
+            return None
+        counter, plus_one = _counter(modulo.left)
+        if counter is None:
             return None
         if isinstance(window.size, cst.Integer) and window.size.evaluated_value <= 1:
             return None
@@ -78,11 +93,13 @@ class Windows:
         loop = window.loop
         if loop is None:
             return None
-        started = self._start(modulo.left, loop, window)
+        started = self._start(counter, loop, window)
         if started is None:
             return None
-        origin, confidence = started
-        conjunct = self._conjunct(test, modulo.left.value)
+        origin, confidence, raised = started
+        if raised != plus_one:  # `i % K` from 1, or `(i + 1) % K` from 0: K in each window
+            return None
+        conjunct = None if raised else self._conjunct(test, counter.value)
         shown = code(modulo)
         others = tuple(
             node
@@ -94,34 +111,38 @@ class Windows:
             and _is_zero_test(self.tree.parents.get(node), node)
             and self.tree.order[node] > self.tree.order[backward]
         )
-        return Site(test, modulo, modulo.left, origin, confidence, conjunct, window, others)
+        return Site(test, modulo, counter, origin, confidence, conjunct, window, others, raised)
 
     def _start(
         self, counter: cst.Name, loop: cst.For | cst.While, window: Window
-    ) -> tuple[str, Confidence] | None:
-        """Where `counter` starts at 0 for the loop's first pass, if it does: the loop's own
+    ) -> tuple[str, Confidence, bool] | None:
+        """Where `counter` starts at 0 for the loop's first pass, if it does, and whether it is
+        raised before the step test (so that it is 1 there on the first pass): the loop's own
         index (`enumerate(...)`, `range(n)`), or a name set to 0 before the loop and raised by
-        1 inside it only after the step test."""
+        1 inside it, all before or all after the step test."""
         name = counter.value
         bindings = self.tree.bindings(self.tree.scope_of(loop)).get(name, [])
         inside = [b for b in bindings if self.tree.contains(loop, b)]
         if isinstance(loop, cst.For) and _index_of(loop) == name:
             if inside:
                 return None
-            return f"`{name}` is the loop's index, from 0 ({code(loop.iter)})", Confidence.HIGH
+            origin = f"`{name}` is the loop's index, from 0 ({code(loop.iter)})"
+            return origin, Confidence.HIGH, False
         before = [b for b in bindings if self.tree.order[b] < self.tree.order[loop]]
         if not before or not _sets_zero(before[-1], name) or not inside:
             return None
         if not all(_adds_one(b) for b in inside):
             return None
-        if any(
-            self.tree.order[b] < self.tree.order[window.anchor]
-            or self.tree.contains(window.anchor, b)
-            for b in inside
-        ):
-            return None  # raised before the test, or only when the optimizer steps
+        if any(self.tree.contains(window.anchor, b) for b in inside):
+            return None  # raised only when the optimizer steps
+        raised = {self.tree.order[b] < self.tree.order[window.anchor] for b in inside}
+        if len(raised) != 1:
+            return None  # raised both before and after the test
+        ahead = raised.pop()
         line = self.tree.line(before[-1])
-        return f"`{name}` is set to 0 on line {line} and raised after the test", Confidence.MEDIUM
+        when = "before" if ahead else "after"
+        origin = f"`{name}` is set to 0 on line {line} and raised {when} the test"
+        return origin, Confidence.MEDIUM, ahead
 
     def _conjunct(self, test: cst.BaseExpression, name: str) -> cst.BooleanOperation | None:
         """`<test> and i > 0` (or `i != 0`, `i >= 1`, `i`): what delays the first step."""
@@ -130,6 +151,21 @@ class Windows:
             return None
         other = parent.right if parent.left is test else parent.left
         return parent if _nonzero(other, name) else None
+
+
+def _counter(left: cst.BaseExpression) -> tuple[cst.Name | None, bool]:
+    """The counter of a step test's `i % K` or `(i + 1) % K`, and whether it adds one."""
+    if isinstance(left, cst.Name):
+        return left, False
+    if (
+        isinstance(left, cst.BinaryOperation)
+        and isinstance(left.operator, cst.Add)
+        and isinstance(left.left, cst.Name)
+        and isinstance(left.right, cst.Integer)
+        and left.right.evaluated_value == 1
+    ):
+        return left.left, True
+    return None, False
 
 
 def _index_of(loop: cst.For) -> str | None:
@@ -196,13 +232,17 @@ def _nonzero(node: cst.BaseExpression, name: str) -> bool:
 
 
 def _sets_zero(statement: cst.CSTNode, name: str) -> bool:
-    return (
-        isinstance(statement, cst.Assign)
-        and len(statement.targets) == 1
-        and isinstance(statement.targets[0].target, cst.Name)
-        and statement.targets[0].target.value == name
-        and _is_zero(statement.value)
-    )
+    """`name = 0`, also among others: `steps, total = 0, 0.0`."""
+    if not (isinstance(statement, cst.Assign) and len(statement.targets) == 1):
+        return False
+    target, value = statement.targets[0].target, statement.value
+    if isinstance(target, cst.Tuple) and isinstance(value, cst.Tuple):
+        if len(target.elements) != len(value.elements):
+            return False
+        pairs = [(t.value, v.value) for t, v in zip(target.elements, value.elements, strict=True)]
+    else:
+        pairs = [(target, value)]
+    return any(isinstance(t, cst.Name) and t.value == name and _is_zero(v) for t, v in pairs)
 
 
 def _adds_one(statement: cst.CSTNode) -> bool:
@@ -220,10 +260,14 @@ def findings(context) -> list[Finding]:
     found = []
     for site in Windows(context.tree, context.structure).sites():
         test, counter = code(site.conjunct or site.node), site.counter.value
+        size = code(site.modulo.right)
         message = (
-            f"`{test}` steps the optimizer after the backward while `{counter}` counts "
+            f"`{test}` steps the optimizer after the backward while `{counter}` already counts "
+            f"this micro-batch: the first window holds {site.first} instead of {size}"
+            if site.ahead
+            else f"`{test}` steps the optimizer after the backward while `{counter}` counts "
             f"micro-batches from 0: the first window holds {site.first} instead of "
-            f"{code(site.modulo.right)}, and every later window is shifted"
+            f"{size}, and every later window is shifted"
         )
         why = (
             "the loop's index is 0 on its first pass"

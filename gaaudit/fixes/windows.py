@@ -1,10 +1,9 @@
-"""GA007 rewrites: a step test on a counter from 0 counts from 1, `(i + 1) % K == 0`, and so
-do the loop's other tests of `i % K` after the backward (a `zero_grad` of its own); a conjunct
-that only delayed the first step (`and i > 0`) goes."""
+"""GA007 rewrites: a step test on a counter from 0 counts from 1, `(i + 1) % K == 0` (one on a
+counter already raised for this micro-batch drops its `+ 1`), and so do the loop's other tests
+of `i % K` after the backward (a `zero_grad` of its own); a conjunct that only delayed the
+first step (`and i > 0`) goes."""
 
 from __future__ import annotations
-
-import libcst as cst
 
 from gaaudit.analysis.tree import Tree
 from gaaudit.checks.windows import Site
@@ -22,7 +21,7 @@ class WindowPlanner:
     def plan(self, sites: list[Site]) -> list[Outcome]:
         outcomes = []
         for site in sites:
-            counted = cst.parse_expression(f"({site.counter.value} + 1)")
+            counted = site.counted
             for other in site.others:
                 self.edits.replace[other] = other.with_changes(left=counted)
             modulo = site.modulo.with_changes(left=counted)
