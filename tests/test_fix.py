@@ -558,3 +558,16 @@ def test_a_step_test_bound_once_in_the_loop_is_read_ahead_as_its_value():
     assert "            if (step + 1) % accumulation_steps == 0:\n" in after
     assert "(loss * window_share * accumulation_steps).backward()" in after
     assert "if boundary:" in after and "model.no_sync()" in after  # the loop's own lines stay
+
+
+def test_an_optimizer_that_backpropagates_itself_is_not_divided_before_its_step():
+    """apex's `FP16_Optimizer` (`optimizer.backward(loss)`) fills the gradients it steps on
+    inside `step()`: a division of `param_groups`' gradients before it would divide nothing,
+    so the fix is refused and says why; without that branch the same loop is fixed."""
+    script = FIXTURES / "ga001_apex_fp16_optimizer_backward.py"
+    result = fix_source(script.read_bytes(), script, ALL, unsafe=True)
+    (outcome,) = result.outcomes
+    assert not outcome.applied and "`optimizer.backward(...)` (line 42)" in outcome.reason
+    assert "FP16_Optimizer" in outcome.reason
+    plain = FIXTURES / "ga001_example_share_divisor.py"
+    assert all(o.applied for o in fix_source(plain.read_bytes(), plain, ALL).outcomes)

@@ -175,7 +175,7 @@ class _Divisors:
     def _constant_divisor(self, division: Division, window: Window) -> bool:
         """A divisor that is the window size K, an accumulation name, or loop-invariant."""
         divisor = division.divisor
-        if self.structure.is_accumulation_name(divisor):
+        if self.structure.is_accumulation_name(divisor) or _example_share(divisor):
             return True
         if window.size is not None:
             return self._same_value(divisor, window.size)
@@ -352,9 +352,15 @@ class Auditor(_Frameworks, _Divisors):
                 window,
                 origin,
                 division,
-                f"{_subject(origin)} divided by the constant accumulation divisor "
-                f"`{code(division.divisor)}`: micro-batches with fewer valid tokens are "
-                "over-weighted",
+                (
+                    f"{_subject(origin)} divided by `{code(division.divisor)}`, the number of "
+                    "micro-batches of its size in a batch: it is weighted by its share of the "
+                    "examples, so micro-batches with fewer valid tokens are over-weighted"
+                    if _example_share(division.divisor)
+                    else f"{_subject(origin)} divided by the constant accumulation divisor "
+                    f"`{code(division.divisor)}`: micro-batches with fewer valid tokens are "
+                    "over-weighted"
+                ),
             )
             return
         framework = self.structure.dividing_framework(backward, window)
@@ -451,3 +457,17 @@ def findings(context) -> list[Finding]:
         context.structure,
     )
     return auditor.findings(context.path, lambda: context.evidence, context.text)
+
+
+def _example_share(divisor: cst.BaseExpression) -> bool:
+    """`batch_size / input_ids.shape[0]`: how many micro-batches of this one's size make a
+    batch (K, when every micro-batch is full)."""
+    if not (isinstance(divisor, cst.BinaryOperation) and isinstance(divisor.operator, cst.Divide)):
+        return False
+    size = divisor.right
+    if isinstance(size, cst.Subscript) and isinstance(size.value, cst.Attribute):
+        return size.value.attr.value == "shape" and code(size.slice[0].slice.value) == "0"
+    if isinstance(size, cst.Call) and isinstance(size.func, cst.Attribute):
+        args = size.args
+        return size.func.attr.value == "size" and len(args) == 1 and code(args[0].value) == "0"
+    return False

@@ -1110,6 +1110,7 @@ class _Window:
                     args = positional(call)
                     optimizer = args[0] if args else call.func.value
                     self._bound_before(optimizer, call, region)
+                    self._backward_outside_grads(code(optimizer), window)
                     return code(optimizer)
                 helpers.append(call)
         for call in helpers:
@@ -1125,6 +1126,26 @@ class _Window:
         raise Unfixable(
             "no optimizer step is visible for this window; gaaudit cannot tell whose gradients to divide"
         )
+
+    def _backward_outside_grads(self, optimizer: str, window: Window) -> None:
+        """Refuse a window the optimizer itself backpropagates (`optimizer.backward(loss)`, apex's
+        `FP16_Optimizer`): its `param_groups` hold fp32 master copies whose gradients it fills
+        from the model's only inside `step()`, so a division before the step divides nothing."""
+        scope = window.loop or self.tree.scope_of(window.anchor)
+        for node in self.tree.walk(scope):
+            if (
+                isinstance(node, cst.Call)
+                and isinstance(node.func, cst.Attribute)
+                and node.func.attr.value == "backward"
+                and code(node.func.value) == optimizer
+            ):
+                raise Unfixable(
+                    f"`{optimizer}.backward(...)` (line {self.tree.line(node)}): an fp16 "
+                    "optimizer wrapper (apex's `FP16_Optimizer`) fills the gradients it steps "
+                    "on only inside its `step()`, so they cannot be divided once before it; "
+                    "count the window's valid tokens N before it runs and backpropagate each "
+                    "micro-batch's loss sum divided by N"
+                )
 
     def _bound_before(self, optimizer: cst.BaseExpression, step: cst.Call, region) -> None:
         """Refuse an optimizer the step reaches as a loop's target (`for opt, sched in
