@@ -146,6 +146,7 @@ def at_one_and_four() -> tuple[int, dict[str, list[dict]]]:
         FIXTURES / "ok_seq2seq_keyword_model_token_sum.py",
         FIXTURES / "ok_counter_raised_before_test.py",
         FIXTURES / "ok_example_share_token_sum.py",
+        FIXTURES / "ok_labels_copied_from_inputs_token_sum.py",
     ]
     result = gaaudit(
         "verify", *map(str, scripts), "-k", "1,4", "--device", "cpu", "--format", "json"
@@ -179,6 +180,7 @@ def test_a_correct_loop_is_replayed_and_matches_the_full_batch(at_one_and_four):
         "ok_seq2seq_keyword_model_token_sum",  # the sum and count a keyword model returns
         "ok_counter_raised_before_test",  # `steps += 1` before `steps % K == 0`: K each
         "ok_example_share_token_sum",  # DialoGPT's loop, weighted by tokens
+        "ok_labels_copied_from_inputs_token_sum",  # `labels = input_ids.clone()`
     ]
     for name in correct:
         (loop,) = loops[name]

@@ -33,7 +33,7 @@ from gaaudit.fixes.edits import (
     with_argument,
     with_parameter,
 )
-from gaaudit.fixes.read_ahead import _ReadAhead
+from gaaudit.fixes.read_ahead import SAME_ELEMENTS, _ReadAhead
 from gaaudit.vocabulary import CLIPPERS
 
 # One line on each block a fix inserts, saying why it is there.
@@ -41,6 +41,7 @@ WEIGHT_NOTE = "# sum and count: each micro-batch's loss counts its valid targets
 DIVIDE_NOTE = "# one division per window, by the window's total count"
 COUNT_NOTE = "# the caller weights this mean by its count: sum and count per micro-batch"
 RETURN_COUNT = "return_count"
+MAX_REBINDINGS = 8  # how far back `labels = labels.to(device)` chains are followed
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,17 @@ def returns_count(
     edits.insert_before(
         line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {code(value)}, {count}"
     )
+
+
+def _same_elements(node: cst.BaseExpression) -> cst.BaseExpression:
+    """`x` of `x.clone()`, `x.to(device)` and the like: the same elements."""
+    while (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Attribute)
+        and node.func.attr.value in SAME_ELEMENTS
+    ):
+        node = node.func.value
+    return node
 
 
 def _takes_return_count(tree: Tree, function: cst.FunctionDef) -> bool:
@@ -487,10 +499,35 @@ class _CompanionCounts:
         tracer = self.auditor.tracer
         if causal is None and call is not None and tracer.imports is not None:
             causal = shifts_labels(tracer.imports.class_of(tracer, call.func))  # built elsewhere
+        if causal is None and call is not None and self._copies_inputs(call):
+            causal = True
         if causal is None:
             raise Unfixable("cannot tell whether the model shifts its labels (causal LM) or not")
         shifted = f"{labels}[..., 1:]" if causal else labels
         return f"({shifted} != -100).sum()", ""
+
+    def _copies_inputs(self, call: cst.Call) -> bool:
+        """Whether the `labels=` a model is handed copy the token ids the same call hands it
+        (`labels = input_ids.clone()`, its padding then set to -100): scoring a sequence
+        against itself, the model shifts it (a causal LM)."""
+        labels = keyword(call, "labels")
+        fed = {
+            base.value
+            for a in call.args
+            if a.value is not labels and isinstance(base := _same_elements(a.value), cst.Name)
+        }
+        node = labels
+        for _ in range(MAX_REBINDINGS):
+            node = _same_elements(node)
+            if not isinstance(node, cst.Name):
+                return False
+            if node is not labels and node.value in fed:
+                return True
+            binding = self.auditor.tracer.binding(node.value, node)
+            if not (isinstance(binding, cst.Assign) and len(binding.targets) == 1):
+                return False
+            node = binding.value
+        return False
 
     def _call_count(self, call: cst.Call, origin: Origin) -> tuple[tuple[str, str], bool]:
         func = call.func
