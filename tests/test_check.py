@@ -376,3 +376,24 @@ def test_an_off_by_one_window_says_how_many_micro_batches_the_first_holds(name, 
     micro-batch), and one raised before `(i + 1) % K` (K - 1)."""
     (finding,) = [f for f in check_file(FIXTURES / f"{name}.py", ALL).findings if f.code == "GA007"]
     assert f"the first window holds {first}" in finding.message and rest in finding.message
+
+
+@pytest.mark.parametrize(
+    ("size", "share"), [("ids.shape[0]", True), ("ids.shape[1:].numel()", False)]
+)
+def test_a_loss_divided_by_its_share_of_the_batch_is_weighted_by_examples(tmp_path, size, share):
+    """`loss / (batch_size / ids.shape[0])` (DialoGPT's): GA001, worded as a share of the
+    examples; another divisor of the micro-batch's shape is no such share (and no crash)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(f"""\
+        for step, (ids, labels) in enumerate(loader):
+            loss = model(ids, labels=labels).loss / (batch_size / {size})
+            loss.backward()
+            if (step + 1) % accum == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+        """)
+    )
+    messages = [f.message for f in check_file(script, ALL).findings]
+    assert any("weighted by its share of the examples" in m for m in messages) is share, messages

@@ -568,6 +568,6 @@ def test_an_optimizer_that_backpropagates_itself_is_not_divided_before_its_step(
     result = fix_source(script.read_bytes(), script, ALL, unsafe=True)
     (outcome,) = result.outcomes
     assert not outcome.applied and "`optimizer.backward(...)` (line 42)" in outcome.reason
-    assert "FP16_Optimizer" in outcome.reason
+    assert "loss-scaling wrapper (apex's `FP16_Optimizer`" in outcome.reason
     plain = FIXTURES / "ga001_example_share_divisor.py"
     assert all(o.applied for o in fix_source(plain.read_bytes(), plain, ALL).outcomes)

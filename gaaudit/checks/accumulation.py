@@ -466,7 +466,12 @@ def _example_share(divisor: cst.BaseExpression) -> bool:
         return False
     size = divisor.right
     if isinstance(size, cst.Subscript) and isinstance(size.value, cst.Attribute):
-        return size.value.attr.value == "shape" and code(size.slice[0].slice.value) == "0"
+        index = size.slice[0].slice
+        return (
+            size.value.attr.value == "shape"
+            and isinstance(index, cst.Index)
+            and code(index.value) == "0"
+        )
     if isinstance(size, cst.Call) and isinstance(size.func, cst.Attribute):
         args = size.args
         return size.func.attr.value == "size" and len(args) == 1 and code(args[0].value) == "0"

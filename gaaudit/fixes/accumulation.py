@@ -1165,9 +1165,11 @@ class _Window:
         )
 
     def _backward_outside_grads(self, optimizer: str, window: Window) -> None:
-        """Refuse a window the optimizer itself backpropagates (`optimizer.backward(loss)`, apex's
-        `FP16_Optimizer`): its `param_groups` hold fp32 master copies whose gradients it fills
-        from the model's only inside `step()`, so a division before the step divides nothing."""
+        """Refuse a window whose stepping object also backpropagates (`optimizer.backward(loss)`):
+        a loss-scaling wrapper such as apex's `FP16_Optimizer` (its `param_groups` hold fp32
+        master copies whose gradients it fills only inside `step()`) or BMTrain's
+        `OptimManager` (no `param_groups` at all), so a division of its `param_groups`'
+        gradients before the step divides nothing, or fails."""
         scope = window.loop or self.tree.scope_of(window.anchor)
         for node in self.tree.walk(scope):
             if (
@@ -1177,11 +1179,11 @@ class _Window:
                 and code(node.func.value) == optimizer
             ):
                 raise Unfixable(
-                    f"`{optimizer}.backward(...)` (line {self.tree.line(node)}): an fp16 "
-                    "optimizer wrapper (apex's `FP16_Optimizer`) fills the gradients it steps "
-                    "on only inside its `step()`, so they cannot be divided once before it; "
-                    "count the window's valid tokens N before it runs and backpropagate each "
-                    "micro-batch's loss sum divided by N"
+                    f"`{optimizer}.backward(...)` (line {self.tree.line(node)}): what steps "
+                    "also backpropagates, a loss-scaling wrapper (apex's `FP16_Optimizer`, "
+                    "BMTrain's `OptimManager`) whose gradients are not the `param_groups`' "
+                    "before its `step()`; count the window's valid tokens N before it runs "
+                    "and backpropagate each micro-batch's loss sum divided by N"
                 )
 
     def _bound_before(self, optimizer: cst.BaseExpression, step: cst.Call, region) -> None:

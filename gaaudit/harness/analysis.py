@@ -82,12 +82,13 @@ class Plan:
     """What replay needs to run one statement. `free` holds the names the statement and its
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
     binds there (model, engine, optimizer, optimizers, schedulers, data, data-call, contexts,
-    turns, divisor, divisor-call, micro-size, width, accelerator, fabric, scaler, device). `splits_batch`: the loop cuts each loader batch into
-    micro-batches itself, so it is served the whole window at once. `owner`: the class whose method holds
-    the statement. `derived`: assignments before the statement to evaluate. `stages`: two
-    models chained as encoder and decoder. `settings`: the script's option defaults, given
-    to the stubs that stand for its parsed arguments. `counters`: the string items of a free
-    mapping that the statement counts with (they start at 0)."""
+    turns, divisor, divisor-call, micro-size, width, accelerator, fabric, scaler, device).
+    `splits_batch`: the loop cuts each loader batch into micro-batches itself, so it is served
+    the whole window at once. `owner`: the class whose method holds the statement. `derived`:
+    assignments before the statement to evaluate. `stages`: two models chained as encoder and
+    decoder. `settings`: the script's option defaults, given to the stubs that stand for its
+    parsed arguments. `counters`: the string items of a free mapping that the statement counts
+    with (they start at 0)."""
 
     target: ast.stmt
     imports: list[ast.stmt]
