@@ -404,6 +404,27 @@ def target_names(target: cst.CSTNode) -> set[str]:
     return {target.value} if isinstance(target, cst.Name) else set()
 
 
+def assigned_value(statement: cst.CSTNode | None, name: str) -> cst.BaseExpression | None:
+    """What `statement` binds `name` to: `x` of `name = x`, and of `a, name = y, x`; None
+    where it binds it otherwise (unpacking a call, augmenting) or not at all."""
+    if not (isinstance(statement, cst.Assign) and len(statement.targets) == 1):
+        return None
+    target, value = statement.targets[0].target, statement.value
+    if isinstance(target, cst.Name):
+        return value if target.value == name else None
+    if not (
+        isinstance(target, cst.Tuple)
+        and isinstance(value, cst.Tuple)
+        and len(target.elements) == len(value.elements)
+    ):
+        return None
+    found = None
+    for element, bound in zip(target.elements, value.elements, strict=True):
+        if isinstance(element.value, cst.Name) and element.value.value == name:
+            found = bound.value  # the last one wins, as in Python
+    return found
+
+
 def _target_chains(target: cst.CSTNode) -> set[str]:
     if isinstance(target, (cst.Tuple, cst.List)):
         return set().union(*(_target_chains(e.value) for e in target.elements))

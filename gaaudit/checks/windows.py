@@ -12,7 +12,7 @@ import libcst as cst
 
 from gaaudit import catalogue
 from gaaudit.analysis.loops import Structure, Window
-from gaaudit.analysis.tree import Tree, code, keyword, last_name, positional
+from gaaudit.analysis.tree import Tree, assigned_value, code, keyword, last_name, positional
 from gaaudit.findings import Confidence, Finding
 
 CODE = "GA007"
@@ -233,16 +233,7 @@ def _nonzero(node: cst.BaseExpression, name: str) -> bool:
 
 def _sets_zero(statement: cst.CSTNode, name: str) -> bool:
     """`name = 0`, also among others: `steps, total = 0, 0.0`."""
-    if not (isinstance(statement, cst.Assign) and len(statement.targets) == 1):
-        return False
-    target, value = statement.targets[0].target, statement.value
-    if isinstance(target, cst.Tuple) and isinstance(value, cst.Tuple):
-        if len(target.elements) != len(value.elements):
-            return False
-        pairs = [(t.value, v.value) for t, v in zip(target.elements, value.elements, strict=True)]
-    else:
-        pairs = [(target, value)]
-    return any(isinstance(t, cst.Name) and t.value == name and _is_zero(v) for t, v in pairs)
+    return _is_zero(assigned_value(statement, name))
 
 
 def _adds_one(statement: cst.CSTNode) -> bool:

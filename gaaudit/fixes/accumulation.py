@@ -18,7 +18,16 @@ from gaaudit.analysis.provenance import (
     loss_target,
     valid_targets,
 )
-from gaaudit.analysis.tree import Tree, code, dotted, keyword, positional, target_names, walk
+from gaaudit.analysis.tree import (
+    Tree,
+    assigned_value,
+    code,
+    dotted,
+    keyword,
+    positional,
+    target_names,
+    walk,
+)
 from gaaudit.checks.accumulation import Auditor, Site
 from gaaudit.discover.source import SourceError, parse
 from gaaudit.findings import Finding
@@ -33,7 +42,7 @@ from gaaudit.fixes.edits import (
     with_argument,
     with_parameter,
 )
-from gaaudit.fixes.read_ahead import SAME_ELEMENTS, _ReadAhead
+from gaaudit.fixes.read_ahead import _ReadAhead, unmoved
 from gaaudit.vocabulary import CLIPPERS
 
 # One line on each block a fix inserts, saying why it is there.
@@ -128,17 +137,6 @@ def returns_count(
     edits.insert_before(
         line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {code(value)}, {count}"
     )
-
-
-def _same_elements(node: cst.BaseExpression) -> cst.BaseExpression:
-    """`x` of `x.clone()`, `x.to(device)` and the like: the same elements."""
-    while (
-        isinstance(node, cst.Call)
-        and isinstance(node.func, cst.Attribute)
-        and node.func.attr.value in SAME_ELEMENTS
-    ):
-        node = node.func.value
-    return node
 
 
 def _takes_return_count(tree: Tree, function: cst.FunctionDef) -> bool:
@@ -514,19 +512,16 @@ class _CompanionCounts:
         fed = {
             base.value
             for a in call.args
-            if a.value is not labels and isinstance(base := _same_elements(a.value), cst.Name)
+            if a.value is not labels and isinstance(base := unmoved(a.value), cst.Name)
         }
         node = labels
         for _ in range(MAX_REBINDINGS):
-            node = _same_elements(node)
+            node = unmoved(node)
             if not isinstance(node, cst.Name):
                 return False
             if node is not labels and node.value in fed:
                 return True
-            binding = self.auditor.tracer.binding(node.value, node)
-            if not (isinstance(binding, cst.Assign) and len(binding.targets) == 1):
-                return False
-            node = binding.value
+            node = assigned_value(self.auditor.tracer.binding(node.value, node), node.value)
         return False
 
     def _call_count(self, call: cst.Call, origin: Origin) -> tuple[tuple[str, str], bool]:

@@ -14,6 +14,7 @@ import libcst as cst
 
 from gaaudit.analysis.tree import (
     ATOMS,
+    assigned_value,
     code,
     dotted,
     positional,
@@ -225,18 +226,8 @@ class _ReadAhead:
         `lm, mc = x, y`), else `expr`."""
         if not isinstance(expr, cst.Name):
             return expr
-        bound = self.auditor.tracer.binding(expr.value, expr)
-        if not (isinstance(bound, cst.Assign) and len(bound.targets) == 1):
-            return expr
-        target, value = bound.targets[0].target, bound.value
-        if isinstance(target, cst.Name):
-            return value
-        if isinstance(target, cst.Tuple) and isinstance(value, cst.Tuple):
-            names, values = target.elements, value.elements
-            for name, element in zip(names, values, strict=False):
-                if len(names) == len(values) and code(name.value) == expr.value:
-                    return element.value
-        return expr
+        value = assigned_value(self.auditor.tracer.binding(expr.value, expr), expr.value)
+        return expr if value is None else value
 
     def _ahead_of(
         self,
@@ -266,7 +257,7 @@ class _ReadAhead:
                 or self.tree.order[binding] > self.tree.order[before]
             ):
                 raise Unfixable(f"the {what} reads `{name.value}`, which the loop computes")
-            value = _unmoved(binding.value) if counted else binding.value
+            value = unmoved(binding.value) if counted else binding.value
             return self._ahead_of(value, loop, targets, counted, before)
 
         what = "count" if counted else "step's guard"
@@ -377,11 +368,11 @@ def _moves(binding: cst.CSTNode, name: str) -> bool:
     `name = {k: v.cuda() for k, v in name.items()}`: the same elements, moved or cast."""
     if not _single(binding, name):
         return False
-    value = _unmoved(binding.value)
+    value = unmoved(binding.value)
     return isinstance(value, cst.Name) and value.value == name and value is not binding.value
 
 
-def _unmoved(value: cst.BaseExpression) -> cst.BaseExpression:
+def unmoved(value: cst.BaseExpression) -> cst.BaseExpression:
     """`value` without its outer moves and casts: `batch["labels"]` for
     `batch["labels"].to(device)`, `batch` for `to_device(batch, device)` and for
     `{k: v.cuda() for k, v in batch.items()}`."""
@@ -411,8 +402,8 @@ def _moved_dict(value: cst.BaseExpression) -> cst.BaseExpression | None:
         and isinstance(pair, cst.Tuple)
         and len(pair.elements) == 2
         and code(value.key) == code(pair.elements[0].value)
-        and code(_unmoved(value.value)) == code(pair.elements[1].value)
-        and value.value is not _unmoved(value.value)
+        and code(unmoved(value.value)) == code(pair.elements[1].value)
+        and value.value is not unmoved(value.value)
         and isinstance(items, cst.Call)
         and isinstance(items.func, cst.Attribute)
         and items.func.attr.value == "items"
@@ -427,7 +418,7 @@ class _Unmoved(cst.CSTTransformer):
     `batch["labels"]`): the reader counts on the batch as drawn."""
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        return _unmoved(updated)
+        return unmoved(updated)
 
     def leave_DictComp(self, original: cst.DictComp, updated: cst.DictComp):
         return _moved_dict(original) or updated  # judged before its moves were dropped
