@@ -17,7 +17,7 @@ from gaaudit.checks.engine import check_file
 from gaaudit.config import Settings
 from gaaudit.findings import Confidence
 from gaaudit.fixes import codemod
-from gaaudit.fixes.accumulation import DIVIDE_NOTE, WEIGHT_NOTE
+from gaaudit.fixes.edits import DIVIDE_NOTE, WEIGHT_NOTE
 from gaaudit.fixes.fixer import fix_source
 
 ALL = Settings(min_confidence=Confidence.LOW)
@@ -178,6 +178,58 @@ def test_window_across_calls_is_refused_with_what_to_do(tmp_path, cli):
     )
     assert "on `self`" in result.output and "before `opt.step()`" in result.output
     assert (tmp_path / script.name).read_bytes() == script.read_bytes()
+
+
+LIGHTNING = textwrap.dedent(
+    """\
+    import lightning as L
+    import torch.nn.functional as F
+
+
+    class Tagger(L.LightningModule):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            logits = self.net(batch["input_ids"])
+            return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+    trainer = L.Trainer(accumulate_grad_batches=8)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (
+            (
+                "    def __init__(self, net):\n        super().__init__()\n",
+                "    def __init__(self, net):\n",
+            ),
+            "`Tagger` has no `__init__` calling `super().__init__()`, where the window's count would start",
+        ),
+        (
+            (
+                "accumulate_grad_batches=8",
+                'accumulate_grad_batches=8, strategy="deepspeed_stage_2"',
+            ),
+            "the Trainer runs a DeepSpeed strategy, which keeps the gradients outside `param.grad`",
+        ),
+    ],
+    ids=["no-init", "deepspeed"],
+)
+def test_a_lightning_module_is_fixed_unless_the_count_or_the_division_has_no_place(change, reason):
+    """The module as written is fixed (the returned loss weighted, a hook dividing); without
+    a `super().__init__()` to start the count after, or with DeepSpeed keeping the gradients
+    out of `param.grad`, it is refused, saying why."""
+    (outcome,) = fix_source(LIGHTNING.encode(), Path("lit.py"), ALL).outcomes
+    assert outcome.applied
+    source = LIGHTNING.replace(*change)
+    (outcome,) = fix_source(source.encode(), Path("lit.py"), ALL).outcomes
+    assert not outcome.applied and outcome.reason.startswith(reason), outcome.reason
 
 
 def test_a_window_with_a_backward_the_fix_would_not_weight_is_refused():

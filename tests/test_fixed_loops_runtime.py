@@ -282,3 +282,55 @@ def test_generated_loops_of_a_distributed_file_gather_their_count(
     patched_logged, patched_grads = generated_run(patched, K, device)
     assert error(patched_grads, reference) < 1e-6
     assert patched_logged == pytest.approx(logged, rel=1e-5)
+
+
+# --- a short last window that goes on into the next epoch ------------------------------------
+
+EPOCHS = """
+import torch.nn.functional as F
+
+
+def train(model, batches, optimizer, accum_steps, epochs):
+    for epoch in range(epochs):
+        for step, (x, y) in enumerate(batches):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+            loss = loss / accum_steps
+            loss.backward()
+            if (step + 1) % accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+"""
+
+
+class EveryStep(torch.optim.SGD):
+    """Keeps the gradients each of its steps sees."""
+
+    def step(self, closure=None):
+        grads = [p.grad.clone() for p in self.param_groups[0]["params"]]
+        self.seen = [*getattr(self, "seen", []), grads]
+
+
+def epochs_second_step(source: str) -> list[torch.Tensor]:
+    """Six micro-batches an epoch, K = 4: the gradient of the second epoch's first step."""
+    model = CausalLM()
+    optimizer = EveryStep(model.parameters(), lr=0.0)
+    loaded(source=source)["train"](model, token_batches(6, -100), optimizer, K, 2)
+    return optimizer.seen[1]
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["carried", "cleared"])
+def test_patched_window_spanning_epochs_counts_its_tail(reset):
+    """Where no `zero_grad` clears the gradients between epochs, the first epoch's last two
+    micro-batches stay in the next epoch's first window, and so must their count: the fix
+    starts the count before the epoch loop. Where an epoch starts with a `zero_grad`, the
+    count starts with it."""
+    source = EPOCHS
+    if reset:
+        source = EPOCHS.replace(
+            "        for step", "        optimizer.zero_grad()\n        for step"
+        )
+    patched = fix_source(source.encode(), Path("train.py"), Settings(), False).after.decode()
+    batches = token_batches(6, -100)
+    reference = full_batch(batches[:4] if reset else batches[4:] + batches[:4], -100)
+    assert error(epochs_second_step(source), reference) > 0.1
+    assert error(epochs_second_step(patched), reference) < 1e-6

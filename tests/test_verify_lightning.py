@@ -75,6 +75,11 @@ def module():
 FIXED_LENGTH = "\nblock_size = 24  # the data are packed blocks of this many tokens\n"
 FIT = "\n\ndef main():\n    trainer = L.Trainer(accumulate_grad_batches=4)\n    trainer.fit(LitLM())\n"
 
+HOOK = """
+    def on_before_optimizer_step(self, optimizer):
+        self.log("grad_norm", torch.nn.utils.clip_grad_norm_(self.parameters(), 1e9))
+"""
+
 
 def lit(package="lightning", extra="", parameters="", loss=MEAN, after="") -> str:
     return MODULE.format(package=package, extra=extra, parameters=parameters, loss=loss) + after
@@ -87,6 +92,8 @@ PROJECTS = {
     "fixed_length": ("lit.py", {"lit.py": lit(extra=FIXED_LENGTH)}),
     "flagged_fixed_length": ("lit.py", {"lit.py": lit(extra=FIXED_LENGTH, after=FIT)}),
     "arguments": ("lit.py", {"lit.py": lit(parameters=", lr")}),
+    "fitted": ("lit.py", {"lit.py": lit(after=FIT)}),
+    "fitted_with_hook": ("lit.py", {"lit.py": lit(after=HOOK + FIT)}),
 }
 
 
@@ -142,6 +149,18 @@ def test_factories_hand_in_the_module_and_its_batches(tmp_path, loss, code, verd
     got, loop = verify(tmp_path, *factories)
     assert got == code, loop
     assert [row["original_verdict"] for row in loop["rows"]] == [verdict] * 2, loop
+
+
+@pytest.mark.parametrize("project", ["fitted", "fitted_with_hook"])
+def test_the_fixed_module_divides_once_per_window_and_matches_the_full_batch(replayed, project):
+    """`fix` makes the returned loss the micro-batch's token sum times K and divides the
+    gradients by the window's count in `on_before_optimizer_step` (its own, or the module's
+    existing hook, at its top): a real Lightning Trainer then steps with the full batch's
+    gradient."""
+    loop = replayed[project]
+    assert [row["original_verdict"] for row in loop["rows"]] == ["bug reproduced"] * 2, loop
+    assert [row["verdict"] for row in loop["rows"]] == ["verified"] * 2, loop
+    assert all(row["patched_error"] < 1e-5 for row in loop["rows"]), loop
 
 
 def test_a_module_that_needs_arguments_asks_for_the_model_factory(replayed):

@@ -24,6 +24,7 @@ from gaaudit.analysis.tree import (
     code,
     dotted,
     keyword,
+    last_name,
     positional,
     target_names,
     walk,
@@ -32,6 +33,8 @@ from gaaudit.checks.accumulation import Auditor, Site
 from gaaudit.discover.source import SourceError, parse
 from gaaudit.findings import Finding
 from gaaudit.fixes.edits import (
+    DIVIDE_NOTE,
+    WEIGHT_NOTE,
     Edits,
     Unfixable,
     atom,
@@ -42,12 +45,10 @@ from gaaudit.fixes.edits import (
     with_argument,
     with_parameter,
 )
+from gaaudit.fixes.lightning import _LightningWindow
 from gaaudit.fixes.read_ahead import _ReadAhead, unmoved
 from gaaudit.vocabulary import CLIPPERS
 
-# One line on each block a fix inserts, saying why it is there.
-WEIGHT_NOTE = "# sum and count: each micro-batch's loss counts its valid targets"
-DIVIDE_NOTE = "# one division per window, by the window's total count"
 COUNT_NOTE = "# the caller weights this mean by its count: sum and count per micro-batch"
 RETURN_COUNT = "return_count"
 MAX_REBINDINGS = 8  # how far back `labels = labels.to(device)` chains are followed
@@ -204,6 +205,7 @@ class _Counting:
             site.kind == "framework-division"
             and (self._accelerator(site) is None or site.window.kind == "framework")
             and self._engine(site) is None
+            and self.lightning_module(site) is None
         ):  # a framework's returned loss, or accelerate handing the loss to DeepSpeed
             raise Unfixable(FRAMEWORK_ONLY[site.backward.call is None])
         if site.window.kind == "calls":
@@ -324,7 +326,7 @@ class _Counting:
         this file that returns it from its one `return` (None when the loop makes it)."""
         source = site.origin.source
         helper = self.tree.scope_of(source)
-        loop = self.tree.scope_of(site.backward.call)
+        loop = self.tree.scope_of(site.backward.call or site.backward.loss)
         if helper is loop:
             return None
         found = self._binding_call(
@@ -1079,7 +1081,9 @@ class _Window:
             start += f"{self.reference} = None\n"
         normalize = self._normalization(site, optimizer, tracked)
         if window.kind == "modulo":
-            self.edits.insert_before(statement_line(self.tree, window.loop), start)
+            self.edits.insert_before(
+                statement_line(self.tree, self._count_home(window, optimizer)), start
+            )
             body = window.step_region if window.skips else window.anchor.body.body
             if reads:
                 self.edits.insert_before(body[0], normalize)
@@ -1123,6 +1127,33 @@ class _Window:
         for weighted in self._weighted[window.anchor]:
             value = f"{weighted.name}.detach()" + ("" if weighted.summed else f" * {self.micro}")
             self.edits.insert_before(weighted.statement, f"{self.window_loss} += {value}\n")
+
+    def _count_home(self, window: Window, optimizer: str) -> cst.CSTNode:
+        """The loop before which a counted window's count starts: its batch loop, or the loops
+        around it (epochs) whose turns leave a short last window's gradients in place (no
+        `zero_grad`, no new optimizer), where that window goes on into the next turn and so
+        must its count."""
+        home = window.loop
+        for outer in self.tree.ancestors(window.loop):
+            if isinstance(outer, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                break
+            if isinstance(outer, (cst.For, cst.While)):
+                if any(
+                    not self.tree.contains(home, node) and self._clears(node, optimizer)
+                    for node in self.tree.walk(outer, into_defs=False)
+                ):
+                    break
+                home = outer
+        return home
+
+    @staticmethod
+    def _clears(node: cst.CSTNode, optimizer: str) -> bool:
+        """Whether `node` clears gradients (`zero_grad()`) or binds the optimizer anew."""
+        if isinstance(node, cst.Call):
+            return last_name(node.func) == "zero_grad"
+        return isinstance(node, cst.AssignTarget) and (
+            code(node.target) == optimizer or optimizer in target_names(node.target)
+        )
 
     def _following(self, statement: cst.CSTNode) -> cst.CSTNode | None:
         """The statement after `statement` in its block, if any."""
@@ -1249,6 +1280,7 @@ class Planner(
     _Owners,
     _LoggedReads,
     _Window,
+    _LightningWindow,
 ):
     """Turns the sites of one file into edits, one accumulation window at a time."""
 
@@ -1274,6 +1306,7 @@ class Planner(
         ] = {}  # window -> (first site, optimizer)
         self._weighted: dict[cst.CSTNode, list[Weighted]] = {}  # window -> losses divided by K
         self._ahead_windows: set[cst.CSTNode] = set()  # windows the loop now reads ahead
+        self._modules: dict[cst.ClassDef, str] = {}  # LightningModules -> their `self`
 
     def _fresh(self, name: str) -> str:
         return fresh(self.tree, name)
@@ -1295,12 +1328,16 @@ class Planner(
                     raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
                 siblings = self._siblings(site, sites)
                 blocker = self._window_blocker(site)
-                if blocker and siblings:
+                if self.lightning_module(site) is not None:
+                    if blocker:  # Lightning draws the batches: nothing can read them ahead
+                        raise Unfixable(blocker)
+                    self._rewrite_returned(site, count[0])
+                elif blocker and siblings:
                     raise Unfixable(
                         f"the loss is backpropagated on {len(siblings) + 1} branches of a window "
                         f"that must be read ahead ({blocker})"
                     )
-                if blocker:
+                elif blocker:
                     self._read_ahead(site, count[0], blocker)
                 else:
                     for each in (site, *siblings):
@@ -1313,6 +1350,7 @@ class Planner(
                     self._weighted,
                     self.companions,
                     self._ahead_windows,
+                    self._modules,
                 ) = saved
                 reason = (
                     str(exc)
@@ -1322,6 +1360,8 @@ class Planner(
                 outcomes.append(Outcome(site, *self._position(site), False, reason))
         for site, optimizer in self._prepared.values():
             self._finish_window(site, optimizer)
+        for module, this in self._modules.items():
+            self._finish_module(module, this)
         return outcomes
 
     def _siblings(self, site: Site, sites: list[Site]) -> list[Site]:
@@ -1369,4 +1409,5 @@ class Planner(
             weighted,
             companions,
             set(self._ahead_windows),
+            dict(self._modules),
         )

@@ -12,6 +12,10 @@ import libcst as cst
 
 from gaaudit.analysis.tree import Tree, code
 
+# One line on each block a fix inserts, saying why it is there.
+WEIGHT_NOTE = "# sum and count: each micro-batch's loss counts its valid targets"
+DIVIDE_NOTE = "# one division per window, by the window's total count"
+
 
 class Unfixable(Exception):
     """A finding the fixer cannot rewrite safely; the message says why."""

@@ -32,14 +32,20 @@ def _framework(cls: type):
 
 def _callback(lightning):
     class GradientsAtStep(lightning.Callback):
-        """Copies every gradient when the optimizer is first about to step."""
+        """Copies every gradient the optimizer's first step used: after the module's own
+        `on_before_optimizer_step` (where a patched module divides by its window's count),
+        which runs after the callbacks' hooks."""
 
         def __init__(self) -> None:
             self.grads: list[torch.Tensor] | None = None
 
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            if self.grads is None:
-                self.grads = snapshot(pl_module.parameters())
+        def on_train_start(self, trainer, pl_module) -> None:
+            def record(optimizer, args, kwargs) -> None:
+                if self.grads is None:
+                    self.grads = snapshot(pl_module.parameters())
+
+            for optimizer in trainer.optimizers:
+                optimizer.register_step_post_hook(record)
 
     return GradientsAtStep()
 

@@ -1,0 +1,131 @@
+"""The Lightning form of the sum-and-count rewrite. A Trainer with `accumulate_grad_batches`
+divides what `training_step` returns by K, so the returned loss becomes the micro-batch's
+token sum times K, the module counts its window in an attribute started in `__init__`, and
+`on_before_optimizer_step` (which Lightning calls once per window, after unscaling and before
+clipping) divides the gradients once by the window's count, summed over the processes."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from gaaudit.analysis.tree import last_name, string_value
+from gaaudit.checks.accumulation import Site
+from gaaudit.fixes.edits import (
+    DIVIDE_NOTE,
+    WEIGHT_NOTE,
+    Unfixable,
+    atom,
+    statement_line,
+    torch_module,
+)
+
+HOOK = "on_before_optimizer_step"
+
+
+class _LightningWindow:
+    """Part of `Planner`: findings on a loss returned to a Lightning Trainer that divides it."""
+
+    def lightning_module(self, site: Site) -> cst.ClassDef | None:
+        """The LightningModule whose `training_step` returns the site's loss, if it is one."""
+        step = site.window.anchor
+        if site.kind != "framework-division" or not (
+            isinstance(step, cst.FunctionDef) and step.name.value == "training_step"
+        ):
+            return None
+        return next((a for a in self.tree.ancestors(step) if isinstance(a, cst.ClassDef)), None)
+
+    def _rewrite_returned(self, site: Site, count: str) -> None:
+        """`return loss` becomes `return loss * micro_tokens * <K>`, the count added to the
+        module's window count just before; `__init__` and the hook are written once per class
+        by `_finish_module`."""
+        module = self.lightning_module(site)
+        step = site.window.anchor
+        this = step.params.params[0].name.value if step.params.params else "self"
+        if self._distributed_engine():
+            raise Unfixable(
+                "the Trainer runs a DeepSpeed strategy, which keeps the gradients outside "
+                "`param.grad` in `on_before_optimizer_step`; return `loss_sum * k * P / N` with N "
+                "the window's valid tokens over the P processes, counted before the window runs "
+                "(see `gaaudit explain GA003`)"
+            )
+        self._init_statement(module)  # refuses a module without one
+        returned = site.backward.loss
+        factor = f"{self.micro} * {this}.trainer.accumulate_grad_batches"
+        self.edits.replace[returned] = cst.parse_expression(
+            f"{atom(self._applied(returned))} * {factor}"
+        )
+        counted = "" if count == self.micro else f"{self.micro} = {count}\n"
+        self.edits.insert_before(
+            statement_line(self.tree, returned),
+            f"{WEIGHT_NOTE}\n{counted}{this}.{self.window_total} += {self.micro}\n",
+        )
+        self._modules.setdefault(module, this)
+
+    def _finish_module(self, module: cst.ClassDef, this: str) -> None:
+        """Start the count in `__init__`, and divide once in `on_before_optimizer_step`."""
+        total = self.window_total
+        self.edits.insert_after(self._init_statement(module), f"{this}.{total} = 0\n")
+        hook = next(
+            (
+                node
+                for node in module.body.body
+                if isinstance(node, cst.FunctionDef) and node.name.value == HOOK
+            ),
+            None,
+        )
+        params = hook.params.params if hook is not None else ()
+        optimizer = params[1].name.value if len(params) > 1 else "optimizer"
+        torch = torch_module(self.tree, self.edits)
+        body = (
+            f"{DIVIDE_NOTE}\n"
+            f"{total} = {this}.trainer.strategy.reduce(\n"
+            f"    {torch}.as_tensor({this}.{total}, dtype={torch}.float32, device={this}.device),\n"
+            '    reduce_op="sum",\n'
+            ")\n"
+            f"{total} = max(float({total}), 1.0) / {this}.trainer.world_size\n"
+            f"for group in {optimizer}.param_groups:\n"
+            '    for param in group["params"]:\n'
+            "        if param.grad is not None:\n"
+            f"            param.grad.div_({total})\n"
+            f"{this}.{total} = 0\n"
+        )
+        if hook is not None:
+            self.edits.insert_before(hook.body.body[0], body)
+            return
+        indented = "".join(f"    {line}\n" if line else "\n" for line in body.splitlines())
+        step = next(
+            n
+            for n in module.body.body
+            if isinstance(n, cst.FunctionDef) and n.name.value == "training_step"
+        )
+        self.edits.insert_after(step, f"def {HOOK}({this}, {optimizer}, *args):\n{indented}")
+        method = self.edits.after[step][-1]  # a blank line between methods, as around it
+        self.edits.after[step][-1] = method.with_changes(
+            leading_lines=[cst.EmptyLine(indent=False)]
+        )
+
+    def _init_statement(self, module: cst.ClassDef) -> cst.CSTNode:
+        """The `super().__init__(...)` statement of the module's `__init__`."""
+        init = next(
+            (
+                node
+                for node in module.body.body
+                if isinstance(node, cst.FunctionDef) and node.name.value == "__init__"
+            ),
+            None,
+        )
+        for node in self.tree.walk(init, into_defs=False) if init is not None else ():
+            if isinstance(node, cst.Call) and last_name(node.func) == "__init__":
+                return statement_line(self.tree, node)
+        raise Unfixable(
+            f"`{module.name.value}` has no `__init__` calling `super().__init__()`, where the "
+            "window's count would start"
+        )
+
+    def _distributed_engine(self) -> bool:
+        """Whether the file hands Lightning a DeepSpeed strategy."""
+        return any(
+            (isinstance(node, cst.SimpleString) and "deepspeed" in (string_value(node) or ""))
+            or (isinstance(node, cst.Name) and node.value == "DeepSpeedStrategy")
+            for node in self.tree.walk(self.tree.module)
+        )
