@@ -10,6 +10,7 @@ patched loop matches it and logs what the original logged; the correct twin matc
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -334,3 +335,52 @@ def test_patched_window_spanning_epochs_counts_its_tail(reset):
     reference = full_batch(batches[:4] if reset else batches[4:] + batches[:4], -100)
     assert error(epochs_second_step(source), reference) > 0.1
     assert error(epochs_second_step(patched), reference) < 1e-6
+
+
+# --- a GradScaler loop on two processes: one reference count for all ranks -------------------
+
+TWO_RANKS_LIMIT = 120  # seconds; a hung rendezvous fails this test, not the suite
+
+
+def _scaled_rank(rank: int, source: str, rendezvous: str, out: str) -> None:
+    """One of two gloo ranks running `source`'s loop over its own micro-batches (the even
+    or the odd ones), DDP averaging their gradients; rank 0 saves what its step saw."""
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    model = torch.nn.parallel.DistributedDataParallel(CausalLM())
+    optimizer = Recording(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    batches = token_batches(2 * K, -100)[rank::2]
+    loaded(source=source)["train"](model, batches, optimizer, K, [], scaler)
+    if rank == 0:
+        torch.save(optimizer.seen, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def two_rank_gradients(source: str, tmp_path: Path) -> list[torch.Tensor]:
+    out = tmp_path / f"grads{len(list(tmp_path.iterdir()))}.pt"
+    rendezvous = tmp_path / f"{out.stem}.rendezvous"
+    ranks = torch.multiprocessing.spawn(
+        _scaled_rank, args=(source, str(rendezvous), str(out)), nprocs=2, join=False
+    )
+    deadline = time.monotonic() + TWO_RANKS_LIMIT
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the two gloo ranks did not finish within {TWO_RANKS_LIMIT} s")
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("form", ["divide", "scaler"])
+def test_a_loop_on_two_ranks_matches_the_full_batch_of_both(form, tmp_path):
+    """The count is summed over the ranks and their number folded in (DDP averages). Under
+    a GradScaler each micro-batch is also weighted by its count over the window's first
+    count, to keep fp16 magnitudes: that reference must be the same on every rank (here
+    their first micro-batches count differently), or the ranks' sums are mixed at different
+    scales and no one division undoes it."""
+    source = generated(form, "modulo", "cross-entropy", log=False, distributed=True)
+    patched = fix_source(source.encode(), Path("train.py"), Settings(), False).after.decode()
+    reference = generated_reference("cross-entropy", 2 * K, "cpu")
+    assert error(two_rank_gradients(source, tmp_path), reference) > 0.1
+    assert error(two_rank_gradients(patched, tmp_path), reference) < 1e-6

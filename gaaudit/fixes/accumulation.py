@@ -642,12 +642,7 @@ class _LossRewrite:
         place = self._counted_at(site, count, anchor)
         placed = self.edits.before if place is anchor else self.edits.after
         if place not in placed:
-            reference = (
-                f"if {self.reference} is None:\n"
-                f"    {self.reference} = max(float({self.micro}), 1.0)\n"
-                if scaled
-                else ""
-            )
+            reference = self._reference(site) if scaled else ""
             counted = "" if count == self.micro else f"{self.micro} = {count}\n"
             lines = f"{WEIGHT_NOTE}\n{counted}{self.window_total} += {self.micro}\n" + reference
             if place is anchor:
@@ -691,6 +686,17 @@ class _LossRewrite:
             f"{self.tree.line(made)}) and its backward; count the targets where the loss is "
             "computed"
         )
+
+    def _reference(self, site: Site) -> str:
+        """Lines setting the window's reference count, its first micro-batch's, once per
+        window: averaged over the processes that average the gradients, since a reference
+        that differed between them would weight their sums at different scales."""
+        ref = self.reference
+        device = self._device(self._optimizer(site.window))
+        gather, world = self._gathering(site, device, [ref])
+        shared = f"{gather}{ref} = float({ref}) / {world}\n" if world else ""
+        indented = "".join(f"    {line}\n" for line in shared.splitlines())
+        return f"if {ref} is None:\n    {ref} = max(float({self.micro}), 1.0)\n{indented}"
 
     @staticmethod
     def _scaled(site: Site) -> bool:
