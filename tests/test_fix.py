@@ -218,8 +218,15 @@ LIGHTNING = textwrap.dedent(
             ),
             "the Trainer runs a DeepSpeed strategy, which keeps the gradients outside `param.grad`",
         ),
+        (
+            (
+                "def training_step(self, batch, batch_idx):",
+                "def training_step(self, batch, batch_idx, optimizer_idx):",
+            ),
+            "`training_step` runs once per optimizer (`optimizer_idx`)",
+        ),
     ],
-    ids=["no-init", "deepspeed"],
+    ids=["no-init", "deepspeed", "per-optimizer"],
 )
 def test_a_lightning_module_is_fixed_unless_the_count_or_the_division_has_no_place(change, reason):
     """The module as written is fixed (the returned loss weighted, a hook dividing); without
@@ -230,6 +237,14 @@ def test_a_lightning_module_is_fixed_unless_the_count_or_the_division_has_no_pla
     source = LIGHTNING.replace(*change)
     (outcome,) = fix_source(source.encode(), Path("lit.py"), ALL).outcomes
     assert not outcome.applied and outcome.reason.startswith(reason), outcome.reason
+
+
+def test_a_lightning_module_with_a_mixin_keeps_the_mixins_hook():
+    """The hook the fix adds calls the one it overrides where the module has other bases."""
+    source = LIGHTNING.replace("(L.LightningModule)", "(LoggingMixin, L.LightningModule)")
+    after = fix_source(source.encode(), Path("lit.py"), ALL).after.decode()
+    assert "        super().on_before_optimizer_step(optimizer, *args)\n" in after
+    assert "super().on_before_optimizer_step" not in fixed(LIGHTNING.encode()).decode()
 
 
 def test_a_window_with_a_backward_the_fix_would_not_weight_is_refused():

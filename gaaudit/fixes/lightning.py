@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from gaaudit.analysis.tree import last_name, string_value
+from gaaudit.analysis.tree import code, last_name, string_value
 from gaaudit.checks.accumulation import Site
 from gaaudit.fixes.edits import (
     DIVIDE_NOTE,
@@ -47,6 +47,11 @@ class _LightningWindow:
                 "`param.grad` in `on_before_optimizer_step`; return `loss_sum * k * P / N` with N "
                 "the window's valid tokens over the P processes, counted before the window runs "
                 "(see `gaaudit explain GA003`)"
+            )
+        if len(step.params.params) > 3 or "optimizer_idx" in code(step.params):
+            raise Unfixable(
+                "`training_step` runs once per optimizer (`optimizer_idx`), so one count per "
+                "window cannot follow each optimizer's steps; count each optimizer's window apart"
             )
         self._init_statement(module)  # refuses a module without one
         returned = site.backward.loss
@@ -98,6 +103,8 @@ class _LightningWindow:
             for n in module.body.body
             if isinstance(n, cst.FunctionDef) and n.name.value == "training_step"
         )
+        if len(module.bases) > 1:  # a mixin's hook keeps running after the division
+            indented += f"    super().{HOOK}({optimizer}, *args)\n"
         self.edits.insert_after(step, f"def {HOOK}({this}, {optimizer}, *args):\n{indented}")
         method = self.edits.after[step][-1]  # a blank line between methods, as around it
         self.edits.after[step][-1] = method.with_changes(
