@@ -83,3 +83,72 @@ def test_the_fix_under_a_grad_scaler_keeps_the_scale_and_matches_the_full_batch(
     torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
     for name, param in net.named_parameters():
         assert torch.allclose(grads[name], param.grad, rtol=1e-2, atol=1e-4), name
+
+
+ACCELERATE = textwrap.dedent(
+    """\
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+
+
+    def train(model, batches, optimizer, accum_steps, precision):
+        accelerator = Accelerator(
+            gradient_accumulation_steps=accum_steps, mixed_precision=precision, cpu=True
+        )
+        model, optimizer = accelerator.prepare(model, optimizer)
+        for x, y in batches:
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    """
+)
+
+
+def accelerated(source: str, monkeypatch) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The losses handed to `accelerator.backward`, and the gradients of the first step."""
+    from accelerate import Accelerator
+
+    handed: list[float] = []
+    backward = getattr(Accelerator.backward, "__wrapped__", Accelerator.backward)
+
+    def recording(self, loss, **kwargs):
+        handed.append(float(loss.detach()))
+        return backward(self, loss, **kwargs)
+
+    recording.__wrapped__ = backward  # the next run records only its own losses
+    monkeypatch.setattr(Accelerator, "backward", recording)
+    namespace: dict = {}
+    exec(compile(source, "train.py", "exec"), namespace)  # noqa: S102
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    grads: list[dict[str, torch.Tensor]] = []
+    optimizer.register_step_pre_hook(
+        lambda *_: grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+    )
+    namespace["train"](net, batches(), optimizer, K, "no")
+    return handed, grads[0]
+
+
+def test_an_accelerator_that_may_train_in_fp16_keeps_the_magnitude(monkeypatch):
+    """accelerate's fp16 backward runs a GradScaler: an Accelerator whose precision is chosen
+    at run time (or is "fp16") gets each micro-batch weighted by its count over the window's
+    first count, so what reaches `accelerator.backward` stays near the original's loss (times
+    the K accelerate divides out), not its count times that; and the step still matches the
+    full batch (run here in fp32 on CPU, where accelerate has no GradScaler)."""
+    patched = fix_source(ACCELERATE.encode(), Path("train.py"), Settings(), False).after.decode()
+    assert "(micro_tokens / window_reference)" in patched
+    by_count = patched.replace("(micro_tokens / window_reference)", "micro_tokens").replace(
+        "window_tokens / window_reference /", "window_tokens /"
+    )
+    original, _ = accelerated(ACCELERATE, monkeypatch)
+    weighted, grads = accelerated(patched, monkeypatch)
+    counted, counted_grads = accelerated(by_count, monkeypatch)
+    assert max(weighted) < 2 * K * max(original) < max(counted) / 5
+    net, data = model(), batches()
+    x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
+    torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+    for name, param in net.named_parameters():
+        assert torch.allclose(grads[name], param.grad, rtol=1e-4, atol=1e-6), name
+        assert torch.allclose(counted_grads[name], param.grad, rtol=1e-4, atol=1e-6), name

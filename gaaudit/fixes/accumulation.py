@@ -26,6 +26,7 @@ from gaaudit.analysis.tree import (
     keyword,
     last_name,
     positional,
+    string_value,
     target_names,
     walk,
 )
@@ -175,6 +176,15 @@ def _defined(tree: Tree, name: str) -> cst.FunctionDef | None:
                 None,
             )
     return None
+
+
+def _may_be_fp16(accelerator: cst.Call) -> bool:
+    """Whether `Accelerator(...)` may train in fp16: `mixed_precision="fp16"`, or a value
+    (or `**options`) known only at run time."""
+    value = keyword(accelerator, "mixed_precision")
+    if value is None:
+        return any(arg.star == "**" for arg in accelerator.args)
+    return not isinstance(value, cst.SimpleString) or string_value(value) == "fp16"
 
 
 def _assigns_to_itself(statement: cst.CSTNode, division: cst.CSTNode) -> bool:
@@ -698,20 +708,27 @@ class _LossRewrite:
         indented = "".join(f"    {line}\n" for line in shared.splitlines())
         return f"if {ref} is None:\n    {ref} = max(float({self.micro}), 1.0)\n{indented}"
 
-    @staticmethod
-    def _scaled(site: Site) -> bool:
-        """Whether the backward goes through a GradScaler (`scaler.scale(loss).backward()`):
-        its fp16 gradients must stay near the original's magnitude, so each micro-batch is
-        weighted by its count over the window's first count (a constant of the window), not
-        by its count, which would be thousands of times the original."""
+    def _scaled(self, site: Site) -> bool:
+        """Whether the backward goes through a GradScaler: `scaler.scale(loss).backward()`, or
+        `accelerator.backward(loss)` of an Accelerator built with fp16 mixed precision (or with
+        a precision chosen at run time). Its fp16 gradients must stay near the original's
+        magnitude, so each micro-batch is weighted by its count over the window's first count
+        (a constant of the window), not by its count, which would be thousands of times the
+        original."""
         call = site.backward.call
         receiver = (
             call.func.value if call is not None and isinstance(call.func, cst.Attribute) else None
         )
-        return (
+        if (
             isinstance(receiver, cst.Call)
             and isinstance(receiver.func, cst.Attribute)
             and receiver.func.attr.value == "scale"
+        ):
+            return True
+        return self._accelerator(site) is not None and any(
+            _may_be_fp16(node)
+            for node in self.tree.walk(self.tree.module)
+            if isinstance(node, cst.Call) and (dotted(node.func) or "").endswith("Accelerator")
         )
 
     def _kept_for_reads(self, site: Site) -> bool:
