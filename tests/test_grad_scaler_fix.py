@@ -3,14 +3,17 @@
 Weighting each micro-batch's mean by its token count makes the backward's loss thousands of
 times larger; fp16 activation gradients then overflow, and the GradScaler skips the step and
 halves its scale. The fix weights by the count over the window's first count instead, and
-divides by the same ratio at the step. Real torch on CPU: fp16 autocast, `torch.amp.GradScaler`.
+divides by the same ratio at the step. Real torch on CPU: fp16 autocast, `torch.amp.GradScaler`;
+and a real Accelerator and Fabric, whose fp16 backward scales the same way.
 """
 
 from __future__ import annotations
 
+import importlib
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from gaaudit.config import Settings
@@ -85,40 +88,63 @@ def test_the_fix_under_a_grad_scaler_keeps_the_scale_and_matches_the_full_batch(
         assert torch.allclose(grads[name], param.grad, rtol=1e-2, atol=1e-4), name
 
 
-ACCELERATE = textwrap.dedent(
-    """\
-    import torch.nn.functional as F
-    from accelerate import Accelerator
+LOOPS = {  # a framework whose fp16 backward runs a GradScaler, its precision set at run time
+    "accelerate": textwrap.dedent(
+        """\
+        import torch.nn.functional as F
+        from accelerate import Accelerator
 
 
-    def train(model, batches, optimizer, accum_steps, precision):
-        accelerator = Accelerator(
-            gradient_accumulation_steps=accum_steps, mixed_precision=precision, cpu=True
-        )
-        model, optimizer = accelerator.prepare(model, optimizer)
-        for x, y in batches:
-            with accelerator.accumulate(model):
+        def train(model, batches, optimizer, accum_steps, precision):
+            accelerator = Accelerator(
+                gradient_accumulation_steps=accum_steps, mixed_precision=precision, cpu=True
+            )
+            model, optimizer = accelerator.prepare(model, optimizer)
+            for x, y in batches:
+                with accelerator.accumulate(model):
+                    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+        """
+    ),
+    "fabric": textwrap.dedent(
+        """\
+        import torch.nn.functional as F
+        from lightning.fabric import Fabric
+
+
+        def train(model, batches, optimizer, accum_steps, precision):
+            fabric = Fabric(accelerator="cpu", devices=1, precision=precision)
+            model, optimizer = fabric.setup(model, optimizer)
+            for step, (x, y) in enumerate(batches):
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-    """
-)
+                fabric.backward(loss / accum_steps)
+                if (step + 1) % accum_steps == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        """
+    ),
+}
+PRECISION = {
+    "accelerate": ("accelerate", "Accelerator", "no"),
+    "fabric": ("lightning.fabric", "Fabric", "32-true"),
+}
 
 
-def accelerated(source: str, monkeypatch) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The losses handed to `accelerator.backward`, and the gradients of the first step."""
-    from accelerate import Accelerator
-
+def backed(framework: str, source: str, monkeypatch) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The losses handed to the framework's `backward`, and the gradients of the first step."""
+    module, name, precision = PRECISION[framework]
+    cls = getattr(importlib.import_module(module), name)
     handed: list[float] = []
-    backward = getattr(Accelerator.backward, "__wrapped__", Accelerator.backward)
+    backward = getattr(cls.backward, "__wrapped__", cls.backward)
 
-    def recording(self, loss, **kwargs):
+    def recording(self, loss, *args, **kwargs):
         handed.append(float(loss.detach()))
-        return backward(self, loss, **kwargs)
+        return backward(self, loss, *args, **kwargs)
 
     recording.__wrapped__ = backward  # the next run records only its own losses
-    monkeypatch.setattr(Accelerator, "backward", recording)
+    monkeypatch.setattr(cls, "backward", recording)
     namespace: dict = {}
     exec(compile(source, "train.py", "exec"), namespace)  # noqa: S102
     net = model()
@@ -127,25 +153,28 @@ def accelerated(source: str, monkeypatch) -> tuple[list[float], dict[str, torch.
     optimizer.register_step_pre_hook(
         lambda *_: grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
     )
-    namespace["train"](net, batches(), optimizer, K, "no")
+    namespace["train"](net, batches(), optimizer, K, precision)
     return handed, grads[0]
 
 
-def test_an_accelerator_that_may_train_in_fp16_keeps_the_magnitude(monkeypatch):
-    """accelerate's fp16 backward runs a GradScaler: an Accelerator whose precision is chosen
-    at run time (or is "fp16") gets each micro-batch weighted by its count over the window's
-    first count, so what reaches `accelerator.backward` stays near the original's loss (times
-    the K accelerate divides out), not its count times that; and the step still matches the
-    full batch (run here in fp32 on CPU, where accelerate has no GradScaler)."""
-    patched = fix_source(ACCELERATE.encode(), Path("train.py"), Settings(), False).after.decode()
+@pytest.mark.parametrize("framework", LOOPS)
+def test_a_framework_that_may_train_in_fp16_keeps_the_magnitude(framework, monkeypatch):
+    """accelerate's and Fabric's fp16 backward run a GradScaler: where the precision is
+    chosen at run time (or is fp16), each micro-batch is weighted by its count over the
+    window's first count, so what reaches `backward` stays near the original's loss, not
+    its count times that; and the step still matches the full batch (run here in fp32 on
+    CPU, where neither has a GradScaler)."""
+    source = LOOPS[framework]
+    patched = fix_source(source.encode(), Path("train.py"), Settings(), False).after.decode()
     assert "(micro_tokens / window_reference)" in patched
     by_count = patched.replace("(micro_tokens / window_reference)", "micro_tokens").replace(
         "window_tokens / window_reference /", "window_tokens /"
     )
-    original, _ = accelerated(ACCELERATE, monkeypatch)
-    weighted, grads = accelerated(patched, monkeypatch)
-    counted, counted_grads = accelerated(by_count, monkeypatch)
-    assert max(weighted) < 2 * K * max(original) < max(counted) / 5
+    original, _ = backed(framework, source, monkeypatch)
+    weighted, grads = backed(framework, patched, monkeypatch)
+    counted, counted_grads = backed(framework, by_count, monkeypatch)
+    bound = 4 * K * max(original)
+    assert max(weighted) < bound < max(counted) / 5
     net, data = model(), batches()
     x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
     torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()

@@ -178,13 +178,22 @@ def _defined(tree: Tree, name: str) -> cst.FunctionDef | None:
     return None
 
 
-def _may_be_fp16(accelerator: cst.Call) -> bool:
-    """Whether `Accelerator(...)` may train in fp16: `mixed_precision="fp16"`, or a value
-    (or `**options`) known only at run time."""
-    value = keyword(accelerator, "mixed_precision")
+# Whose backward runs a GradScaler in fp16: the class, its precision keyword, fp16 values.
+PRECISION = {
+    "Accelerator": ("mixed_precision", ("fp16",)),
+    "Fabric": ("precision", ("16", "16-mixed", "16-true")),
+}
+
+
+def _may_be_fp16(built: cst.Call, setting: str, fp16: tuple[str, ...]) -> bool:
+    """Whether an `Accelerator(...)` or `Fabric(...)` may train in fp16: its precision
+    `setting` is one of the `fp16` values, or is known only at run time (`**options`)."""
+    value = keyword(built, setting)
     if value is None:
-        return any(arg.star == "**" for arg in accelerator.args)
-    return not isinstance(value, cst.SimpleString) or string_value(value) == "fp16"
+        return any(arg.star == "**" for arg in built.args)
+    if isinstance(value, cst.Integer):
+        return value.value in fp16
+    return not isinstance(value, cst.SimpleString) or string_value(value) in fp16
 
 
 def _assigns_to_itself(statement: cst.CSTNode, division: cst.CSTNode) -> bool:
@@ -710,8 +719,8 @@ class _LossRewrite:
 
     def _scaled(self, site: Site) -> bool:
         """Whether the backward goes through a GradScaler: `scaler.scale(loss).backward()`, or
-        `accelerator.backward(loss)` of an Accelerator built with fp16 mixed precision (or with
-        a precision chosen at run time). Its fp16 gradients must stay near the original's
+        `accelerator.backward(loss)` / `fabric.backward(loss)` of an Accelerator or Fabric
+        built with fp16 precision (or with a precision chosen at run time). Its fp16 gradients must stay near the original's
         magnitude, so each micro-batch is weighted by its count over the window's first count
         (a constant of the window), not by its count, which would be thousands of times the
         original."""
@@ -725,10 +734,11 @@ class _LossRewrite:
             and receiver.func.attr.value == "scale"
         ):
             return True
-        return self._accelerator(site) is not None and any(
-            _may_be_fp16(node)
+        owner = next((kind for kind in PRECISION if self._backward_owner(site, kind.lower())), None)
+        return owner is not None and any(
+            _may_be_fp16(node, *PRECISION[owner])
             for node in self.tree.walk(self.tree.module)
-            if isinstance(node, cst.Call) and (dotted(node.func) or "").endswith("Accelerator")
+            if isinstance(node, cst.Call) and (dotted(node.func) or "").endswith(owner)
         )
 
     def _kept_for_reads(self, site: Site) -> bool:
