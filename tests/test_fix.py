@@ -239,6 +239,19 @@ def test_a_lightning_module_is_fixed_unless_the_count_or_the_division_has_no_pla
     assert not outcome.applied and outcome.reason.startswith(reason), outcome.reason
 
 
+@pytest.mark.parametrize(
+    ("precision", "scaled"),
+    [('"16-mixed"', True), ("args.precision", True), ('"bf16-mixed"', False)],
+)
+def test_a_lightning_module_that_may_train_in_fp16_weights_by_a_reference(precision, scaled):
+    """Under fp16 the Trainer's GradScaler needs the original's magnitude: each micro-batch's
+    sum is taken over the window's first count (averaged over the processes)."""
+    source = LIGHTNING.replace("=8)", f"=8, precision={precision})")
+    after = fix_source(source.encode(), Path("lit.py"), ALL).after.decode()
+    assert ("(micro_tokens / self.window_reference)" in after) is scaled
+    assert ("param.grad.div_(window_tokens / self.window_reference)" in after) is scaled
+
+
 def test_a_lightning_module_with_a_mixin_keeps_the_mixins_hook():
     """The hook the fix adds calls the one it overrides where the module has other bases."""
     source = LIGHTNING.replace("(L.LightningModule)", "(LoggingMixin, L.LightningModule)")

@@ -74,6 +74,9 @@ def module():
 
 FIXED_LENGTH = "\nblock_size = 24  # the data are packed blocks of this many tokens\n"
 FIT = "\n\ndef main():\n    trainer = L.Trainer(accumulate_grad_batches=4)\n    trainer.fit(LitLM())\n"
+FIT_PRECISION = FIT.replace("main():", "main(precision):").replace(
+    "=4)", "=4, precision=precision)"
+)
 
 HOOK = """
     def on_before_optimizer_step(self, optimizer):
@@ -94,6 +97,7 @@ PROJECTS = {
     "arguments": ("lit.py", {"lit.py": lit(parameters=", lr")}),
     "fitted": ("lit.py", {"lit.py": lit(after=FIT)}),
     "fitted_with_hook": ("lit.py", {"lit.py": lit(after=HOOK + FIT)}),
+    "fitted_precision_at_run_time": ("lit.py", {"lit.py": lit(after=FIT_PRECISION)}),
 }
 
 
@@ -151,12 +155,13 @@ def test_factories_hand_in_the_module_and_its_batches(tmp_path, loss, code, verd
     assert [row["original_verdict"] for row in loop["rows"]] == [verdict] * 2, loop
 
 
-@pytest.mark.parametrize("project", ["fitted", "fitted_with_hook"])
+@pytest.mark.parametrize("project", ["fitted", "fitted_with_hook", "fitted_precision_at_run_time"])
 def test_the_fixed_module_divides_once_per_window_and_matches_the_full_batch(replayed, project):
     """`fix` makes the returned loss the micro-batch's token sum times K and divides the
     gradients by the window's count in `on_before_optimizer_step` (its own, or the module's
-    existing hook, at its top): a real Lightning Trainer then steps with the full batch's
-    gradient."""
+    existing hook, at its top; where the Trainer may run in fp16, the sum is taken over the
+    window's first count, and the division corrects the ratio): a real Lightning Trainer
+    then steps with the full batch's gradient."""
     loop = replayed[project]
     assert [row["original_verdict"] for row in loop["rows"]] == ["bug reproduced"] * 2, loop
     assert [row["verdict"] for row in loop["rows"]] == ["verified"] * 2, loop

@@ -26,7 +26,6 @@ from gaaudit.analysis.tree import (
     keyword,
     last_name,
     positional,
-    string_value,
     target_names,
     walk,
 )
@@ -35,12 +34,14 @@ from gaaudit.discover.source import SourceError, parse
 from gaaudit.findings import Finding
 from gaaudit.fixes.edits import (
     DIVIDE_NOTE,
+    PRECISION,
     WEIGHT_NOTE,
     Edits,
     Unfixable,
     atom,
     bound_torch,
     copy_edits,
+    may_be_fp16,
     statement_line,
     torch_module,
     with_argument,
@@ -176,24 +177,6 @@ def _defined(tree: Tree, name: str) -> cst.FunctionDef | None:
                 None,
             )
     return None
-
-
-# Whose backward runs a GradScaler in fp16: the class, its precision keyword, fp16 values.
-PRECISION = {
-    "Accelerator": ("mixed_precision", ("fp16",)),
-    "Fabric": ("precision", ("16", "16-mixed", "16-true")),
-}
-
-
-def _may_be_fp16(built: cst.Call, setting: str, fp16: tuple[str, ...]) -> bool:
-    """Whether an `Accelerator(...)` or `Fabric(...)` may train in fp16: its precision
-    `setting` is one of the `fp16` values, or is known only at run time (`**options`)."""
-    value = keyword(built, setting)
-    if value is None:
-        return any(arg.star == "**" for arg in built.args)
-    if isinstance(value, cst.Integer):
-        return value.value in fp16
-    return not isinstance(value, cst.SimpleString) or string_value(value) in fp16
 
 
 def _assigns_to_itself(statement: cst.CSTNode, division: cst.CSTNode) -> bool:
@@ -736,7 +719,7 @@ class _LossRewrite:
             return True
         owner = next((kind for kind in PRECISION if self._backward_owner(site, kind.lower())), None)
         return owner is not None and any(
-            _may_be_fp16(node, *PRECISION[owner])
+            may_be_fp16(node, *PRECISION[owner])
             for node in self.tree.walk(self.tree.module)
             if isinstance(node, cst.Call) and (dotted(node.func) or "").endswith(owner)
         )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from gaaudit.analysis.tree import Tree, code
+from gaaudit.analysis.tree import Tree, code, keyword, string_value
 
 # One line on each block a fix inserts, saying why it is there.
 WEIGHT_NOTE = "# sum and count: each micro-batch's loss counts its valid targets"
@@ -197,3 +197,23 @@ def _imported_root(statement: cst.BaseSmallStatement) -> str | None:
     if isinstance(statement, cst.ImportFrom) and not statement.relative and statement.module:
         return code(statement.module).split(".")[0]
     return None
+
+
+# Whose backward runs a GradScaler in fp16: the class, its precision keyword, its fp16
+# values (a Lightning Trainer's are Fabric's).
+PRECISION = {
+    "Accelerator": ("mixed_precision", ("fp16",)),
+    "Fabric": ("precision", ("16", "16-mixed", "16-true")),
+}
+
+
+def may_be_fp16(built: cst.Call, setting: str, fp16: tuple[str, ...]) -> bool:
+    """Whether an `Accelerator(...)`, `Fabric(...)` or Lightning `Trainer(...)` may train in
+    fp16: its precision
+    `setting` is one of the `fp16` values, or is known only at run time (`**options`)."""
+    value = keyword(built, setting)
+    if value is None:
+        return any(arg.star == "**" for arg in built.args)
+    if isinstance(value, cst.Integer):
+        return value.value in fp16
+    return not isinstance(value, cst.SimpleString) or string_value(value) in fp16

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import libcst as cst
 
-from gaaudit.analysis.tree import code, last_name, string_value
+from gaaudit.analysis.tree import code, dotted, keyword, last_name, string_value
 from gaaudit.checks.accumulation import Site
 from gaaudit.fixes.edits import (
     DIVIDE_NOTE,
+    PRECISION,
     WEIGHT_NOTE,
     Unfixable,
     atom,
+    may_be_fp16,
     statement_line,
     torch_module,
 )
@@ -54,22 +56,30 @@ class _LightningWindow:
                 "window cannot follow each optimizer's steps; count each optimizer's window apart"
             )
         self._init_statement(module)  # refuses a module without one
-        returned = site.backward.loss
-        factor = f"{self.micro} * {this}.trainer.accumulate_grad_batches"
+        returned, micro, ref = site.backward.loss, self.micro, f"{this}.{self.reference}"
+        weight = f"({micro} / {ref})" if self._fp16_trainer() else micro
         self.edits.replace[returned] = cst.parse_expression(
-            f"{atom(self._applied(returned))} * {factor}"
+            f"{atom(self._applied(returned))} * {weight} * {this}.trainer.accumulate_grad_batches"
         )
-        counted = "" if count == self.micro else f"{self.micro} = {count}\n"
-        self.edits.insert_before(
-            statement_line(self.tree, returned),
-            f"{WEIGHT_NOTE}\n{counted}{this}.{self.window_total} += {self.micro}\n",
-        )
+        counted = "" if count == micro else f"{micro} = {count}\n"
+        lines = f"{WEIGHT_NOTE}\n{counted}{this}.{self.window_total} += {micro}\n"
+        if self._fp16_trainer():  # one reference for every process: see `_reference`
+            torch = torch_module(self.tree, self.edits)
+            lines += (
+                f"if {ref} is None:\n"
+                f"    {ref} = {this}.trainer.strategy.reduce(\n"
+                f"        {torch}.as_tensor(max(float({micro}), 1.0), device={this}.device),\n"
+                '        reduce_op="mean",\n'
+                "    ).item()\n"
+            )
+        self.edits.insert_before(statement_line(self.tree, returned), lines)
         self._modules.setdefault(module, this)
 
     def _finish_module(self, module: cst.ClassDef, this: str) -> None:
         """Start the count in `__init__`, and divide once in `on_before_optimizer_step`."""
-        total = self.window_total
-        self.edits.insert_after(self._init_statement(module), f"{this}.{total} = 0\n")
+        total, ref, scaled = self.window_total, f"{this}.{self.reference}", self._fp16_trainer()
+        start = f"{this}.{total} = 0\n" + (f"{ref} = None\n" if scaled else "")
+        self.edits.insert_after(self._init_statement(module), start)
         hook = next(
             (
                 node
@@ -91,8 +101,8 @@ class _LightningWindow:
             f"for group in {optimizer}.param_groups:\n"
             '    for param in group["params"]:\n'
             "        if param.grad is not None:\n"
-            f"            param.grad.div_({total})\n"
-            f"{this}.{total} = 0\n"
+            f"            param.grad.div_({f'{total} / {ref}' if scaled else total})\n"
+            + start
         )
         if hook is not None:
             self.edits.insert_before(hook.body.body[0], body)
@@ -127,6 +137,19 @@ class _LightningWindow:
         raise Unfixable(
             f"`{module.name.value}` has no `__init__` calling `super().__init__()`, where the "
             "window's count would start"
+        )
+
+    def _fp16_trainer(self) -> bool:
+        """Whether a Lightning Trainer of the file may train in fp16 (then its GradScaler
+        needs the original's magnitude: each micro-batch is weighted by its count over the
+        window's first count, averaged over the processes)."""
+        fp16 = PRECISION["Fabric"][1]
+        return any(
+            may_be_fp16(node, "precision", fp16)
+            for node in self.tree.walk(self.tree.module)
+            if isinstance(node, cst.Call)
+            and (dotted(node.func) or "").split(".")[-1] == "Trainer"
+            and keyword(node, "precision") is not None
         )
 
     def _distributed_engine(self) -> bool:
