@@ -232,7 +232,10 @@ def test_a_lightning_module_is_fixed_unless_the_count_or_the_division_has_no_pla
     """The module as written is fixed (the returned loss weighted, a hook dividing); without
     a `super().__init__()` to start the count after, or with DeepSpeed keeping the gradients
     out of `param.grad`, it is refused, saying why."""
-    (outcome,) = fix_source(LIGHTNING.encode(), Path("lit.py"), ALL).outcomes
+    named = LIGHTNING.replace(
+        "import lightning", '"""Trained without deepspeed."""\n\nimport lightning'
+    )
+    (outcome,) = fix_source(named.encode(), Path("lit.py"), ALL).outcomes
     assert outcome.applied
     source = LIGHTNING.replace(*change)
     (outcome,) = fix_source(source.encode(), Path("lit.py"), ALL).outcomes

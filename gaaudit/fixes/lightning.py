@@ -101,8 +101,7 @@ class _LightningWindow:
             f"for group in {optimizer}.param_groups:\n"
             '    for param in group["params"]:\n'
             "        if param.grad is not None:\n"
-            f"            param.grad.div_({f'{total} / {ref}' if scaled else total})\n"
-            + start
+            f"            param.grad.div_({f'{total} / {ref}' if scaled else total})\n" + start
         )
         if hook is not None:
             self.edits.insert_before(hook.body.body[0], body)
@@ -153,9 +152,15 @@ class _LightningWindow:
         )
 
     def _distributed_engine(self) -> bool:
-        """Whether the file hands Lightning a DeepSpeed strategy."""
+        """Whether the file hands Lightning a DeepSpeed strategy (`strategy="deepspeed..."`,
+        `DeepSpeedStrategy(...)`); a docstring that names DeepSpeed is none."""
         return any(
-            (isinstance(node, cst.SimpleString) and "deepspeed" in (string_value(node) or ""))
-            or (isinstance(node, cst.Name) and node.value == "DeepSpeedStrategy")
+            (isinstance(node, cst.Name) and node.value == "DeepSpeedStrategy")
+            or (
+                isinstance(node, cst.Arg)
+                and node.keyword is not None
+                and node.keyword.value == "strategy"
+                and "deepspeed" in (string_value(node.value) or "")
+            )
             for node in self.tree.walk(self.tree.module)
         )
