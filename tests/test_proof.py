@@ -145,6 +145,7 @@ def at_one_and_four() -> tuple[int, dict[str, list[dict]]]:
         FIXTURES / "ok_accelerate_forward_contexts_token_sum.py",
         FIXTURES / "ok_seq2seq_keyword_model_token_sum.py",
         FIXTURES / "ok_counter_raised_before_test.py",
+        FIXTURES / "ok_counter_reset_at_evaluation.py",
         FIXTURES / "ok_example_share_token_sum.py",
         FIXTURES / "ok_labels_copied_from_inputs_token_sum.py",
     ]
@@ -179,6 +180,7 @@ def test_a_correct_loop_is_replayed_and_matches_the_full_batch(at_one_and_four):
         "ok_accelerate_forward_contexts_token_sum",  # micro-batches under `with context():`
         "ok_seq2seq_keyword_model_token_sum",  # the sum and count a keyword model returns
         "ok_counter_raised_before_test",  # `steps += 1` before `steps % K == 0`: K each
+        "ok_counter_reset_at_evaluation",  # and set to 0 again after an evaluation
         "ok_example_share_token_sum",  # DialoGPT's loop, weighted by tokens
         "ok_labels_copied_from_inputs_token_sum",  # `labels = input_ids.clone()`
     ]

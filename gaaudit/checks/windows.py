@@ -119,7 +119,8 @@ class Windows:
         """Where `counter` starts at 0 for the loop's first pass, if it does, and whether it is
         raised before the step test (so that it is 1 there on the first pass): the loop's own
         index (`enumerate(...)`, `range(n)`), or a name set to 0 before the loop and raised by
-        1 inside it, all before or all after the step test."""
+        1 inside it, all before or all after the step test (and maybe set to 0 again inside
+        it, an evaluation starting its count over: each window after it is the first)."""
         name = counter.value
         bindings = self.tree.bindings(self.tree.scope_of(loop)).get(name, [])
         inside = [b for b in bindings if self.tree.contains(loop, b)]
@@ -129,19 +130,25 @@ class Windows:
             origin = f"`{name}` is the loop's index, from 0 ({code(loop.iter)})"
             return origin, Confidence.HIGH, False
         before = [b for b in bindings if self.tree.order[b] < self.tree.order[loop]]
-        if not before or not _sets_zero(before[-1], name) or not inside:
+        if not before or not _sets_zero(before[-1], name):
             return None
-        if not all(_adds_one(b) for b in inside):
+        resets = [b for b in inside if _sets_zero(b, name)]  # each starts the count again
+        raises = [b for b in inside if b not in resets]
+        if not raises or not all(_adds_one(b) for b in raises):
             return None
-        if any(self.tree.contains(window.anchor, b) for b in inside):
+        if any(self.tree.contains(window.anchor, b) for b in raises):
             return None  # raised only when the optimizer steps
-        raised = {self.tree.order[b] < self.tree.order[window.anchor] for b in inside}
+        raised = {self.tree.order[b] < self.tree.order[window.anchor] for b in raises}
         if len(raised) != 1:
             return None  # raised both before and after the test
         ahead = raised.pop()
         line = self.tree.line(before[-1])
         when = "before" if ahead else "after"
-        origin = f"`{name}` is set to 0 on line {line} and raised {when} the test"
+        again = "".join(
+            f" (set to 0 again on line {self.tree.line(reset)}, where the count starts over)"
+            for reset in resets[:1]
+        )
+        origin = f"`{name}` is set to 0 on line {line} and raised {when} the test{again}"
         return origin, Confidence.MEDIUM, ahead
 
     def _conjunct(self, test: cst.BaseExpression, name: str) -> cst.BooleanOperation | None:
