@@ -225,8 +225,15 @@ LIGHTNING = textwrap.dedent(
             ),
             "`training_step` runs once per optimizer (`optimizer_idx`)",
         ),
+        (
+            (
+                "\n\ntrainer =",
+                '\n    def validation_step(self, batch, batch_idx):\n        self.log("val", self.training_step(batch, batch_idx))\n\n\ntrainer =',
+            ),
+            "`training_step` is also called on line 15, where the window's count would take",
+        ),
     ],
-    ids=["no-init", "deepspeed", "per-optimizer"],
+    ids=["no-init", "deepspeed", "per-optimizer", "called-by-validation"],
 )
 def test_a_lightning_module_is_fixed_unless_the_count_or_the_division_has_no_place(change, reason):
     """The module as written is fixed (the returned loss weighted, a hook dividing); without

@@ -2,7 +2,9 @@
 divides what `training_step` returns by K, so the returned loss becomes the micro-batch's
 token sum times K, the module counts its window in an attribute started in `__init__`, and
 `on_before_optimizer_step` (which Lightning calls once per window, after unscaling and before
-clipping) divides the gradients once by the window's count, summed over the processes."""
+clipping) divides the gradients once by the window's count, summed over the processes. Where
+the Trainer may train in fp16, each micro-batch's sum is taken over the window's first count,
+so its GradScaler sees the original's magnitude."""
 
 from __future__ import annotations
 
@@ -55,15 +57,30 @@ class _LightningWindow:
                 "`training_step` runs once per optimizer (`optimizer_idx`), so one count per "
                 "window cannot follow each optimizer's steps; count each optimizer's window apart"
             )
+        caller = next(
+            (
+                node
+                for node in self.tree.walk(self.tree.module)
+                if isinstance(node, cst.Call) and last_name(node.func) == "training_step"
+            ),
+            None,
+        )
+        if caller is not None:
+            raise Unfixable(
+                f"`training_step` is also called on line {self.tree.line(caller)}, where the "
+                "window's count would take those batches too; share the loss through a helper "
+                "both call instead"
+            )
         self._init_statement(module)  # refuses a module without one
         returned, micro, ref = site.backward.loss, self.micro, f"{this}.{self.reference}"
-        weight = f"({micro} / {ref})" if self._fp16_trainer() else micro
+        scaled = self._fp16_trainer()
+        weight = f"({micro} / {ref})" if scaled else micro
         self.edits.replace[returned] = cst.parse_expression(
             f"{atom(self._applied(returned))} * {weight} * {this}.trainer.accumulate_grad_batches"
         )
         counted = "" if count == micro else f"{micro} = {count}\n"
         lines = f"{WEIGHT_NOTE}\n{counted}{this}.{self.window_total} += {micro}\n"
-        if self._fp16_trainer():  # one reference for every process: see `_reference`
+        if scaled:  # one reference for every process, as in `_reference`
             torch = torch_module(self.tree, self.edits)
             lines += (
                 f"if {ref} is None:\n"
