@@ -703,10 +703,10 @@ class _LossRewrite:
     def _scaled(self, site: Site) -> bool:
         """Whether the backward goes through a GradScaler: `scaler.scale(loss).backward()`, or
         `accelerator.backward(loss)` / `fabric.backward(loss)` of an Accelerator or Fabric
-        built with fp16 precision (or with a precision chosen at run time). Its fp16 gradients must stay near the original's
-        magnitude, so each micro-batch is weighted by its count over the window's first count
-        (a constant of the window), not by its count, which would be thousands of times the
-        original."""
+        built with fp16 precision (or with a precision chosen at run time). Its fp16
+        gradients must stay near the original's magnitude, so each micro-batch is weighted by
+        its count over the window's first count (a constant of the window), not by its
+        count, which would be thousands of times the original."""
         call = site.backward.call
         receiver = (
             call.func.value if call is not None and isinstance(call.func, cst.Attribute) else None

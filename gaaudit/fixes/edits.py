@@ -209,8 +209,8 @@ PRECISION = {
 
 def may_be_fp16(built: cst.Call, setting: str, fp16: tuple[str, ...]) -> bool:
     """Whether an `Accelerator(...)`, `Fabric(...)` or Lightning `Trainer(...)` may train in
-    fp16: its precision
-    `setting` is one of the `fp16` values, or is known only at run time (`**options`)."""
+    fp16: its precision `setting` is one of the `fp16` values, or is known only at run time
+    (`**options`)."""
     value = keyword(built, setting)
     if value is None:
         return any(arg.star == "**" for arg in built.args)
