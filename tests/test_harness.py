@@ -1220,6 +1220,40 @@ def test_a_model_that_scores_its_own_sequences_is_replayed(packed):
         assert result.verdict == "bug reproduced" and result.error > 1e-2, result.verdict
 
 
+# MEGABYTE's training script as `gaaudit fix` leaves it: the model (rewritten in its own
+# module) returns its count when asked, and the optimizer's name rebinds an imported module.
+COUNT_RETURNED = source("""
+    import torch
+    import torch.optim as optim
+
+    optim = optim.Adam(model.parameters(), lr=1e-4)
+
+    for i in range(steps):
+        window_tokens = 0
+        for __ in range(accum):
+            loss, micro_tokens = model(next(train_loader), return_loss=True, return_count=True)
+            window_tokens += micro_tokens
+            (loss * micro_tokens).backward()
+        window_tokens = max(float(window_tokens), 1.0)
+        for group in optim.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.div_(window_tokens)
+        optim.step()
+        optim.zero_grad()
+""")
+
+
+def test_a_count_the_model_returns_and_an_optimizer_named_like_a_module_are_replayed():
+    """The tiny sequence model returns its loss and its count of targets when asked
+    (`return_count=True`, what the fix asks of a model it also rewrites), and `optim`, bound
+    to `torch.optim` by an import and then to the optimizer, is the harness's optimizer."""
+    line = line_of(COUNT_RETURNED, "for i in")
+    result = check(COUNT_RETURNED, line, k=4, divisor_names=["accum"], device="cpu")
+    assert result.replay.bindings["optim"] == "recording SGD", result.replay.bindings
+    assert result.verdict == "verified" and result.error < 1e-5, result.verdict
+
+
 # CodeBERT's code2nl loop: turns counted by a progress bar over a range, micro-batches drawn
 # from a cycled loader, a tuple batch unpacked by name, and a project encoder-decoder called
 # by keyword that returns its mean loss, the loss times its count, and the count.

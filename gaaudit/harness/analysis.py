@@ -116,6 +116,7 @@ class Plan:
     derived: list[Derived] = field(default_factory=list)
     stages: tuple[Chain, Chain] | None = None
     settings: dict[str, object] = field(default_factory=dict)  # argparse defaults, by dest
+    rebound: frozenset[str] = frozenset()  # imported names assigned again before the statement
 
 
 def _option_defaults(tree: ast.Module) -> dict[str, object]:
@@ -284,6 +285,26 @@ def _module_level(body: list[ast.stmt]):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             for field_name in ("body", "orelse", "finalbody", "handlers"):
                 yield from _module_level(getattr(node, field_name, []))
+
+
+def _assigned_before(tree: ast.Module, target: ast.stmt) -> set[str]:
+    """Names an assignment binds before `target`, at the module's top level or in the
+    functions around it."""
+    around = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.lineno < target.lineno <= (node.end_lineno or 0)
+    ]
+    statements = [*_module_level(tree.body), *(s for f in around for s in ast.walk(f))]
+    return {
+        name.id
+        for statement in statements
+        if isinstance(statement, (ast.Assign, ast.AnnAssign)) and statement.lineno < target.lineno
+        for bound in getattr(statement, "targets", [getattr(statement, "target", None)])
+        for name in ast.walk(bound)
+        if isinstance(name, ast.Name)
+    }
 
 
 def _initial_values(
@@ -960,10 +981,15 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
     imported = {
         (a.asname or a.name).split(".")[0] for node in _imports(tree, target) for a in node.names
     }
-    derived = _evaluable(derived, roles, imported, module_constants, owner)
+    rebound = imported & _assigned_before(tree, target)  # `optim = torch.optim.Adam(...)`
+    derived = _evaluable(derived, roles, imported - rebound, module_constants, owner)
     for item in derived:
         roles.pop(item.chain, None)
-    data = [c for c, r in roles.items() if r in ("data", "data-call") and c[0] not in imported]
+    data = [
+        c
+        for c, r in roles.items()
+        if r in ("data", "data-call") and (c[0] not in imported or c[0] in rebound)
+    ]
     models = [c for c, r in roles.items() if r == "model"]
     stages = _stages(usage, models)
     shapes = {_call_shape(usage, c) for c in models}
@@ -989,6 +1015,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         initial=_initial_values(tree, target, free, settings),
         counters=_counters(target, free),
         settings=settings,
+        rebound=frozenset(rebound),
         model_kind=kind,
         ignore_index=_ignore_index(source, module_constants, kind),
         data_arity=arity,

@@ -61,7 +61,7 @@ class Objects:
         roles = {
             c: r
             for c, r in plan.roles.items()
-            if not isinstance(namespace.get(c[0]), types.ModuleType)
+            if not isinstance(namespace.get(c[0]), types.ModuleType) or c[0] in plan.rebound
         }
         if plan.owner is not None:
             self._instance(namespace)

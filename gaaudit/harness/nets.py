@@ -128,7 +128,8 @@ class TinySequenceModel(nn.Module):
     token over the positions that are not padding (PAD_ID); logits (B, T, vocab) without
     `return_loss`. Position-wise, so padding does not change the other positions. `returns`:
     how the loop unpacks the loss (`loss, (ce, aux) = model(...)`, as nested tuples of None):
-    the loss first, zeros in the other places."""
+    the loss first, zeros in the other places. With `return_count=True` (what `gaaudit fix`
+    asks of a project's model it also rewrites), the loss and its count of targets."""
 
     def __init__(self, vocab: int, returns: tuple | None = None):
         super().__init__()
@@ -142,6 +143,8 @@ class TinySequenceModel(nn.Module):
             return logits
         targets = seq[:, 1:].flatten()
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=PAD_ID)
+        if options.get("return_count"):
+            return loss, (targets != PAD_ID).sum()
 
         def shaped(part, first: bool):
             if part is None:
