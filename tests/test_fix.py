@@ -270,6 +270,14 @@ def test_a_lightning_module_with_a_mixin_keeps_the_mixins_hook():
     assert "super().on_before_optimizer_step" not in fixed(LIGHTNING.encode()).decode()
 
 
+def test_an_added_torch_import_goes_before_the_files_torch_submodule_imports():
+    """`import torch` lands where isort would put it: before `import torch.nn.functional`."""
+    after = fixed(LIGHTNING.encode()).decode()
+    assert after.startswith(
+        "import lightning as L\nimport torch\nimport torch.nn.functional as F\n"
+    )
+
+
 def test_a_window_with_a_backward_the_fix_would_not_weight_is_refused():
     """The fp16 branch backpropagates `loss * loss_scale`, which is no mean to weight: one
     division at the step would divide that branch's gradients too."""

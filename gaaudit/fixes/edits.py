@@ -167,7 +167,7 @@ def torch_module(tree: Tree, edits: Edits) -> str:
         and (root := _imported_root(statement.body[0])) not in (None, "__future__")
     ]
     third_party = [(s, root) for s, root in imports if root not in sys.stdlib_module_names]
-    later = next((s for s, root in third_party if root > "torch"), None)
+    later = next((s for s, root in third_party if root >= "torch"), None)
     if later is not None:
         anchor, before = later, True
     elif third_party or imports:
