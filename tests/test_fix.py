@@ -232,8 +232,12 @@ LIGHTNING = textwrap.dedent(
             ),
             "`training_step` is also called on line 15, where the window's count would take",
         ),
+        (
+            ("accumulate_grad_batches=8", "accumulate_grad_batches=8, strategy=args.strategy"),
+            "unsafe fix (the Trainer's strategy `args.strategy` is chosen at run time",
+        ),
     ],
-    ids=["no-init", "deepspeed", "per-optimizer", "called-by-validation"],
+    ids=["no-init", "deepspeed", "per-optimizer", "called-by-validation", "strategy-unknown"],
 )
 def test_a_lightning_module_is_fixed_unless_the_count_or_the_division_has_no_place(change, reason):
     """The module as written is fixed (the returned loss weighted, a hook dividing); without

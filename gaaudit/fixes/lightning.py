@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import libcst as cst
 
-from gaaudit.analysis.tree import code, dotted, keyword, last_name, string_value
+from gaaudit.analysis.tree import (
+    assigned_value,
+    code,
+    dotted,
+    keyword,
+    last_name,
+    string_value,
+    target_names,
+)
 from gaaudit.checks.accumulation import Site
 from gaaudit.fixes.edits import (
     DIVIDE_NOTE,
@@ -51,6 +59,13 @@ class _LightningWindow:
                 "`param.grad` in `on_before_optimizer_step`; return `loss_sum * k * P / N` with N "
                 "the window's valid tokens over the P processes, counted before the window runs "
                 "(see `gaaudit explain GA003`)"
+            )
+        unknown = self._strategy_at_run_time()
+        if unknown and not self.unsafe:
+            raise Unfixable(
+                f"unsafe fix (the Trainer's strategy `{unknown}` is chosen at run time: under "
+                "DeepSpeed the gradients are not in `param.grad` where the hook divides them); "
+                "apply with --unsafe-fixes"
             )
         if len(step.params.params) > 3 or "optimizer_idx" in code(step.params):
             raise Unfixable(
@@ -167,6 +182,32 @@ class _LightningWindow:
             and (dotted(node.func) or "").split(".")[-1] == "Trainer"
             and keyword(node, "precision") is not None
         )
+
+    def _strategy_at_run_time(self) -> str:
+        """A Lightning Trainer's `strategy=` that the file does not spell out ("" where every
+        one is a string or a strategy built in the file, directly or through a name)."""
+        for node in self.tree.walk(self.tree.module):
+            if not (
+                isinstance(node, cst.Call)
+                and (dotted(node.func) or "").split(".")[-1] == "Trainer"
+                and (strategy := keyword(node, "strategy")) is not None
+            ):
+                continue
+            values = [strategy]
+            if isinstance(strategy, cst.Name):
+                values = [
+                    assigned_value(statement, strategy.value)
+                    for statement in self.tree.walk(self.tree.module)
+                    if isinstance(statement, cst.Assign)
+                    and any(strategy.value in target_names(t.target) for t in statement.targets)
+                ]
+            if not values or not all(
+                isinstance(value, cst.SimpleString)
+                or (isinstance(value, cst.Call) and dotted(value.func) is not None)
+                for value in values
+            ):
+                return code(strategy)
+        return ""
 
     def _distributed_engine(self) -> bool:
         """Whether the file hands Lightning a DeepSpeed strategy (`strategy="deepspeed..."`,
