@@ -274,6 +274,25 @@ def test_a_lightning_module_with_a_mixin_keeps_the_mixins_hook():
     assert "super().on_before_optimizer_step" not in fixed(LIGHTNING.encode()).decode()
 
 
+def test_a_lightning_modules_own_hook_gets_the_division_after_its_docstring():
+    hooked = LIGHTNING.replace(
+        "\n\ntrainer =",
+        '\n    def on_before_optimizer_step(self, optimizer):\n        """Log the norm."""\n'
+        '        self.log("norm", 1.0)\n\n\ntrainer =',
+    )
+    after = fix_source(hooked.encode(), Path("lit.py"), ALL).after.decode()
+    assert '"""Log the norm."""\n        # one division per window' in after
+    compile(after, "lit.py", "exec")
+    one_line = hooked.replace(
+        '    def on_before_optimizer_step(self, optimizer):\n        """Log the norm."""\n'
+        '        self.log("norm", 1.0)\n',
+        "    def on_before_optimizer_step(self, optimizer): pass\n",
+    )
+    assert one_line != hooked
+    (outcome,) = fix_source(one_line.encode(), Path("lit.py"), ALL).outcomes
+    assert not outcome.applied and "written on one line" in outcome.reason
+
+
 def test_an_added_torch_import_goes_before_the_files_torch_submodule_imports():
     """`import torch` lands where isort would put it: before `import torch.nn.functional`."""
     after = fixed(LIGHTNING.encode()).decode()

@@ -87,6 +87,9 @@ class _LightningWindow:
                 "both call instead"
             )
         self._init_statement(module)  # refuses a module without one
+        hook = _method(module, HOOK)
+        if hook is not None and not isinstance(hook.body, cst.IndentedBlock):
+            raise Unfixable(f"`{HOOK}` is written on one line; give it a block of its own")
         returned, micro, ref = site.backward.loss, self.micro, f"{this}.{self.reference}"
         scaled = self._fp16_trainer()
         weight = f"({micro} / {ref})" if scaled else micro
@@ -112,14 +115,7 @@ class _LightningWindow:
         total, ref, scaled = self.window_total, f"{this}.{self.reference}", self._fp16_trainer()
         start = f"{this}.{total} = 0\n" + (f"{ref} = None\n" if scaled else "")
         self.edits.insert_after(self._init_statement(module), start)
-        hook = next(
-            (
-                node
-                for node in module.body.body
-                if isinstance(node, cst.FunctionDef) and node.name.value == HOOK
-            ),
-            None,
-        )
+        hook = _method(module, HOOK)
         params = hook.params.params if hook is not None else ()
         optimizer = params[1].name.value if len(params) > 1 else "optimizer"
         torch = torch_module(self.tree, self.edits)
@@ -135,15 +131,16 @@ class _LightningWindow:
             "        if param.grad is not None:\n"
             f"            param.grad.div_({f'{total} / {ref}' if scaled else total})\n" + start
         )
-        if hook is not None:
-            self.edits.insert_before(hook.body.body[0], body)
+        if hook is not None:  # at the top of its body, after its docstring
+            statements = list(hook.body.body)
+            documented = hook.get_docstring() is not None and len(statements) > 1
+            if documented:
+                self.edits.insert_after(statements[0], body)
+            else:
+                self.edits.insert_before(statements[0], body)
             return
         indented = "".join(f"    {line}\n" if line else "\n" for line in body.splitlines())
-        step = next(
-            n
-            for n in module.body.body
-            if isinstance(n, cst.FunctionDef) and n.name.value == "training_step"
-        )
+        step = _method(module, "training_step")
         if len(module.bases) > 1:  # a mixin's hook keeps running after the division
             indented += f"    super().{HOOK}({optimizer}, *args)\n"
         self.edits.insert_after(step, f"def {HOOK}({this}, {optimizer}, *args):\n{indented}")
@@ -154,14 +151,7 @@ class _LightningWindow:
 
     def _init_statement(self, module: cst.ClassDef) -> cst.CSTNode:
         """The `super().__init__(...)` statement of the module's `__init__`."""
-        init = next(
-            (
-                node
-                for node in module.body.body
-                if isinstance(node, cst.FunctionDef) and node.name.value == "__init__"
-            ),
-            None,
-        )
+        init = _method(module, "__init__")
         for node in self.tree.walk(init, into_defs=False) if init is not None else ():
             if isinstance(node, cst.Call) and last_name(node.func) == "__init__":
                 return statement_line(self.tree, node)
@@ -222,3 +212,11 @@ class _LightningWindow:
             )
             for node in self.tree.walk(self.tree.module)
         )
+
+
+def _method(module: cst.ClassDef, name: str) -> cst.FunctionDef | None:
+    """The method `name` the class body defines, if any."""
+    return next(
+        (n for n in module.body.body if isinstance(n, cst.FunctionDef) and n.name.value == name),
+        None,
+    )
