@@ -719,9 +719,9 @@ class _LossRewrite:
             return True
         owner = next((kind for kind in PRECISION if self._backward_owner(site, kind.lower())), None)
         return owner is not None and any(
-            may_be_fp16(node, *PRECISION[owner])
-            for node in self.tree.walk(self.tree.module)
-            if isinstance(node, cst.Call) and (dotted(node.func) or "").endswith(owner)
+            may_be_fp16(call, *PRECISION[owner])
+            for call in self.tree.calls
+            if (dotted(call.func) or "").endswith(owner)
         )
 
     def _kept_for_reads(self, site: Site) -> bool:

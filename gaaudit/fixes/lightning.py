@@ -73,12 +73,7 @@ class _LightningWindow:
                 "window cannot follow each optimizer's steps; count each optimizer's window apart"
             )
         caller = next(
-            (
-                node
-                for node in self.tree.walk(self.tree.module)
-                if isinstance(node, cst.Call) and last_name(node.func) == "training_step"
-            ),
-            None,
+            (call for call in self.tree.calls if last_name(call.func) == "training_step"), None
         )
         if caller is not None:
             raise Unfixable(
@@ -166,28 +161,23 @@ class _LightningWindow:
         window's first count, averaged over the processes)."""
         fp16 = PRECISION["Fabric"][1]
         return any(
-            may_be_fp16(node, "precision", fp16)
-            for node in self.tree.walk(self.tree.module)
-            if isinstance(node, cst.Call)
-            and (dotted(node.func) or "").split(".")[-1] == "Trainer"
-            and keyword(node, "precision") is not None
+            may_be_fp16(call, "precision", fp16)
+            for call in self._trainers()
+            if keyword(call, "precision") is not None
         )
 
     def _strategy_at_run_time(self) -> str:
         """A Lightning Trainer's `strategy=` that the file does not spell out ("" where every
         one is a string or a strategy built in the file, directly or through a name)."""
-        for node in self.tree.walk(self.tree.module):
-            if not (
-                isinstance(node, cst.Call)
-                and (dotted(node.func) or "").split(".")[-1] == "Trainer"
-                and (strategy := keyword(node, "strategy")) is not None
-            ):
+        for call in self._trainers():
+            strategy = keyword(call, "strategy")
+            if strategy is None:
                 continue
             values = [strategy]
             if isinstance(strategy, cst.Name):
                 values = [
                     assigned_value(statement, strategy.value)
-                    for statement in self.tree.walk(self.tree.module)
+                    for statement in self.tree.assignments
                     if isinstance(statement, cst.Assign)
                     and any(strategy.value in target_names(t.target) for t in statement.targets)
                 ]
@@ -198,6 +188,10 @@ class _LightningWindow:
             ):
                 return code(strategy)
         return ""
+
+    def _trainers(self) -> list[cst.Call]:
+        """The file's `Trainer(...)` calls."""
+        return [c for c in self.tree.calls if (dotted(c.func) or "").split(".")[-1] == "Trainer"]
 
     def _distributed_engine(self) -> bool:
         """Whether the file hands Lightning a DeepSpeed strategy (`strategy="deepspeed..."`,

@@ -20,6 +20,7 @@ from gaaudit.harness.surroundings import (
     constants,
     enclosing_owner,
     framework_base,
+    functions_around,
     literal,
     methods_called,
 )
@@ -290,12 +291,7 @@ def _module_level(body: list[ast.stmt]):
 def _assigned_before(tree: ast.Module, target: ast.stmt) -> set[str]:
     """Names an assignment binds before `target`, at the module's top level or in the
     functions around it."""
-    around = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.lineno < target.lineno <= (node.end_lineno or 0)
-    ]
+    around = functions_around(tree, target)
     statements = [*_module_level(tree.body), *(s for f in around for s in ast.walk(f))]
     return {
         name.id

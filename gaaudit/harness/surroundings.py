@@ -128,17 +128,22 @@ def methods_called(owner: Owner, nodes: list[ast.AST]) -> list[ast.FunctionDef]:
     return found
 
 
+def functions_around(tree: ast.Module, target: ast.stmt) -> list[ast.FunctionDef]:
+    """The functions whose bodies hold `target`, outermost first."""
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.lineno < target.lineno <= n.end_lineno
+    ]
+
+
 def assignments_before(
     tree: ast.Module, target: ast.stmt, free: list[str], owner: Owner | None
 ) -> list[Derived]:
     """The last non-literal assignment before `target` to each of its free names, in the
     functions that enclose it (literals are Plan.initial); with an owner, the last
     `self.attr = ...` of its `__init__`, literal or not."""
-    enclosing = [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.FunctionDef) and n.lineno < target.lineno <= n.end_lineno
-    ]
+    enclosing = functions_around(tree, target)
     found: dict[Chain, Derived] = {}
     statements = sorted(
         (
