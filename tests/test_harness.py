@@ -11,6 +11,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from conftest import FIXTURES
+
 from gaaudit.harness.data import make_window, merge_batches
 from gaaudit.harness.demo import DemoRow, plot, run_demo
 from gaaudit.harness.gradcheck import (
@@ -1371,3 +1373,47 @@ def test_a_function_called_with_a_string_whose_result_has_methods_serves_no_data
     result = check(TIMED, line_of(TIMED, "for step"), k=4, device="cpu")
     assert "timers" not in result.replay.bindings or result.replay.bindings["timers"] == "stub"
     assert result.verdict == "bug reproduced" and result.replay.drawn == 4, result
+
+
+@pytest.mark.parametrize(
+    ("change", "bound"),
+    [
+        ({}, -1),
+        ({"ignore_index=-1": "ignore_index=None"}, None),  # None: a caller's value stands in
+        (  # assigned only on one path: the default is not what the method reads
+            {
+                "        self.ignore_index = ignore_index\n": "        if model:\n"
+                "            self.ignore_index = ignore_index\n"
+            },
+            None,
+        ),
+    ],
+)
+def test_a_trainer_class_reads_its_init_defaults_and_an_einops_call_serves_no_data(change, bound):
+    """A lucidrains-style trainer made without running `__init__`: `self.ignore_index =
+    ignore_index` reads the parameter's literal default; `rearrange(logits, "b n c -> b c n")`
+    (a string after what it transforms) is a library call, not a data source."""
+    from gaaudit.harness.analysis import analyse
+    from gaaudit.harness.surroundings import literal
+
+    text = (FIXTURES / "ga001_trainer_class_einops_rearrange.py").read_text()
+    for old, new in change.items():
+        assert old in text
+        text = text.replace(old, new)
+    plan = analyse(text, line_of(text, "for _ in range(num_steps)"))
+    assert ("rearrange",) not in plan.roles
+    assert plan.roles[("self", "train_loader")] == "data"
+    derived = {d.chain: d.value for d in plan.derived}
+    value = derived.get(("self", "ignore_index"))  # left out: not evaluable, a stub
+    assert (literal(value)[1] if value else None) == bound
+
+
+def test_rows_cut_into_inputs_and_targets_are_served_as_token_ids():
+    """lit-gpt's packed blocks: `train_data[:, 0 : model.config.block_size]` is a window of
+    each row of one token tensor, not a field of a tuple."""
+    from gaaudit.harness.analysis import analyse
+
+    text = (FIXTURES / "ga001_exact_packed_blocks_config_block_size.py").read_text()
+    assert analyse(text, line_of(text, "for iter_num")).data_tensor
+    indexed = text.replace("train_data[:, 0 : model.config.block_size]", "train_data[0]")
+    assert not analyse(indexed, line_of(indexed, "for iter_num")).data_tensor

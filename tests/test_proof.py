@@ -148,6 +148,7 @@ def at_one_and_four() -> tuple[int, dict[str, list[dict]]]:
         FIXTURES / "ok_counter_reset_at_evaluation.py",
         FIXTURES / "ok_example_share_token_sum.py",
         FIXTURES / "ok_labels_copied_from_inputs_token_sum.py",
+        FIXTURES / "ok_world_size_guarded_token_count.py",
     ]
     result = gaaudit(
         "verify", *map(str, scripts), "-k", "1,4", "--device", "cpu", "--format", "json"
@@ -183,6 +184,7 @@ def test_a_correct_loop_is_replayed_and_matches_the_full_batch(at_one_and_four):
         "ok_counter_reset_at_evaluation",  # and set to 0 again after an evaluation
         "ok_example_share_token_sum",  # DialoGPT's loop, weighted by tokens
         "ok_labels_copied_from_inputs_token_sum",  # `labels = input_ids.clone()`
+        "ok_world_size_guarded_token_count",  # `args.world_size > 1`: one process here
     ]
     for name in correct:
         (loop,) = loops[name]

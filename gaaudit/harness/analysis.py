@@ -23,6 +23,7 @@ from gaaudit.harness.surroundings import (
     functions_around,
     literal,
     methods_called,
+    parameter_defaults,
 )
 
 LOOPS = (ast.For, ast.While)
@@ -335,13 +336,13 @@ def _initial_values(
     guarded = _tested_for_none(target)
     defaults = {}
     for function in enclosing:
-        for name, default in _defaults(function.args):
+        for name, default in parameter_defaults(function.args):
             ok, value = literal(default)
             if ok and (value is not None or name in guarded):  # else unknown: a stub
                 defaults[name] = value
     itself = [target] if isinstance(target, ast.FunctionDef) else []
     for function in enclosing + itself:
-        given = dict(_defaults(function.args))
+        given = dict(parameter_defaults(function.args))
         for arg in function.args.posonlyargs + function.args.args + function.args.kwonlyargs:
             if arg.arg in guarded and arg.arg not in given:  # the optional part left out
                 defaults[arg.arg] = None
@@ -387,18 +388,6 @@ def _tested_for_none(target: ast.AST) -> set[str]:
         and all(isinstance(op, (ast.Is, ast.IsNot)) for op in n.ops)
         and all(isinstance(c, ast.Constant) and c.value is None for c in n.comparators)
     }
-
-
-def _defaults(args: ast.arguments) -> list[tuple[str, ast.expr]]:
-    """The parameters that have a default, with it (positional, then keyword-only)."""
-    positional = args.posonlyargs + args.args
-    return [
-        *(
-            (a.arg, d)
-            for a, d in zip(positional[len(positional) - len(args.defaults) :], args.defaults)
-        ),
-        *((a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None),
-    ]
 
 
 def _imports(tree: ast.Module, target: ast.stmt) -> list[ast.stmt]:
@@ -640,8 +629,8 @@ def _tensor_batch(target: ast.stmt, usage: _Usage, models: list[Chain], data: li
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
             and node.func.attr in SAME_TENSOR
-        ):
-            node = node.func.value
+        ) or _sliced(node):
+            node = node.func.value if isinstance(node, ast.Call) else node.value
         return node.id if isinstance(node, ast.Name) else None
 
     pairs = []  # (name, value) of each assignment; each branch of `x if mlm else (b, b)`
@@ -675,6 +664,15 @@ def _tensor_batch(target: ast.stmt, usage: _Usage, models: list[Chain], data: li
         for call, _ in usage.calls.get(model, [])
         for value in [*call.args[:1], *(k.value for k in call.keywords if k.arg == "input_ids")]
     )
+
+
+def _sliced(node: ast.expr) -> bool:
+    """`batch[:, 0:block_size]`: a window of each row of a token tensor (lit-gpt's inputs and
+    targets), not a field of a tuple or a dict."""
+    if not isinstance(node, ast.Subscript):
+        return False
+    parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+    return all(isinstance(p, ast.Slice) for p in parts)
 
 
 def _is_minus_one(node: ast.expr) -> bool:
@@ -798,14 +796,14 @@ def _harness_made(chain: Chain, role: str | None, usage: _Usage) -> bool:
 
 
 def _string_call(usage: _Usage, chain: Chain) -> bool:
-    """`x, y = get_batch("train")`: called with a string, its result used; a call whose
+    """`x, y = get_batch("train")`: called with a string first, its result used; a call whose
     result is dropped (`logger.info("...")`, `writer.add_scalar("loss", ...)`) or has a method
-    called (`timers("forward").start()`) serves no data."""
+    called (`timers("forward").start()`) serves no data, nor one whose string follows what it
+    transforms (einops' `rearrange(logits, "b n c -> b c n")`)."""
     return any(
-        isinstance(a, ast.Constant) and isinstance(a.value, str)
+        call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)
         for call, parent in usage.calls.get(chain, [])
         if not isinstance(parent, (ast.Expr, ast.Attribute))
-        for a in call.args
     )
 
 
@@ -923,7 +921,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         tested = _tested_for_none(target)
         optional = {  # a None default the function uses untested stands for a caller's value
             name
-            for name, default in _defaults(args)
+            for name, default in parameter_defaults(args)
             if not (literal(default) == (True, None) and name not in tested)
         }
     owner = enclosing_owner(tree, target)

@@ -17,7 +17,7 @@ import torch
 from gaaudit.harness import factory
 from gaaudit.harness.analysis import Plan, chain_of
 from gaaudit.harness.data import merge_batches
-from gaaudit.harness.models import ignore_value, vocab_size
+from gaaudit.harness.models import TinyTokenModel, ignore_value, vocab_size
 from gaaudit.harness.nets import PAD_ID, output_width
 from gaaudit.harness.stubs import (
     Batch,
@@ -28,6 +28,7 @@ from gaaudit.harness.stubs import (
     Stub,
     Turn,
     Turns,
+    world_size,
 )
 from gaaudit.harness.surroundings import literal
 
@@ -78,6 +79,9 @@ class Objects:
         samples = sum(_samples(b) for b in batches)
         self.user = factory.current_data() is not None  # batches of the user's own, as they are
         items = _items(plan, batches, self.user, ignore_index)
+        if plan.data_tensor and isinstance(model, TinyTokenModel):  # lit-gpt: rows of
+            # `block_size + 1` tokens, cut into inputs `[:, :block_size]` and targets `[:, 1:]`
+            model.config.block_size = items[0].shape[1] - 1  # a window's rows share a width
         width = output_width(plan.model_kind, vocab_size())
         size = math.ceil(samples / k)
         described = {
@@ -144,6 +148,9 @@ class Objects:
                     self.bindings.setdefault(
                         name, f"stub whose pad_token_id is {PAD_ID}, the data's"
                     )
+                elif world_size(name):
+                    self.values[name] = world_size(name)
+                    self.bindings.setdefault(name, "the processes the replay runs on")
                 else:
                     self.values[name] = Stub(name)
                     self.bindings.setdefault(name, "stub")
@@ -283,7 +290,7 @@ def _samples(batch) -> int:
 def _stub_attribute(self, name: str):
     if name.startswith("__"):
         raise AttributeError(name)
-    value = Stub(f"{type(self).__name__}.{name}")
+    value = world_size(name) or Stub(f"{type(self).__name__}.{name}")
     object.__setattr__(self, name, value)
     return value
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -83,10 +84,14 @@ class TinyGPT(nn.Module):
 
 
 class TinyTokenModel(nn.Module):
-    """A plain module returning logits `(B, T, VOCAB)`; the loop computes the loss itself."""
+    """A plain module returning logits `(B, T, VOCAB)`; the loop computes the loss itself.
+    Its `config` holds what lit-gpt-style loops read (`model.config.block_size`)."""
 
     def __init__(self, width: int = 64):
         super().__init__()
+        self.config = SimpleNamespace(
+            vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=MAX_POSITIONS
+        )
         self.embed = nn.Embedding(VOCAB, width)
         self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, VOCAB))
 

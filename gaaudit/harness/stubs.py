@@ -30,7 +30,7 @@ class Stub:
         if name.startswith("__"):
             raise AttributeError(name)
         if name not in self._children:
-            self._children[name] = Stub(f"{self._path}.{name}")
+            self._children[name] = world_size(name) or Stub(f"{self._path}.{name}")
         return self._children[name]
 
     def __setattr__(self, name: str, value) -> None:
@@ -94,6 +94,18 @@ class Stub:
 
     def __repr__(self) -> str:
         return f"<stub {self._path}>"
+
+
+WORLD_SIZE = {"world_size", "num_processes", "n_gpus_total"}
+
+
+def world_size(name: str) -> int | None:
+    """The processes the replay runs on, for a name that counts them (`args.world_size > 1`
+    guards a collective): 1 unless it is a rank of `--distributed`; None for other names."""
+    if name not in WORLD_SIZE:
+        return None
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_world_size() if distributed else 1
 
 
 def _absorb(self, *other):

@@ -137,12 +137,25 @@ def functions_around(tree: ast.Module, target: ast.stmt) -> list[ast.FunctionDef
     ]
 
 
+def parameter_defaults(args: ast.arguments) -> list[tuple[str, ast.expr]]:
+    """The parameters that have a default, with it (positional, then keyword-only)."""
+    positional = args.posonlyargs + args.args
+    return [
+        *(
+            (a.arg, d)
+            for a, d in zip(positional[len(positional) - len(args.defaults) :], args.defaults)
+        ),
+        *((a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None),
+    ]
+
+
 def assignments_before(
     tree: ast.Module, target: ast.stmt, free: list[str], owner: Owner | None
 ) -> list[Derived]:
     """The last non-literal assignment before `target` to each of its free names, in the
     functions that enclose it (literals are Plan.initial); with an owner, the last
-    `self.attr = ...` of its `__init__`, literal or not."""
+    `self.attr = ...` of its `__init__`, literal or not (assigned unconditionally from a
+    parameter never reassigned there, the parameter's literal default other than None)."""
     enclosing = functions_around(tree, target)
     found: dict[Chain, Derived] = {}
     statements = sorted(
@@ -170,11 +183,19 @@ def assignments_before(
         if owner
         else None
     )
-    for statement in (
-        sorted((s for s in ast.walk(init) if isinstance(s, ast.Assign)), key=lambda s: s.lineno)
-        if init
-        else ()
-    ):
+    assigned = sorted(
+        (s for s in ast.walk(init) if isinstance(s, ast.Assign)) if init else (),
+        key=lambda s: s.lineno,
+    )
+    rebound = {
+        n.id for s in assigned for t in s.targets for n in ast.walk(t) if isinstance(n, ast.Name)
+    }
+    given = {  # `self.ignore_index = ignore_index`: the parameter's literal default
+        name: default
+        for name, default in (parameter_defaults(init.args) if init else ())
+        if name not in rebound and literal(default)[0] and literal(default)[1] is not None
+    }
+    for statement in assigned:
         for node in statement.targets:
             if (
                 isinstance(node, ast.Attribute)
@@ -183,5 +204,8 @@ def assignments_before(
             ):
                 chain = (owner.instance, node.attr)
                 found.pop(chain, None)
-                found[chain] = Derived(chain, statement.value, statement)
+                value = statement.value
+                if isinstance(value, ast.Name) and value.id in given and statement in init.body:
+                    value = given[value.id]
+                found[chain] = Derived(chain, value, statement)
     return list(found.values())
