@@ -837,21 +837,20 @@ class _SumReduction:
 
     def _called_once(self, func: cst.BaseExpression) -> bool:
         """Whether the loss module is used at this call only (its binding aside)."""
-        name = code(func)
+        name, last = code(func), last_name(func)
+        bound = {
+            t.target for a in self.tree.assignments if isinstance(a, cst.Assign) for t in a.targets
+        }
         uses = [
             n
-            for n in self.tree.walk(self.tree.module)
-            if isinstance(n, (cst.Name, cst.Attribute))
-            and code(n) == name
+            for n in self.tree.order  # every node of the module, read from the tree's index
+            if last_name(n) == last  # a cheap test first: `code` renders the node
+            and isinstance(n, (cst.Name, cst.Attribute))
+            and n not in bound
             and not isinstance(self.tree.parents.get(n), cst.Attribute)
+            and code(n) == name
         ]
-        bound = [
-            t.target
-            for a in self.tree.walk(self.tree.module)
-            if isinstance(a, cst.Assign)
-            for t in a.targets
-        ]
-        return len([n for n in uses if not any(n is b for b in bound)]) == 1
+        return len(uses) == 1
 
     def _mean_read_elsewhere(self, site: Site, source: cst.Call) -> bool:
         """Whether code other than the division (or backward) reads the loss `source` computes."""
