@@ -106,8 +106,8 @@ def test_correct_packages_are_clean_because_the_helper_was_read(tmp_path):
     transform, a scan over micro-batches nor a window's step guard (`% accum_iter`)."""
     checked = 0
     for folder in (p for p in PACKAGES if not expected_rows(p)):
-        if any(folder.rglob("*.yaml")):  # clean because of its configuration
-            continue
+        if any(folder.rglob("*.yaml")) or any(folder.rglob("*.sh")):  # clean because of its
+            continue  # configuration or launch script
         copy = tmp_path / folder.name
         write(copy, {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*.py")})
         helpers = [
@@ -577,23 +577,39 @@ def test_window_guards_are_a_modulo_by_an_accumulation_name(line, found):
     assert bool(window_guards(b"x = 1\n" + line + b"\n")) == found
 
 
-def test_a_projects_yaml_sets_lightnings_accumulation_and_is_a_dependency(tmp_path):
-    """`accumulate_grad_batches` in the project's Hydra configs reaches the LightningModule of
-    another folder (at most medium: the run chooses its config); editing it re-judges."""
+@pytest.mark.parametrize(
+    "package, module, config, setting",
+    [  # Hydra configs of another folder; a launch script for `Trainer.from_argparse_args`
+        (
+            "ga003_xmod_lightning_hydra_config",
+            "src/models/lm_module.py",
+            "configs/trainer/default.yaml",
+            "accumulate_grad_batches: 4",
+        ),
+        (
+            "ga003_xmod_lightning_launch_script",
+            "src/lm_module.py",
+            "scripts/train.sh",
+            "--accumulate_grad_batches 8",
+        ),
+    ],
+)
+def test_a_projects_config_sets_lightnings_accumulation_and_is_a_dependency(
+    tmp_path, package, module, config, setting
+):
+    """Lightning's accumulation set in the project's YAML configs or launch scripts reaches
+    the LightningModule (at most medium: the run chooses its config); editing it re-judges."""
     folder = tmp_path / "project"
-    shutil.copytree(FIXTURES / "ga003_xmod_lightning_hydra_config", folder)
-    module = folder / "src/models/lm_module.py"
-    (finding,) = check_file(module, ALL).findings
+    shutil.copytree(FIXTURES / package, folder)
+    (finding,) = check_file(folder / module, ALL).findings
     assert (finding.code, str(finding.confidence)) == ("GA003", "medium")
-    assert "`accumulate_grad_batches: 4` in" in finding.message
-    dependencies = context_of(module).dependencies
-    config = folder / "configs/trainer/default.yaml"
+    assert f"`{setting}` in" in finding.message
+    dependencies = context_of(folder / module).dependencies
+    config = folder / config
     assert Dependency(str(config), file_digest(config)) in dependencies
-    config.write_text(
-        config.read_text().replace("accumulate_grad_batches: 4", "accumulate_grad_batches: 1")
-    )
+    config.write_text(config.read_text().replace(setting, setting[:-1] + "1"))
     assert not current(dependencies)
-    assert check_file(module, ALL).findings == []
+    assert check_file(folder / module, ALL).findings == []
 
 
 @pytest.mark.parametrize(

@@ -513,7 +513,8 @@ class _Frameworks:
         """The accumulation factor of a Lightning `Trainer(accumulate_grad_batches=k)` or of a
         `GradientAccumulationScheduler(scheduling={epoch: k})` in the file, unless always 1,
         else of the project's YAML configs (`trainer = hydra.utils.instantiate(cfg.trainer)`
-        elsewhere), with how it is set and whether a config file sets it."""
+        elsewhere) or launch scripts (`--accumulate_grad_batches 16` for
+        `Trainer.from_argparse_args`), with how it is set and whether a config file sets it."""
         for name, calls in self._constructors.items():
             if name.endswith("GradientAccumulationScheduler"):
                 factors = [keyword(c, "scheduling") or _argument(c, 0) for c in calls]
@@ -533,7 +534,12 @@ class _Frameworks:
             return None
         path, line, value = found
         factor = cst.Integer(value) if value.isdigit() else cst.Name("accumulate_grad_batches")
-        return factor, f"`accumulate_grad_batches: {value}` in {shown(path)} line {line}", True
+        setting = (
+            f"--accumulate_grad_batches {value}"
+            if path.suffix == ".sh"
+            else f"accumulate_grad_batches: {value}"
+        )
+        return factor, f"`{setting}` in {shown(path)} line {line}", True
 
     def _config_accumulation(self, node: cst.CSTNode) -> cst.BaseExpression | None:
         """K as a DeepSpeed config dict sets it: `gradient_accumulation_steps`, or the

@@ -70,6 +70,7 @@ class Origin:
     variable: str = ""  # a sign of variable valid-token counts where that module computes it
     configured: cst.Call | None = field(default=None, compare=False, repr=False)  # a torch loss
     added: str = ""  # another term added to (or subtracted from) it: `aux_loss * coef`
+    through: str = ""  # an autograd Function it passed through as it is: `L2Wrap.apply`
 
     @property
     def description(self) -> str:
@@ -267,6 +268,10 @@ class _Calls:
             if method in PASS_THROUGH or (method == "scale" and len(call.args) == 1):
                 target = func.value if method in PASS_THROUGH else call.args[0].value
                 return self.origin(target, depth + 1)
+            handed = self._handed_on(func.value, call) if method == "apply" else None
+            if handed is not None:
+                found = self.origin(handed, depth + 1)
+                return replace(found, through=found.through or code(func))
         default = self.default(func)
         qualified = self.tree.qualified(default or func) or ""
         if qualified in ("torch.mean", "torch.nanmean"):
@@ -343,6 +348,29 @@ class _Calls:
     def _returned(self, expr: cst.BaseExpression, depth: int, by: str) -> Origin:
         found = self.origin(expr, depth + 1)
         return replace(found, via=f", returned by {by}") if found.kind != "unknown" else found
+
+    def _handed_on(self, owner: cst.BaseExpression, call: cst.Call) -> cst.BaseExpression | None:
+        """The argument of `Fn.apply(...)` that a torch.autograd.Function of this file returns
+        from its `forward` as it is (RWKV's `L2Wrap.apply(loss, logits)`, whose `backward`
+        adds a penalty's gradient on `logits`): the value is that argument's."""
+        cls = self._classes.get(owner.value) if isinstance(owner, cst.Name) else None
+        if cls is None or not any(last_name(b.value) == "Function" for b in cls.bases):
+            return None
+        forward = next(
+            (
+                s
+                for s in cls.body.body
+                if isinstance(s, cst.FunctionDef) and s.name.value == "forward"
+            ),
+            None,
+        )
+        returned = self.returns(forward) if forward is not None else []
+        inputs = [p.name.value for p in forward.params.params[1:]] if forward else []  # not ctx
+        if len(returned) != 1 or not isinstance(returned[0], cst.Name):
+            return None
+        index = inputs.index(returned[0].value) if returned[0].value in inputs else None
+        args = positional(call)
+        return args[index] if index is not None and index < len(args) else None
 
     @cached_property
     def _classes(self) -> dict[str, cst.ClassDef]:

@@ -51,14 +51,13 @@ class _Frameworks:
     def _lightning(self) -> Iterator[Site]:
         """`training_step` returning a mean loss under `Trainer(accumulate_grad_batches=k)`, a
         `GradientAccumulationScheduler`, or the project's YAML configs setting K."""
-        accumulation = self.structure.lightning_accumulation
-        if accumulation is None:
+        modules = [cls for cls in self.tree.classes if _is_lightning_module(cls)]
+        accumulation = self.structure.lightning_accumulation if modules else None
+        if accumulation is None:  # (the project's configs and scripts are read only here)
             return
         factor, setting, _ = accumulation
         size = None if isinstance(factor, cst.Dict) else factor  # a schedule: K varies by epoch
-        for cls in self.tree.classes:
-            if not _is_lightning_module(cls):
-                continue
+        for cls in modules:
             for node in self.tree.walk(cls.body):
                 if isinstance(node, cst.FunctionDef) and node.name.value == "training_step":
                     for returned in self.tracer.returns(node):

@@ -30,6 +30,8 @@ MAX_CONFIGS = 400  # YAML files read at most for one project
 MAX_LEVELS = 6  # folders climbed at most from a file to its project's configs
 # Lightning's accumulation factor as a YAML config sets it: a number or an interpolation.
 ACCUMULATE = re.compile(rb"(?m)^[ \t]*accumulate_grad_batches[ \t]*:[ \t]*([^\s#]+)")
+# ... and as a launch script hands it to `Trainer.from_argparse_args` (Lightning 1.x).
+ACCUMULATE_FLAG = re.compile(rb"--accumulate_grad_batches(?:[ \t]*=[ \t]*|[ \t]+)['\"]?(\d+)")
 
 
 @dataclass(frozen=True, order=True)
@@ -139,9 +141,13 @@ def project_configs(directory: Path, seen: set[Dependency]) -> list[tuple[Path, 
 
 
 def _read_configs(configs: Path, seen: set[Dependency]) -> list[tuple[Path, bytes]]:
-    found = []
     paths = sorted(p for p in configs.rglob("*.y*ml") if p.suffix in (".yaml", ".yml"))
-    for path in paths[:MAX_CONFIGS]:
+    return _read(paths[:MAX_CONFIGS], seen)
+
+
+def _read(paths: list[Path], seen: set[Dependency]) -> list[tuple[Path, bytes]]:
+    found = []
+    for path in paths:
         digest = file_digest(path)
         seen.add(Dependency(str(path), digest))
         try:
@@ -153,14 +159,35 @@ def _read_configs(configs: Path, seen: set[Dependency]) -> list[tuple[Path, byte
 
 def configured_accumulation(directory: Path, seen: set[Dependency]) -> tuple[Path, int, str] | None:
     """A YAML config of the project (`project_configs`) that sets Lightning's
-    `accumulate_grad_batches` above 1 or from an interpolation (`${...}`): the file, the
-    line and the value."""
-    for path, data in project_configs(directory, seen):
-        for match in ACCUMULATE.finditer(data):
+    `accumulate_grad_batches` above 1 or from an interpolation (`${...}`), else a launch
+    script of it (`project_scripts`) that passes `--accumulate_grad_batches` above 1: the
+    file, the line and the value."""
+    found = [(p, d, ACCUMULATE) for p, d in project_configs(directory, seen)]
+    found += [(p, d, ACCUMULATE_FLAG) for p, d in project_scripts(directory, seen)]
+    for path, data, pattern in found:
+        for match in pattern.finditer(data):
             value = match.group(1).decode("utf-8", "replace").strip("'\"")
             if value.startswith("${") or (value.isdigit() and int(value) > 1):
                 return path, data.count(b"\n", 0, match.start()) + 1, value
     return None
+
+
+def project_scripts(directory: Path, seen: set[Dependency]) -> list[tuple[Path, bytes]]:
+    """The shell scripts that launch the project holding `directory`: the `*.sh` files of
+    `directory`, of the project's root (the first folder above with a `PROJECT_MARKERS`
+    file) and of the `scripts/` folders on the way up, each with its bytes; every file read
+    is recorded in `seen`."""
+    directory = Path(os.path.abspath(directory))
+    paths = sorted(directory.glob("*.sh"))
+    for folder in (directory, *directory.parents)[:MAX_LEVELS]:
+        if folder.name in INSTALLED or folder == folder.parent:
+            break
+        if (folder / "scripts").is_dir():
+            paths += sorted((folder / "scripts").rglob("*.sh"))
+        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+            paths += sorted(folder.glob("*.sh")) if folder != directory else []
+            break
+    return _read(paths[:MAX_CONFIGS], seen)
 
 
 def configured_target(

@@ -284,6 +284,12 @@ class _Counting:
                 f"the loss adds `{site.origin.added}` to its mean: weighting the sum by the "
                 "mean's count would weight that term too; weight only the mean's term by its count"
             )
+        if site.origin.through:
+            return (
+                f"the loss passes through `{site.origin.through}(...)`, a torch.autograd.Function "
+                "whose `backward` may add gradients of its own, which one division at the step "
+                "would divide too"
+            )
         clip = self._clips_each_micro_batch(site.window)
         if clip is not None:
             return (

@@ -179,7 +179,9 @@ class _ReadAhead:
         where it was divided by K, any other term of the sum divided as the user divided it."""
         loss = site.backward.loss
         divisor = site.division.divisor if site.division is not None else None
-        if not site.origin.added:
+        if not site.origin.added and site.division is not None and site.division.node is loss:
+            term = cst.parse_expression(f"{atom(loss.left)} * {share}")  # `(x / K).backward()`
+        elif not site.origin.added:
             text = code(loss) if isinstance(loss, ATOMS) else f"({code(loss)})"
             undone = f" * {atom(divisor)}" if divisor is not None else ""
             term = cst.parse_expression(f"{text} * {share}{undone}")
