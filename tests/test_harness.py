@@ -637,6 +637,11 @@ FILE_LOOP = source("""
             "did not reach an optimizer step (a range with an unknown end ran 10000 times)",
         ),
         ("while True:\n    pass\n", 1, "timed out after 1 s"),
+        (  # a message that prints whole tensors: its first line, cut short
+            "for b in loader:\n    raise TypeError('x' * 500 + '\\nsecond line')\n",
+            1,
+            "TypeError: " + "x" * 240 + " ... (line 2)",
+        ),
     ],
 )
 def test_not_replayable_with_a_reason(text, line, reason):

@@ -356,16 +356,11 @@ class _Calls:
         cls = self._classes.get(owner.value) if isinstance(owner, cst.Name) else None
         if cls is None or not any(last_name(b.value) == "Function" for b in cls.bases):
             return None
-        forward = next(
-            (
-                s
-                for s in cls.body.body
-                if isinstance(s, cst.FunctionDef) and s.name.value == "forward"
-            ),
-            None,
-        )
+        methods = {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
+        forward = methods.get("forward")
         returned = self.returns(forward) if forward is not None else []
-        inputs = [p.name.value for p in forward.params.params[1:]] if forward else []  # not ctx
+        ctx = 0 if "setup_context" in methods else 1  # `forward(ctx, ...)`, unless set up apart
+        inputs = [p.name.value for p in forward.params.params[ctx:]] if forward else []
         if len(returned) != 1 or not isinstance(returned[0], cst.Name):
             return None
         index = inputs.index(returned[0].value) if returned[0].value in inputs else None

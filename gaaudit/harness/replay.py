@@ -54,6 +54,7 @@ from gaaudit.harness.stubs import (
 from gaaudit.vocabulary import BACKWARDS, CLIPPERS, MOVERS
 
 ENGINE_STARTUP = 120.0  # seconds a fresh process may take to import torch and DeepSpeed
+BRIEF = 240  # characters of an exception's message a verdict quotes at most
 # the process kept for DeepSpeed replays (in the verifying process), and whether this is it
 _apart: dict = {"pool": None, "engine": False}
 TRACKERS = (
@@ -761,7 +762,7 @@ def _describe(exc: BaseException, filename: str, plan: Plan) -> str:
     if mismatch:
         mismatch += ": pass your model with --model-factory"
     if not frames:
-        return f"{type(exc).__name__}: {exc}{mismatch}"
+        return f"{type(exc).__name__}: {_brief(exc)}{mismatch}"
     frame, line = frames[-1]
     text = " ".join(
         ast.unparse(node)
@@ -781,7 +782,13 @@ def _describe(exc: BaseException, filename: str, plan: Plan) -> str:
         if paths
         else ""
     )
-    return f"{type(exc).__name__}: {exc} (line {line}{read}){mismatch}"
+    return f"{type(exc).__name__}: {_brief(exc)} (line {line}{read}){mismatch}"
+
+
+def _brief(exc: BaseException) -> str:
+    """The exception's first line, cut short: a message may print whole tensors."""
+    text = next(iter(str(exc).strip().splitlines()), "")
+    return text if len(text) <= BRIEF else text[:BRIEF].rstrip() + " ..."
 
 
 def _model_call_refused(exc: BaseException) -> bool:

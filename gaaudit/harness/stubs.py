@@ -96,7 +96,7 @@ class Stub:
         return f"<stub {self._path}>"
 
 
-WORLD_SIZE = {"world_size", "num_processes", "n_gpus_total"}
+WORLD_SIZE = {"world_size", "num_processes"}  # `args.world_size`, accelerate's `num_processes`
 
 
 def world_size(name: str) -> int | None:
