@@ -16,6 +16,7 @@ from gaaudit.analysis.tree import (
     dotted,
     keyword,
     last_name,
+    methods_of,
     positional,
     string_value,
     substituted,
@@ -356,7 +357,7 @@ class _Calls:
         cls = self._classes.get(owner.value) if isinstance(owner, cst.Name) else None
         if cls is None or not any(last_name(b.value) == "Function" for b in cls.bases):
             return None
-        methods = {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
+        methods = methods_of(cls)
         forward = methods.get("forward")
         returned = self.returns(forward) if forward is not None else []
         ctx = 0 if "setup_context" in methods else 1  # `forward(ctx, ...)`, unless set up apart
@@ -458,12 +459,7 @@ class _Callees:
     def method(self, func: cst.BaseExpression, name: str) -> cst.FunctionDef | None:
         """A method of the same-file class a constructor call names."""
         cls = self._classes.get(dotted(func) or "")
-        if cls is None:
-            return None
-        return next(
-            (m for m in cls.body.body if isinstance(m, cst.FunctionDef) and m.name.value == name),
-            None,
-        )
+        return methods_of(cls).get(name) if cls is not None else None
 
     def _reduction(self, configured: cst.Call, call: cst.Call, what: str) -> Origin:
         """A torch loss's origin by its `reduction=`; `configured` is the call that sets it."""

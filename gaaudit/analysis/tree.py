@@ -220,6 +220,11 @@ class _Index:
             stack.extend((kid, False, scope) for kid in reversed(kids))
 
 
+def methods_of(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+    """The methods a class body defines, by name."""
+    return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
+
+
 def keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
     for arg in call.args:
         if arg.keyword is not None and arg.keyword.value == name:

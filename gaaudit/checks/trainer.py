@@ -10,7 +10,16 @@ import libcst as cst
 from gaaudit import catalogue
 from gaaudit.analysis.domain import Domain, Domains
 from gaaudit.analysis.provenance import PASS_THROUGH, Origin, Tracer
-from gaaudit.analysis.tree import Tree, code, dotted, keyword, last_name, positional, string_value
+from gaaudit.analysis.tree import (
+    Tree,
+    code,
+    dotted,
+    keyword,
+    last_name,
+    methods_of,
+    positional,
+    string_value,
+)
 from gaaudit.findings import Confidence, Finding
 from gaaudit.vocabulary import TRAINER_MODULES
 
@@ -431,10 +440,6 @@ class TrainerAudit(_LossKwargs, _Models):
             ):
                 return isinstance(parent, cst.If) or self.tree.contains(parent.body, node)
         return False
-
-
-def methods_of(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
-    return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
 
 
 def class_attribute(statement: cst.CSTNode, name: str) -> str | None:

@@ -278,8 +278,7 @@ def _lightning_targets(
     """The file's LightningModule classes with a `training_step`, by the line of their
     `class` statement, with their last line: a real Lightning Trainer runs them. Flagged when
     a finding lies in the class; on fixed-length rows where the file shows such `blocks`."""
-    from gaaudit.analysis.tree import code
-    from gaaudit.checks.trainer import methods_of
+    from gaaudit.analysis.tree import code, methods_of
 
     found = {}
     for cls in located.tree.classes:
@@ -499,7 +498,7 @@ def _trainer_targets(
     """The file's Trainer subclasses that override `compute_loss` or `training_step`, by the
     line of their `class` statement, with their last line; flagged when GA004 (or GA001 in
     one of their methods) reports them."""
-    from gaaudit.checks.trainer import methods_of
+    from gaaudit.analysis.tree import methods_of
 
     flagged = {site.owner for site in audit.sites() if site.owner is not None}
     found = {}

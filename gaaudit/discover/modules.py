@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -119,24 +119,35 @@ def _roots(directory: Path, top: str) -> tuple[Path, ...]:
         if folder.name in INSTALLED:
             break
         roots += [folder, folder / "src"]
-        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+        if _is_root(folder):
             break
     return tuple(dict.fromkeys(roots))
+
+
+def _is_root(folder: Path) -> bool:
+    """Whether `folder` is a project's root: it holds one of `PROJECT_MARKERS`."""
+    return any((folder / marker).exists() for marker in PROJECT_MARKERS)
+
+
+def _project_folders(directory: Path) -> Iterator[Path]:
+    """`directory` and the folders above it up to the project's root, at most MAX_LEVELS;
+    never an installed package's folder nor the filesystem's root."""
+    for folder in (directory, *directory.parents)[:MAX_LEVELS]:
+        if folder.name in INSTALLED or folder == folder.parent:
+            return
+        yield folder
+        if _is_root(folder):
+            return
 
 
 def project_configs(directory: Path, seen: set[Dependency]) -> list[tuple[Path, bytes]]:
     """The YAML files of the project holding `directory` (its `configs/`, `config/` or
     `conf/` folder, as Hydra and OmegaConf projects keep them), each with its bytes; every
     file read is recorded in `seen`."""
-    directory = Path(os.path.abspath(directory))
-    for folder in (directory, *directory.parents)[:MAX_LEVELS]:
-        if folder.name in INSTALLED or folder == folder.parent:  # never the filesystem's root
-            return []
+    for folder in _project_folders(Path(os.path.abspath(directory))):
         for name in CONFIG_FOLDERS:
             if (folder / name).is_dir():
                 return _read_configs(folder / name, seen)
-        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
-            return []
     return []
 
 
@@ -179,14 +190,11 @@ def project_scripts(directory: Path, seen: set[Dependency]) -> list[tuple[Path, 
     is recorded in `seen`."""
     directory = Path(os.path.abspath(directory))
     paths = sorted(directory.glob("*.sh"))
-    for folder in (directory, *directory.parents)[:MAX_LEVELS]:
-        if folder.name in INSTALLED or folder == folder.parent:
-            break
+    for folder in _project_folders(directory):
         if (folder / "scripts").is_dir():
             paths += sorted((folder / "scripts").rglob("*.sh"))
-        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
-            paths += sorted(folder.glob("*.sh")) if folder != directory else []
-            break
+        if folder != directory and _is_root(folder):
+            paths += sorted(folder.glob("*.sh"))
     return _read(paths[:MAX_CONFIGS], seen)
 
 

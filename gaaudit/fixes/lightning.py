@@ -16,6 +16,7 @@ from gaaudit.analysis.tree import (
     dotted,
     keyword,
     last_name,
+    methods_of,
     string_value,
     target_names,
 )
@@ -82,7 +83,7 @@ class _LightningWindow:
                 "both call instead"
             )
         self._init_statement(module)  # refuses a module without one
-        hook = _method(module, HOOK)
+        hook = methods_of(module).get(HOOK)
         if hook is not None and not isinstance(hook.body, cst.IndentedBlock):
             raise Unfixable(f"`{HOOK}` is written on one line; give it a block of its own")
         returned, micro, ref = site.backward.loss, self.micro, f"{this}.{self.reference}"
@@ -110,7 +111,7 @@ class _LightningWindow:
         total, ref, scaled = self.window_total, f"{this}.{self.reference}", self._fp16_trainer()
         start = f"{this}.{total} = 0\n" + (f"{ref} = None\n" if scaled else "")
         self.edits.insert_after(self._init_statement(module), start)
-        hook = _method(module, HOOK)
+        hook = methods_of(module).get(HOOK)
         params = hook.params.params if hook is not None else ()
         optimizer = params[1].name.value if len(params) > 1 else "optimizer"
         torch = torch_module(self.tree, self.edits)
@@ -135,7 +136,7 @@ class _LightningWindow:
                 self.edits.insert_before(statements[0], body)
             return
         indented = "".join(f"    {line}\n" if line else "\n" for line in body.splitlines())
-        step = _method(module, "training_step")
+        step = methods_of(module).get("training_step")
         if len(module.bases) > 1:  # a mixin's hook keeps running after the division
             indented += f"    super().{HOOK}({optimizer}, *args)\n"
         self.edits.insert_after(step, f"def {HOOK}({this}, {optimizer}, *args):\n{indented}")
@@ -146,7 +147,7 @@ class _LightningWindow:
 
     def _init_statement(self, module: cst.ClassDef) -> cst.CSTNode:
         """The `super().__init__(...)` statement of the module's `__init__`."""
-        init = _method(module, "__init__")
+        init = methods_of(module).get("__init__")
         for node in self.tree.walk(init, into_defs=False) if init is not None else ():
             if isinstance(node, cst.Call) and last_name(node.func) == "__init__":
                 return statement_line(self.tree, node)
@@ -206,11 +207,3 @@ class _LightningWindow:
             )
             for node in self.tree.walk(self.tree.module)
         )
-
-
-def _method(module: cst.ClassDef, name: str) -> cst.FunctionDef | None:
-    """The method `name` the class body defines, if any."""
-    return next(
-        (n for n in module.body.body if isinstance(n, cst.FunctionDef) and n.name.value == name),
-        None,
-    )

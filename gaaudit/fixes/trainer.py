@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from gaaudit.analysis.domain import shifts_labels
-from gaaudit.analysis.tree import Tree, code, dotted, keyword, positional, string_value
+from gaaudit.analysis.tree import Tree, code, dotted, keyword, methods_of, positional, string_value
 from gaaudit.checks.trainer import (
     COUNT,
     MODEL_OPT_OUT,
@@ -34,7 +34,6 @@ from gaaudit.checks.trainer import (
     is_super,
     is_super_init,
     loss_parts,
-    methods_of,
     parameters,
 )
 from gaaudit.fixes.accumulation import Outcome

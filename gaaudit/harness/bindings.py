@@ -148,8 +148,8 @@ class Objects:
                     self.bindings.setdefault(
                         name, f"stub whose pad_token_id is {PAD_ID}, the data's"
                     )
-                elif world_size(name):
-                    self.values[name] = world_size(name)
+                elif (processes := world_size(name)) is not None:
+                    self.values[name] = processes
                     self.bindings.setdefault(name, "the processes the replay runs on")
                 else:
                     self.values[name] = Stub(name)
