@@ -51,6 +51,49 @@ args = TrainingArguments(output_dir="out", gradient_accumulation_steps=8)
 PairTrainer(model=model, args=args, train_dataset=pairs).train()
 """
 
+# A Trainer subclass that keeps the stock loss and reads options of the project's own arguments
+OPTIONS = """\
+from dataclasses import dataclass, field
+from typing import Optional
+
+import transformers
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    use_lora: bool = False
+    head_lr: Optional[float] = field(default=None, metadata={"help": "the head's own rate"})
+"""
+HEAD_TRAINER = """\
+from transformers import Trainer
+
+
+class HeadTrainer(Trainer):
+    def create_optimizer(self):
+        if self.args.use_lora or self.args.head_lr is None:
+            return super().create_optimizer()
+        raise NotImplementedError(self.args.head_lr)
+"""
+
+# A reward model's trainer: each batch holds chosen and rejected sequences, and no labels
+REWARD_TRAINER = """\
+import torch.nn.functional as F
+from transformers import Trainer
+
+
+class RewardTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        chosen = model(
+            input_ids=inputs["input_ids_chosen"], attention_mask=inputs["attention_mask_chosen"]
+        )[0]
+        rejected = model(
+            input_ids=inputs["input_ids_rejected"],
+            attention_mask=inputs["attention_mask_rejected"],
+        )[0]
+        loss = -F.logsigmoid(chosen - rejected).mean()
+        return (loss, {"chosen": chosen}) if return_outputs else loss
+"""
+
 # One project per test below: its script, then every file it holds.
 PROJECTS = {
     "pinned": ("train.py", {"train.py": GA006["bad"]}),
@@ -76,6 +119,8 @@ PROJECTS = {
         },
     ),
     "pairs": ("rm.py", {"requirements.txt": "transformers==4.43.4\n", "rm.py": PAIRS}),
+    "options": ("trainer.py", {"params.py": OPTIONS, "trainer.py": HEAD_TRAINER}),
+    "reward": ("reward.py", {"reward.py": REWARD_TRAINER}),
 }
 
 
@@ -111,6 +156,18 @@ def test_a_pin_before_4_46_is_replayed_as_it_trains_and_as_the_installed_release
 def test_the_stock_trainer_without_a_pin_matches_the_full_batch(replayed):
     loop = replayed["stock"]
     assert not loop.flagged and loop.pinned == ""
+    assert loop.verdict == "verified", loop
+
+
+def test_a_subclass_keeping_the_stock_loss_is_replayed_with_the_projects_options(replayed):
+    loop = replayed["options"]  # `self.args.use_lora`: the default of the project's dataclass
+    assert loop.header == "class HeadTrainer(Trainer):" and not loop.flagged
+    assert loop.verdict == "verified", loop
+
+
+def test_a_reward_trainer_gets_batches_of_the_chosen_and_rejected_keys_it_reads(replayed):
+    loop = replayed["reward"]  # one term per pair, no labels: mean/K is exact on equal pairs
+    assert loop.header == "class RewardTrainer(Trainer):", loop
     assert loop.verdict == "verified", loop
 
 

@@ -71,6 +71,8 @@ class Target:
     stops: str = ""  # why the harness cannot stand for what the statement trains: not replayed
     loss_func: str = ""  # the file's function a Trainer is given as `compute_loss_func`
     lightning: bool = False  # `trainer` names a LightningModule: a Lightning Trainer runs it
+    # the literal defaults of the options the project adds to a Trainer's arguments
+    options: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass
@@ -246,11 +248,12 @@ def targets(
     setup = _trainer_setup(audit, located, trainers, line, path, blocks)
     if setup is not None:
         trainers[setup.line] = (setup, setup.line)
-    if trainers:  # a Trainer trains as the project's transformers does
-        pinned = _pinned(path)
+    if trainers:  # a Trainer trains as the project's transformers does, with its options
+        pinned, options = _pinned(path), _training_options(_search_root(path))
         for start, (target, end) in trainers.items():
             flagged = target.flagged or bool(pinned)  # GA006 reports it
-            trainers[start] = (replace(target, pinned=pinned, flagged=flagged), end)
+            changed = replace(target, pinned=pinned, flagged=flagged, options=options)
+            trainers[start] = (changed, end)
     trainers.update(_lightning_targets(located, statements, line, blocks))
     for start, (target, end) in trainers.items():  # its methods' statements: the Trainer runs them
         found = {line: t for line, t in found.items() if not start <= line <= end}
@@ -457,6 +460,16 @@ def _drop_last_files(root: Path) -> list[tuple[str, Path, int, str]]:
     """The project's Python files that say `drop_last=True`: (dotted module, path, line of
     the first, text)."""
     found = []
+    for module, file, text in _project_modules(root):
+        match = DROP_LAST.search(text)
+        if match:
+            line = text.count("\n", 0, match.start()) + 1
+            found.append((module, file, line, text))
+    return found
+
+
+def _project_modules(root: Path) -> Iterator[tuple[str, Path, str]]:
+    """The project's Python files: (dotted module, path, text)."""
     for file in sorted(discover([root], Settings(root=root))):
         if file.suffix != ".py":
             continue
@@ -464,12 +477,26 @@ def _drop_last_files(root: Path) -> list[tuple[str, Path, int, str]]:
             text = file.read_text("utf-8", "replace")
         except OSError:
             continue
-        match = DROP_LAST.search(text)
-        if match:
-            module = ".".join(file.resolve().relative_to(root).with_suffix("").parts)
-            line = text.count("\n", 0, match.start()) + 1
-            found.append((module.removesuffix(".__init__"), file.resolve(), line, text))
-    return found
+        module = ".".join(file.resolve().relative_to(root).with_suffix("").parts)
+        yield module.removesuffix(".__init__"), file.resolve(), text
+
+
+@functools.cache
+def _training_options(root: Path) -> tuple[tuple[str, object], ...]:
+    """The literal defaults of the options the project adds to the Trainer's arguments (its
+    dataclasses that extend `TrainingArguments`), which a Trainer subclass may read
+    (`self.args.use_lora`): the replay's arguments carry them. Values JSON can carry."""
+    from gaaudit.harness.surroundings import option_defaults
+
+    found: dict[str, object] = {}
+    for _, _, text in _project_modules(root):
+        if "TrainingArguments" not in text:
+            continue
+        with contextlib.suppress(SyntaxError, ValueError):
+            for name, value in option_defaults(ast.parse(text)).items():
+                if value is None or isinstance(value, (bool, int, float, str)):
+                    found.setdefault(name, value)
+    return tuple(sorted(found.items()))
 
 
 def _pinned(path: Path) -> str:
@@ -495,16 +522,13 @@ def _search_root(path: Path) -> Path:
 def _trainer_targets(
     audit, located: _Locator, statements: set[int]
 ) -> dict[int, tuple[Target, int]]:
-    """The file's Trainer subclasses that override `compute_loss` or `training_step`, by the
-    line of their `class` statement, with their last line; flagged when GA004 (or GA001 in
-    one of their methods) reports them."""
-    from gaaudit.analysis.tree import methods_of
-
+    """The file's Trainer subclasses, by the line of their `class` statement, with their last
+    line; flagged when GA004 (or GA001 in one of their methods) reports them. One that keeps
+    the stock loss is replayed too: the Trainer's own accumulation, with the class's other
+    overrides (its optimizer, its batches)."""
     flagged = {site.owner for site in audit.sites() if site.owner is not None}
     found = {}
     for name, cls in audit.trainers.items():
-        if not {"compute_loss", "training_step"} & set(methods_of(cls)):
-            continue
         start, end, header, patched = located(cls)
         reported = cls in flagged or any(start <= line <= end for line in statements)
         found[start] = (Target(start, patched, header, (), reported, name), end)
@@ -750,7 +774,13 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
     outcomes = []
     fixed = job["patched"] != job["original"]
     for raw in job["targets"]:
-        target = Target(**{**raw, "divisors": tuple(raw["divisors"])})
+        target = Target(
+            **{
+                **raw,
+                "divisors": tuple(raw["divisors"]),
+                "options": tuple(map(tuple, raw["options"])),
+            }
+        )
         outcome = Outcome(
             target.line,
             target.header,
@@ -887,6 +917,7 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
         pinned=bool(target.pinned),
         fixed=bool(target.fixed_length),
         loss_func=target.loss_func,
+        options=dict(target.options),
     )
     if target.pinned:  # what fixes it is the requirement: the installed release's verdict
         import transformers

@@ -149,6 +149,27 @@ def parameter_defaults(args: ast.arguments) -> list[tuple[str, ast.expr]]:
     ]
 
 
+def option_defaults(tree: ast.Module) -> dict[str, object]:
+    """The literal defaults of the fields of the module's classes that extend a
+    `TrainingArguments` (`use_lora: bool = False`, `vision_lr: float = field(default=None)`):
+    the options a project adds to the Trainer's arguments, which its Trainer subclass reads."""
+    found: dict[str, object] = {}
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        bases = (ast.unparse(base) for base in cls.bases)
+        if not any(base.endswith("TrainingArguments") for base in bases):
+            continue
+        for node in cls.body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            value = node.value
+            if isinstance(value, ast.Call) and ast.unparse(value.func).endswith("field"):
+                value = next((k.value for k in value.keywords if k.arg == "default"), None)
+            known, default = literal(value) if value is not None else (False, None)
+            if known:
+                found.setdefault(node.target.id, default)
+    return found
+
+
 def assignments_before(
     tree: ast.Module, target: ast.stmt, free: list[str], owner: Owner | None
 ) -> list[Derived]:

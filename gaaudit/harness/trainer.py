@@ -165,26 +165,83 @@ def examples(
 
 
 def collate(rows: list[dict[str, torch.Tensor]], width: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded to the longest row (or to `width`): pad id 0, attention mask 0, label -100."""
-    width = max(width, *(len(r["input_ids"]) for r in rows))
-    batch = {
-        "input_ids": torch.zeros(len(rows), width, dtype=torch.long),
-        "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
-        "labels": torch.full((len(rows), width), -100, dtype=torch.long),
-    }
-    for i, row in enumerate(rows):
-        n = len(row["input_ids"])
-        batch["input_ids"][i, :n] = row["input_ids"]
-        batch["attention_mask"][i, :n] = 1
-        batch["labels"][i, :n] = row["labels"]
-    if rows[0]["labels"].dim() == 0:
-        batch["labels"] = torch.stack([r["labels"] for r in rows])
+    """Right-padded to the longest row (or to `width`): pad id 0, attention mask 0, label -100;
+    each family of keys alike (`input_ids_chosen`, `attention_mask_chosen`, ...)."""
+    width = max(width, widest(rows))
+    batch = {}
+    for tag in _tags(rows[0]):
+        ids, mask, labels = (
+            tag.format(field) for field in ("input_ids", "attention_mask", "labels")
+        )
+        batch[ids] = torch.zeros(len(rows), width, dtype=torch.long)
+        batch[mask] = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, row in enumerate(rows):
+            batch[ids][i, : len(row[ids])] = row[ids]
+            batch[mask][i, : len(row[ids])] = 1
+        if labels not in rows[0]:
+            continue
+        if rows[0][labels].dim() == 0:  # one class label per row
+            batch[labels] = torch.stack([row[labels] for row in rows])
+            continue
+        batch[labels] = torch.full((len(rows), width), -100, dtype=torch.long)
+        for i, row in enumerate(rows):
+            batch[labels][i, : len(row[labels])] = row[labels]
     return batch
 
 
-def arguments(directory: str, k: int, device="cpu", **changes) -> Seq2SeqTrainingArguments:
+def widest(rows: list[dict[str, torch.Tensor]]) -> int:
+    """The longest sequence of any family of the rows."""
+    return max(len(row[tag.format("input_ids")]) for row in rows for tag in _tags(row))
+
+
+def _tags(row: dict) -> list[str]:
+    """The families of a row's keys, as a template of the field: `{}` for `input_ids`,
+    `{}_chosen` for `input_ids_chosen`."""
+    return [key.replace("input_ids", "{}") for key in row if "input_ids" in key]
+
+
+def paired(rows: list[list[dict]], keys: tuple[str, ...]) -> list[dict]:
+    """One row per example holding a family of the keys for each list of `rows`: a pairwise
+    collator's (`input_ids_chosen`, `input_ids_rejected`), with the labels only of families
+    whose labels are among `keys`."""
+    tags = sorted({key.replace("input_ids", "{}") for key in keys if "input_ids" in key})
+    return [
+        {
+            tag.format(field): value
+            for tag, row in zip(tags, together)
+            for field, value in row.items()
+            if field == "input_ids" or tag.format(field) in keys
+        }
+        for together in zip(*rows)
+    ]
+
+
+def paired_keys(source: str, name: str) -> tuple[str, ...]:
+    """The batch keys that class `name` of `source` indexes by name, where some name a
+    family of `input_ids` other than `input_ids` itself (a reward trainer's
+    `inputs["input_ids_chosen"]`); else ()."""
+    classes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]
+    keys = {
+        node.slice.value
+        for cls in classes
+        if cls.name == name
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Constant)
+        and isinstance(node.slice.value, str)
+        and any(f in node.slice.value for f in ("input_ids", "attention_mask", "labels"))
+    }
+    pairs = any("input_ids" in key and key != "input_ids" for key in keys)
+    return tuple(sorted(keys)) if pairs else ()
+
+
+def arguments(
+    directory: str, k: int, device="cpu", options: dict | None = None, **changes
+) -> Seq2SeqTrainingArguments:
     """One optimizer step over k micro-batches, in order, writing nothing outside `directory`
-    (the Seq2Seq arguments serve a `Seq2SeqTrainer` subclass too); `changes` override."""
+    (the Seq2Seq arguments serve a `Seq2SeqTrainer` subclass too); `changes` override, and
+    `options` the project adds to its arguments (`use_lora`) are set where transformers has
+    no field of that name."""
     settings = {
         "output_dir": directory,
         "per_device_train_batch_size": MICRO,
@@ -199,7 +256,11 @@ def arguments(directory: str, k: int, device="cpu", **changes) -> Seq2SeqTrainin
         "disable_tqdm": True,
         "remove_unused_columns": False,
     }
-    return Seq2SeqTrainingArguments(**{**settings, **changes})
+    made = Seq2SeqTrainingArguments(**{**settings, **changes})
+    for name, value in (options or {}).items():
+        if not hasattr(made, name):
+            setattr(made, name, value)
+    return made
 
 
 @dataclass(frozen=True)
@@ -213,6 +274,18 @@ class Window:
     device: object
     fixed: bool = False
     classifier: bool = False
+    options: tuple = ()  # the project's own arguments: `arguments`' `options`
+    keys: tuple = ()  # a pairwise collator's keys (`paired_keys`): rows of those families
+
+    def rows(self) -> list[dict[str, torch.Tensor]]:
+        n = self.k * MICRO
+        if not self.keys:
+            return examples(n, self.seed, self.classifier, self.fixed)
+        families = sum("input_ids" in key for key in self.keys)
+        made = [
+            examples(n, self.seed + 101 * i, self.classifier, self.fixed) for i in range(families)
+        ]
+        return paired(made, self.keys)
 
     def model(self) -> torch.nn.Module:
         user = current()
@@ -228,16 +301,14 @@ class Window:
         data = current_data()
         if data is not None:  # each item is one micro-batch, as the user's loader yields it
             return data.window(self.k, self.seed), _first, 1
-        rows = examples(self.k * MICRO, self.seed, self.classifier, self.fixed)
-        width = max(len(r["input_ids"]) for r in rows)  # the full batch's: its exact slices
-        return rows, functools.partial(collate, width=width), MICRO
+        rows = self.rows()  # padded to the full batch's width: its exact slices
+        return rows, functools.partial(collate, width=widest(rows)), MICRO
 
     def full_batch(self):
         data = current_data()
         if data is not None:
             return to_device(concatenate(data.window(self.k, self.seed)), self.device)
-        rows = examples(self.k * MICRO, self.seed, self.classifier, self.fixed)
-        return to_device(collate(rows), self.device)
+        return to_device(collate(self.rows()), self.device)
 
 
 def _first(rows: list):
@@ -251,7 +322,13 @@ def _step(cls: type, window: Window) -> list[torch.Tensor]:
     with tempfile.TemporaryDirectory() as directory:
         trainer = cls(
             model=window.model(),
-            args=arguments(directory, window.k, window.device, per_device_train_batch_size=rows),
+            args=arguments(
+                directory,
+                window.k,
+                window.device,
+                dict(window.options),
+                per_device_train_batch_size=rows,
+            ),
             train_dataset=dataset,
             data_collator=collator,
             callbacks=[capture],
@@ -266,7 +343,8 @@ def _full_batch(cls: type, window: Window) -> list[torch.Tensor]:
     """One backward of the class's `compute_loss` over all k micro-batches as one batch."""
     with tempfile.TemporaryDirectory() as directory:
         model = window.model().to(window.device)
-        trainer = cls(model=model, args=arguments(directory, window.k, window.device))
+        args = arguments(directory, window.k, window.device, dict(window.options))
+        trainer = cls(model=model, args=args)
         trainer.compute_loss(model, window.full_batch()).backward()
     return snapshot(model.parameters())
 
@@ -305,13 +383,15 @@ def compare(
     pinned: bool = False,
     fixed: bool = False,
     loss_func: str = "",
+    options: dict | None = None,
 ) -> dict:
     """The row of one Trainer class for one K: each version's error against the original
     class's loss over the full batch, with its verdict (`original_verdict`; `verdict` is the
     patched version's, else the original's). `pinned`: the versions train as transformers
     before 4.46 did, and the original also as the installed release does (`installed_*`);
     `fixed`: on examples of one length; `loss_func`: the file's function each version's
-    Trainer is given as `compute_loss_func`."""
+    Trainer is given as `compute_loss_func`; `options`: the project's own arguments'
+    defaults."""
     row: dict = {"k": k, "original_error": None, "patched_error": None}
     with quietly():
         try:
@@ -319,7 +399,8 @@ def compare(
         except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
             row["original_verdict"] = row["verdict"] = failed(exc)
             return row
-        window = Window(k, seed, device, fixed)
+        options = tuple((options or {}).items())
+        window = Window(k, seed, device, fixed, options=options, keys=paired_keys(original, name))
         versions = [("original", original, pinned)]
         versions += [("patched", patched, pinned)] if patched else []
         versions += [("installed", original, False)] if pinned else []
