@@ -567,6 +567,102 @@ def test_a_trainer_that_scores_preference_pairs_makes_the_pin_exact(
     assert finding.confidence is Confidence[expected], finding.evidence
 
 
+BESIDE_SCRIPT = """\
+from transformers import {collator}Trainer, TrainingArguments
+
+from {module} import {name}
+
+{bound} = {name}("data.json")
+args = TrainingArguments("o", gradient_accumulation_steps=8)
+Trainer({given}, args=args{collated}).train()
+"""
+REWARD_MODEL = """\
+import torch.nn.functional as F
+from torch import nn
+
+
+class RewardModel(nn.Module):
+    def forward(self, input_ids, attention_mask=None):
+        rewards = self.head(self.backbone(input_ids)[0]).squeeze(-1)
+        {loss}
+"""
+PADDED_DATASET = """\
+import torch
+from torch.utils.data import Dataset
+
+
+class SummaryDataset(Dataset):
+    def __getitem__(self, index):
+        encoded = self.tokenizer(self.texts[index], truncation=True, padding="max_length")
+        input_ids = torch.tensor(encoded["input_ids"])
+        {labels}
+        return {{"input_ids": input_ids, "labels": {returned}}}
+"""
+
+
+@pytest.mark.parametrize(
+    "module, script, expected",
+    [
+        (
+            REWARD_MODEL.format(loss="return -F.logsigmoid(rewards[0::2] - rewards[1::2]).mean()"),
+            {"name": "RewardModel", "bound": "model", "given": "model=model"},
+            "LOW",
+        ),
+        (
+            REWARD_MODEL.format(loss="return F.mse_loss(rewards, self.targets)"),
+            {"name": "RewardModel", "bound": "model", "given": "model=model"},
+            "HIGH",  # not a pair's loss
+        ),
+        (
+            PADDED_DATASET.format(labels="", returned="input_ids"),
+            {"name": "SummaryDataset", "bound": "data", "given": "train_dataset=data"},
+            "LOW",
+        ),
+        (
+            PADDED_DATASET.format(
+                labels="labels = input_ids.masked_fill(input_ids == 0, -100)", returned="labels"
+            ),
+            {"name": "SummaryDataset", "bound": "data", "given": "train_dataset=data"},
+            "HIGH",  # the padding is ignored: counts vary
+        ),
+        (
+            PADDED_DATASET.format(labels="", returned="input_ids"),
+            {
+                "name": "SummaryDataset",
+                "bound": "data",
+                "given": "train_dataset=data",
+                "collator": "DataCollatorForLanguageModeling, ",
+                "collated": ", data_collator=DataCollatorForLanguageModeling(tok, mlm=False)",
+            },
+            "HIGH",  # the script's collator masks the padding again
+        ),
+    ],
+    ids=["pairs-model", "no-pairs-model", "own-labels", "masked-labels", "masking-collator"],
+)
+def test_what_the_trainer_is_given_from_a_module_beside_it_can_make_the_pin_exact(
+    tmp_path, module, script, expected
+):
+    """trlx's summarisation scripts: a reward model of the project whose `forward` scores
+    pairs, or a dataset that pads every row to `max_length` and returns its ids as labels,
+    holds as many loss elements in every micro-batch, so the old Trainer's mean/K is exact."""
+    source = BESIDE_SCRIPT.format(
+        **{"collator": "", "collated": "", **script, "module": script["name"].lower()}
+    )
+    files = write(
+        tmp_path,
+        {
+            "requirements.txt": "transformers==4.32.0\n",
+            "train.py": source,
+            f"{script['name'].lower()}.py": module,
+        },
+    )
+    (report,) = check_repository(files, [tmp_path])
+    (finding,) = report.findings
+    assert finding.confidence is Confidence[expected], finding.evidence
+    if expected == "LOW":
+        assert f"{script['name'].lower()}.py line" in finding.evidence[-1], finding.evidence
+
+
 @pytest.mark.parametrize(
     "arguments",
     [

@@ -94,6 +94,29 @@ class RewardTrainer(Trainer):
         return (loss, {"chosen": chosen}) if return_outputs else loss
 """
 
+# trlx's summarisation SFT: a dataset of the module beside the script pads every row to
+# max_length and returns its ids as its labels, so every row counts every position
+OWN_LABELS_DATASET = """\
+import torch
+from torch.utils.data import Dataset
+
+
+class SummaryDataset(Dataset):
+    def __getitem__(self, index):
+        encoded = self.tokenizer(self.texts[index], truncation=True, padding="max_length")
+        input_ids = torch.tensor(encoded["input_ids"])
+        return {"input_ids": input_ids, "labels": input_ids}
+"""
+OWN_LABELS_SCRIPT = """\
+from summary_dataset import SummaryDataset
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+model = AutoModelForCausalLM.from_pretrained("gpt2")
+dataset = SummaryDataset("summaries.json")
+args = TrainingArguments(output_dir="out", gradient_accumulation_steps=8)
+Trainer(model=model, args=args, train_dataset=dataset).train()
+"""
+
 # One project per test below: its script, then every file it holds.
 PROJECTS = {
     "pinned": ("train.py", {"train.py": GA006["bad"]}),
@@ -121,6 +144,14 @@ PROJECTS = {
     "pairs": ("rm.py", {"requirements.txt": "transformers==4.43.4\n", "rm.py": PAIRS}),
     "options": ("trainer.py", {"params.py": OPTIONS, "trainer.py": HEAD_TRAINER}),
     "reward": ("reward.py", {"reward.py": REWARD_TRAINER}),
+    "own_labels": (
+        "sft.py",
+        {
+            "requirements.txt": "transformers==4.32.0\n",
+            "sft.py": OWN_LABELS_SCRIPT,
+            "summary_dataset.py": OWN_LABELS_DATASET,
+        },
+    ),
 }
 
 
@@ -169,6 +200,14 @@ def test_a_reward_trainer_gets_batches_of_the_chosen_and_rejected_keys_it_reads(
     loop = replayed["reward"]  # one term per pair, no labels: mean/K is exact on equal pairs
     assert loop.header == "class RewardTrainer(Trainer):", loop
     assert loop.verdict == "verified", loop
+
+
+def test_under_the_pin_rows_of_a_dataset_beside_that_count_every_position_are_exact(replayed):
+    loop = replayed["own_labels"]  # as GA006 reads the dataset the Trainer is given
+    assert loop.fixed_length.startswith("`SummaryDataset` pads each row to `max_length`"), loop
+    assert loop.fixed_length.endswith("summary_dataset.py line 9"), loop.fixed_length
+    assert all(row["original_verdict"] == "verified" for row in loop.rows), loop
+    assert loop.verdict == "verified"
 
 
 def test_a_pin_in_a_requirements_file_above_the_script_counts(replayed):

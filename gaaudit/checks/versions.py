@@ -9,6 +9,7 @@ pin file's folder. File level (`findings`): a script's PEP 723 inline metadata.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import re
 import stat
@@ -605,17 +606,28 @@ def _listed(folder: Path) -> list[Path]:
 
 def _exact(trainers: dict[Path, str], data: dict[Path, bytes]) -> str | None:
     """A sign, in every file that builds a Trainer, that each micro-batch holds the same number
-    of loss elements: fixed-length blocks and no padded or masked targets, or a Trainer of the
-    file's own that scores preference pairs. The old Trainer's mean/K is then exact."""
+    of loss elements (`exact_data`). The old Trainer's mean/K is then exact."""
     signs = []
     for path in trainers:
-        text = data[path].decode("utf-8", "replace")
-        sign = scan(text).blocks or _pairs(text, data[path])
+        sign = exact_data(path, data[path])
         if sign is None:
             return None
-        line, what = sign
-        signs.append(f"{what} in {display_path(path)} line {line}")
+        where, line, what = sign
+        signs.append(f"{what} in {display_path(where)} line {line}")
     return "; ".join(signs) or None
+
+
+def exact_data(path: Path, data: bytes) -> tuple[Path, int, str] | None:
+    """Where the file at `path`, which builds a Trainer, shows that every micro-batch holds the
+    same number of loss elements: fixed-length blocks and no padded or masked targets, a
+    Trainer of the file's own that scores preference pairs, or what the Trainer is given
+    (`_given`); the file, line and what."""
+    text = data.decode("utf-8", "replace")
+    evidence = scan(text)
+    sign = evidence.blocks or _pairs(text, data)
+    if sign is not None:
+        return path, *sign
+    return _given(path, data, padded=evidence.padded is not None)
 
 
 def _pairs(text: str, data: bytes) -> tuple[int, str] | None:
@@ -640,6 +652,108 @@ def _pairs(text: str, data: bytes) -> tuple[int, str] | None:
     if not pairwise or not built or not built <= pairwise.keys():
         return None
     return min(pairwise[name] for name in built)
+
+
+def _given(path: Path, data: bytes, padded: bool) -> tuple[Path, int, str] | None:
+    """A sign in what every Trainer the file builds is given, a class of the file or of a
+    module beside it: a model whose `forward` scores preference pairs (one loss element per
+    pair), or, where the file shows no padding of its own, a dataset that pads each row to
+    `max_length` and returns its ids as its labels (every position counted, none ignored)."""
+    try:
+        module = ast.parse(data)
+    except (SyntaxError, ValueError):
+        return None
+    names = {name.rsplit(".", 1)[-1] for _, name in _built(data)}
+    calls = [
+        node
+        for node in ast.walk(module)
+        if isinstance(node, ast.Call) and _called(node.func) in names
+    ]
+    signs = []
+    for call in calls:
+        given = {k.arg: k.value for k in call.keywords}
+        model = _project_class(path, module, given.get("model") or next(iter(call.args), None))
+        dataset = _project_class(path, module, given.get("train_dataset"))
+        sign = (model and _scores_pairs(*model)) or (
+            dataset and not padded and _own_labels(*dataset)
+        )
+        if not sign:
+            return None
+        signs.append(sign)
+    return signs[0] if signs else None
+
+
+def _called(func: ast.expr) -> str:
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def _project_class(
+    path: Path, module: ast.Module, value: ast.expr | None
+) -> tuple[Path, ast.ClassDef, str] | None:
+    """The class `value` is an instance of (`Cls(...)`, or a name bound to one in the file),
+    defined in the file or in a module beside it it imports the class from (`from
+    reward_model import GPTRewardModel`): its file, node and source."""
+    if isinstance(value, ast.Name):
+        bound = [
+            node.value
+            for node in ast.walk(module)
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == value.id for t in node.targets)
+        ]
+        value = bound[0] if len(bound) == 1 else None
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)):
+        return None
+    name = value.func.id
+    sources = [(path, module)]
+    for node in module.body:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.level <= 1
+            and any((a.asname or a.name) == name for a in node.names)
+        ):
+            beside = path.parent.joinpath(*node.module.split(".")).with_suffix(".py")
+            with contextlib.suppress(SyntaxError, ValueError):
+                sources.append((beside, ast.parse(_read(beside))))
+    for where, tree in sources:
+        for cls in tree.body:
+            if isinstance(cls, ast.ClassDef) and cls.name == name:
+                return where, cls, _read(where).decode("utf-8", "replace")
+    return None
+
+
+def _scores_pairs(where: Path, cls: ast.ClassDef, text: str) -> tuple[Path, int, str] | None:
+    """Where a model class's `forward` scores preference pairs: one loss element per pair."""
+    forward = next((m for m in cls.body if getattr(m, "name", "") == "forward"), None)
+    if forward is not None and PAIRWISE.search(ast.get_source_segment(text, forward) or ""):
+        return where, forward.lineno, f"`{cls.name}.forward` scores preference pairs"
+    return None
+
+
+def _own_labels(where: Path, cls: ast.ClassDef, text: str) -> tuple[Path, int, str] | None:
+    """Where a dataset class, padding each row to `max_length` and ignoring no target,
+    returns its ids as its labels (`{"input_ids": ids, "labels": ids}`): every row counts
+    every position."""
+    source = ast.get_source_segment(text, cls) or ""
+    if re.search(r"-\s*100\b|ignore", source, re.IGNORECASE) or not any(
+        isinstance(node, ast.keyword)
+        and node.arg == "padding"
+        and isinstance(node.value, ast.Constant)
+        and node.value.value == "max_length"
+        for node in ast.walk(cls)
+    ):
+        return None
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Dict):
+            fields = {
+                k.value: ast.dump(v)
+                for k, v in zip(node.keys, node.values)
+                if isinstance(k, ast.Constant)
+            }
+            if "labels" in fields and fields["labels"] == fields.get("input_ids"):
+                what = f"`{cls.name}` pads each row to `max_length` and trains on every position"
+                return where, node.lineno, what
+    return None
 
 
 def findings(context) -> list[Finding]:

@@ -245,7 +245,7 @@ def targets(
     blocks = f"{evidence.blocks[1]}, line {evidence.blocks[0]}" if evidence.blocks else ""
     located = _Locator(tree, lines, patched_lines)
     trainers = _trainer_targets(audit, located, statements)
-    setup = _trainer_setup(audit, located, trainers, line, path, blocks)
+    setup = _trainer_setup(audit, located, trainers, line, path, _exact_data(path, original))
     if setup is not None:
         trainers[setup.line] = (setup, setup.line)
     if trainers:  # a Trainer trains as the project's transformers does, with its options
@@ -302,13 +302,12 @@ def _lightning_targets(
 
 
 def _trainer_setup(
-    audit, located: _Locator, trainers: dict, line: int | None, path: Path, blocks: str
+    audit, located: _Locator, trainers: dict, line: int | None, path: Path, exact: str
 ) -> Target | None:
     """The file's first call that builds a transformers Trainer (`Trainer(...)`,
     `Seq2SeqTrainer(...)`, a subclass of the file or the project), when no Trainer subclass
     target replays it already: the Trainer's own accumulation, replayed with a real Trainer.
-    Its data is of fixed-length blocks where the file shows such `blocks` (as GA006 reads
-    them)."""
+    Its data holds as many loss elements in every row where GA006 reads so (`exact`)."""
     from gaaudit.analysis.tree import code
 
     tree = located.tree
@@ -336,8 +335,22 @@ def _trainer_setup(
         for site in audit.sites()
     )
     return Target(
-        start, patched, header, (), flagged, name, fixed_length=blocks, stops=stops, loss_func=loss
+        start, patched, header, (), flagged, name, fixed_length=exact, stops=stops, loss_func=loss
     )
+
+
+def _exact_data(path: Path, original: bytes) -> str:
+    """GA006's sign that every row of the file's Trainer holds as many loss elements
+    (`checks.versions.exact_data`): what, and where (`line 6` in this file)."""
+    from gaaudit.checks.engine import display_path
+    from gaaudit.checks.versions import exact_data
+
+    sign = exact_data(path, original)
+    if sign is None:
+        return ""
+    where, line, what = sign
+    place = "" if where == path else f"{display_path(where)} "
+    return f"{what}, {place}line {line}"
 
 
 def _aliased(tree, call: cst.Call) -> cst.BaseExpression:
