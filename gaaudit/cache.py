@@ -57,12 +57,13 @@ class Entry:
     error: FileError | None
     hidden: int = 0
     notes: tuple[str, ...] = ()
+    fixable: int | None = None  # see FileReport
 
     def report(self, shown: str) -> FileReport:
         """The recorded report, with the file's path as shown in this run."""
         error = self.error and replace(self.error, path=shown)
         findings = [replace(f, path=shown) for f in self.findings]
-        return FileReport(shown, findings, error, self.hidden, self.notes)
+        return FileReport(shown, findings, error, self.hidden, self.notes, self.fixable)
 
 
 def digest(data: bytes) -> str:
@@ -124,7 +125,14 @@ def record(
     findings = tuple(replace(f, path="") for f in report.findings)
     error = report.error and replace(report.error, path="")
     return Entry(
-        signed or None, content, tuple(dependencies), findings, error, report.hidden, report.notes
+        signed or None,
+        content,
+        tuple(dependencies),
+        findings,
+        error,
+        report.hidden,
+        report.notes,
+        report.fixable,
     )
 
 
@@ -278,7 +286,16 @@ def _encode(entry: Entry) -> list:
     ]
     dependencies = [list(d) for d in entry.dependencies]
     notes = list(entry.notes)
-    return [entry.signature, entry.digest, dependencies, findings, error, entry.hidden, notes]
+    return [
+        entry.signature,
+        entry.digest,
+        dependencies,
+        findings,
+        error,
+        entry.hidden,
+        notes,
+        entry.fixable,
+    ]
 
 
 def _span(span: Span) -> tuple[int, int, int, int]:
@@ -287,7 +304,7 @@ def _span(span: Span) -> tuple[int, int, int, int]:
 
 def _decode(raw: list) -> Entry:
     """An entry from its JSON form; raises on anything malformed."""
-    signed, content, dependencies, findings, error, hidden, notes = raw
+    signed, content, dependencies, findings, error, hidden, notes, counted = raw
     decoded = tuple(
         Finding(
             "",
@@ -318,6 +335,7 @@ def _decode(raw: list) -> Entry:
         failure,
         int(hidden),
         tuple(map(str, notes)),
+        None if counted is None else int(counted),
     )
 
 

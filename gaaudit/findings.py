@@ -80,3 +80,4 @@ class FileReport:
     error: FileError | None = None
     hidden: int = 0  # findings below the minimum confidence, counted, not shown
     notes: tuple[str, ...] = ()  # what was left unchecked, e.g. a notebook cell of another language
+    fixable: int | None = None  # findings a safe `gaaudit fix` would fix; None: not counted

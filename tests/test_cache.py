@@ -81,6 +81,34 @@ def test_hit_gives_the_same_report_and_reads_no_file(project, capsys, monkeypatc
     assert analyses == []
 
 
+def test_the_fixable_count_is_planned_once_and_kept_with_the_report(project, capsys, monkeypatch):
+    """The text summary's `[*] N fixable` is planned where a file is checked (JSON runs plan
+    nothing) and cached with its report: a later run over unchanged files plans no fix."""
+    from gaaudit.fixes import fixer
+
+    planned: list[str] = []
+    plan = fixer.fix_file
+
+    def counting(path, *args, **options):
+        planned.append(Path(path).as_posix())
+        return plan(path, *args, **options)
+
+    monkeypatch.setattr(fixer, "fix_file", counting)
+    run(capsys)  # JSON: the cache holds the reports, not yet the count
+    assert planned == []
+
+    def text() -> str:
+        check(CheckOptions(paths=(Path("."),), min_confidence="low"))
+        return capsys.readouterr().out.splitlines()[-1]
+
+    first = text()
+    assert first.startswith("[*] ") and first.endswith(" fixable with `gaaudit fix`."), first
+    assert "src/train.py" in {p.removeprefix(f"{project.as_posix()}/") for p in planned}
+    planned.clear()
+    assert text() == first
+    assert planned == []
+
+
 def test_changed_file_is_analysed_again(project, capsys, analyses):
     train = project / "src" / "train.py"
     before = run(capsys)

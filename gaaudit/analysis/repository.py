@@ -87,6 +87,7 @@ class Repository:
         ] = {}
         self._visiting: set[tuple[str, str]] = set()
         self._averaging: dict[tuple[str, str, str], tuple[int, str] | None] = {}
+        self._callers: dict[tuple[str, str, str], Tree | None] = {}
 
     def summary(
         self, path: Path, name: str, seen: set[Dependency], hops: int = 0
@@ -118,6 +119,18 @@ class Repository:
             except (OSError, SourceError, RecursionError, UnicodeEncodeError):
                 self._averaging[key] = None
         return self._averaging[key]
+
+    def caller(self, path: Path, digest: str, function: str) -> Tree | None:
+        """The module at `path` (of that `digest`) with only the definitions that call
+        `function` kept, parsed once per file version; None when it does not parse."""
+        key = (str(path), digest, function)
+        if key not in self._callers:
+            try:
+                data = focus(path.read_bytes(), (function.encode() + b"(",))
+                self._callers[key] = Tree(parse(data), data)
+            except (OSError, SourceError, RecursionError, UnicodeEncodeError):
+                self._callers[key] = None
+        return self._callers[key]
 
     def _summarise(
         self, path: Path, name: str, hops: int
@@ -298,11 +311,12 @@ class _Callers:
             if path.name == self.name or not digest:
                 continue
             try:
-                data = path.read_bytes()
-                if not all(needle in data for needle in needles):
+                if not all(needle in path.read_bytes() for needle in needles):
                     continue
-                tree = Tree(parse(data), data)
-            except (OSError, SourceError, RecursionError):
+            except OSError:
+                continue
+            tree = self.repository.caller(path, digest, function)
+            if tree is None:
                 continue
             caller = Imports(tree, path.parent, self.repository, self.hops + 1, path.name)
             found = caller._passed(function, position, parameter, self, call, index)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
@@ -21,6 +21,9 @@ IN_FLIGHT = 4  # tasks queued per worker: enough to keep it busy, few enough to 
 YOUNG_OBJECTS = 50_000  # allocations between collections of the youngest generation
 
 Result = tuple[Path, FileReport, "cache.Entry | None"]
+# how many findings of a file (or of its text) `gaaudit fix` would fix: a module-level
+# function, which workers receive by name
+FixableCount = Callable[[Path, Settings, "bytes | None"], int]
 
 
 def display_path(path: Path, root: Path | None = None) -> str:
@@ -67,10 +70,13 @@ def check_file(path: Path, settings: Settings, data: bytes | None = None) -> Fil
     return _analyse(source, settings, shown)[0]
 
 
-def check_recorded(path: Path, settings: Settings, known: cache.Entry | None) -> Result:
+def check_recorded(
+    path: Path, settings: Settings, known: cache.Entry | None, count: FixableCount | None = None
+) -> Result:
     """`check_file`, and the cache entry that records its report. `known` is the file's
     entry from an earlier run: when the file's bytes and dependencies are the same, its
-    report is reused without analysis."""
+    report is reused without analysis. `count`: with the findings `gaaudit fix` would fix
+    (`counted`)."""
     shown = display_path(path)
     signed = cache.signature(path)  # before reading: a later change shows next time
     try:
@@ -83,10 +89,30 @@ def check_recorded(path: Path, settings: Settings, known: cache.Entry | None) ->
         )
     content = cache.digest(source.data)
     if known is not None and known.digest == content and cache.unchanged(known.dependencies):
-        return path, known.report(shown), replace(known, signature=signed)
+        report = known.report(shown)
+        if count and report.fixable is None:
+            report = counted(path, report, settings, count)
+        return path, report, replace(known, signature=signed, fixable=report.fixable)
     named = cache.named_files(source.data, path.parent)  # signed before the analysis reads them
     report, found = _analyse(source, settings, shown)
+    if count:
+        report = counted(path, report, settings, count)
     return path, report, cache.record(signed, content, report, [*named, *cache.signed(found)])
+
+
+def counted(
+    path: Path,
+    report: FileReport,
+    settings: Settings,
+    count: FixableCount,
+    data: bytes | None = None,
+) -> FileReport:
+    """The report with how many of its findings a safe `gaaudit fix` would fix, as `count`
+    (the fixer's, handed down: checks come before fixes) plans them for the file; in the
+    worker that checked it, cached with the report."""
+    fixable = any(f.fixable for f in report.findings)
+    report.fixable = count(path, settings, data) if fixable else 0
+    return report
 
 
 def _analyse(source: Source, settings: Settings, shown: str):
@@ -166,8 +192,10 @@ def check_files(
     settings: Settings,
     jobs: int | None = None,
     store: cache.Cache | None = None,
+    count: FixableCount | None = None,
 ) -> Iterator[tuple[Path, FileReport]]:
-    """Each file with its report, as files finish (not in input order).
+    """Each file with its report, as files finish (not in input order); with `count`, each
+    report says how many of its findings `gaaudit fix` would fix.
 
     With a cache `store`, a file whose entry still holds is answered without being read,
     and every other report is recorded in it. More than a handful of files to read go to
@@ -179,7 +207,7 @@ def check_files(
     work: list[tuple[Path, cache.Entry | None]] = []
     for path in files:
         known = store.get(path) if store is not None else None
-        if known is not None and store.fresh(path, known):
+        if known is not None and store.fresh(path, known) and not (count and known.fixable is None):
             yield path, known.report(_relative(path, here))
         else:
             work.append((path, known))
@@ -187,9 +215,9 @@ def check_files(
     _collect_less()
     try:
         if jobs == 1 or len(work) < PARALLEL_THRESHOLD:
-            results: Iterable[Result] = _check_chunk(work, settings, store is not None)
+            results: Iterable[Result] = _check_chunk(work, settings, store is not None, count)
         else:
-            results = _in_workers(work, settings, store is not None, jobs)
+            results = _in_workers(work, settings, store is not None, count, jobs)
         for path, report, entry in results:
             if store is not None:
                 store.put(path, entry)
@@ -199,25 +227,33 @@ def check_files(
 
 
 def _check_chunk(
-    chunk: list[tuple[Path, cache.Entry | None]], settings: Settings, recording: bool
+    chunk: list[tuple[Path, cache.Entry | None]],
+    settings: Settings,
+    recording: bool,
+    count: FixableCount | None,
 ) -> Iterator[Result]:
     for path, known in chunk:
-        yield (
-            check_recorded(path, settings, known)
-            if recording
-            else (path, check_file(path, settings), None)
-        )
+        if recording:
+            yield check_recorded(path, settings, known, count)
+        else:
+            report = check_file(path, settings)
+            yield path, counted(path, report, settings, count) if count else report, None
 
 
-def _checked(chunk, settings: Settings, recording: bool) -> list[tuple]:
+def _checked(chunk, settings: Settings, recording: bool, count: FixableCount | None) -> list[tuple]:
     """A worker's task: the reports and cache entries of a chunk of files, in its order
     (not its paths, which the main process holds: rebuilding paths costs it more than
     reading the results)."""
-    return [(report, entry) for _, report, entry in _check_chunk(chunk, settings, recording)]
+    checked = _check_chunk(chunk, settings, recording, count)
+    return [(report, entry) for _, report, entry in checked]
 
 
 def _in_workers(
-    work: list[tuple[Path, cache.Entry | None]], settings: Settings, recording: bool, jobs: int
+    work: list[tuple[Path, cache.Entry | None]],
+    settings: Settings,
+    recording: bool,
+    count: FixableCount | None,
+    jobs: int,
 ) -> Iterator[Result]:
     """Results from `jobs` worker processes, at most `IN_FLIGHT` tasks per worker queued."""
     import multiprocessing
@@ -238,7 +274,7 @@ def _in_workers(
         for task in _tasks(work):
             if len(tasks) >= jobs * IN_FLIGHT:
                 yield from finished()
-            tasks[pool.submit(_checked, task, settings, recording)] = task
+            tasks[pool.submit(_checked, task, settings, recording, count)] = task
         while tasks:
             yield from finished()
     except BaseException:  # Ctrl-C, or the reader left: stop the workers mid-task, at once

@@ -120,12 +120,16 @@ def check(options: CheckOptions) -> int:
     settings = settings_for(options)
     started = time.perf_counter()
     stdin = stdin_target(options, settings)
+    # the text summary's count of what `gaaudit fix` would fix
+    count = _count_fixable if options.format == "text" and not options.quiet else None
     if stdin is not None:
-        from gaaudit.checks.engine import check_file
+        from gaaudit.checks.engine import check_file, counted
 
         path, data, skipped = stdin
         files = [] if skipped else [path]
         checked = [(path, check_file(path, settings, data)) for path in files]
+        if count:
+            checked = [(path, counted(path, r, settings, count, data)) for path, r in checked]
         store = None
     else:
         files = list(discover(paths, settings, options.force_exclude))
@@ -134,7 +138,7 @@ def check(options: CheckOptions) -> int:
         pins = dependency_files(files)  # read by GA006, not as Python
         store = None if options.no_cache else cache_for(options, settings)
         sources = [f for f in files if f not in pins] if pins else files
-        checked = check_files(sources, settings, options.jobs, store)
+        checked = check_files(sources, settings, options.jobs, store, count)
     # Only reports with something to say are kept: memory stays flat as the tree grows.
     found = [
         (p, r)
@@ -143,16 +147,15 @@ def check(options: CheckOptions) -> int:
     ]
     warning = store.save() if store is not None else None
     reports = [report for _, report in found]
-    # A fix run per file with a finding: paid by SARIF's fixes and the text summary's count.
+    # SARIF's fixes: a fix run per file with a finding. The text summary's count was planned
+    # where each file was checked, and is cached with its report.
     fixes, fixable = {}, None
     if options.format == "sarif":
         from gaaudit.output.sarif_fixes import suggest
 
         fixes = suggest(found, settings, options.unsafe_fixes)
-    elif options.format == "text" and not options.quiet and any(r.findings for r in reports):
-        from gaaudit.fixes.fixer import count_fixable
-
-        fixable = count_fixable([p for p, r in found if r.findings], settings)
+    elif count:
+        fixable = sum(r.fixable or 0 for r in reports)
     if stdin is None:
         reports += pin_reports(files, paths, pins, settings)
     run = CheckRun(
@@ -175,6 +178,13 @@ def check(options: CheckOptions) -> int:
     if options.exit_zero:
         return EXIT_CLEAN
     return EXIT_ERROR if run.errors else EXIT_FINDINGS if run.findings else EXIT_CLEAN
+
+
+def _count_fixable(path: Path, settings, data: bytes | None) -> int:
+    """`fixes.fixer.count_fixable`, imported only where a file has a fixable finding."""
+    from gaaudit.fixes.fixer import count_fixable
+
+    return count_fixable(path, settings, data)
 
 
 def stdin_target(options: CheckOptions, settings) -> tuple[Path, bytes, bool] | None:

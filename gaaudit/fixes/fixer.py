@@ -150,15 +150,13 @@ def _start(tree, node) -> tuple[int, int]:
     return span.line, span.column
 
 
-def count_fixable(paths: list[Path], settings: Settings) -> int:
-    """How many findings of these files `gaaudit fix` would fix (safe fixes only)."""
-    count = 0
-    for path in paths:
-        try:
-            count += sum(o.applied for o in fix_file(path, settings).outcomes)
-        except Exception:  # noqa: BLE001, S112 - unreadable since checked, or a fixer bug: not counted
-            continue
-    return count
+def count_fixable(path: Path, settings: Settings, data: bytes | None = None) -> int:
+    """How many findings of the file (of `data`, its text from standard input) `gaaudit fix`
+    would fix (safe fixes only)."""
+    try:
+        return sum(o.applied for o in fix_file(path, settings, data=data).outcomes)
+    except Exception:  # noqa: BLE001 - unreadable since checked, or a fixer bug: not counted
+        return 0
 
 
 def fix_file(
