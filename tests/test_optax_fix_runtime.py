@@ -180,3 +180,66 @@ def test_lax_scan_average(suffix):
     )
     error = relative_error(applied(initial_params(), params), window_gradient(batches))
     assert (error < 1e-5) if suffix == ".fixed.py" else (error > 1e-3), error
+
+
+LOGGED = """\
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def loss_fn(params, apply_fn, batch):
+    logits = apply_fn(params, batch["input_ids"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    mask = batch["loss_mask"]
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def micro_step(params, opt_state, batch, apply_fn, optimizer):
+    loss, grads = jax.value_and_grad(loss_fn)(params, apply_fn, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def train(params, apply_fn, batches, logged, accum_steps=4):
+    optimizer = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=accum_steps)
+    opt_state = optimizer.init(params)
+    for batch in batches:
+        params, opt_state, loss = micro_step(params, opt_state, batch, apply_fn, optimizer)
+        logged.append(float(loss))
+    return params
+"""
+
+
+def test_multisteps_fix_keeps_the_logged_loss_a_micro_batch_mean():
+    """Issue 17, item 1, for JAX: the step's loss value, logged every micro-step, is the
+    micro-batch's masked mean before and after the fix; only the applied gradient changes."""
+    from pathlib import Path
+
+    from gaaudit.config import Settings
+    from gaaudit.findings import Confidence
+    from gaaudit.fixes.fixer import fix_source
+
+    fixed = fix_source(LOGGED.encode(), Path("train.py"), Settings(min_confidence=Confidence.LOW))
+    assert fixed.changed and "use_grad_mean=False" in fixed.after.decode()
+    batches = micro_batches(4)
+    means = [
+        float(
+            jnp.sum(
+                optax.softmax_cross_entropy_with_integer_labels(
+                    logits_of(initial_params(), b["input_ids"]), b["labels"]
+                )
+                * b["loss_mask"]
+            )
+            / jnp.sum(b["loss_mask"])
+        )
+        for b in batches
+    ]
+    for source, exact in ((LOGGED, False), (fixed.after.decode(), True)):
+        logged: list[float] = []
+        params = definitions(source, "train.py")["train"](
+            initial_params(), logits_of, batches, logged
+        )
+        assert np.allclose(logged, means, rtol=1e-5), (logged, means)
+        error = relative_error(applied(initial_params(), params), window_gradient(batches))
+        assert (error < 1e-5) if exact else (error > 1e-3), error

@@ -499,7 +499,7 @@ def test_only_sarif_and_the_text_summary_run_the_fixer(options, runs):
     script = (
         "import os, sys\nfrom gaaudit.cli import app\n"
         "try:\n"
-        "    app(['check', *sys.argv[1:], '-o', os.devnull])\n"
+        "    app(['check', *sys.argv[1:], '-o', os.devnull, '--no-cache'])\n"
         "except SystemExit:\n"
         "    pass\n"
         "print('gaaudit.fixes.fixer' in sys.modules)\n"

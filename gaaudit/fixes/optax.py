@@ -38,13 +38,15 @@ BUILTINS = set(dir(builtins))
 
 @dataclass(frozen=True)
 class MaskedMean:
-    """A loss function's masked mean: the expression, its sum, its count (in the function's
-    parameters, locals inlined)."""
+    """A loss function's masked mean: the expression, its sum, its count and the divisor as
+    written (a count kept from zero, `jnp.maximum(n, 1.0)`), in the function's parameters,
+    locals inlined."""
 
     function: cst.FunctionDef
     node: cst.BaseExpression
     summed: cst.BaseExpression
     count: cst.BaseExpression
+    divisor: cst.BaseExpression
 
 
 class _LossFunction:
@@ -62,11 +64,12 @@ class _LossFunction:
         mask = keyword(source, "where") if isinstance(source, cst.Call) else None
         if isinstance(source, cst.BinaryOperation) and isinstance(source.operator, cst.Divide):
             summed, count = source.left, self._inline(_unclamped(source.right), function)
+            divisor = self._inline(source.right, function)
         elif mask is not None and positional(source):
             summed = cst.parse_expression(
                 f"{jnp}.sum({code(positional(source)[0])}, where={code(mask)})"
             )
-            count = cst.Call(
+            count = divisor = cst.Call(
                 cst.parse_expression(f"{jnp}.sum"), [cst.Arg(self._inline(mask, function))]
             )
         else:
@@ -79,7 +82,7 @@ class _LossFunction:
             raise Unfixable(
                 "the loss function returns more than its masked mean (auxiliary outputs)"
             )
-        return MaskedMean(function, source, summed, count)
+        return MaskedMean(function, source, summed, count, divisor)
 
     def _resolve(self, expr: cst.BaseExpression, function: cst.FunctionDef) -> cst.BaseExpression:
         """`loss` -> the value of its one binding in `function`."""
@@ -375,11 +378,30 @@ class _MultiSteps:
             self.edits.replace[step.params] = with_parameter(step.params, weight)
             self.edits.replace[call] = with_argument(call, weight, weight)
             self.edits.replace[step_call] = with_argument(step_call, weight, weight)
+            self._keep_value(mean, call, weight)
             self._read_ahead(loop, steps, count)
         return (
             "the loop reads each window of micro-batches ahead and counts its mask, the loss divides "
             "its masked sum by that count, and MultiSteps sums (`use_grad_mean=False`); an "
             "incomplete last window is not trained"
+        )
+
+    def _keep_value(self, mean: MaskedMean, call: cst.Call, weight: str) -> None:
+        """The loss value the gradient call returns (`loss, grads = ...`), now the micro-batch's
+        share of its window, is made its masked mean again, as the step returns or logs it."""
+        statement = self.tree.parents.get(call)
+        if not (isinstance(statement, cst.Assign) and len(statement.targets) == 1):
+            return
+        target = statement.targets[0].target
+        value = target.elements[0].value if isinstance(target, cst.Tuple) else None
+        if not isinstance(value, cst.Name) or value.value == "_":
+            return
+        divisor = _atom(self._count_at(mean.divisor, mean.function, call))
+        name = value.value
+        self.edits.insert_after(
+            statement_line(self.tree, call),
+            "# the returned loss: the micro-batch's mean again, as before the fix\n"
+            f"{name} = {name} * {weight} / {code(divisor)}\n",
         )
 
     def _steps_at(self, multisteps: cst.Call, loop: cst.For) -> str:
