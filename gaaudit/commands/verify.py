@@ -245,7 +245,7 @@ def targets(
     blocks = f"{evidence.blocks[1]}, line {evidence.blocks[0]}" if evidence.blocks else ""
     located = _Locator(tree, lines, patched_lines)
     trainers = _trainer_targets(audit, located, statements)
-    setup = _trainer_setup(audit, located, trainers, line, path, _exact_data(path, original))
+    setup = _trainer_setup(audit, located, trainers, line, path, original)
     if setup is not None:
         trainers[setup.line] = (setup, setup.line)
     if trainers:  # a Trainer trains as the project's transformers does, with its options
@@ -302,12 +302,12 @@ def _lightning_targets(
 
 
 def _trainer_setup(
-    audit, located: _Locator, trainers: dict, line: int | None, path: Path, exact: str
+    audit, located: _Locator, trainers: dict, line: int | None, path: Path, original: bytes
 ) -> Target | None:
     """The file's first call that builds a transformers Trainer (`Trainer(...)`,
     `Seq2SeqTrainer(...)`, a subclass of the file or the project), when no Trainer subclass
     target replays it already: the Trainer's own accumulation, replayed with a real Trainer.
-    Its data holds as many loss elements in every row where GA006 reads so (`exact`)."""
+    Its data holds as many loss elements in every row where GA006 reads so (`_exact_data`)."""
     from gaaudit.analysis.tree import code
 
     tree = located.tree
@@ -335,7 +335,15 @@ def _trainer_setup(
         for site in audit.sites()
     )
     return Target(
-        start, patched, header, (), flagged, name, fixed_length=exact, stops=stops, loss_func=loss
+        start,
+        patched,
+        header,
+        (),
+        flagged,
+        name,
+        fixed_length=_exact_data(path, original),
+        stops=stops,
+        loss_func=loss,
     )
 
 

@@ -16,7 +16,15 @@ from torch.utils.data import DataLoader
 
 from gaaudit.harness.factory import concatenate, current, current_data
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
-from gaaudit.harness.trainer import MICRO, collate, examples, failed, quietly, trainer_class
+from gaaudit.harness.trainer import (
+    MICRO,
+    collate,
+    examples,
+    failed,
+    quietly,
+    trainer_class,
+    widest,
+)
 
 LOGGERS = ("lightning", "lightning.pytorch", "pytorch_lightning", "lightning.fabric")
 
@@ -70,8 +78,7 @@ def _micro_batches(k: int, seed: int, fixed: bool) -> list:
     if data is not None:
         return data.window(k, seed)
     rows = examples(k * MICRO, seed, fixed=fixed)  # one width: the full batch joins them
-    width = max(len(row["input_ids"]) for row in rows)
-    return [collate(rows[i * MICRO : (i + 1) * MICRO], width) for i in range(k)]
+    return [collate(rows[i * MICRO : (i + 1) * MICRO], widest(rows)) for i in range(k)]
 
 
 def _step(cls: type, batches: list, k: int, device) -> list[torch.Tensor]:

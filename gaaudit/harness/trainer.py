@@ -200,7 +200,7 @@ def _tags(row: dict) -> list[str]:
     return [key.replace("input_ids", "{}") for key in row if "input_ids" in key]
 
 
-def paired(rows: list[list[dict]], keys: tuple[str, ...]) -> list[dict]:
+def _paired(rows: list[list[dict]], keys: tuple[str, ...]) -> list[dict]:
     """One row per example holding a family of the keys for each list of `rows`: a pairwise
     collator's (`input_ids_chosen`, `input_ids_rejected`), with the labels only of families
     whose labels are among `keys`."""
@@ -216,7 +216,7 @@ def paired(rows: list[list[dict]], keys: tuple[str, ...]) -> list[dict]:
     ]
 
 
-def paired_keys(source: str, name: str) -> tuple[str, ...]:
+def _paired_keys(source: str, name: str) -> tuple[str, ...]:
     """The batch keys that class `name` of `source` indexes by name, where some name a
     family of `input_ids` other than `input_ids` itself (a reward trainer's
     `inputs["input_ids_chosen"]`); else ()."""
@@ -275,9 +275,10 @@ class Window:
     fixed: bool = False
     classifier: bool = False
     options: tuple = ()  # the project's own arguments: `arguments`' `options`
-    keys: tuple = ()  # a pairwise collator's keys (`paired_keys`): rows of those families
+    keys: tuple = ()  # a pairwise collator's keys (`_paired_keys`): rows of those families
 
     def rows(self) -> list[dict[str, torch.Tensor]]:
+        """The window's examples: the harness's rows, one family of them per pairwise key."""
         n = self.k * MICRO
         if not self.keys:
             return examples(n, self.seed, self.classifier, self.fixed)
@@ -285,7 +286,7 @@ class Window:
         made = [
             examples(n, self.seed + 101 * i, self.classifier, self.fixed) for i in range(families)
         ]
-        return paired(made, self.keys)
+        return _paired(made, self.keys)
 
     def model(self) -> torch.nn.Module:
         user = current()
@@ -400,7 +401,7 @@ def compare(
             row["original_verdict"] = row["verdict"] = failed(exc)
             return row
         options = tuple((options or {}).items())
-        window = Window(k, seed, device, fixed, options=options, keys=paired_keys(original, name))
+        window = Window(k, seed, device, fixed, options=options, keys=_paired_keys(original, name))
         versions = [("original", original, pinned)]
         versions += [("patched", patched, pinned)] if patched else []
         versions += [("installed", original, False)] if pinned else []
