@@ -9,7 +9,6 @@ pin file's folder. File level (`findings`): a script's PEP 723 inline metadata.
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import re
 import stat
@@ -672,8 +671,9 @@ def _given(path: Path, data: bytes, padded: bool) -> tuple[Path, int, str] | Non
     signs = []
     for call in calls:
         given = {k.arg: k.value for k in call.keywords}
-        model = _project_class(path, module, given.get("model") or next(iter(call.args), None))
-        dataset = _project_class(path, module, given.get("train_dataset"))
+        handed = given.get("model") or next(iter(call.args), None)
+        model = _project_class(path, data, module, handed)
+        dataset = _project_class(path, data, module, given.get("train_dataset"))
         sign = (model and _scores_pairs(*model)) or (
             dataset and not padded and _own_labels(*dataset)
         )
@@ -688,11 +688,12 @@ def _called(func: ast.expr) -> str:
 
 
 def _project_class(
-    path: Path, module: ast.Module, value: ast.expr | None
+    path: Path, data: bytes, module: ast.Module, value: ast.expr | None
 ) -> tuple[Path, ast.ClassDef, str] | None:
     """The class `value` is an instance of (`Cls(...)`, or a name bound to one in the file),
-    defined in the file or in a module beside it it imports the class from (`from
-    reward_model import GPTRewardModel`): its file, node and source."""
+    defined in the file (`data`, parsed as `module`) or in a module beside it that the file
+    imports the class from (`from reward_model import GPTRewardModel`): its file, node and
+    source."""
     if isinstance(value, ast.Name):
         bound = [
             node.value
@@ -704,21 +705,23 @@ def _project_class(
     if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)):
         return None
     name = value.func.id
-    sources = [(path, module)]
-    for node in module.body:
-        if (
-            isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.level <= 1
-            and any((a.asname or a.name) == name for a in node.names)
-        ):
-            beside = path.parent.joinpath(*node.module.split(".")).with_suffix(".py")
-            with contextlib.suppress(SyntaxError, ValueError):
-                sources.append((beside, ast.parse(_read(beside))))
-    for where, tree in sources:
+    beside = (
+        path.parent.joinpath(*node.module.split(".")).with_suffix(".py")
+        for node in module.body
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.level <= 1
+        and any((a.asname or a.name) == name for a in node.names)
+    )
+    for where in (path, *beside):
+        source = data if where == path else _read(where)
+        try:
+            tree = module if where == path else ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
         for cls in tree.body:
             if isinstance(cls, ast.ClassDef) and cls.name == name:
-                return where, cls, _read(where).decode("utf-8", "replace")
+                return where, cls, source.decode("utf-8", "replace")
     return None
 
 

@@ -476,7 +476,6 @@ def _imported(tree: ast.Module, relative: Path) -> set[str]:
     return names - {""}
 
 
-@functools.cache
 def _drop_last_files(root: Path) -> list[tuple[str, Path, int, str]]:
     """The project's Python files that say `drop_last=True`: (dotted module, path, line of
     the first, text)."""
@@ -489,8 +488,11 @@ def _drop_last_files(root: Path) -> list[tuple[str, Path, int, str]]:
     return found
 
 
-def _project_modules(root: Path) -> Iterator[tuple[str, Path, str]]:
-    """The project's Python files: (dotted module, path, text)."""
+@functools.cache
+def _project_modules(root: Path) -> tuple[tuple[str, Path, str], ...]:
+    """The project's Python files that name what `_drop_last_files` or `_training_options`
+    look for (the others are not kept), read once: (dotted module, path, text)."""
+    found = []
     for file in sorted(discover([root], Settings(root=root))):
         if file.suffix != ".py":
             continue
@@ -498,8 +500,10 @@ def _project_modules(root: Path) -> Iterator[tuple[str, Path, str]]:
             text = file.read_text("utf-8", "replace")
         except OSError:
             continue
-        module = ".".join(file.resolve().relative_to(root).with_suffix("").parts)
-        yield module.removesuffix(".__init__"), file.resolve(), text
+        if "drop_last" in text or "TrainingArguments" in text:
+            module = ".".join(file.resolve().relative_to(root).with_suffix("").parts)
+            found.append((module.removesuffix(".__init__"), file.resolve(), text))
+    return tuple(found)
 
 
 @functools.cache

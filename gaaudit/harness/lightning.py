@@ -77,8 +77,9 @@ def _micro_batches(k: int, seed: int, fixed: bool) -> list:
     data = current_data()
     if data is not None:
         return data.window(k, seed)
-    rows = examples(k * MICRO, seed, fixed=fixed)  # one width: the full batch joins them
-    return [collate(rows[i * MICRO : (i + 1) * MICRO], widest(rows)) for i in range(k)]
+    rows = examples(k * MICRO, seed, fixed=fixed)
+    width = widest(rows)  # one width: the full batch joins them
+    return [collate(rows[i * MICRO : (i + 1) * MICRO], width) for i in range(k)]
 
 
 def _step(cls: type, batches: list, k: int, device) -> list[torch.Tensor]:
