@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import gaaudit, verify_projects
+from conftest import devices, gaaudit, verify_projects
 
 pytest.importorskip("lightning")
 
@@ -101,11 +101,12 @@ PROJECTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def replayed(tmp_path_factory) -> dict[str, dict]:
-    """Each project's one loop, from one `gaaudit verify -k 2,4` run over them all."""
+@pytest.fixture(scope="module", params=devices())
+def replayed(request, tmp_path_factory) -> dict[str, dict]:
+    """Each project's one loop, from one `gaaudit verify -k 2,4` run over them all (on the
+    CPU, and on a GPU where one is present)."""
     root = tmp_path_factory.mktemp("projects")
-    result, loops = verify_projects(root, PROJECTS, "-k", "2,4")
+    result, loops = verify_projects(root, PROJECTS, "-k", "2,4", "--device", request.param)
     assert result.returncode == 1, result.stdout + result.stderr
     return {name: loop for name, (loop,) in loops.items()}
 

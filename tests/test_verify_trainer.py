@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import FIXTURES, ROOT, gaaudit, verify_projects
+from conftest import FIXTURES, ROOT, devices, gaaudit, verify_projects
 
 from gaaudit.commands.verify import Outcome, report, targets
 
@@ -155,10 +155,12 @@ PROJECTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def replayed(tmp_path_factory) -> dict[str, Outcome]:
-    """Each project's one loop, from one `gaaudit verify -k 2,4` run over them all."""
-    result, loops = verify_projects(tmp_path_factory.mktemp("projects"), PROJECTS, "-k", "2,4")
+@pytest.fixture(scope="module", params=devices())
+def replayed(request, tmp_path_factory) -> dict[str, Outcome]:
+    """Each project's one loop, from one `gaaudit verify -k 2,4` run over them all (on the
+    CPU, and on a GPU where one is present)."""
+    root = tmp_path_factory.mktemp("projects")
+    result, loops = verify_projects(root, PROJECTS, "-k", "2,4", "--device", request.param)
     assert result.returncode == 1, result.stdout + result.stderr  # the pinned ones are not verified
     replayed = {}
     for name, (loop,) in loops.items():
