@@ -820,9 +820,16 @@ class Tracer(_Calls, _Callees, _Counts):
         return found
 
     def _unpacked(self, name: str, target, value, depth: int) -> Origin:
-        names = [last_name(e.value) for e in target.elements]
-        index = names.index(name)
-        if isinstance(value, (cst.Tuple, cst.List)) and index < len(value.elements):
+        index = next((i for i, e in enumerate(target.elements) if _unpacks_to(e.value, name)), None)
+        if index is None:
+            return UNKNOWN
+        literal = isinstance(value, (cst.Tuple, cst.List)) and index < len(value.elements)
+        inner = target.elements[index].value
+        if isinstance(inner, (cst.Tuple, cst.List)):  # `(quantized, codes), loss = ...`
+            if not literal:
+                return UNKNOWN
+            return self._unpacked(name, inner, value.elements[index].value, depth)
+        if literal:
             return self.origin(value.elements[index].value, depth + 1)
         if isinstance(value, cst.Call):
             helper = self.helper(value.func)
@@ -850,6 +857,13 @@ class Tracer(_Calls, _Callees, _Counts):
             if outputs is not None and self._passes_labels(outputs):
                 return self._mean(expr, f"`{code(expr)}`, the loss of a model called with labels")
         return UNKNOWN
+
+
+def _unpacks_to(target: cst.BaseExpression, name: str) -> bool:
+    """Whether an unpacking target binds `name`, nested targets included."""
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return any(_unpacks_to(e.value, name) for e in target.elements)
+    return last_name(target) == name
 
 
 def _subscript(expr: cst.BaseExpression) -> bool:
