@@ -531,6 +531,27 @@ def test_pin_confidence_reads_the_trainers_data(tmp_path, data, expected):
     assert report.findings[0].confidence is expected
 
 
+def test_a_trainer_over_fixed_length_blocks_is_not_named_beside_one_at_risk(tmp_path):
+    """Pre-training over packed blocks (exact under the old Trainer) beside prompt-masked SFT:
+    the pin is reported for the SFT script's Trainer alone."""
+    trainer = "Trainer(args=TrainingArguments('o', gradient_accumulation_steps=8))\n"
+    files = write(
+        tmp_path,
+        {
+            "requirements.txt": "transformers==4.30.0\n",
+            "pt.py": "from transformers import Trainer, TrainingArguments\n"
+            f"blocks = dataset.map(group_texts)  # block_size tokens each\n{trainer}",
+            "sft.py": "from transformers import Trainer, TrainingArguments\n"
+            f"labels[prompt] = -100\n{trainer}",
+        },
+    )
+    (report,) = check_repository(files, [tmp_path])
+    (finding,) = report.findings
+    named = [e for e in finding.evidence if e.startswith(("trainer: ", "accumulation: "))]
+    assert len(named) == 2 and all(e.endswith("sft.py line 3") for e in named), named
+    assert finding.confidence is Confidence.HIGH
+
+
 REWARD_TRAINER = """\
 import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments

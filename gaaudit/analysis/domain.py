@@ -17,7 +17,16 @@ import libcst as cst
 
 from gaaudit.analysis.evidence import Evidence
 from gaaudit.analysis.provenance import MASKED_MEAN, Origin, Tracer
-from gaaudit.analysis.tree import Tree, code, dotted, keyword, last_name, positional, walk
+from gaaudit.analysis.tree import (
+    Tree,
+    code,
+    dotted,
+    keyword,
+    last_name,
+    positional,
+    string_value,
+    walk,
+)
 from gaaudit.findings import Confidence
 
 Kind = Literal["tokens", "examples", "dense", "unknown"]
@@ -52,7 +61,7 @@ TOKEN_LOSSES = {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}
 DENSE_MODEL = re.compile(r"(?i)vae|autoencoder|unet|diffusion|discr|gan$|soundstream|codec")
 # Keywords of a model call that hand it the micro-batch's lengths or masks (`lens=`,
 # `target_mask=`): its loss then covers a varying number of positions.
-LENGTHS = re.compile(r"(?i)(?:^|_)(?:lens?|lengths?|mask)$")
+LENGTHS = re.compile(r"(?i)(?:^|_)(?:lens?|lengths?|mask)$|^num_\w*tokens$")
 # A pairwise preference loss: a log-sigmoid of margins, or a loss of the chosen and the
 # rejected answers' log-probabilities (DPO and kin): one element per pair.
 PAIRWISE = re.compile(r"\blogsigmoid\b|\blog_sigmoid\b|\bchosen\w*\W.*\brejected")
@@ -224,7 +233,7 @@ class Domains:
                 "examples", False, "a classification model's loss, one element per example"
             )
         what = "a model's mean loss over its labels"
-        handed = _handed_lengths(call) if call is not None else None
+        handed = self._handed_lengths(call) if call is not None else None
         if handed is not None:
             return Domain(
                 "tokens", True, f"{what}; the model is handed the micro-batch's `{handed}=`"
@@ -234,6 +243,22 @@ class Domains:
         if returned and not shown and not (evidence.padded or evidence.masked or evidence.fixed):
             return Domain("unknown", None, f"{what}, and the file shows no tokens")
         return self._tokens(what)
+
+    def _handed_lengths(self, call: cst.Call) -> str | None:
+        """The keyword by which a model call is handed the micro-batch's lengths or masks, its
+        own or a key of the dict literal it is handed as `**inputs`."""
+        keywords = [a.keyword.value for a in call.args if a.keyword]
+        for arg in call.args:
+            if arg.star == "**" and isinstance(arg.value, cst.Name):
+                bound = self.tracer.binding(arg.value.value, call)
+                if isinstance(bound, cst.Assign) and isinstance(bound.value, cst.Dict):
+                    keywords += [
+                        key
+                        for e in bound.value.elements
+                        if isinstance(e, cst.DictElement)
+                        and (key := string_value(e.key)) is not None
+                    ]
+        return next((k for k in keywords if LENGTHS.search(k)), None)
 
     def _task(self, expr: cst.BaseExpression, hops: int) -> str | None:
         """The task of the model class that `expr` was built from, following assignments,
@@ -300,14 +325,6 @@ def _reduces_here(origin: Origin) -> bool:
 def _task_of(name: str) -> str | None:
     """The task of the first model class `name` matches."""
     return next((task for task, pattern in TASKS if pattern.search(name)), None)
-
-
-def _handed_lengths(call: cst.Call) -> str | None:
-    """The keyword by which a model call is handed the micro-batch's lengths or masks."""
-    return next(
-        (a.keyword.value for a in call.args if a.keyword and LENGTHS.search(a.keyword.value)),
-        None,
-    )
 
 
 def _short(node: cst.CSTNode, limit: int = 60) -> str:

@@ -517,10 +517,7 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     accumulations = [a for path in scanned for a in _accumulations(path, data[path], base)]
     reports = []
     for path, found in sorted(bad.items()):
-        here = sorted(
-            (a for a in accumulations if a.path.is_relative_to(path.parent)),
-            key=lambda a: a.run_time,
-        )
+        here = [a for a in accumulations if a.path.is_relative_to(path.parent)]
         if not here:
             continue
         trainers = {
@@ -530,9 +527,11 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
             for site in _trainer_sites(p, data[p])
         }
         trainer = any(a.trainer for a in here) or bool(trainers)
-        exact = _exact(trainers, data)
+        exact, at_risk = _exact(trainers, data)
+        # the accumulation named: set in the code before at run time, by a named Trainer first
+        here.sort(key=lambda a: (a.run_time, a.path not in at_risk))
         shown = display_path(path)
-        sites = [*trainers.values()]
+        sites = [*at_risk.values()]
         documented = (
             "the README names the version, not a dependency file" if _is_readme(path) else ""
         )
@@ -603,17 +602,21 @@ def _listed(folder: Path) -> list[Path]:
         return []
 
 
-def _exact(trainers: dict[Path, str], data: dict[Path, bytes]) -> str | None:
-    """A sign, in every file that builds a Trainer, that each micro-batch holds the same number
-    of loss elements (`exact_data`). The old Trainer's mean/K is then exact."""
-    signs = []
-    for path in trainers:
+def _exact(trainers: dict[Path, str], data: dict[Path, bytes]) -> tuple[str | None, dict]:
+    """The Trainers the pin puts at risk, and where there are none, the sign in every file that
+    builds one that each micro-batch holds the same number of loss elements (`exact_data`): the
+    old Trainer's mean/K is then exact. A Trainer over such data is not named beside others."""
+    signs, varying = [], {}
+    for path, site in trainers.items():
         sign = exact_data(path, data[path])
         if sign is None:
-            return None
-        where, line, what = sign
-        signs.append(f"{what} in {display_path(where)} line {line}")
-    return "; ".join(signs) or None
+            varying[path] = site
+        else:
+            where, line, what = sign
+            signs.append(f"{what} in {display_path(where)} line {line}")
+    if varying or not signs:
+        return None, varying
+    return "; ".join(signs), trainers
 
 
 def exact_data(path: Path, data: bytes) -> tuple[Path, int, str] | None:
