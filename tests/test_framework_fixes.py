@@ -90,6 +90,48 @@ def test_training_step_signature_and_super_call():
     ]
 
 
+PINNED_OVERRIDES = """\
+from transformers import Trainer
+
+
+class Passing(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False):
+        return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+
+class Counting(Trainer):
+    def training_step(self, model, inputs):
+        return super().training_step(model, inputs)
+
+
+class Dividing(Trainer):
+    def training_step(self, model, inputs):
+        loss = self.compute_loss(model, inputs)
+        loss = loss / self.args.gradient_accumulation_steps
+        self.accelerator.backward(loss)
+        return loss.detach()
+"""
+
+
+def test_under_a_pin_before_4_46_no_rewrite_calls_the_newer_trainer(tmp_path, cli):
+    """transformers 4.43's Trainer takes no `num_items_in_batch` in `compute_loss` or
+    `training_step` and has no `compute_loss_func`: passing the count on, or testing those,
+    would fail there, so the project's pin is named and GA006 comes first."""
+    (tmp_path / "requirements.txt").write_text("transformers==4.43.4\n")
+    script = tmp_path / "trainers.py"
+    script.write_text(PINNED_OVERRIDES)
+    result = cli("fix", "--min-confidence", "low", "--unsafe-fixes", "trainers.py", cwd=tmp_path)
+    assert script.read_text() == PINNED_OVERRIDES, result.output
+    refusals = [line for line in result.output.splitlines() if "GA004 not fixed" in line]
+    assert len(refusals) == 4, result.output  # `Dividing`: its signature and its division
+    for line in refusals:
+        assert "pins `transformers==4.43.4` (requirements.txt line 1)" in line, line
+        assert "require transformers>=4.46.2 first (GA006)" in line, line
+    (tmp_path / "requirements.txt").write_text("transformers>=4.46.2\n")
+    result = cli("fix", "--min-confidence", "low", "--unsafe-fixes", "trainers.py", cwd=tmp_path)
+    assert "num_items_in_batch" in script.read_text(), result.output
+
+
 def test_an_inline_training_step_division_keeps_the_stock_condition(tmp_path):
     """`backward(loss / K)` becomes `backward(loss / K if <stock condition> else loss)`,
     which GA004 and GA001 then read as the Trainer's own fallback."""

@@ -595,6 +595,14 @@ def pinned_for(path: Path, root: Path) -> str | None:
     return None
 
 
+def governing_pin(path: Path) -> str:
+    """The transformers pin before 4.46 that governs `path` (`pinned_for`), searched up to
+    its repository within the current directory (`search_root`); "" when there is none."""
+    from gaaudit.discover.modules import search_root
+
+    return pinned_for(path, search_root(path)) or ""
+
+
 def _listed(folder: Path) -> list[Path]:
     try:
         return sorted(folder.iterdir())

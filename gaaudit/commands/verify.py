@@ -28,6 +28,7 @@ import libcst as cst
 
 from gaaudit.config import ConfigError, Settings, check_factory, load
 from gaaudit.discover.files import discover
+from gaaudit.discover.modules import project_root, search_root
 from gaaudit.discover.source import parse, read
 from gaaudit.findings import Confidence
 
@@ -147,7 +148,7 @@ def options_for(path: Path, **given) -> Options:
         factory, option = given.get(name), f"--{key}"
         if factory is not None:
             check_factory(factory, option, name == "data_factory")
-            root = _project_root(path)
+            root = project_root(path)
         elif getattr(configured, name) is not None:
             factory = getattr(configured, name)
             option = f"{settings.source}: [tool.gaaudit.verify] {key} ="
@@ -160,12 +161,6 @@ def options_for(path: Path, **given) -> Options:
             "in one process; leave out --distributed (or the distributed key)"
         )
     return Options(**values)
-
-
-def _project_root(path: Path) -> Path:
-    """The directory of the nearest pyproject.toml above `path`, else `path`'s directory."""
-    start = path.resolve().parent
-    return next((d for d in (start, *start.parents) if (d / "pyproject.toml").is_file()), start)
 
 
 def targets(
@@ -249,7 +244,9 @@ def targets(
     if setup is not None:
         trainers[setup.line] = (setup, setup.line)
     if trainers:  # a Trainer trains as the project's transformers does, with its options
-        pinned, options = _pinned(path), _training_options(_search_root(path))
+        from gaaudit.checks.versions import governing_pin
+
+        pinned, options = governing_pin(path), _training_options(search_root(path))
         for start, (target, end) in trainers.items():
             flagged = target.flagged or bool(pinned)  # GA006 reports it
             changed = replace(target, pinned=pinned, flagged=flagged, options=options)
@@ -442,7 +439,7 @@ def _drops_last(path: Path) -> str:
     the loader and calls the loop: MAE's `main_finetune.py`) or that it imports (a `data`
     package that builds the loader), builds a loader with `drop_last=True`. The project is
     the current directory when the file is under it."""
-    here, root = path.resolve(), _search_root(path)
+    here, root = path.resolve(), search_root(path)
     if not here.is_relative_to(root):
         return ""
     try:
@@ -522,26 +519,6 @@ def _training_options(root: Path) -> tuple[tuple[str, object], ...]:
                 if value is None or isinstance(value, (bool, int, float, str)):
                     found.setdefault(name, value)
     return tuple(sorted(found.items()))
-
-
-def _pinned(path: Path) -> str:
-    """The transformers pin before 4.46 that governs `path` (`checks.versions.pinned_for`),
-    searched up to the current directory when the file is under it."""
-    from gaaudit.checks.versions import pinned_for
-
-    return pinned_for(path, _search_root(path)) or ""
-
-
-def _search_root(path: Path) -> Path:
-    """How far up the project is read for `path`: when the file is under the current
-    directory, its git repository where that lies within the current directory (run from a
-    home directory, the search reads one repository, not every project in it), else the
-    current directory; outside it, its project root."""
-    here, cwd = path.resolve(), Path.cwd().resolve()
-    if not here.is_relative_to(cwd):
-        return _project_root(path)
-    repository = next((d for d in here.parents if (d / ".git").exists()), cwd)
-    return repository if repository.is_relative_to(cwd) else cwd
 
 
 def _trainer_targets(

@@ -242,3 +242,21 @@ def shown(path: Path) -> str:
         return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
     except (ValueError, OSError, RuntimeError):
         return path.as_posix()
+
+
+def project_root(path: Path) -> Path:
+    """The directory of the nearest pyproject.toml above `path`, else `path`'s directory."""
+    start = path.resolve().parent
+    return next((d for d in (start, *start.parents) if (d / "pyproject.toml").is_file()), start)
+
+
+def search_root(path: Path) -> Path:
+    """How far up the project is read for `path`: when the file is under the current
+    directory, its git repository where that lies within the current directory (run from a
+    home directory, the search reads one repository, not every project in it), else the
+    current directory; outside it, its project root."""
+    here, cwd = path.resolve(), Path.cwd().resolve()
+    if not here.is_relative_to(cwd):
+        return project_root(path)
+    repository = next((d for d in here.parents if (d / ".git").exists()), cwd)
+    return repository if repository.is_relative_to(cwd) else cwd

@@ -42,7 +42,7 @@ def fix_source(
     )
     reported = {(f.code, f.span.line, f.span.column) for f in findings}
     tree = context.tree
-    edits, outcomes = _framework_fixes(context, reported, unsafe)
+    edits, outcomes = _framework_fixes(context, reported, unsafe, path)
     if any(code == "GA007" for code, _, _ in reported):
         edits, outcomes = _window_fixes(context, reported, edits, outcomes)
     touched = [node for node in edits.replace]
@@ -92,10 +92,12 @@ def _rewritten(path: Path, tree, edits) -> FileFix:
     return FileFix(shown, before, _compiled(apply(tree.module, edits, before), shown))
 
 
-def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool):
-    """The edits and outcomes of the GA004 (Trainer) and GA005 (JAX) findings reported."""
+def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool, path: Path):
+    """The edits and outcomes of the GA004 (Trainer) and GA005 (JAX) findings reported; the
+    Trainer's under the transformers pin that governs `path`."""
     from gaaudit.checks.optax import OptaxAudit
     from gaaudit.checks.trainer import TrainerAudit
+    from gaaudit.checks.versions import governing_pin
     from gaaudit.fixes.edits import Edits
     from gaaudit.fixes.optax import OptaxPlanner
     from gaaudit.fixes.trainer import TrainerPlanner
@@ -105,7 +107,7 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool)
     if any(code == "GA004" for code, _, _ in reported):
         trainer_audit = TrainerAudit(tree)
         sites = [s for s in trainer_audit.sites() if ("GA004", *_start(tree, s.node)) in reported]
-        planner = TrainerPlanner(tree, trainer_audit, unsafe)
+        planner = TrainerPlanner(tree, trainer_audit, unsafe, governing_pin(path))
         outcomes += planner.plan(sites)
         edits = _merged(edits, planner.edits)
     if any(code == "GA005" for code, _, _ in reported):

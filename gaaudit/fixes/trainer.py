@@ -87,6 +87,7 @@ class _ComputeLoss:
         self._accept(function)
         dropped = self.audit.count_dropped(function)
         if dropped is not None:
+            self._under_pin("`Trainer.compute_loss` takes no `num_items_in_batch`")
             self._add_argument(dropped, COUNT, keyword_name=COUNT)
             return Choice("`compute_loss` passes `num_items_in_batch` on to `super().compute_loss`")
         returned = self._returned(function)
@@ -395,6 +396,7 @@ class _Signatures:
                 "the divided loss does not come from `self.compute_loss(...)` in this method; gaaudit "
                 "cannot hand it the window's token count"
             )
+        self._under_pin("Trainer has no `compute_loss_func` or `model_accepts_loss_kwargs` to test")
         self._accept(function)
         if keyword(call, COUNT) is None and len(positional(call)) < 4:
             self._add_argument(call, COUNT, keyword_name=COUNT)
@@ -475,6 +477,15 @@ class _Signatures:
 
     # --- shared edits ---------------------------------------------------------------------------
 
+    def _under_pin(self, lacks: str) -> None:
+        """Refuse a rewrite that needs the Trainer of transformers 4.46 or later where the
+        project pins an older one, which `lacks` what it calls: it would fail there."""
+        if self.pinned:
+            raise Unfixable(
+                f"the project pins {self.pinned}, whose {lacks}: require "
+                "transformers>=4.46.2 first (GA006), then fix again"
+            )
+
     def _accept(self, function: cst.FunctionDef, var_keyword: bool = False) -> None:
         """Give `function` a `num_items_in_batch=None` parameter (and `**kwargs` when asked)."""
         names, kwargs = parameters(function)
@@ -504,8 +515,11 @@ class _Signatures:
 class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
     """Turns the GA004 sites of one file into edits (see `edits.Edits`)."""
 
-    def __init__(self, tree: Tree, audit: TrainerAudit, unsafe: bool = False) -> None:
+    def __init__(
+        self, tree: Tree, audit: TrainerAudit, unsafe: bool = False, pinned: str = ""
+    ) -> None:
         self.tree, self.audit, self.unsafe = tree, audit, unsafe
+        self.pinned = pinned  # the project's transformers pin before 4.46, if any (GA006)
         self.text = tree.module.code
         self.edits = Edits()
 
@@ -536,6 +550,7 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
         if site.kind == "compute-loss":
             return self._compute_loss(site)
         if site.kind == "training-step-signature":
+            self._under_pin("`Trainer.training_step` takes no `num_items_in_batch`")
             self._accept(site.function)
             for call in self._super_calls(site.function, "training_step"):
                 if len(positional(call)) == 2 and keyword(call, COUNT) is None:
