@@ -15,7 +15,7 @@ from gaaudit.analysis.evidence import Evidence
 from gaaudit.analysis.loops import Backward, Pipeline, Structure, Window
 from gaaudit.analysis.provenance import Division, Origin, Tracer, argument_for
 from gaaudit.analysis.repository import Imports
-from gaaudit.analysis.tree import Tree, code, depends_on, dotted, string_value
+from gaaudit.analysis.tree import Tree, code, depends_on, dotted, keyword, last_name, string_value
 from gaaudit.findings import Confidence, Finding
 
 SiteKind = Literal["loss-division", "gradient-division", "no-division", "framework-division"]
@@ -76,6 +76,41 @@ class _Frameworks:
                                 f"its accumulation factor ({setting}): micro-batches with fewer "
                                 "valid tokens are over-weighted",
                             )
+
+    def _mmengine(self) -> Iterator[Site]:
+        """The configured model's mean loss under mmengine's optimizer wrapper, which divides
+        each micro-batch's loss by its `accumulative_counts`: `AmpOptimWrapper(...)` or, in an
+        OpenMMLab config, `dict(type=AmpOptimWrapper, ...)` beside `model = dict(type=...)`."""
+        models = [v for v in self.tree.assigned_values.get("model", ()) if isinstance(v, cst.Call)]
+        if not models:
+            return
+        for call in self.tree.calls:
+            built = keyword(call, "type") if dotted(call.func) == "dict" else call.func
+            counts = keyword(call, "accumulative_counts")
+            if counts is None or not (last_name(built) or "").endswith("OptimWrapper"):
+                continue
+            named = (
+                self.tree.assigned_values.get(code(counts))
+                if isinstance(counts, cst.Name)
+                else None
+            )
+            if all(_single(value) for value in named or [counts]):
+                continue
+            model = models[-1]
+            kind = keyword(model, "type") if dotted(model.func) == "dict" else model.func
+            what = f"the loss of the configured model, `{code(kind or model.func)}`"
+            origin = Origin("mean", what, model, from_model=True, tree=self.tree)
+            yield Site(
+                "framework-division",
+                counts,
+                Backward(None, counts),
+                Window("framework", None, counts, call, ()),
+                origin,
+                None,
+                f"Mean loss handed to mmengine's `{last_name(built)}`, which divides it by its "
+                f"`accumulative_counts={code(counts)}`: micro-batches with fewer valid tokens "
+                "are over-weighted",
+            )
 
     def _pipelines(self) -> Iterator[Site]:
         """Loss functions given to a pipeline schedule that returns a per-micro-batch mean:
@@ -259,7 +294,7 @@ class Auditor(_Frameworks, _Divisors):
         """One site per reportable node, in source order."""
         seen: set[cst.CSTNode] = set()
         judged = (site for backward in self.structure.backwards() for site in self._judge(backward))
-        for site in (*judged, *self._lightning(), *self._pipelines()):
+        for site in (*judged, *self._lightning(), *self._pipelines(), *self._mmengine()):
             if site.node not in seen:
                 seen.add(site.node)
                 yield site
@@ -475,3 +510,8 @@ def _example_share(divisor: cst.BaseExpression) -> bool:
         args = size.args
         return size.func.attr.value == "size" and len(args) == 1 and code(args[0].value) == "0"
     return False
+
+
+def _single(count: cst.BaseExpression) -> bool:
+    """Whether an accumulation count is a literal 1 (or less): no window."""
+    return isinstance(count, cst.Integer) and int(count.value) <= 1

@@ -53,7 +53,8 @@ from gaaudit.vocabulary import (
 # The other rule families, each with the triggers that mark the definitions it reads. A
 # family fires only where `checks/*.findings` finds what it needs: GA004 an import of
 # transformers or trl, GA005 one of JAX or optax, Lightning's GA003 a
-# `Trainer(accumulate_grad_batches=...)` or a `GradientAccumulationScheduler`. GA004 is
+# `Trainer(accumulate_grad_batches=...)` or a `GradientAccumulationScheduler`, mmengine's GA003
+# an import of mmengine. GA004 is
 # judged by the classes and calls it reads (`_Judge.trainer_units`), its words by bytes.
 TRAINER_WORDS = (b"compute_loss", b"training_step", b"Trainer(", b"Trainer)", b"Trainer as")
 TRAINER_HOMES = {"transformers", "trl"}
@@ -70,12 +71,15 @@ JAX_HOMES = {"jax", "flax", "equinox", "optax"}
 LOSS_FUNCTION = "compute_loss_func"  # a Trainer argument and attribute
 LIGHTNING_WORDS = (b"accumulate_grad_batches", b"GradientAccumulationScheduler")
 LIGHTNING_KEPT = (*LIGHTNING_WORDS, b"training_step", b"Trainer(", b"Trainer)")
+MMENGINE_WORDS = (b"accumulative_counts",)  # `OptimWrapper(accumulative_counts=k)`
+MMENGINE_HOMES = {"mmengine"}
 SCRIPT = b"/// script"  # GA006 reads a PEP 723 block: a comment
 # What a file's bytes must hold besides a family's words for its rule to fire: the name of
 # a module that imports its home, or a Lightning accumulation setting.
 FAMILY_SIGNS = (
     (TRAINER_WORDS, (*(h.encode() for h in TRAINER_HOMES), *LIGHTNING_WORDS)),
     (JAX_WORDS, tuple(h.encode() for h in JAX_HOMES)),
+    (MMENGINE_WORDS, tuple(h.encode() for h in MMENGINE_HOMES)),
 )
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 NESTED = (*FUNCTIONS, ast.ClassDef, ast.Lambda)
@@ -543,6 +547,8 @@ class _Judge(_TrainerUnits, _Lines, _Windows):
             words += JAX_WORDS
         if configured or self.naming(LIGHTNING_WORDS, {}):
             words += LIGHTNING_KEPT
+        if self.imports_any(MMENGINE_HOMES):
+            words += MMENGINE_WORDS
         return words
 
     def imports_any(self, homes: set[str]) -> bool:
