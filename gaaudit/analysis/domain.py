@@ -66,6 +66,8 @@ LENGTHS = re.compile(r"(?i)(?:^|_)(?:lens?|lengths?|mask)$|^num_\w*tokens$")
 # rejected answers' log-probabilities (DPO and kin): one element per pair.
 PAIRWISE = re.compile(r"\blogsigmoid\b|\blog_sigmoid\b|\bchosen\w*\W.*\brejected")
 SQUARED = re.compile(r"\*\*\s*2\b|\.pow\(\s*2\s*\)|\.abs\(\)|\btorch\.abs\(|\.square\(\)")
+# How another module's loss is described when it is a plain `.mean()` there: its code first.
+RETURNED_MEAN = re.compile(r"`([^`]*)\.mean\(\)`")
 FLATTENED = re.compile(r"\.(?:view|reshape)\(\s*-1\s*\)|\.flatten\(\)|\.view\(\s*-1\s*,")
 
 
@@ -144,6 +146,11 @@ class Domains:
         owner = origin.callee.split(".")[0]
         if origin.module and DENSE_MODEL.search(owner):
             return Domain("dense", False, f"`{owner}` models fixed-size images or signals")
+        spelled = RETURNED_MEAN.match(origin.what) if origin.module else None
+        if spelled and PAIRWISE.search(spelled[1]):  # as below, for a mean of another module
+            return Domain("examples", False, "a pairwise preference loss, one element per pair")
+        if spelled and SQUARED.search(spelled[1]):
+            return Domain("dense", False, f"`{_short(spelled[0][1:-1])}` averages a dense tensor")
         if origin.configured is not None:
             call = source if isinstance(source, cst.Call) else origin.configured
             return self._torch_loss(origin.configured, call)
@@ -329,6 +336,6 @@ def _task_of(name: str) -> str | None:
     return next((task for task, pattern in TASKS if pattern.search(name)), None)
 
 
-def _short(node: cst.CSTNode, limit: int = 60) -> str:
-    text = " ".join(code(node).split())
+def _short(node: cst.CSTNode | str, limit: int = 60) -> str:
+    text = " ".join((node if isinstance(node, str) else code(node)).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
