@@ -288,6 +288,10 @@ def optax_source(
         ),
         (optax_source(loss="jnp.mean(losses, where=batch['valid'])"), [(10, "GA005", "high")]),
         (optax_source(loss="undefined_reduce(losses)"), [(10, "GA005", "low")]),
+        (  # no mask: as many elements in every micro-batch of one shape
+            optax_source(loss="optax.l2_loss(params(batch['x']), batch['y']).mean()"),
+            [(10, "GA005", "low")],
+        ),
         (
             optax_source(
                 call="optax.MultiSteps(optax.adam(1e-3), every_k_schedule=k, use_grad_mean=False)"
@@ -310,6 +314,7 @@ def optax_source(
         "masked-mean",
         "where-mean",
         "unknown-loss",
+        "elementwise-mean",
         "grad-sum",
         "grad-sum-positional",
         "k-is-1",

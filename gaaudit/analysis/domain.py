@@ -159,7 +159,7 @@ class Domains:
         if isinstance(source, (cst.Attribute, cst.Subscript)):
             return self.model_loss(self._model_call(source), returned)
         if isinstance(source, cst.Call) and isinstance(source.func, cst.Attribute):
-            reduced = self._spelled(source.func.value)
+            reduced = self.spelled(source.func.value)
             if PAIRWISE.search(reduced):
                 return Domain("examples", False, "a pairwise preference loss, one element per pair")
             if SQUARED.search(reduced):
@@ -176,7 +176,7 @@ class Domains:
             return Domain("dense", None, what)  # no sign of tokens: it counts its elements
         return found
 
-    def _spelled(self, expr: cst.BaseExpression, hops: int = 3) -> str:
+    def spelled(self, expr: cst.BaseExpression, hops: int = 3) -> str:
         """The code of what `.mean()` reduces: a name's assigned value (`loss = -logsigmoid(z)`),
         with what the name was before where the value reworks it (`y = y.view(-1)`, then
         `y = y.to(device)`)."""
@@ -188,7 +188,7 @@ class Domains:
                 earlier = [
                     n for n in walk(stmt.value) if isinstance(n, cst.Name) and n.value == expr.value
                 ]
-                before = self._spelled(earlier[0], hops - 1) if earlier and hops else ""
+                before = self.spelled(earlier[0], hops - 1) if earlier and hops else ""
                 return f"{code(stmt.value)} {before}".strip()
         return code(expr)
 
@@ -212,7 +212,7 @@ class Domains:
         if (
             name in TOKEN_LOSSES
             and targets[0] is not None
-            and FLATTENED.search(self._spelled(targets[0]))
+            and FLATTENED.search(self.spelled(targets[0]))
         ):
             return self._tokens(f"`{name}` over flattened token targets")
         if self.evidence.padded is not None or self.evidence.masked is not None:

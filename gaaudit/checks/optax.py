@@ -46,6 +46,8 @@ OPTAX_LOSSES = {
     "poly_loss_cross_entropy",
     "safe_softmax_cross_entropy",
 }
+# One of them called on what a mean reduces: `optax.l2_loss(pred, y).mean()`.
+ELEMENTWISE = re.compile(rf"^(?:\w+\.)*(?:{'|'.join(sorted(OPTAX_LOSSES))})\(")
 COUNTS = {"sum", "nansum", "count_nonzero"}
 STEPS = re.compile(r"accum|micro|(?:num|n)_?mini_?batches", re.IGNORECASE)
 MASK = re.compile(r"mask|pad|ignore", re.IGNORECASE)
@@ -327,7 +329,9 @@ class OptaxAudit(_Divisions):
 
     def confidence(self, evidence: Evidence, text: str) -> tuple[Confidence, str]:
         """High when a mean loss is masked, medium when a loss of unknown reduction is, low for
-        fixed-length data or an unknown loss, else as the loss's domain says."""
+        fixed-length data, an unknown loss or an unmasked mean of an elementwise optax loss
+        (jit's micro-batches share one shape, so it counts as many elements in each), else as
+        the loss's domain says."""
         origin, function = self.loss
         mask = self._mask_sign(function) if origin.kind in ("mean", "unknown") else None
         if origin.kind == "unknown" and mask is not None:
@@ -339,7 +343,17 @@ class OptaxAudit(_Divisions):
             return Confidence.LOW, "gaaudit could not tell whether the micro-step loss is a mean"
         if mask is not None:
             return Confidence.HIGH, f"the loss is masked, so valid-token counts vary: {mask}"
-        return Domains(self.tree, self.tracer, evidence, text).of(origin).confidence()
+        domains = Domains(self.tree, self.tracer, evidence, text)
+        domain = domains.of(origin)
+        reduced = _reduced(origin.source) if not origin.module else None
+        exact = domain.varies is False  # its own reason (fixed-length data) comes first
+        if not exact and reduced is not None and ELEMENTWISE.search(domains.spelled(reduced)):
+            return Confidence.LOW, (
+                "the loss function reads no mask, padding or ignore label: its mean of an "
+                "elementwise optax loss counts every element of micro-batches of one shape "
+                "(jit's), so mean/K is exact"
+            )
+        return domain.confidence()
 
     def _mask_sign(self, function: cst.CSTNode) -> str | None:
         """A mask, padding or ignore label read by the loss function, or a `where=` reduction."""
@@ -432,3 +446,15 @@ def findings(context) -> list[Finding]:
             )
         )
     return found
+
+
+def _reduced(source: cst.CSTNode | None) -> cst.BaseExpression | None:
+    """What a `x.mean()` or `jnp.mean(x)` reduces (None for anything else)."""
+    if not isinstance(source, cst.Call):
+        return None
+    func = source.func
+    if isinstance(func, cst.Attribute) and func.attr.value == "mean":
+        if dotted(func.value) in ("jnp", "np", "numpy", "jax.numpy"):
+            return positional(source)[0] if positional(source) else None
+        return func.value
+    return None
