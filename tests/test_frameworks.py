@@ -326,6 +326,31 @@ def test_multisteps(tmp_path, source, expected):
     assert found(tmp_path, source) == expected
 
 
+@pytest.mark.parametrize(
+    "accumulator, expected",
+    [
+        ("", [(8, "GA005", "medium")]),  # SUM, its default: K times too large
+        (", accumulator=microbatching.AccumulationType.MEAN", [(8, "GA005", "medium")]),
+        (", accumulator=microbatching.AccumulationType.CONCAT", []),
+    ],
+    ids=["sum", "mean", "concat"],
+)
+def test_optax_microbatch_over_mean_losses(tmp_path, accumulator, expected):
+    source = f"""\
+        import jax
+        from optax import microbatching
+
+        def loss_fn(params, batch):
+            return per_token(params, batch).mean()
+
+        def grads(params, batch):
+            return microbatching.microbatch(
+                jax.grad(loss_fn), argnums=1, microbatch_size=8{accumulator}
+            )(params, batch)
+        """
+    assert found(tmp_path, source) == expected
+
+
 def test_hand_written_averages_need_a_step_count_divisor(tmp_path):
     source = """\
         import jax

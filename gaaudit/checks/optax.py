@@ -49,6 +49,7 @@ OPTAX_LOSSES = {
 # One of them called on what a mean reduces: `optax.l2_loss(pred, y).mean()`.
 ELEMENTWISE = re.compile(rf"^(?:\w+\.)*(?:{'|'.join(sorted(OPTAX_LOSSES))})\(")
 COUNTS = {"sum", "nansum", "count_nonzero"}
+SUMS = ("multisteps-sum", "microbatch-sum")  # sites summing micro-gradients of means
 STEPS = re.compile(r"accum|micro|(?:num|n)_?mini_?batches", re.IGNORECASE)
 MASK = re.compile(r"mask|pad|ignore", re.IGNORECASE)
 NO_LOSS = Origin("unknown", "no loss function gaaudit could find (passed to `jax.value_and_grad`)")
@@ -92,7 +93,8 @@ class Site:
     """One reportable node, what GA005 says about it, and the accumulation it belongs to.
 
     `kind` is "multisteps" (`node` is the `MultiSteps(...)` call), "multisteps-sum" (the same,
-    summing the micro-gradients of mean losses), "average" (`node` is the `g / k` inside
+    summing the micro-gradients of mean losses), "microbatch" and "microbatch-sum" (the same
+    for `optax.microbatching.microbatch`), "average" (`node` is the `g / k` inside
     the lambda of `call`, a `tree_map`) or "combinator" (`node` is the call of another
     module's function that averages the micro-gradients for the caller).
     """
@@ -265,6 +267,7 @@ class OptaxAudit(_Divisions):
         if self.loss[0].kind == "sum":
             return
         yield from self._multisteps()
+        yield from self._microbatched()
         if self._accumulates():
             yield from self._tree_divisions()
         yield from self._combinators()
@@ -292,6 +295,37 @@ class OptaxAudit(_Divisions):
                     "combinator",
                     node,
                 )
+
+    def _microbatched(self) -> Iterator[Site]:
+        """`optax.microbatching.microbatch(jax.grad(loss_fn), ...)`: the gradient of each
+        micro-batch's mean, summed (its default accumulator, SUM: about K times too large) or
+        averaged with equal weight (MEAN, RUNNING_MEAN)."""
+        for node in self.tree.calls:
+            qualified = self.tree.qualified(node.func) or ""
+            if not (
+                qualified.startswith("optax.") and qualified.endswith("microbatching.microbatch")
+            ):
+                continue
+            args = positional(node)
+            fun = keyword(node, "fun") or (args[0] if args else None)
+            if not (isinstance(fun, cst.Call) and takes_gradient(self.tree, fun.func)):
+                continue
+            accumulator = keyword(node, "accumulator") or (args[3] if len(args) > 3 else None)
+            how = "SUM" if accumulator is None else last_name(accumulator)
+            where = f"accumulation: `{code(node.func)}` over micro-batches (line {self.tree.line(node)})"
+            if how == "SUM" and self.loss[0].kind == "mean":
+                message = (
+                    f"`{code(node.func)}` sums the micro-gradients (accumulator SUM, its default) "
+                    f"while each micro-step's loss {MEAN}: the gradient is about K times too large"
+                )
+                yield Site(node, message, where, "microbatch-sum", node)
+            elif how in ("MEAN", "RUNNING_MEAN"):
+                message = (
+                    f"`{code(node.func)}` averages the micro-gradients with equal weight "
+                    f"(accumulator {how}) while each micro-step's loss {MEAN}: micro-batches "
+                    "with fewer valid tokens are over-weighted"
+                )
+                yield Site(node, message, where, "microbatch", node)
 
     def _multisteps(self) -> Iterator[Site]:
         for node in self.tree.calls:
@@ -427,8 +461,9 @@ def findings(context) -> list[Finding]:
     found = []
     for site in sites:
         confidence, why = judged
-        if site.kind == "multisteps-sum" and confidence < Confidence.MEDIUM:
-            confidence, why = Confidence.MEDIUM, f"K times too large whatever the counts; {why}"
+        if site.kind in SUMS and confidence < Confidence.MEDIUM:
+            why = "summed micro-gradients of means are K times too large whatever the counts"
+            confidence = Confidence.MEDIUM
         found.append(
             Finding(
                 path=context.path,
@@ -442,7 +477,7 @@ def findings(context) -> list[Finding]:
                     f"confidence {confidence}: {why}",
                 ),
                 hint=hint,
-                fixable=site.kind not in ("multisteps-sum", "combinator"),
+                fixable=site.kind not in (*SUMS, "combinator", "microbatch"),
             )
         )
     return found

@@ -60,6 +60,7 @@ TRAINER_WORDS = (b"compute_loss", b"training_step", b"Trainer(", b"Trainer)", b"
 TRAINER_HOMES = {"transformers", "trl"}
 JAX_WORDS = (
     b"MultiSteps",
+    b"microbatching",
     b"jax.tree",
     b"tree_util",
     b"tree_map",

@@ -24,6 +24,7 @@ TRIGGERS = (
     b"Trainer)",
     b"Trainer as",  # `from transformers import Trainer as T`, then `T(model=...)`
     b"MultiSteps",
+    b"microbatching",  # optax.microbatching.microbatch
     b"jax.tree",
     b"tree_util",
     b"value_and_grad",  # handed to a micro-batching function of another module

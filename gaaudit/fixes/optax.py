@@ -514,6 +514,12 @@ class OptaxPlanner(_LossFunction, _Averages, _MultiSteps):
                 "micro-gradients, and return each micro-batch's loss sum divided by the "
                 "window's total count (counted over the whole batch before it is split)"
             )
+        if site.kind in ("microbatch", "microbatch-sum"):
+            raise Unfixable(
+                "`microbatch` calls the gradient function on each slice of the batch: with "
+                "accumulator SUM, make the loss each slice's sum divided by the whole batch's "
+                "count (counted before the batch is split and passed in beside it)"
+            )
         if site.kind == "multisteps-sum":
             raise Unfixable(
                 "MultiSteps already sums the micro-gradients: return each micro-batch's loss sum "
