@@ -283,8 +283,8 @@ class Domains:
         name = dotted(expr)
         if name is None:
             return None
-        if _task_of(name):  # a model class handed on (`dict(type=AutoModelForCausalLM...)`)
-            return _task_of(name)
+        if task := _task_of(name):  # a model class handed on (`dict(type=AutoModelForCausalLM...)`)
+            return task
         if "." in name:
             values = self.tree.assigned_values.get(name, [])
             return next((t for v in values if (t := self._task(v, hops - 1))), None)

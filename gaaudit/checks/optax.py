@@ -312,7 +312,8 @@ class OptaxAudit(_Divisions):
                 continue
             accumulator = keyword(node, "accumulator") or (args[3] if len(args) > 3 else None)
             how = "SUM" if accumulator is None else last_name(accumulator)
-            where = f"accumulation: `{code(node.func)}` over micro-batches (line {self.tree.line(node)})"
+            line = self.tree.line(node)
+            where = f"accumulation: `{code(node.func)}` over micro-batches (line {line})"
             if how == "SUM" and self.loss[0].kind == "mean":
                 message = (
                     f"`{code(node.func)}` sums the micro-gradients (accumulator SUM, its default) "
