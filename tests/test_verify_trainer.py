@@ -60,9 +60,13 @@ import transformers
 
 
 @dataclass
-class TrainingArguments(transformers.TrainingArguments):
-    use_lora: bool = False
+class HeadOptions:  # a mixin the arguments combine, as axolotl's do
     head_lr: Optional[float] = field(default=None, metadata={"help": "the head's own rate"})
+
+
+@dataclass
+class TrainingArguments(HeadOptions, transformers.TrainingArguments):
+    use_lora: bool = False
 """
 HEAD_TRAINER = """\
 from transformers import Trainer
@@ -193,7 +197,7 @@ def test_the_stock_trainer_without_a_pin_matches_the_full_batch(replayed):
 
 
 def test_a_subclass_keeping_the_stock_loss_is_replayed_with_the_projects_options(replayed):
-    loop = replayed["options"]  # `self.args.use_lora`: the default of the project's dataclass
+    loop = replayed["options"]  # `self.args.use_lora`, `.head_lr`: the project's defaults
     assert loop.header == "class HeadTrainer(Trainer):" and not loop.flagged
     assert loop.verdict == "verified", loop
 

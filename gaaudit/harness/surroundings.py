@@ -151,13 +151,23 @@ def parameter_defaults(args: ast.arguments) -> list[tuple[str, ast.expr]]:
 
 def option_defaults(tree: ast.Module) -> dict[str, object]:
     """The literal defaults of the fields of the module's classes that extend a
-    `TrainingArguments` (`use_lora: bool = False`, `vision_lr: float = field(default=None)`):
-    the options a project adds to the Trainer's arguments, which its Trainer subclass reads."""
+    `TrainingArguments`, and of the module's mixins they combine (`use_lora: bool = False`,
+    `vision_lr: float = field(default=None)`): the options a project adds to the Trainer's
+    arguments, which its Trainer subclass reads."""
+    classes = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    pending = [
+        cls
+        for cls in classes.values()
+        if any(ast.unparse(base).endswith("TrainingArguments") for base in cls.bases)
+    ]
+    extending: list[ast.ClassDef] = []  # with the module's mixins they combine
+    while pending:
+        cls = pending.pop(0)
+        if cls not in extending:
+            extending.append(cls)
+            pending += [classes[n] for b in cls.bases if (n := ast.unparse(b)) in classes]
     found: dict[str, object] = {}
-    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-        bases = (ast.unparse(base) for base in cls.bases)
-        if not any(base.endswith("TrainingArguments") for base in bases):
-            continue
+    for cls in extending:
         for node in cls.body:
             if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
                 continue
