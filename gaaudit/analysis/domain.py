@@ -147,10 +147,8 @@ class Domains:
         if origin.module and DENSE_MODEL.search(owner):
             return Domain("dense", False, f"`{owner}` models fixed-size images or signals")
         spelled = RETURNED_MEAN.match(origin.what) if origin.module else None
-        if spelled and PAIRWISE.search(spelled[1]):  # as below, for a mean of another module
-            return Domain("examples", False, "a pairwise preference loss, one element per pair")
-        if spelled and SQUARED.search(spelled[1]):
-            return Domain("dense", False, f"`{_short(spelled[0][1:-1])}` averages a dense tensor")
+        if spelled and (found := _reduced(spelled[1], spelled[0][1:-1])):  # another module's
+            return found
         if origin.configured is not None:
             call = source if isinstance(source, cst.Call) else origin.configured
             return self._torch_loss(origin.configured, call)
@@ -159,11 +157,9 @@ class Domains:
         if isinstance(source, (cst.Attribute, cst.Subscript)):
             return self.model_loss(self._model_call(source), returned)
         if isinstance(source, cst.Call) and isinstance(source.func, cst.Attribute):
-            reduced = self.spelled(source.func.value)
-            if PAIRWISE.search(reduced):
-                return Domain("examples", False, "a pairwise preference loss, one element per pair")
-            if SQUARED.search(reduced):
-                return Domain("dense", False, f"`{_short(source)}` averages a dense tensor")
+            found = _reduced(self.spelled(source.func.value), code(source))
+            if found is not None:
+                return found
         if MASKED_MEAN in origin.what:
             return Domain("tokens", True, "a mask or count taken per micro-batch")
         if tasks(self.text) == {"classification"}:
@@ -336,6 +332,16 @@ def _task_of(name: str) -> str | None:
     return next((task for task, pattern in TASKS if pattern.search(name)), None)
 
 
-def _short(node: cst.CSTNode | str, limit: int = 60) -> str:
-    text = " ".join((node if isinstance(node, str) else code(node)).split())
+def _reduced(reduced: str, mean: str) -> Domain | None:
+    """The domain of the mean `mean` by what it reduces, spelled out: a pairwise preference
+    loss (one element per pair), a squared error or norm (a dense tensor)."""
+    if PAIRWISE.search(reduced):
+        return Domain("examples", False, "a pairwise preference loss, one element per pair")
+    if SQUARED.search(reduced):
+        return Domain("dense", False, f"`{_short(mean)}` averages a dense tensor")
+    return None
+
+
+def _short(text: str, limit: int = 60) -> str:
+    text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -448,7 +448,7 @@ class _Frameworks:
                 DEEPSPEED_ACCUMULATION,
                 "train_batch_size",
             )
-            if (value := self._config_accumulation(node)) is not None and _accumulates(value):
+            if (value := self._config_accumulation(node)) is not None and accumulates(value):
                 return f"a config dict (line {self.tree.line(node)})", False
             if isinstance(node, cst.SimpleString) and (string_value(node) or "").endswith(".json"):
                 steps = _json_accumulation(self.directory / string_value(node))
@@ -527,7 +527,7 @@ class _Frameworks:
             else:
                 continue
             for factor in factors:
-                if factor is not None and _accumulates(factor):
+                if factor is not None and accumulates(factor):
                     return factor, label.format(code(factor)), False
         found = configured_accumulation(self.directory, self.seen)
         if found is None:
@@ -678,7 +678,7 @@ def _argument(call: cst.Call, index: int) -> cst.BaseExpression | None:
     return call.args[index].value if index < len(call.args) else None
 
 
-def _accumulates(factor: cst.BaseExpression) -> bool:
+def accumulates(factor: cst.BaseExpression) -> bool:
     """Whether an accumulation factor (or a `{epoch: factor}` schedule) can be above 1."""
     factors = [e.value for e in factor.elements] if isinstance(factor, cst.Dict) else [factor]
     return not all(isinstance(f, cst.Integer) and int(f.value) <= 1 for f in factors)

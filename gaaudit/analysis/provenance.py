@@ -210,7 +210,7 @@ def valid_targets(target: cst.BaseExpression, configured: cst.Call) -> cst.Call:
     return cst.Call(cst.Attribute(differs, cst.Name("sum")))
 
 
-def _averaged(call: cst.Call, tree: Tree) -> cst.BaseExpression | None:
+def averaged_mean(call: cst.Call, tree: Tree) -> cst.BaseExpression | None:
     """What `x.mean()` or `torch.mean(x)` averages (every element), else None."""
     if isinstance(call.func, cst.Attribute) and call.func.attr.value in ("mean", "nanmean"):
         return None if call.args else call.func.value
@@ -571,7 +571,7 @@ class _Counts:
         call = origin.source
         if not isinstance(call, cst.Call):
             return None
-        averaged = _averaged(call, self.tree)
+        averaged = averaged_mean(call, self.tree)
         if averaged is not None:  # `x.mean()`: every element counts
             return cst.Call(cst.Attribute(averaged, cst.Name("numel")))
         configured = origin.configured or self.loss_instance(call.func) or call

@@ -12,7 +12,7 @@ import libcst as cst
 from gaaudit import catalogue
 from gaaudit.analysis.domain import Domains
 from gaaudit.analysis.evidence import Evidence
-from gaaudit.analysis.loops import Backward, Pipeline, Structure, Window
+from gaaudit.analysis.loops import Backward, Pipeline, Structure, Window, accumulates
 from gaaudit.analysis.provenance import Division, Origin, Tracer, argument_for
 from gaaudit.analysis.repository import Imports
 from gaaudit.analysis.tree import Tree, code, depends_on, dotted, keyword, last_name, string_value
@@ -94,7 +94,7 @@ class _Frameworks:
                 if isinstance(counts, cst.Name)
                 else None
             )
-            if all(_single(value) for value in named or [counts]):
+            if not any(accumulates(value) for value in named or [counts]):
                 continue
             model = models[-1]
             kind = keyword(model, "type") if dotted(model.func) == "dict" else model.func
@@ -510,8 +510,3 @@ def _example_share(divisor: cst.BaseExpression) -> bool:
         args = size.args
         return size.func.attr.value == "size" and len(args) == 1 and code(args[0].value) == "0"
     return False
-
-
-def _single(count: cst.BaseExpression) -> bool:
-    """Whether an accumulation count is a literal 1 (or less): no window."""
-    return isinstance(count, cst.Integer) and int(count.value) <= 1

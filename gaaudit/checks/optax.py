@@ -12,7 +12,7 @@ import libcst as cst
 from gaaudit import catalogue
 from gaaudit.analysis.domain import Domains
 from gaaudit.analysis.evidence import Evidence
-from gaaudit.analysis.provenance import MASKED_MEAN, Origin, Tracer
+from gaaudit.analysis.provenance import MASKED_MEAN, Origin, Tracer, averaged_mean
 from gaaudit.analysis.tree import (
     Tree,
     code,
@@ -380,7 +380,7 @@ class OptaxAudit(_Divisions):
             return Confidence.HIGH, f"the loss is masked, so valid-token counts vary: {mask}"
         domains = Domains(self.tree, self.tracer, evidence, text)
         domain = domains.of(origin)
-        reduced = _reduced(origin.source) if not origin.module else None
+        reduced = _reduced(origin.source, self.tree) if not origin.module else None
         exact = domain.varies is False  # its own reason (fixed-length data) comes first
         if not exact and reduced is not None and ELEMENTWISE.search(domains.spelled(reduced)):
             return Confidence.LOW, (
@@ -484,13 +484,11 @@ def findings(context) -> list[Finding]:
     return found
 
 
-def _reduced(source: cst.CSTNode | None) -> cst.BaseExpression | None:
-    """What a `x.mean()` or `jnp.mean(x)` reduces (None for anything else)."""
+def _reduced(source: cst.CSTNode | None, tree: Tree) -> cst.BaseExpression | None:
+    """What a `x.mean()` or `jnp.mean(x)` reduces, every element of it (None for anything
+    else)."""
     if not isinstance(source, cst.Call):
         return None
-    func = source.func
-    if isinstance(func, cst.Attribute) and func.attr.value == "mean":
-        if dotted(func.value) in ("jnp", "np", "numpy", "jax.numpy"):
-            return positional(source)[0] if positional(source) else None
-        return func.value
-    return None
+    if tree.qualified(source.func) in ("jax.numpy.mean", "numpy.mean"):
+        return positional(source)[0] if len(source.args) == 1 else None
+    return averaged_mean(source, tree)

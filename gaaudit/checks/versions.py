@@ -23,6 +23,7 @@ from gaaudit.analysis.evidence import SUPPRESSION, scan
 from gaaudit.checks.engine import display_path
 from gaaudit.config import DEFAULT_EXCLUDE
 from gaaudit.discover.files import Excluded
+from gaaudit.discover.modules import search_root
 from gaaudit.findings import Confidence, FileReport, Finding, Span
 
 if TYPE_CHECKING:  # packaging is imported where pins are judged: most runs find none
@@ -598,8 +599,6 @@ def pinned_for(path: Path, root: Path) -> str | None:
 def governing_pin(path: Path) -> str:
     """The transformers pin before 4.46 that governs `path` (`pinned_for`), searched up to
     its repository within the current directory (`search_root`); "" when there is none."""
-    from gaaudit.discover.modules import search_root
-
     return pinned_for(path, search_root(path)) or ""
 
 
