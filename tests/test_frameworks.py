@@ -405,7 +405,8 @@ def repository_rows(folder: Path, reports) -> list[tuple[str, int, str]]:
 @pytest.mark.parametrize("folder", REPOSITORIES, ids=lambda p: p.name)
 def test_repository_fixtures_are_exact(folder):
     files = sorted(p for p in folder.rglob("*.py"))
-    assert repository_rows(folder, check_repository(files, [folder])) == expected_rows(folder)
+    pins = [row for row in expected_rows(folder) if row[2] == "GA006"]
+    assert repository_rows(folder, check_repository(files, [folder])) == pins
 
 
 def test_repository_fixtures_are_varied():
@@ -421,9 +422,18 @@ def test_repository_fixtures_are_varied():
     } <= pin_files
 
 
-def test_repository_python_files_have_no_per_file_findings():
-    for script in (p for folder in REPOSITORIES for p in folder.rglob("*.py")):
-        assert check_file(script, ALL).findings == [], script
+def test_repository_python_files_have_only_their_listed_per_file_findings():
+    """The scripts beside the pins: what they train is right for the Trainer the pin should
+    admit, but where they hand it a transformers head that drops the window's count (Whisper,
+    a token classifier: GA004), which a newer release does not mend."""
+    for folder in REPOSITORIES:
+        listed = [row for row in expected_rows(folder) if row[2] != "GA006"]
+        found = [
+            (script.relative_to(folder).as_posix(), f.span.line, f.code)
+            for script in sorted(folder.rglob("*.py"))
+            for f in check_file(script, ALL).findings
+        ]
+        assert found == listed, folder
 
 
 @pytest.mark.parametrize(

@@ -148,6 +148,15 @@ PROJECTS = {
     "pairs": ("rm.py", {"requirements.txt": "transformers==4.43.4\n", "rm.py": PAIRS}),
     "options": ("trainer.py", {"params.py": OPTIONS, "trainer.py": HEAD_TRAINER}),
     "reward": ("reward.py", {"reward.py": REWARD_TRAINER}),
+    # transformers heads that drop the window's count, and one given a loss that uses it
+    **{
+        name: ("train.py", {"train.py": (FIXTURES / f"{fixture}.py").read_text()})
+        for name, fixture in (
+            ("tagger", "ga004_library_token_classifier"),
+            ("t5", "ga004_library_seq2seq_trainer"),
+            ("tagger_count", "ok_library_token_classifier_window_count"),
+        )
+    },
     "own_labels": (
         "sft.py",
         {
@@ -193,6 +202,23 @@ def test_a_pin_before_4_46_is_replayed_as_it_trains_and_as_the_installed_release
 def test_the_stock_trainer_without_a_pin_matches_the_full_batch(replayed):
     loop = replayed["stock"]
     assert not loop.flagged and loop.pinned == ""
+    assert loop.verdict == "verified", loop
+
+
+@pytest.mark.parametrize("name", ["tagger", "t5"])
+def test_a_head_that_drops_the_count_is_replayed_with_a_head_like_it(replayed, name):
+    """A token classifier (BERT) and an encoder-decoder (T5) of transformers: the installed
+    Trainer weighs their micro-batch means equally (and skips its division where the head
+    takes `**kwargs`), as GA004 says."""
+    loop = replayed[name]
+    assert loop.flagged
+    for row in loop.rows:
+        assert row["original_verdict"] == "bug reproduced" and row["original_error"] > 1e-2, row
+
+
+def test_a_head_given_a_loss_over_the_windows_count_matches_the_full_batch(replayed):
+    loop = replayed["tagger_count"]
+    assert not loop.flagged
     assert loop.verdict == "verified", loop
 
 

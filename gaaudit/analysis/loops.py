@@ -92,6 +92,9 @@ def backward_of(call: cst.Call) -> cst.BaseExpression | None:
     args = positional(call)
     if args:
         return args[0]
+    named = keyword(call, "loss")  # `booster.backward(loss=loss, optimizer=opt)`
+    if named is not None:
+        return named
     receiver = func.value
     if (
         isinstance(receiver, cst.Call)

@@ -37,6 +37,9 @@ TORCH_LOSSES = {
 PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half", "bfloat16"}
 MAX_DEPTH = 16
 WEIGHT = re.compile(r"(?i)weight|multiplier|coef|lambda|alpha|beta|temperature|^temp(?:_sq)?$")
+PROCESSES = re.compile(
+    r"(?i)(?:get_)?world_size|dp_size|dp_world_size|data_parallel_size|num_processes|n_gpus?|num_gpus"
+)
 MODEL = re.compile(r"(?i)^(?:model|net|network|transformer|gpt|llm|lm|module)$|_model$|_wrapper$")
 RESHAPES = {"reshape", "view", "flatten", "contiguous"}
 GUARDS = {"clamp", "clamp_min", "clamp_", "clamp_min_", "float", "double", "to", "item", "detach"}
@@ -144,11 +147,13 @@ def _per_window(count: cst.Subscript) -> bool:
 
 
 def _is_weight(factor: cst.BaseExpression) -> bool:
-    """A number, or a configured loss weight (`args.loss_multiplier`, `self.aux_weight`): a
+    """A number, a configured loss weight (`args.loss_multiplier`, `self.aux_weight`) or the
+    process count (`dp_size`, `dist.get_world_size()`, undoing data parallelism's average): a
     factor that keeps a mean a mean, unlike a count."""
     if isinstance(factor, (cst.Integer, cst.Float)):
         return True
-    return bool(WEIGHT.search(last_name(factor) or ""))
+    name = last_name(factor.func if isinstance(factor, cst.Call) else factor) or ""
+    return bool(WEIGHT.search(name) or PROCESSES.fullmatch(name))
 
 
 def _averages_itself(name: str, value: cst.BaseExpression) -> bool:
@@ -212,10 +217,10 @@ def valid_targets(target: cst.BaseExpression, configured: cst.Call) -> cst.Call:
 
 def averaged_mean(call: cst.Call, tree: Tree) -> cst.BaseExpression | None:
     """What `x.mean()` or `torch.mean(x)` averages (every element), else None."""
+    if tree.qualified(call.func) in ("torch.mean", "torch.nanmean"):
+        return call.args[0].value if len(call.args) == 1 else None
     if isinstance(call.func, cst.Attribute) and call.func.attr.value in ("mean", "nanmean"):
         return None if call.args else call.func.value
-    if tree.qualified(call.func) in ("torch.mean", "torch.nanmean") and len(call.args) == 1:
-        return call.args[0].value
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,6 +32,24 @@ OPT_OUT = "model_accepts_loss_kwargs"  # a Trainer attribute; `Trainer.__init__`
 MODEL_OPT_OUT = "accepts_loss_kwargs"  # a model class attribute the Trainer reads
 SCALED = "loss_is_scaled_for_ga"  # a Trainer class attribute (transformers 5.x)
 OWN_LOSS = ("compute-loss", "loss-function")  # sites whose function computes the loss
+# transformers heads whose loss is a mean over a count that varies per micro-batch (labels
+# padded or ignored with -100, masked tokens) and that never use `num_items_in_batch`: without
+# `**kwargs` (4.x) the Trainer divides their mean by K; with `**kwargs` they drop the count
+# (transformers 5, issue 47688) and the Trainer does not divide at all. An `Auto` class
+# stands for its checkpoint's architecture, of which a few count (ModernBERT, T5Gemma).
+TOKEN_HEADS = re.compile(
+    r"(?:\w+ForTokenClassification|\w+ForMaskedLM|MarianMTModel"
+    r"|AutoModelFor(?:Seq2SeqLM|SpeechSeq2Seq)"
+    r"|(?:Bart|BigBirdPegasus|Blenderbot|BlenderbotSmall|FSMT|LED|LongT5|M2M100|MBart|MT5|Mvp"
+    r"|NllbMoe|Pegasus|PegasusX|PLBart|ProphetNet|Speech2Text|SwitchTransformers|T5|UMT5"
+    r"|Whisper)ForConditionalGeneration)"
+)
+COUNTING_HEADS = {  # masked-LM heads of transformers 5 that hand the count to their loss
+    f"{name}ForMaskedLM" for name in ("ModernBert", "EuroBert", "Esmc", "NeoMME", "Ultrabert")
+}
+AUTO_MIXED = ("AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq")
+BUILDERS = ("from_pretrained", "from_config")
+MOVES = ("to", "cuda", "half", "bfloat16", "float", "train")  # `model.to(device)`: still the model
 KEEPS_LOSS = PASS_THROUGH | {"mean"}  # methods whose result is still the loss
 
 
@@ -47,11 +66,12 @@ class Site:
     message: str
     facts: tuple[str, ...]
     kind: str
-    function: cst.FunctionDef
+    function: cst.FunctionDef | None  # None for a library head handed to a Trainer
     owner: cst.ClassDef | None
     crashes: bool = False  # a TypeError on every call, whatever the data
     scaled: bool = False  # the loss is K times too large, whatever the data
     hint: str = ""  # what to do, where the catalogue's hint does not fit
+    head: str = ""  # the transformers head class a "library-head" site's Trainer is given
 
     @property
     def code(self) -> str:
@@ -191,9 +211,12 @@ class _Models:
         for node in self.tree.calls:
             if not self._is_trainer(node.func):
                 continue
-            given = keyword(node, "model") or next(iter(positional(node)), None)
+            given = self.given_model(node)
             cls = self._model_class(given)
-            forward = methods_of(cls).get("forward") if cls is not None else None
+            if cls is None:
+                yield from self._library_head(node, given)
+                continue
+            forward = methods_of(cls).get("forward")
             if forward is None or cls.name.value in seen:
                 continue
             seen.add(cls.name.value)
@@ -201,6 +224,93 @@ class _Models:
                 continue
             passed = f"model: `{cls.name.value}` is trained by `{code(node.func)}` (line {self.tree.line(node)})"
             yield from self._forward(cls, forward, passed)
+
+    def given_model(self, trainer: cst.Call) -> cst.BaseExpression | None:
+        """The model a Trainer call is given: `model=`, first positional, or the `model` of a
+        mapping it unpacks (`Trainer(**trainer_args)` with `trainer_args = dict(model=m)`)."""
+        given = keyword(trainer, "model") or next(iter(positional(trainer)), None)
+        for arg in trainer.args if given is None else ():
+            mapping = self.tracer.origin_call(arg.value) if arg.star == "**" else None
+            if mapping is not None and code(mapping.func) == "dict":
+                given = keyword(mapping, "model") or given
+        return given
+
+    def _library_head(self, trainer: cst.Call, given: cst.BaseExpression | None) -> Iterator[Site]:
+        """A transformers head whose loss ignores the window's count (`TOKEN_HEADS`), handed
+        to a Trainer that computes the loss the stock way: no `compute_loss_func`, no
+        same-file `compute_loss` or `training_step` override."""
+        head = self.head_of(given)
+        if head is None or keyword(trainer, "compute_loss_func") is not None:
+            return
+        own = self.trainers.get(dotted(trainer.func) or "")
+        if own is not None and any(
+            {"compute_loss", "training_step"} & set(methods_of(c)) or self.opts_out(c)
+            for c in self.lineage(own)
+        ):
+            return
+        name = head.rsplit(".", 1)[-1]
+        message = (
+            f"`{name}` computes a mean loss over its micro-batch's valid targets and never uses "
+            "`num_items_in_batch`: the Trainer either divides that mean by the accumulation steps "
+            "(transformers 4.x, whose heads take no `**kwargs`) or skips it while the head drops the "
+            "count (transformers 5: the loss is K times too large); either way each micro-batch "
+            "weighs the same, whatever its number of targets"
+        )
+        facts = [
+            f"model: `{name}` is trained by `{code(trainer.func)}` (line {self.tree.line(trainer)})"
+        ]
+        if name in AUTO_MIXED:
+            facts.append(
+                f"architecture: `{name}` stands for the checkpoint's class; most (BERT, RoBERTa, "
+                "T5, BART, Whisper) ignore the count, a few (ModernBERT, T5Gemma) use it"
+            )
+        hint = (
+            "Give the Trainer a compute_loss_func that returns the micro-batch's token-loss sum "
+            "(cross-entropy with reduction='sum' over labels != -100) divided by "
+            "num_items_in_batch; an encoder-decoder then needs decoder_input_ids from its collator."
+        )
+        function = self.tree.enclosing_function(trainer)
+        yield Site(
+            trainer.func,
+            message,
+            tuple(facts),
+            "library-head",
+            function,
+            None,
+            hint=hint,
+            head=name,
+        )
+
+    def head_of(self, expr: cst.BaseExpression | None) -> str | None:
+        """The transformers head an expression builds (`AutoModelForTokenClassification
+        .from_pretrained(...)`, `T5ForConditionalGeneration(config)`, a name bound to one,
+        moved with `.to(device)` or wrapped by peft's `get_peft_model`), when it is one of
+        `TOKEN_HEADS`."""
+        for _ in range(8):
+            if isinstance(expr, cst.Name):
+                stmt = self.tracer.binding(expr.value, expr)
+                expr = stmt.value if isinstance(stmt, cst.Assign) else None
+            elif isinstance(expr, cst.Call):
+                func = expr.func
+                if self.tree.qualified(func) == "peft.get_peft_model" and expr.args:
+                    expr = expr.args[0].value
+                elif isinstance(func, cst.Attribute) and func.attr.value in (*BUILDERS, *MOVES):
+                    if func.attr.value in MOVES:
+                        expr = func.value
+                        continue
+                    return self._head(func.value)
+                else:
+                    return self._head(func)
+            else:
+                return None
+        return None
+
+    def _head(self, cls: cst.BaseExpression) -> str | None:
+        qualified = self.tree.qualified(cls) or ""
+        name = qualified.rsplit(".", 1)[-1]
+        if not qualified.startswith("transformers.") or name in COUNTING_HEADS:
+            return None
+        return qualified if TOKEN_HEADS.fullmatch(name) else None
 
     def _model_class(self, expr: cst.BaseExpression | None) -> cst.ClassDef | None:
         """The same-file class an expression instantiates: `M(...)`, `M(...).to(d)`, a name bound to one."""
@@ -520,6 +630,9 @@ def findings(context) -> list[Finding]:
     audit = TrainerAudit(tree)
     domains = Domains(tree, audit.tracer, context.evidence, context.text)
     for site in audit.sites():
+        if site.kind == "library-head":
+            found.extend(_library_head(context, site, domains))
+            continue
         returned = audit.returned_mean(site.function) if site.kind in OWN_LOSS else None
         if returned is not None:
             domain = domains.of(returned, returned=True)
@@ -551,3 +664,51 @@ def findings(context) -> list[Finding]:
             )
         )
     return found
+
+
+def head_kind(name: str) -> str:
+    """The harness's stand-in for a head of `TOKEN_HEADS` (`harness.models.head`): "tag" for
+    a token classifier, "mlm" for a masked LM, "seq2seq" for an encoder-decoder."""
+    if name.endswith("ForTokenClassification"):
+        return "tag"
+    return "mlm" if name.endswith("ForMaskedLM") else "seq2seq"
+
+
+def _library_head(context, site: Site, domains: Domains) -> list[Finding]:
+    """A library head's finding, where the file accumulates (`gradient_accumulation_steps`
+    above 1, or set at run time: K may be 1). At least medium: the counts of these heads'
+    targets vary (padding, ignored sub-words, random masking); at most medium for an `Auto`
+    class whose checkpoint may count."""
+    from gaaudit.checks.versions import accumulation_in
+
+    accumulations = accumulation_in(context.text)
+    if not accumulations:
+        return []
+    line, where, _, run_time = min(accumulations, key=lambda a: (a[3], a[0]))
+    confidence, why = domains.model_loss(returned=True).confidence()
+    if confidence < Confidence.MEDIUM:
+        confidence, why = Confidence.MEDIUM, f"the head's targets vary per micro-batch; {why}"
+    capped = (
+        "K may be 1"
+        if run_time
+        else "the checkpoint's architecture decides"
+        if any(f.startswith("architecture:") for f in site.facts)
+        else ""
+    )
+    if capped and confidence > Confidence.MEDIUM:
+        confidence, why = Confidence.MEDIUM, f"{why}; {capped}"
+    return [
+        Finding(
+            path=context.path,
+            code=CODE,
+            message=site.message,
+            span=context.tree.span(site.node),
+            confidence=confidence,
+            evidence=(
+                *site.facts,
+                f"accumulation: {where} (line {line})",
+                f"confidence {confidence}: {why}",
+            ),
+            hint=site.hint,
+        )
+    ]

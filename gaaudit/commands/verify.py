@@ -74,6 +74,7 @@ class Target:
     lightning: bool = False  # `trainer` names a LightningModule: a Lightning Trainer runs it
     # the literal defaults of the options the project adds to a Trainer's arguments
     options: tuple[tuple[str, object], ...] = ()
+    head: str = ""  # the harness's stand-in for the transformers head a Trainer is given
 
 
 @dataclass
@@ -306,6 +307,7 @@ def _trainer_setup(
     target replays it already: the Trainer's own accumulation, replayed with a real Trainer.
     Its data holds as many loss elements in every row where GA006 reads so (`_exact_data`)."""
     from gaaudit.analysis.tree import code
+    from gaaudit.checks.trainer import head_kind
 
     tree = located.tree
     found = next(
@@ -327,20 +329,23 @@ def _trainer_setup(
     if any(t.trainer == name or s <= start <= e for s, (t, e) in trainers.items()):
         return None
     stops, loss = _built_with(tree, call)
+    sites = list(audit.sites())
     flagged = any(  # GA004 reports the loss function it is given, or a model's forward
         site.kind == "forward" or site.kind == "loss-function" and site.function.name.value == loss
-        for site in audit.sites()
+        for site in sites
     )
+    given = audit.head_of(audit.given_model(call)) or ""  # replayed with a head like it
     return Target(
         start,
         patched,
         header,
         (),
-        flagged,
+        flagged or any(s.kind == "library-head" and s.node is call.func for s in sites),
         name,
         fixed_length=_exact_data(path, original),
         stops=stops,
         loss_func=loss,
+        head=head_kind(given.rsplit(".", 1)[-1]) if given else "",
     )
 
 
@@ -920,6 +925,7 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
         fixed=bool(target.fixed_length),
         loss_func=target.loss_func,
         options=dict(target.options),
+        head=target.head,
     )
     if target.pinned:  # what fixes it is the requirement: the installed release's verdict
         import transformers

@@ -70,6 +70,10 @@ JAX_WORDS = (
 )
 JAX_HOMES = {"jax", "flax", "equinox", "optax"}
 LOSS_FUNCTION = "compute_loss_func"  # a Trainer argument and attribute
+# The transformers heads GA004 reads where a Trainer is handed one (`trainer.TOKEN_HEADS`).
+HEADS = re.compile(
+    rb"For(?:TokenClassification|MaskedLM|Seq2SeqLM|SpeechSeq2Seq|ConditionalGeneration)\b|MarianMTModel"
+)
 LIGHTNING_WORDS = (b"accumulate_grad_batches", b"GradientAccumulationScheduler")
 LIGHTNING_KEPT = (*LIGHTNING_WORDS, b"training_step", b"Trainer(", b"Trainer)")
 MMENGINE_WORDS = (b"accumulative_counts",)  # `OptimWrapper(accumulative_counts=k)`
@@ -181,9 +185,9 @@ class _TrainerUnits:
         kept = with_members(classes, members)
         spelled = trainers | {n for n, q in self._qualified.items() if any(map(_trainer_home, q))}
         calls = [c for c in self._calls_on(spelled) if self._is_trainer(c.func, trainers)]
-        if any(
+        if HEADS.search(self.data) or any(
             isinstance(s, FUNCTIONS) and s.name == "forward" for c in self.classes for s in c.body
-        ):
+        ):  # a model to hand to a Trainer: a class of the file, or a transformers head
             kept |= {self._owner(c, members) for c in calls}
         # A `compute_loss_func` handed to a Trainer call or set in a subclass, and the call.
         given = [(c, k.value) for c in calls for k in c.keywords if k.arg == LOSS_FUNCTION]

@@ -560,6 +560,11 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
             return self._training_step_division(site)
         if site.kind == "loss-function":
             return self._loss_function(site)
+        if site.kind == "library-head":
+            raise Unfixable(
+                "the loss is computed inside transformers; hand the Trainer a `compute_loss_func` "
+                "that divides the micro-batch's token-loss sum by `num_items_in_batch`"
+            )
         return self._forward(site)
 
 

@@ -133,18 +133,26 @@ def _hf_model(kind: str) -> nn.Module:
                 **ids,
             )
         )
-    return tf.BertForMaskedLM(
-        tf.BertConfig(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=128,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            max_position_embeddings=MAX_POSITIONS,
-            **ids,
-        )
+    config = tf.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=MAX_POSITIONS,
+        num_labels=LABELS,
+        **ids,
     )
+    return tf.BertForTokenClassification(config) if kind == "tag" else tf.BertForMaskedLM(config)
+
+
+def head(kind: str, seed: int = 0) -> nn.Module:
+    """A tiny transformers head standing for one a Trainer is handed (`checks.trainer
+    .head_kind`): "seq2seq" (T5), "mlm" (BERT) or "tag" (BERT tagging each token with one
+    of LABELS classes), with weights fixed by `seed`."""
+    torch.manual_seed(seed)
+    return _hf_model(kind)
 
 
 def vocab_size() -> int:

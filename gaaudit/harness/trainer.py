@@ -30,6 +30,7 @@ from transformers import (
 
 from gaaudit.harness.factory import concatenate, current, current_data, to_device
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
+from gaaudit.harness.models import LABELS, head
 
 MICRO = 2  # examples per micro-batch
 FIXED = 24  # the length of every example of fixed-length data
@@ -146,10 +147,12 @@ def tiny_model(classifier: bool = False) -> torch.nn.Module:
 
 
 def examples(
-    n: int, seed: int = 0, classifier: bool = False, fixed: bool = False
+    n: int, seed: int = 0, classifier: bool = False, fixed: bool = False, head: str = ""
 ) -> list[dict[str, torch.Tensor]]:
     """Rows of different lengths: prompt and reply, the prompt masked out of the labels; or
-    one class label per row. `fixed`: rows of one length with nothing masked."""
+    one class label per row. `fixed`: rows of one length with nothing masked. For a `head`
+    (`models.head`), the reply's labels are what it predicts: a class per token ("tag"), the
+    input itself at a random fifth of its positions ("mlm"), other tokens ("seq2seq")."""
     generator = torch.Generator().manual_seed(seed + 1)
     rows = []
     for _ in range(n):
@@ -157,6 +160,14 @@ def examples(
         prompt = 0 if fixed else int(torch.randint(2, length - 2, (1,), generator=generator))
         input_ids = torch.randint(2, 64, (length,), generator=generator)
         labels = input_ids.clone()
+        if head == "tag":
+            labels = torch.randint(0, LABELS, (length,), generator=generator)
+        elif head == "mlm":
+            hidden = torch.rand(length, generator=generator) < 0.2
+            hidden[-1] = True  # one target at least
+            labels[~hidden] = -100
+        elif head == "seq2seq":
+            labels = torch.randint(2, 64, (length,), generator=generator)
         labels[:prompt] = -100
         if classifier:
             labels = torch.randint(0, 3, (), generator=generator)
@@ -276,12 +287,13 @@ class Window:
     classifier: bool = False
     options: tuple = ()  # the project's own arguments: `arguments`' `options`
     keys: tuple = ()  # a pairwise collator's keys (`_paired_keys`): rows of those families
+    head: str = ""  # the transformers head the Trainer is given, as `models.head` stands for it
 
     def rows(self) -> list[dict[str, torch.Tensor]]:
         """The window's examples: the harness's rows, one family of them per pairwise key."""
         n = self.k * MICRO
         if not self.keys:
-            return examples(n, self.seed, self.classifier, self.fixed)
+            return examples(n, self.seed, self.classifier, self.fixed, self.head)
         families = sum("input_ids" in key for key in self.keys)
         made = [
             examples(n, self.seed + 101 * i, self.classifier, self.fixed) for i in range(families)
@@ -291,7 +303,7 @@ class Window:
     def model(self) -> torch.nn.Module:
         user = current()
         if user is None:
-            return tiny_model(self.classifier)
+            return head(self.head) if self.head else tiny_model(self.classifier)
         torch.manual_seed(0)
         return user.build()
 
@@ -357,7 +369,7 @@ def _error(cls: type, reference: type, window: Window) -> float:
     classifier's loss gathering at -100) is a device-side assert on the GPU, after which the
     process can run nothing."""
     failure = None
-    kinds = (False,) if current() else (False, True)
+    kinds = (False,) if current() or window.head else (False, True)
     for classifier in kinds:
         try:
             attempt = replace(window, classifier=classifier)
@@ -385,6 +397,7 @@ def compare(
     fixed: bool = False,
     loss_func: str = "",
     options: dict | None = None,
+    head: str = "",
 ) -> dict:
     """The row of one Trainer class for one K: each version's error against the original
     class's loss over the full batch, with its verdict (`original_verdict`; `verdict` is the
@@ -392,7 +405,8 @@ def compare(
     before 4.46 did, and the original also as the installed release does (`installed_*`);
     `fixed`: on examples of one length; `loss_func`: the file's function each version's
     Trainer is given as `compute_loss_func`; `options`: the project's own arguments'
-    defaults."""
+    defaults; `head`: the tiny transformers head standing for the one the Trainer is given
+    (`models.head`)."""
     row: dict = {"k": k, "original_error": None, "patched_error": None}
     with quietly():
         try:
@@ -401,7 +415,8 @@ def compare(
             row["original_verdict"] = row["verdict"] = failed(exc)
             return row
         options = tuple((options or {}).items())
-        window = Window(k, seed, device, fixed, options=options, keys=_paired_keys(original, name))
+        keys = _paired_keys(original, name)
+        window = Window(k, seed, device, fixed, options=options, keys=keys, head=head)
         versions = [("original", original, pinned)]
         versions += [("patched", patched, pinned)] if patched else []
         versions += [("installed", original, False)] if pinned else []
