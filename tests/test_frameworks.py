@@ -157,6 +157,56 @@ def test_model_passed_to_trainer_through_a_name(tmp_path):
     assert found(tmp_path, source) == [(6, "GA004", "low")]
 
 
+HEAD_SCRIPT = """\
+    import peft
+    from transformers import {head}, Trainer, TrainingArguments
+
+    model = {head}.from_pretrained("checkpoint"){wrapped}
+    args = TrainingArguments("out", gradient_accumulation_steps={k})
+    Trainer(model=model.to("cuda"), args=args{given}).train()
+    """
+
+
+@pytest.mark.parametrize(
+    "head, pin, changes, expected",
+    [
+        # a token head ignores the count in every release: mean/K (4.x) or K means summed (5.x)
+        ("AutoModelForTokenClassification", "", {}, [(6, "GA004", "medium")]),
+        ("BertForTokenClassification", "transformers==4.48.0", {}, [(6, "GA004", "medium")]),
+        ("T5ForConditionalGeneration", "", {"wrapped": ".to('cuda')"}, [(6, "GA004", "medium")]),
+        (
+            "BertForMaskedLM",
+            "",
+            {"wrapped": "\n    model = peft.get_peft_model(model, config)"},
+            [(7, "GA004", "medium")],
+        ),
+        ("AutoModelForCausalLM", "", {}, []),  # causal LMs hand the count to their loss
+        ("ModernBertForMaskedLM", "", {}, []),  # and a few masked LMs too
+        ("AutoModelForTokenClassification", "", {"k": 1}, []),  # one micro-batch per step
+        ("AutoModelForTokenClassification", "", {"given": ", compute_loss_func=f"}, []),
+        # one label per example: exact under 4.x, K times too large where 5.x may be installed
+        ("AutoModelForSequenceClassification", "", {}, [(6, "GA004", "medium")]),
+        ("BertForMultipleChoice", "transformers>=4.40", {}, [(6, "GA004", "medium")]),
+        ("AutoModelForSequenceClassification", "transformers==4.48.0", {}, []),
+        ("AutoModelForSequenceClassification", "transformers<5", {}, []),
+        (
+            "AutoModelForSequenceClassification",
+            "",
+            {"wrapped": "\n    model.accepts_loss_kwargs = False"},
+            [],
+        ),
+    ],
+)
+def test_stock_heads_handed_to_a_trainer(tmp_path, head, pin, changes, expected):
+    """GA004 on a transformers head whose loss ignores `num_items_in_batch`, read through
+    `.to(device)`, peft's wrapper and the project's transformers requirement."""
+    if pin:
+        (tmp_path / "requirements.txt").write_text(f"torch\n{pin}\n")
+    (tmp_path / ".git").mkdir()  # the project's root: no requirement above it is read
+    fields = {"head": head, "wrapped": "", "k": 4, "given": "", **changes}
+    assert found(tmp_path, HEAD_SCRIPT.format(**fields)) == expected
+
+
 def test_ga004_finding_explains_itself(tmp_path):
     path = FIXTURES / "ga004_weighted_classification_compute_loss.py"
     (finding,) = check_file(path, ALL).findings

@@ -597,6 +597,10 @@ class _Counts:
         bindings = self.tree.bindings(function)
 
         def local(name: cst.Name) -> cst.BaseExpression | None:
+            if name.value in ("None", "True", "False"):
+                return None
+            if name not in self.tree.order:  # substituted from another module's function
+                raise _Foreign(name.value)
             bound = self.binding(name.value, name)
             while _reshaped(bound, name.value):  # `targets = targets.reshape(-1)`: same count
                 bound = self.binding(name.value, bound)

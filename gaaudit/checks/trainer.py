@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import libcst as cst
 
@@ -44,6 +45,11 @@ TOKEN_HEADS = re.compile(
     r"|NllbMoe|Pegasus|PegasusX|PLBart|ProphetNet|Speech2Text|SwitchTransformers|T5|UMT5"
     r"|Whisper)ForConditionalGeneration)"
 )
+# Heads with one label per example: their mean is exact under the Trainer's mean/K of 4.x; in
+# 5.x they take `**kwargs` and drop the count, and the Trainer skips its division by K.
+# (Question answering heads read `start_positions`, no `labels`: the Trainer counts nothing.)
+EXAMPLE_HEADS = re.compile(r"\w+For(?:SequenceClassification|MultipleChoice)")
+FIVE = "5.0.0"  # the first release whose `EXAMPLE_HEADS` take `**kwargs` and drop the count
 COUNTING_HEADS = {  # masked-LM heads of transformers 5 that hand the count to their loss
     f"{name}ForMaskedLM" for name in ("ModernBert", "EuroBert", "Esmc", "NeoMME", "Ultrabert")
 }
@@ -236,9 +242,10 @@ class _Models:
         return given
 
     def _library_head(self, trainer: cst.Call, given: cst.BaseExpression | None) -> Iterator[Site]:
-        """A transformers head whose loss ignores the window's count (`TOKEN_HEADS`), handed
-        to a Trainer that computes the loss the stock way: no `compute_loss_func`, no
-        same-file `compute_loss` or `training_step` override."""
+        """A transformers head whose loss ignores the window's count (`TOKEN_HEADS`, or
+        `EXAMPLE_HEADS` where the model was not opted out), handed to a Trainer that computes
+        the loss the stock way: no `compute_loss_func`, no same-file `compute_loss` or
+        `training_step` override."""
         head = self.head_of(given)
         if head is None or keyword(trainer, "compute_loss_func") is not None:
             return
@@ -249,26 +256,42 @@ class _Models:
         ):
             return
         name = head.rsplit(".", 1)[-1]
-        message = (
-            f"`{name}` computes a mean loss over its micro-batch's valid targets and never uses "
-            "`num_items_in_batch`: the Trainer either divides that mean by the accumulation steps "
-            "(transformers 4.x, whose heads take no `**kwargs`) or skips it while the head drops the "
-            "count (transformers 5: the loss is K times too large); either way each micro-batch "
-            "weighs the same, whatever its number of targets"
-        )
+        per_example = head_kind(name) == "classify"
+        if per_example and self.opted_out(given):
+            return
         facts = [
             f"model: `{name}` is trained by `{code(trainer.func)}` (line {self.tree.line(trainer)})"
         ]
-        if name in AUTO_MIXED:
-            facts.append(
-                f"architecture: `{name}` stands for the checkpoint's class; most (BERT, RoBERTa, "
-                "T5, BART, Whisper) ignore the count, a few (ModernBERT, T5Gemma) use it"
+        if per_example:
+            message = (
+                f"`{name}` takes `**kwargs` in transformers 5 but drops `num_items_in_batch`: the "
+                "Trainer passes the count and skips its division by the accumulation steps, so the "
+                "loss and its gradient are K times too large"
             )
-        hint = (
-            "Give the Trainer a compute_loss_func that returns the micro-batch's token-loss sum "
-            "(cross-entropy with reduction='sum' over labels != -100) divided by "
-            "num_items_in_batch; an encoder-decoder then needs decoder_input_ids from its collator."
-        )
+            hint = (
+                "Set model.accepts_loss_kwargs = False before building the Trainer: it then "
+                "divides each micro-batch's mean by K, exact with one label per example."
+            )
+        else:
+            message = (
+                f"`{name}` computes a mean loss over its micro-batch's valid targets and never "
+                "uses `num_items_in_batch`: the Trainer either divides that mean by the "
+                "accumulation steps (transformers 4.x, whose heads take no `**kwargs`) or skips it "
+                "while the head drops the count (transformers 5: the loss is K times too large); "
+                "either way each micro-batch weighs the same, whatever its number of targets"
+            )
+            hint = (
+                "Give the Trainer a compute_loss_func returning the micro-batch's token-loss sum "
+                "(cross-entropy, reduction='sum', over labels != -100) divided by "
+                "num_items_in_batch (an encoder-decoder then needs decoder_input_ids from its "
+                "collator)."
+            )
+            if name in AUTO_MIXED:
+                facts.append(
+                    f"architecture: `{name}` stands for the checkpoint's class; most (BERT, "
+                    "RoBERTa, T5, BART, Whisper) ignore the count, a few (ModernBERT, T5Gemma) "
+                    "use it"
+                )
         function = self.tree.enclosing_function(trainer)
         yield Site(
             trainer.func,
@@ -279,6 +302,16 @@ class _Models:
             None,
             hint=hint,
             head=name,
+        )
+
+    def opted_out(self, given: cst.BaseExpression | None) -> bool:
+        """`model.accepts_loss_kwargs = False` in the file, for the name the Trainer is given."""
+        name = model_name(given)
+        return name is not None and any(
+            isinstance(node, cst.Assign)
+            and code(node.value) == "False"
+            and any(code(t.target) == f"{name.value}.{MODEL_OPT_OUT}" for t in node.targets)
+            for node in self.tree.walk(self.tree.module)
         )
 
     def head_of(self, expr: cst.BaseExpression | None) -> str | None:
@@ -310,7 +343,7 @@ class _Models:
         name = qualified.rsplit(".", 1)[-1]
         if not qualified.startswith("transformers.") or name in COUNTING_HEADS:
             return None
-        return qualified if TOKEN_HEADS.fullmatch(name) else None
+        return qualified if TOKEN_HEADS.fullmatch(name) or EXAMPLE_HEADS.fullmatch(name) else None
 
     def _model_class(self, expr: cst.BaseExpression | None) -> cst.ClassDef | None:
         """The same-file class an expression instantiates: `M(...)`, `M(...).to(d)`, a name bound to one."""
@@ -666,28 +699,58 @@ def findings(context) -> list[Finding]:
     return found
 
 
+def model_name(given: cst.BaseExpression | None) -> cst.Name | None:
+    """The name a Trainer's model expression reads: `model`, `model.to(device)`."""
+    while (
+        isinstance(given, cst.Call)
+        and isinstance(given.func, cst.Attribute)
+        and given.func.attr.value in MOVES
+    ):
+        given = given.func.value
+    return given if isinstance(given, cst.Name) else None
+
+
 def head_kind(name: str) -> str:
-    """The harness's stand-in for a head of `TOKEN_HEADS` (`harness.models.head`): "tag" for
-    a token classifier, "mlm" for a masked LM, "seq2seq" for an encoder-decoder."""
+    """The harness's stand-in for a head of `TOKEN_HEADS` or `EXAMPLE_HEADS`
+    (`harness.models.head`): "tag" for a token classifier, "mlm" for a masked LM, "seq2seq"
+    for an encoder-decoder, "classify" for one label per example."""
     if name.endswith("ForTokenClassification"):
         return "tag"
+    if EXAMPLE_HEADS.fullmatch(name):
+        return "classify"
     return "mlm" if name.endswith("ForMaskedLM") else "seq2seq"
 
 
 def _library_head(context, site: Site, domains: Domains) -> list[Finding]:
     """A library head's finding, where the file accumulates (`gradient_accumulation_steps`
-    above 1, or set at run time: K may be 1). At least medium: the counts of these heads'
-    targets vary (padding, ignored sub-words, random masking); at most medium for an `Auto`
-    class whose checkpoint may count."""
-    from gaaudit.checks.versions import accumulation_in
+    above 1, or set at run time: K may be 1). A head of `TOKEN_HEADS` is at least medium (the
+    counts of its targets vary: padding, ignored sub-words, random masking) and at most medium
+    for an `Auto` class whose checkpoint may count; one of `EXAMPLE_HEADS` is medium where the
+    project's transformers requirement admits 5.x (none: the newest releases), else exact."""
+    from gaaudit.checks.versions import accumulation_in, admits
+    from gaaudit.discover.modules import Dependency, file_digest
 
     accumulations = accumulation_in(context.text)
     if not accumulations:
         return []
     line, where, _, run_time = min(accumulations, key=lambda a: (a[3], a[0]))
-    confidence, why = domains.model_loss(returned=True).confidence()
-    if confidence < Confidence.MEDIUM:
-        confidence, why = Confidence.MEDIUM, f"the head's targets vary per micro-batch; {why}"
+    facts = [*site.facts, f"accumulation: {where} (line {line})"]
+    if head_kind(site.head) == "classify":
+        later, pin, read = admits(context.directory / Path(context.path).name, FIVE)
+        context.imports.dependencies.update(Dependency(str(p), file_digest(p)) for p in read)
+        if not later:
+            return []
+        facts.append(
+            f"transformers: {pin} admits {FIVE} and later"
+            if pin
+            else "transformers: no requirement names it, so the newest releases (5.x) are assumed"
+        )
+        confidence = Confidence.MEDIUM
+        why = "K times too large whatever the counts under transformers 5; exact under 4.x"
+    else:
+        confidence, why = domains.model_loss(returned=True).confidence()
+        if confidence < Confidence.MEDIUM:
+            confidence, why = Confidence.MEDIUM, f"the head's targets vary per micro-batch; {why}"
     capped = (
         "K may be 1"
         if run_time
@@ -704,11 +767,8 @@ def _library_head(context, site: Site, domains: Domains) -> list[Finding]:
             message=site.message,
             span=context.tree.span(site.node),
             confidence=confidence,
-            evidence=(
-                *site.facts,
-                f"accumulation: {where} (line {line})",
-                f"confidence {confidence}: {why}",
-            ),
+            evidence=(*facts, f"confidence {confidence}: {why}"),
             hint=site.hint,
+            fixable=True,
         )
     ]

@@ -103,13 +103,20 @@ def verdict(specifier: SpecifierSet) -> str | None:
     admits predates 4.46, `early` when that is 4.46.0 or 4.46.1, None otherwise."""
     from packaging.version import Version
 
-    declared = [v for v in (_version(s.version) for s in specifier) if v is not None]
-    probes = [*map(Version, PROBES), *declared]
-    probes += [Version(f"{v.major}.{v.minor}.{v.micro + 1}") for v in declared]
-    admitted = [v for v in probes if specifier.contains(v, prereleases=True)]
+    admitted = _admitted(specifier)
     if not admitted or max(admitted) >= Version(FIXED):
         return None
     return "early" if max(admitted) >= Version(EARLY) else "old"
+
+
+def _admitted(specifier: SpecifierSet) -> list[Version]:
+    """The releases a specifier admits among PROBES, the versions it names and their successors."""
+    from packaging.version import Version
+
+    declared = [v for v in (_version(s.version) for s in specifier) if v is not None]
+    probes = [*map(Version, PROBES), *declared]
+    probes += [Version(f"{v.major}.{v.minor}.{v.micro + 1}") for v in declared]
+    return [v for v in probes if specifier.contains(v, prereleases=True)]
 
 
 def _version(text: str) -> Version | None:
@@ -600,6 +607,43 @@ def governing_pin(path: Path) -> str:
     """The transformers pin before 4.46 that governs `path` (`pinned_for`), searched up to
     its repository within the current directory (`search_root`); "" when there is none."""
     return pinned_for(path, search_root(path)) or ""
+
+
+def admits(path: Path, release: str) -> tuple[bool, str, list[Path]]:
+    """Whether the transformers requirement that governs `path` admits `release` or a later
+    one: its inline
+    script metadata, else those of the dependency files (not READMEs) of the nearest folder,
+    from its own up to its repository (`search_root`), that names transformers; that
+    requirement as written with where ("" where none does: any release), and the files read."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    here, read = _real(path), []
+    text = _read(here).decode("utf-8", "replace")
+    named = [(here, p) for p in script_pins(text) if TRANSFORMERS.match(p.requirement)]
+    folders = [f for f in here.parents if f.is_relative_to(_real(search_root(path)))]
+    for folder in folders if not named else ():
+        for pin_file in (*_listed(folder), *_listed(folder / "requirements")):
+            if is_pin_file(pin_file) and not _is_readme(pin_file) and _regular(pin_file):
+                read.append(pin_file)
+                text = _read(pin_file).decode("utf-8", "replace")
+                named += [
+                    (pin_file, p) for p in pins(pin_file, text) if TRANSFORMERS.match(p.requirement)
+                ]
+        if named:
+            break
+    for where, pin in named:
+        try:
+            requirement = Requirement(pin.requirement)
+        except InvalidRequirement:
+            continue
+        tag = GIT_REF.search(requirement.url or "")
+        version = tag.group("release") if tag and tag.group("release") else None
+        shown = f"`{pin.shown}` ({display_path(where)} line {pin.line})"
+        if version is not None:
+            return _version(version) >= _version(release), shown, read
+        later = any(v >= _version(release) for v in _admitted(requirement.specifier))
+        return later or bool(requirement.url), shown, read
+    return True, "", read
 
 
 def _listed(folder: Path) -> list[Path]:

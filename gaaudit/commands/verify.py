@@ -75,6 +75,10 @@ class Target:
     # the literal defaults of the options the project adds to a Trainer's arguments
     options: tuple[tuple[str, object], ...] = ()
     head: str = ""  # the harness's stand-in for the transformers head a Trainer is given
+    patched_loss_func: str = ""  # `loss_func` in the patched source (a fix may give one)
+    # whether the model handed to the Trainer is set `accepts_loss_kwargs = False`, as written
+    # and as patched
+    opts_out: tuple[bool, bool] = (False, False)
 
 
 @dataclass
@@ -334,7 +338,11 @@ def _trainer_setup(
         site.kind == "forward" or site.kind == "loss-function" and site.function.name.value == loss
         for site in sites
     )
-    given = audit.head_of(audit.given_model(call)) or ""  # replayed with a head like it
+    model = audit.given_model(call)
+    given = audit.head_of(model) or ""  # replayed with a head like it
+    fixed_loss, fixed_opt_out = (
+        _patched_setup(located.patched_lines, patched) if patched else ("", False)
+    )
     return Target(
         start,
         patched,
@@ -346,7 +354,27 @@ def _trainer_setup(
         stops=stops,
         loss_func=loss,
         head=head_kind(given.rsplit(".", 1)[-1]) if given else "",
+        patched_loss_func=fixed_loss or loss,
+        opts_out=(audit.opted_out(model), fixed_opt_out),
     )
+
+
+def _patched_setup(patched_lines: list[str], line: int) -> tuple[str, bool]:
+    """What the patched source's Trainer call starting at `line` is given that `gaaudit fix`
+    may add: the file's function as its `compute_loss_func` (else ""), and whether its model
+    is set `accepts_loss_kwargs = False`."""
+    from gaaudit.analysis.tree import Tree
+    from gaaudit.checks.trainer import TrainerAudit
+
+    try:
+        tree = Tree(cst.parse_module("\n".join(patched_lines) + "\n"))
+    except cst.ParserSyntaxError:
+        return "", False
+    call = next((c for c in tree.calls if tree.line(tree.statement_of(c)) == line), None)
+    if call is None:
+        return "", False
+    audit = TrainerAudit(tree)
+    return _built_with(tree, call)[1], audit.opted_out(audit.given_model(call))
 
 
 def _exact_data(path: Path, original: bytes) -> str:
@@ -926,6 +954,8 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
         loss_func=target.loss_func,
         options=dict(target.options),
         head=target.head,
+        patched_loss_func=target.patched_loss_func,
+        opts_out=target.opts_out,
     )
     if target.pinned:  # what fixes it is the requirement: the installed release's verdict
         import transformers

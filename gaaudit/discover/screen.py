@@ -70,9 +70,11 @@ JAX_WORDS = (
 )
 JAX_HOMES = {"jax", "flax", "equinox", "optax"}
 LOSS_FUNCTION = "compute_loss_func"  # a Trainer argument and attribute
-# The transformers heads GA004 reads where a Trainer is handed one (`trainer.TOKEN_HEADS`).
+# The transformers heads GA004 reads where a Trainer is handed one (`trainer.TOKEN_HEADS`,
+# `trainer.EXAMPLE_HEADS`).
 HEADS = re.compile(
-    rb"For(?:TokenClassification|MaskedLM|Seq2SeqLM|SpeechSeq2Seq|ConditionalGeneration)\b|MarianMTModel"
+    rb"For(?:TokenClassification|MaskedLM|Seq2SeqLM|SpeechSeq2Seq|ConditionalGeneration"
+    rb"|SequenceClassification|MultipleChoice)\b|MarianMTModel"
 )
 LIGHTNING_WORDS = (b"accumulate_grad_batches", b"GradientAccumulationScheduler")
 LIGHTNING_KEPT = (*LIGHTNING_WORDS, b"training_step", b"Trainer(", b"Trainer)")

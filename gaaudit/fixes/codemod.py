@@ -43,6 +43,10 @@ class _Apply(cst.CSTTransformer):
                 )
                 updated = updated.with_changes(leading_lines=lines[moved:])
             body.extend(inserted)
+            if original in self.edits.spaced:
+                blank = _blank_prefix(updated.leading_lines)
+                lines = [cst.EmptyLine()] * max(0, 2 - blank) + list(updated.leading_lines)
+                updated = updated.with_changes(leading_lines=lines)
             if not removed:
                 body.append(updated)
             body.extend(self.edits.after.get(original, ()))

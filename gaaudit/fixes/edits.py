@@ -28,6 +28,7 @@ class Edits:
     replace: dict[cst.CSTNode, cst.CSTNode] = field(default_factory=dict)
     before: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
     after: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
+    spaced: set[cst.CSTNode] = field(default_factory=set)  # two blank lines above (a def before)
 
     def insert_before(self, anchor: cst.CSTNode, source: str) -> None:
         self.before.setdefault(anchor, []).extend(parsed_statements(source))
@@ -135,6 +136,7 @@ def copy_edits(edits: Edits) -> Edits:
         dict(edits.replace),
         {k: list(v) for k, v in edits.before.items()},
         {k: list(v) for k, v in edits.after.items()},
+        set(edits.spaced),
     )
 
 

@@ -138,7 +138,7 @@ def _merged(first, second):
     """Two plans' edits as one; they touch different nodes (overlaps were left to `first`)."""
     from gaaudit.fixes.edits import Edits
 
-    merged = Edits({**second.replace, **first.replace})
+    merged = Edits({**second.replace, **first.replace}, spaced=first.spaced | second.spaced)
     for table in ("before", "after"):
         combined = getattr(merged, table)
         for plan in (first, second):

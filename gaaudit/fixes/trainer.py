@@ -31,9 +31,11 @@ from gaaudit.checks.trainer import (
     Site,
     TrainerAudit,
     class_attribute,
+    head_kind,
     is_super,
     is_super_init,
     loss_parts,
+    model_name,
     parameters,
 )
 from gaaudit.fixes.accumulation import Outcome
@@ -42,10 +44,24 @@ from gaaudit.fixes.edits import (
     Unfixable,
     copy_edits,
     statement_line,
+    torch_module,
     with_argument,
     with_parameter,
 )
 
+# The `compute_loss_func` a stock head's Trainer gets (`_library_head`): the heads' loss is a
+# cross-entropy over the labels that are not -100, with nothing shifted.
+LIBRARY_LOSS = """\
+# sum and count: each micro-batch's token-loss sum over the Trainer's count of the window's labels
+def {name}(outputs, labels, num_items_in_batch=None):
+    logits = outputs["logits"]
+    total = {torch}.nn.functional.cross_entropy(
+        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+    if num_items_in_batch is None:  # evaluation: the batch's own count
+        num_items_in_batch = (labels != -100).sum()
+    return total / num_items_in_batch
+"""
 # The stock `compute_loss`'s factor for a count gathered over every process.
 ACROSS, PROCESSES = "self.args.average_tokens_across_devices", "self.accelerator.num_processes"
 # When the stock `training_step` divides the loss by the accumulation steps (4.46 and later).
@@ -561,11 +577,82 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
         if site.kind == "loss-function":
             return self._loss_function(site)
         if site.kind == "library-head":
-            raise Unfixable(
-                "the loss is computed inside transformers; hand the Trainer a `compute_loss_func` "
-                "that divides the micro-batch's token-loss sum by `num_items_in_batch`"
-            )
+            return self._library_head(site)
         return self._forward(site)
+
+    def _library_head(self, site: Site) -> Choice:
+        """A transformers head's Trainer gets a `compute_loss_func` of the file: the micro-batch's
+        cross-entropy sum over the labels that are not -100 (the heads' own loss, summed),
+        divided by the Trainer's count of the window's labels (the batch's own where it passes
+        none, as in evaluation)."""
+        call = self.tree.parents[site.node]
+        if head_kind(site.head) == "classify":
+            return self._head_opt_out(call)
+        if any(arg.star for arg in call.args):
+            raise Unfixable(
+                "the Trainer's arguments come partly from an unpacked mapping, which may set "
+                "`compute_loss_func` already"
+            )
+        if "label_smoothing_factor" in self.text:
+            raise Unfixable(
+                "the arguments may set `label_smoothing_factor`, which a `compute_loss_func` "
+                "replaces; smooth the loss in the function instead"
+            )
+        if head_kind(site.head.rsplit(".", 1)[-1]) == "seq2seq" and not self._decoder_inputs(call):
+            raise Unfixable(
+                "with a `compute_loss_func` the Trainer hands the model no labels, so an "
+                "encoder-decoder needs `decoder_input_ids` from its collator: give the Trainer "
+                "`DataCollatorForSeq2Seq(tokenizer, model=model)`"
+            )
+        self._under_pin("Trainer takes no `compute_loss_func`")
+        name = "window_token_loss"
+        if name in self.tree.functions or name in self.text:
+            raise Unfixable(f"the file already uses the name `{name}`")
+        torch = torch_module(self.tree, self.edits)
+        body = list(self.tree.module.body)
+        at = next(body.index(a) for a in (call, *self.tree.ancestors(call)) if a in body)
+        function = LIBRARY_LOSS.format(name=name, torch=torch)
+        if at:  # after the statement above the one holding the Trainer, blank lines kept
+            self.edits.insert_after(body[at - 1], "\n\n" + function)
+        else:
+            self.edits.insert_before(body[at], function)
+        self.edits.spaced.add(body[at])
+        self._add_argument(call, name, keyword_name="compute_loss_func")
+        return Choice(
+            f"`{code(call.func)}` gets `compute_loss_func={name}`: the micro-batch's token-loss "
+            "sum over the window's count"
+        )
+
+    def _head_opt_out(self, call: cst.Call) -> Choice:
+        """`model.accepts_loss_kwargs = False` above the Trainer's statement, for a head with one
+        label per example: the Trainer then divides its mean by K, as before transformers 5."""
+        given = model_name(self.audit.given_model(call))
+        built = self.audit.tracer.origin_call(given) if given is not None else None
+        if built is None or (self.tree.qualified(built.func) or "").startswith("peft."):
+            raise Unfixable(
+                "the Trainer is not given a name bound to the transformers model; set "
+                f"`{MODEL_OPT_OUT} = False` on the model itself before building the Trainer"
+            )
+        self.edits.insert_before(
+            statement_line(self.tree, call),
+            "# the head ignores num_items_in_batch: the Trainer then divides its loss by K\n"
+            f"{given.value}.{MODEL_OPT_OUT} = False\n",
+        )
+        return Choice(
+            f"`{given.value}.{MODEL_OPT_OUT} = False` before the Trainer is built: it divides "
+            "each micro-batch's mean by the accumulation steps"
+        )
+
+    def _decoder_inputs(self, call: cst.Call) -> bool:
+        """The Trainer's collator makes `decoder_input_ids` from the labels:
+        `DataCollatorForSeq2Seq(..., model=...)`, given here or bound to the name given."""
+        collator = keyword(call, "data_collator")
+        built = self.audit.tracer.origin_call(collator) if collator is not None else None
+        return (
+            built is not None
+            and (self.tree.qualified(built.func) or "").endswith("DataCollatorForSeq2Seq")
+            and keyword(built, "model") is not None
+        )
 
 
 def parameters_in_order(function: cst.FunctionDef) -> list[str]:

@@ -149,8 +149,9 @@ def _hf_model(kind: str) -> nn.Module:
 
 def head(kind: str, seed: int = 0) -> nn.Module:
     """A tiny transformers head standing for one a Trainer is handed (`checks.trainer
-    .head_kind`): "seq2seq" (T5), "mlm" (BERT) or "tag" (BERT tagging each token with one
-    of LABELS classes), with weights fixed by `seed`."""
+    .head_kind`): "seq2seq" (T5), "mlm" (BERT), "tag" (BERT tagging each token with one of
+    LABELS classes) or "classify" (GPT-2 with one of LABELS per sequence), with weights fixed
+    by `seed`."""
     torch.manual_seed(seed)
     return _hf_model(kind)
 

@@ -151,8 +151,9 @@ def examples(
 ) -> list[dict[str, torch.Tensor]]:
     """Rows of different lengths: prompt and reply, the prompt masked out of the labels; or
     one class label per row. `fixed`: rows of one length with nothing masked. For a `head`
-    (`models.head`), the reply's labels are what it predicts: a class per token ("tag"), the
-    input itself at a random fifth of its positions ("mlm"), other tokens ("seq2seq")."""
+    (`models.head`), the labels are what it predicts: one class per row ("classify"), a class
+    per token of the reply ("tag"), the input itself at a random fifth of the reply's
+    positions ("mlm"), other tokens ("seq2seq", shifted right as the decoder's input)."""
     generator = torch.Generator().manual_seed(seed + 1)
     rows = []
     for _ in range(n):
@@ -169,9 +170,13 @@ def examples(
         elif head == "seq2seq":
             labels = torch.randint(2, 64, (length,), generator=generator)
         labels[:prompt] = -100
-        if classifier:
+        if classifier or head == "classify":
             labels = torch.randint(0, 3, (), generator=generator)
-        rows.append({"input_ids": input_ids, "labels": labels})
+        row = {"input_ids": input_ids, "labels": labels}
+        if head == "seq2seq":  # as `DataCollatorForSeq2Seq(model=...)` makes them
+            row["decoder_input_ids"] = torch.cat([torch.zeros(1, dtype=torch.long), labels[:-1]])
+            row["decoder_input_ids"][row["decoder_input_ids"] == -100] = 0
+        rows.append(row)
     return rows
 
 
@@ -288,6 +293,7 @@ class Window:
     options: tuple = ()  # the project's own arguments: `arguments`' `options`
     keys: tuple = ()  # a pairwise collator's keys (`_paired_keys`): rows of those families
     head: str = ""  # the transformers head the Trainer is given, as `models.head` stands for it
+    opts_out: bool = False  # the model is set `accepts_loss_kwargs = False`
 
     def rows(self) -> list[dict[str, torch.Tensor]]:
         """The window's examples: the harness's rows, one family of them per pairwise key."""
@@ -303,9 +309,13 @@ class Window:
     def model(self) -> torch.nn.Module:
         user = current()
         if user is None:
-            return head(self.head) if self.head else tiny_model(self.classifier)
-        torch.manual_seed(0)
-        return user.build()
+            model = head(self.head) if self.head else tiny_model(self.classifier)
+        else:
+            torch.manual_seed(0)
+            model = user.build()
+        if self.opts_out:
+            model.accepts_loss_kwargs = False
+        return model
 
     def micro_batches(self) -> tuple[list, Callable, int]:
         """The Trainer's dataset, its collator (padding every micro-batch to the window's
@@ -398,6 +408,8 @@ def compare(
     loss_func: str = "",
     options: dict | None = None,
     head: str = "",
+    patched_loss_func: str = "",
+    opts_out: tuple[bool, bool] = (False, False),
 ) -> dict:
     """The row of one Trainer class for one K: each version's error against the original
     class's loss over the full batch, with its verdict (`original_verdict`; `verdict` is the
@@ -406,7 +418,9 @@ def compare(
     `fixed`: on examples of one length; `loss_func`: the file's function each version's
     Trainer is given as `compute_loss_func`; `options`: the project's own arguments'
     defaults; `head`: the tiny transformers head standing for the one the Trainer is given
-    (`models.head`)."""
+    (`models.head`); `patched_loss_func`: the patched version's (a fix may give one);
+    `opts_out`: whether the model is set `accepts_loss_kwargs = False`, as written and as
+    patched."""
     row: dict = {"k": k, "original_error": None, "patched_error": None}
     with quietly():
         try:
@@ -417,16 +431,17 @@ def compare(
         options = tuple((options or {}).items())
         keys = _paired_keys(original, name)
         window = Window(k, seed, device, fixed, options=options, keys=keys, head=head)
-        versions = [("original", original, pinned)]
-        versions += [("patched", patched, pinned)] if patched else []
-        versions += [("installed", original, False)] if pinned else []
-        for version, source, old in versions:
+        versions = [("original", original, pinned, loss_func, opts_out[0])]
+        if patched:
+            versions += [("patched", patched, pinned, patched_loss_func or loss_func, opts_out[1])]
+        versions += [("installed", original, False, loss_func, opts_out[0])] if pinned else []
+        for version, source, old, given, opted in versions:
             try:
-                cls = trainer_class(source, filename, name, loss_func)
+                cls = trainer_class(source, filename, name, given)
                 if old:
                     cls = as_pinned(cls)
                 error = row[f"{version}_error"] = _error(
-                    cls, as_pinned(reference) if old else reference, window
+                    cls, as_pinned(reference) if old else reference, replace(window, opts_out=opted)
                 )
                 row[f"{version}_verdict"] = judged(error, torch.float32)
             except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
