@@ -184,3 +184,9 @@ def test_the_reference_sees_something():
     assert sum(e.padded is not None for e in found) > 10
     assert sum(e.fixed is not None for e in found) > 3
     assert sum(bool(reference(text).suppressions) for text in SNIPPETS.values()) > 1
+
+
+def test_lightnings_demo_dataset_is_fixed_length_blocks():
+    """`lightning.pytorch.demos.WikiText2` cuts one token stream into 35-token blocks."""
+    text = "from lightning.pytorch.demos import WikiText2\nloader = DataLoader(WikiText2())\n"
+    assert scan(text).blocks == (1, "`WikiText2`")

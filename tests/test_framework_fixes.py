@@ -309,3 +309,53 @@ def test_the_accelerate_fix_reuses_the_users_sync_gradients_block():
     assert text.count(guard) == original.count(guard) == 2
     block = text[text.index(guard) :]
     assert block.index("param.grad.div_(") < block.index("accelerator.clip_grad_norm_(")
+
+
+HEAD = """\
+    from transformers import {head}, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    model = {head}.from_pretrained("checkpoint")
+    args = TrainingArguments("out", gradient_accumulation_steps=4{options})
+    Trainer(model=model, args=args, train_dataset=rows{given}).train()
+    """
+
+
+@pytest.mark.parametrize(
+    "head, options, given, applied, reason",
+    [
+        ("BertForTokenClassification", "", "", True, ""),
+        ("BertForTokenClassification", "", ", **extra", False, "unpacked mapping"),
+        ("BertForTokenClassification", ", label_smoothing_factor=0.1", "", False, "smoothing"),
+        (
+            "BertForTokenClassification",
+            ", average_tokens_across_devices=True",
+            "",
+            False,
+            "unsafe fix (`Trainer` gets `compute_loss_func=window_token_loss`",
+        ),
+        ("T5ForConditionalGeneration", "", "", False, "decoder_input_ids"),
+        (
+            "T5ForConditionalGeneration",
+            "",
+            ", data_collator=DataCollatorForSeq2Seq(tokenizer, model=model)",
+            True,
+            "",
+        ),
+        ("BertForSequenceClassification", "", "", True, ""),
+    ],
+)
+def test_a_stock_heads_trainer_gets_a_loss_over_the_windows_count(
+    tmp_path, head, options, given, applied, reason
+):
+    """A token head's Trainer gets `compute_loss_func=window_token_loss` where nothing the
+    Trainer is given could conflict with it; a head with one label per example an opt-out."""
+    text, outcomes = fix(HEAD.format(head=head, options=options, given=given), unsafe=False)
+    ((line, code, done, why),) = outcomes
+    assert (line, code, done) == (5, "GA004", applied) and reason in why, why
+    if applied and head.endswith("SequenceClassification"):
+        assert "model.accepts_loss_kwargs = False\nTrainer(" in text
+    elif applied:
+        assert "def window_token_loss(outputs, labels, num_items_in_batch=None):" in text
+        assert "compute_loss_func=window_token_loss)" in text and "import torch\n" in text
+    if applied:
+        assert clean(text, tmp_path)

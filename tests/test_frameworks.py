@@ -159,11 +159,12 @@ def test_model_passed_to_trainer_through_a_name(tmp_path):
 
 HEAD_SCRIPT = """\
     import peft
+    import trl
     from transformers import {head}, Trainer, TrainingArguments
 
     model = {head}.from_pretrained("checkpoint"){wrapped}
     args = TrainingArguments("out", gradient_accumulation_steps={k})
-    Trainer(model=model.to("cuda"), args=args{given}).train()
+    {trainer}(model=model.to("cuda"), args=args{given}).train()
     """
 
 
@@ -171,22 +172,23 @@ HEAD_SCRIPT = """\
     "head, pin, changes, expected",
     [
         # a token head ignores the count in every release: mean/K (4.x) or K means summed (5.x)
-        ("AutoModelForTokenClassification", "", {}, [(6, "GA004", "medium")]),
-        ("BertForTokenClassification", "transformers==4.48.0", {}, [(6, "GA004", "medium")]),
-        ("T5ForConditionalGeneration", "", {"wrapped": ".to('cuda')"}, [(6, "GA004", "medium")]),
+        ("AutoModelForTokenClassification", "", {}, [(7, "GA004", "medium")]),
+        ("BertForTokenClassification", "transformers==4.48.0", {}, [(7, "GA004", "medium")]),
+        ("T5ForConditionalGeneration", "", {"wrapped": ".to('cuda')"}, [(7, "GA004", "medium")]),
         (
             "BertForMaskedLM",
             "",
             {"wrapped": "\n    model = peft.get_peft_model(model, config)"},
-            [(7, "GA004", "medium")],
+            [(8, "GA004", "medium")],
         ),
         ("AutoModelForCausalLM", "", {}, []),  # causal LMs hand the count to their loss
         ("ModernBertForMaskedLM", "", {}, []),  # and a few masked LMs too
         ("AutoModelForTokenClassification", "", {"k": 1}, []),  # one micro-batch per step
         ("AutoModelForTokenClassification", "", {"given": ", compute_loss_func=f"}, []),
+        ("AutoModelForTokenClassification", "", {"trainer": "trl.RewardTrainer"}, []),
         # one label per example: exact under 4.x, K times too large where 5.x may be installed
-        ("AutoModelForSequenceClassification", "", {}, [(6, "GA004", "medium")]),
-        ("BertForMultipleChoice", "transformers>=4.40", {}, [(6, "GA004", "medium")]),
+        ("AutoModelForSequenceClassification", "", {}, [(7, "GA004", "medium")]),
+        ("BertForMultipleChoice", "transformers>=4.40", {}, [(7, "GA004", "medium")]),
         ("AutoModelForSequenceClassification", "transformers==4.48.0", {}, []),
         ("AutoModelForSequenceClassification", "transformers<5", {}, []),
         (
@@ -203,7 +205,7 @@ def test_stock_heads_handed_to_a_trainer(tmp_path, head, pin, changes, expected)
     if pin:
         (tmp_path / "requirements.txt").write_text(f"torch\n{pin}\n")
     (tmp_path / ".git").mkdir()  # the project's root: no requirement above it is read
-    fields = {"head": head, "wrapped": "", "k": 4, "given": "", **changes}
+    fields = {"head": head, "wrapped": "", "k": 4, "given": "", "trainer": "Trainer", **changes}
     assert found(tmp_path, HEAD_SCRIPT.format(**fields)) == expected
 
 

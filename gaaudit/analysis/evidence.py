@@ -24,7 +24,8 @@ PADDED = {
 # Names that show padded inputs: weaker, since packed blocks carry an attention mask too.
 MASKED = {"attention_mask", "DataCollatorWithPadding"}
 # Names that show fixed-length, packed data, where mean/K is exact.
-FIXED = {"memmap", "group_texts", "block_size", "ConstantLengthDataset"}
+# (`WikiText2`: Lightning's demo dataset, `lightning.pytorch.demos`, of fixed-length blocks)
+FIXED = {"memmap", "group_texts", "block_size", "ConstantLengthDataset", "WikiText2"}
 PADDED_SIGNS = (
     (
         re.compile(

@@ -49,6 +49,12 @@ TOKEN_HEADS = re.compile(
 # 5.x they take `**kwargs` and drop the count, and the Trainer skips its division by K.
 # (Question answering heads read `start_positions`, no `labels`: the Trainer counts nothing.)
 EXAMPLE_HEADS = re.compile(r"\w+For(?:SequenceClassification|MultipleChoice)")
+STOCK_TRAINERS = {  # those that compute the loss the stock way, as they are imported
+    "transformers.Trainer",
+    "transformers.trainer.Trainer",
+    "transformers.Seq2SeqTrainer",
+    "transformers.trainer_seq2seq.Seq2SeqTrainer",
+}
 FIVE = "5.0.0"  # the first release whose `EXAMPLE_HEADS` take `**kwargs` and drop the count
 COUNTING_HEADS = {  # masked-LM heads of transformers 5 that hand the count to their loss
     f"{name}ForMaskedLM" for name in ("ModernBert", "EuroBert", "Esmc", "NeoMME", "Ultrabert")
@@ -250,11 +256,15 @@ class _Models:
         if head is None or keyword(trainer, "compute_loss_func") is not None:
             return
         own = self.trainers.get(dotted(trainer.func) or "")
-        if own is not None and any(
+        lineage = list(self.lineage(own)) if own is not None else []
+        if any(
             {"compute_loss", "training_step"} & set(methods_of(c)) or self.opts_out(c)
-            for c in self.lineage(own)
+            for c in lineage
         ):
             return
+        roots = [b.value for c in lineage for b in c.bases] if lineage else [trainer.func]
+        if not any(self.tree.qualified(r) in STOCK_TRAINERS for r in roots):
+            return  # trl's trainers compute losses of their own
         name = head.rsplit(".", 1)[-1]
         per_example = head_kind(name) == "classify"
         if per_example and self.opted_out(given):

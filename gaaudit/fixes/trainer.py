@@ -618,9 +618,17 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
             self.edits.insert_before(body[at], function)
         self.edits.spaced.add(body[at])
         self._add_argument(call, name, keyword_name="compute_loss_func")
+        caveat = (
+            "transformers 4.46 to 4.49 gather the count under `average_tokens_across_devices` "
+            "without scaling a `compute_loss_func`'s loss by the process count: require "
+            "transformers>=4.50"
+            if "average_tokens_across_devices" in self.text
+            else ""
+        )
         return Choice(
             f"`{code(call.func)}` gets `compute_loss_func={name}`: the micro-batch's token-loss "
-            "sum over the window's count"
+            "sum over the window's count",
+            caveat,
         )
 
     def _head_opt_out(self, call: cst.Call) -> Choice:
