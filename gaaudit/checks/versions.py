@@ -33,6 +33,9 @@ if TYPE_CHECKING:  # packaging is imported where pins are judged: most runs find
 CODE = "GA006"
 FIXED = "4.46.2"
 EARLY = "4.46.0"
+# Releases whose `training_step` hands a model that takes loss kwargs no count and skips its
+# division by K (the next patch release restored both)
+REGRESSED = ("4.47.0", "4.48.0")
 FLAGS = {"--gradient_accumulation_steps", "--gradient-accumulation-steps"}
 CONFIGS = {".yaml", ".yml", ".json", ".toml", ".cfg", ".ini", ".sh"}
 WANTED = (*CONFIGS, ".txt", ".md", ".rst", "setup.py")  # the endings of every file `_walk` may keep
@@ -100,10 +103,13 @@ class Pin:
 
 def verdict(specifier: SpecifierSet) -> str | None:
     """Whether a specifier admits only releases without the fix: `old` when the newest it
-    admits predates 4.46, `early` when that is 4.46.0 or 4.46.1, None otherwise."""
+    admits predates 4.46, `early` when that is 4.46.0 or 4.46.1, `regressed` when it admits
+    only 4.47.0 or 4.48.0 (`REGRESSED`), None otherwise."""
     from packaging.version import Version
 
     admitted = _admitted(specifier)
+    if admitted and all(str(v) in REGRESSED for v in admitted):
+        return "regressed"
     if not admitted or max(admitted) >= Version(FIXED):
         return None
     return "early" if max(admitted) >= Version(EARLY) else "old"
@@ -405,12 +411,24 @@ def _finding(
             "installs transformers from a git commit, which may predate 4.46 and its Trainer's "
             "division of each micro-batch's mean loss by the accumulation steps"
         )
+    elif kind == "regressed":
+        problem = (
+            "admits only transformers 4.47.0 or 4.48.0, whose Trainer hands a model that takes "
+            "loss kwargs no `num_items_in_batch` and skips its division by the accumulation "
+            "steps: the loss is K times too large"
+        )
     else:
         problem = (
             "admits transformers 4.46.0/4.46.1 at best, whose Trainer over-scales the loss of "
             "models that ignore `num_items_in_batch`"
         )
-    if exact is not None:
+    required = "transformers>=4.48.1" if kind == "regressed" else "transformers>=4.46.2"
+    if exact is not None and kind == "regressed":
+        confidence, why = (
+            Confidence.MEDIUM,
+            f"K times too large whatever the counts; {EXACT.format(exact)}",
+        )
+    elif exact is not None:
         confidence, why = Confidence.LOW, EXACT.format(exact)
     elif trainer:
         confidence, why = Confidence.HIGH, TRAINER_SEEN
@@ -429,7 +447,7 @@ def _finding(
     return Finding(
         path=shown,
         code=CODE,
-        message=f"`{pin.shown}` {problem}, and {accumulates}: require `transformers>=4.46.2`",
+        message=f"`{pin.shown}` {problem}, and {accumulates}: require `{required}`",
         span=Span(pin.line, pin.column, pin.line, pin.column + len(pin.shown)),
         confidence=confidence,
         evidence=(
