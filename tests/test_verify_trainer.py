@@ -136,6 +136,10 @@ PROJECTS = {
         "train.py",
         {"requirements.txt": "transformers==4.38.2\n", "train.py": SCRIPT.format(data=PACKED)},
     ),
+    "regressed": (
+        "train.py",
+        {"requirements.txt": "transformers==4.48.0\n", "train.py": SCRIPT.format(data="")},
+    ),
     "own_model": ("train.py", {"train.py": REWARD_SCRIPT}),
     "bound": (
         "train.py",
@@ -197,6 +201,19 @@ def test_a_pin_before_4_46_is_replayed_as_it_trains_and_as_the_installed_release
     assert report([(Path("train.py"), [loop])], "text") == 1
     table = capsys.readouterr().out
     assert "replayed as transformers before 4.46 trains, which `transformers==4.45.2`" in table
+
+
+def test_a_pin_to_4_48_0_is_replayed_with_its_regression(replayed, capsys):
+    """4.48.0 hands a model that takes loss kwargs no count and skips its division by K: the
+    step sees the sum of K means (3.0 at K = 4 here; 3.08 measured on a real 4.48.0)."""
+    loop = replayed["regressed"]
+    assert loop.pin_kind == "regressed" and loop.flagged
+    for row in loop.rows:
+        assert row["original_verdict"] == "bug reproduced", row
+        assert row["original_error"] > (row["k"] - 1) * 0.9, row
+        assert row["verdict"].endswith(": verified: require transformers>=4.48.1"), row
+    assert report([(Path("train.py"), [loop])], "text") == 1
+    assert "replayed as transformers 4.47.0 and 4.48.0 train" in capsys.readouterr().out
 
 
 def test_the_stock_trainer_without_a_pin_matches_the_full_batch(replayed):

@@ -36,6 +36,7 @@ EARLY = "4.46.0"
 # Releases whose `training_step` hands a model that takes loss kwargs no count and skips its
 # division by K (the next patch release restored both)
 REGRESSED = ("4.47.0", "4.48.0")
+OLD = ("old", "commit")  # the pins whose Trainer predates 4.46 (or may)
 FLAGS = {"--gradient_accumulation_steps", "--gradient-accumulation-steps"}
 CONFIGS = {".yaml", ".yml", ".json", ".toml", ".cfg", ".ini", ".sh"}
 WANTED = (*CONFIGS, ".txt", ".md", ".rst", "setup.py")  # the endings of every file `_walk` may keep
@@ -595,15 +596,16 @@ def _bad_pins(walked: list[Path], files: list[Path]) -> dict[Path, list[tuple[Pi
     return bad
 
 
-def pinned_for(path: Path, root: Path) -> str | None:
-    """The transformers pin that keeps `path`'s Trainer before 4.46 (a pin admitting only
-    older releases, or a git commit), in the file's inline script metadata, else in the
-    dependency files of its folder and those above it up to `root`, the nearest first:
-    `` `transformers==4.31.0` (requirements.txt line 3) ``."""
+def pinned_for(path: Path, root: Path, kinds=OLD) -> tuple[str, str] | None:
+    """The transformers pin that keeps `path`'s Trainer as a release of `kinds` trains (see
+    `verdict`; by default before 4.46: a pin admitting only older releases, or a git commit),
+    in the file's inline script metadata, else in the dependency files of its folder and those
+    above it up to `root`, the nearest first: where it is written, `` `transformers==4.31.0`
+    (requirements.txt line 3) ``, and its kind."""
     here = _real(path)
     for pin in script_pins(_read(here).decode("utf-8", "replace")):
-        if bad_pin(pin) in ("old", "commit"):
-            return f"`{pin.shown}` ({display_path(here)} line {pin.line})"
+        if (kind := bad_pin(pin)) in kinds:
+            return f"`{pin.shown}` ({display_path(here)} line {pin.line})", kind
     folders = [f for f in here.parents if f.is_relative_to(_real(root))]
     near = [
         p
@@ -616,23 +618,24 @@ def pinned_for(path: Path, root: Path) -> str | None:
         for pin_file, found in sorted(bad.items()):
             if pin_file.parent in (folder, folder / "requirements"):
                 for pin, kind in found:
-                    if kind in ("old", "commit"):
-                        return f"`{pin.shown}` ({display_path(pin_file)} line {pin.line})"
+                    if kind in kinds:
+                        return f"`{pin.shown}` ({display_path(pin_file)} line {pin.line})", kind
     return None
 
 
-def governing_pin(path: Path) -> str:
-    """The transformers pin before 4.46 that governs `path` (`pinned_for`), searched up to
-    its repository within the current directory (`search_root`); "" when there is none."""
-    return pinned_for(path, search_root(path)) or ""
+def governing_pin(path: Path, kinds=OLD) -> tuple[str, str]:
+    """The transformers pin of `kinds` that governs `path` (`pinned_for`), searched up to its
+    repository within the current directory (`search_root`), and its kind; ("", "") when
+    there is none."""
+    return pinned_for(path, search_root(path), kinds) or ("", "")
 
 
 def admits(path: Path, release: str) -> tuple[bool, str, list[Path]]:
     """Whether the transformers requirement that governs `path` admits `release` or a later
-    one: its inline
-    script metadata, else those of the dependency files (not READMEs) of the nearest folder,
-    from its own up to its repository (`search_root`), that names transformers; that
-    requirement as written with where ("" where none does: any release), and the files read."""
+    one: its inline script metadata, else those of the dependency files (not READMEs) of the
+    nearest folder, from its own up to its repository (`search_root`), that names
+    transformers; that requirement as written with where ("" where none does: any release),
+    and the files read."""
     from packaging.requirements import InvalidRequirement, Requirement
 
     here, read = _real(path), []

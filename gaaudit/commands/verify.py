@@ -64,8 +64,10 @@ class Target:
     # what shows that every micro-batch of the file's data holds the same number of loss
     # elements (the check's domain), when its findings all say so: replayed on such data
     fixed_length: str = ""
-    # the project's transformers pin before 4.46 (GA006), for a Trainer: replayed as it trains
+    # the project's transformers pin (GA006) before 4.46, or to 4.47.0/4.48.0, for a Trainer:
+    # replayed as it trains; its kind (`checks.versions.verdict`)
     pinned: str = ""
+    pin_kind: str = ""
     # where the project's loader drops its last, short batch (`drop_last=True`): a loop of
     # one target per sample (images, regression) is replayed on micro-batches of one size
     equal_sizes: str = ""
@@ -81,6 +83,20 @@ class Target:
     opts_out: tuple[bool, bool] = (False, False)
 
 
+# What a pin's Trainer does, as replayed (`harness.trainer.as_pinned`), and what mends it.
+PINNED = {
+    kind: "replayed as transformers before 4.46 trains, which {} keeps: each micro-batch's mean "
+    "divided by K"
+    for kind in ("old", "commit")
+} | {
+    "regressed": "replayed as transformers 4.47.0 and 4.48.0 train, which {} keeps: a model "
+    "that takes loss kwargs gets no count, and the K means are summed"
+}
+REQUIRED = {"old": "transformers>=4.46.2", "commit": "transformers>=4.46.2"} | {
+    "regressed": "transformers>=4.48.1"
+}
+
+
 @dataclass
 class Outcome:
     """The replay verdicts of one loop, one row per window size K."""
@@ -91,6 +107,7 @@ class Outcome:
     flagged: bool = True  # the loop has a finding (else it is replayed as it is)
     fixed_length: str = ""  # see Target
     pinned: str = ""  # see Target
+    pin_kind: str = ""  # see Target
     equal_sizes: str = ""  # see Target, or LAST_BATCH_LEFT_OUT: the samples have one target each
 
     @property
@@ -249,12 +266,17 @@ def targets(
     if setup is not None:
         trainers[setup.line] = (setup, setup.line)
     if trainers:  # a Trainer trains as the project's transformers does, with its options
-        from gaaudit.checks.versions import governing_pin
+        from gaaudit.checks.versions import OLD, governing_pin
 
-        pinned, options = governing_pin(path), _training_options(search_root(path))
+        (pinned, kind), options = (
+            governing_pin(path, (*OLD, "regressed")),
+            _training_options(search_root(path)),
+        )
         for start, (target, end) in trainers.items():
             flagged = target.flagged or bool(pinned)  # GA006 reports it
-            changed = replace(target, pinned=pinned, flagged=flagged, options=options)
+            changed = replace(
+                target, pinned=pinned, pin_kind=kind, flagged=flagged, options=options
+            )
             trainers[start] = (changed, end)
     trainers.update(_lightning_targets(located, statements, line, blocks))
     for start, (target, end) in trainers.items():  # its methods' statements: the Trainer runs them
@@ -822,6 +844,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             flagged=target.flagged,
             fixed_length=target.fixed_length,
             pinned=target.pinned,
+            pin_kind=target.pin_kind,
         )
         patched = target.flagged and fixed  # else the loop is replayed as it is
         refused = ""  # what keeps the replay from running at all
@@ -949,7 +972,7 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
         k,
         options.seed,
         resolve_device(options.device),
-        pinned=bool(target.pinned),
+        pinned=target.pin_kind,
         fixed=bool(target.fixed_length),
         loss_func=target.loss_func,
         options=dict(target.options),
@@ -965,7 +988,7 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
             row["verdict"] = (
                 f"{row['verdict']}; with the installed transformers {transformers.__version__}: "
                 f"{installed}"
-                f"{'' if installed.startswith('not') else ': require transformers>=4.46.2'}"
+                f"{'' if installed.startswith('not') else f': require {REQUIRED[target.pin_kind]}'}"
             )
     elif _needs_patch(target, row["original_verdict"], patched):
         row["verdict"] = f"{row['verdict']}; {NOTHING_FIXED}"
@@ -1042,10 +1065,7 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
             for outcome in outcomes:
                 print(f"{outcome.line:>5}  {outcome.header}")
                 if outcome.pinned:
-                    print(
-                        f"{'':>5}  {'':>3}  replayed as transformers before 4.46 trains, which "
-                        f"{outcome.pinned} keeps: each micro-batch's mean divided by K"
-                    )
+                    print(f"{'':>5}  {'':>3}  {PINNED[outcome.pin_kind].format(outcome.pinned)}")
                 if outcome.equal_sizes:
                     why = (
                         "an epoch's last, short batch left out, as no loader of the project "

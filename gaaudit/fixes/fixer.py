@@ -107,7 +107,7 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool,
     if any(code == "GA004" for code, _, _ in reported):
         trainer_audit = TrainerAudit(tree)
         sites = [s for s in trainer_audit.sites() if ("GA004", *_start(tree, s.node)) in reported]
-        planner = TrainerPlanner(tree, trainer_audit, unsafe, governing_pin(path))
+        planner = TrainerPlanner(tree, trainer_audit, unsafe, governing_pin(path)[0])
         outcomes += planner.plan(sites)
         edits = _merged(edits, planner.edits)
     if any(code == "GA005" for code, _, _ in reported):

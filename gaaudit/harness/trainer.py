@@ -5,7 +5,7 @@ classifier) over K micro-batches of prompt-masked examples of varied length (of 
 without masks, for data of fixed-length blocks), or on the user's model and batches where
 given. Its gradient when the optimizer steps is compared with one backward of the class's
 own `compute_loss` over the same examples as one batch. A project that pins transformers
-before 4.46 is replayed as those releases train (`as_pinned`)."""
+before 4.46, or to 4.47.0 or 4.48.0, is replayed as those releases train (`as_pinned`)."""
 
 from __future__ import annotations
 
@@ -79,9 +79,17 @@ def _named(namespace: dict, name: str):
     return namespace[name]
 
 
-def as_pinned(cls: type) -> type:
-    """`cls` training as transformers before 4.46 did: `compute_loss` called without
-    `num_items_in_batch`, the model's own mean loss, divided by the accumulation steps."""
+def as_pinned(cls: type, kind: str = "old") -> type:
+    """`cls` training as the releases a pin of `kind` admits did (`checks.versions.verdict`):
+    before 4.46, `compute_loss` called without `num_items_in_batch`, the model's own mean loss,
+    divided by the accumulation steps; 4.47.0 and 4.48.0 (`regressed`), a model that takes
+    loss kwargs handed no count while the division is skipped."""
+
+    class Regressed(cls):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if self.model_accepts_loss_kwargs:
+                num_items_in_batch = None
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     class Pinned(cls):
         def __init__(self, *args, **kwargs) -> None:
@@ -92,8 +100,9 @@ def as_pinned(cls: type) -> type:
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return super().compute_loss(model, inputs, return_outputs)
 
-    Pinned.__name__ = Pinned.__qualname__ = cls.__name__
-    return Pinned
+    made = Regressed if kind == "regressed" else Pinned
+    made.__name__ = made.__qualname__ = cls.__name__
+    return made
 
 
 def _given(cls: type, loss_func) -> type:
@@ -403,7 +412,7 @@ def compare(
     k: int,
     seed: int,
     device,
-    pinned: bool = False,
+    pinned: str = "",
     fixed: bool = False,
     loss_func: str = "",
     options: dict | None = None,
@@ -413,8 +422,9 @@ def compare(
 ) -> dict:
     """The row of one Trainer class for one K: each version's error against the original
     class's loss over the full batch, with its verdict (`original_verdict`; `verdict` is the
-    patched version's, else the original's). `pinned`: the versions train as transformers
-    before 4.46 did, and the original also as the installed release does (`installed_*`);
+    patched version's, else the original's). `pinned`: the kind of the project's pin
+    (`as_pinned`): the versions train as its releases did, and the original also as the
+    installed release does (`installed_*`);
     `fixed`: on examples of one length; `loss_func`: the file's function each version's
     Trainer is given as `compute_loss_func`; `options`: the project's own arguments'
     defaults; `head`: the tiny transformers head standing for the one the Trainer is given
@@ -434,14 +444,16 @@ def compare(
         versions = [("original", original, pinned, loss_func, opts_out[0])]
         if patched:
             versions += [("patched", patched, pinned, patched_loss_func or loss_func, opts_out[1])]
-        versions += [("installed", original, False, loss_func, opts_out[0])] if pinned else []
+        versions += [("installed", original, "", loss_func, opts_out[0])] if pinned else []
         for version, source, old, given, opted in versions:
             try:
                 cls = trainer_class(source, filename, name, given)
                 if old:
-                    cls = as_pinned(cls)
+                    cls = as_pinned(cls, old)
                 error = row[f"{version}_error"] = _error(
-                    cls, as_pinned(reference) if old else reference, replace(window, opts_out=opted)
+                    cls,
+                    as_pinned(reference, old) if old else reference,
+                    replace(window, opts_out=opted),
                 )
                 row[f"{version}_verdict"] = judged(error, torch.float32)
             except Exception as exc:  # noqa: BLE001 - the user's class, reported as the reason
