@@ -629,14 +629,24 @@ def test_pin_confidence_reads_the_trainers_data(tmp_path, data, expected):
     assert report.findings[0].confidence is expected
 
 
-def test_a_trainer_over_fixed_length_blocks_is_not_named_beside_one_at_risk(tmp_path):
+@pytest.mark.parametrize(
+    "pin, sites, confidence",
+    [
+        ("transformers==4.30.0", ("sft.py",), "HIGH"),
+        ("transformers==4.48.0", ("pt.py", "sft.py"), "HIGH"),
+    ],
+)
+def test_a_trainer_over_fixed_length_blocks_is_not_named_beside_one_at_risk(
+    tmp_path, pin, sites, confidence
+):
     """Pre-training over packed blocks (exact under the old Trainer) beside prompt-masked SFT:
-    the pin is reported for the SFT script's Trainer alone."""
+    the pin is reported for the SFT script's Trainer alone; a pin to 4.48.0, whose Trainer sums
+    K means whatever the counts, names both."""
     trainer = "Trainer(args=TrainingArguments('o', gradient_accumulation_steps=8))\n"
     files = write(
         tmp_path,
         {
-            "requirements.txt": "transformers==4.30.0\n",
+            "requirements.txt": f"{pin}\n",
             "pt.py": "from transformers import Trainer, TrainingArguments\n"
             f"blocks = dataset.map(group_texts)  # block_size tokens each\n{trainer}",
             "sft.py": "from transformers import Trainer, TrainingArguments\n"
@@ -645,9 +655,11 @@ def test_a_trainer_over_fixed_length_blocks_is_not_named_beside_one_at_risk(tmp_
     )
     (report,) = check_repository(files, [tmp_path])
     (finding,) = report.findings
-    named = [e for e in finding.evidence if e.startswith(("trainer: ", "accumulation: "))]
-    assert len(named) == 2 and all(e.endswith("sft.py line 3") for e in named), named
-    assert finding.confidence is Confidence.HIGH
+    named = [e for e in finding.evidence if e.startswith("trainer: ")]
+    assert [Path(e.split(" in ")[1].split()[0]).name for e in named] == list(sites), named
+    accumulation = next(e for e in finding.evidence if e.startswith("accumulation: "))
+    assert accumulation.endswith("sft.py line 3"), accumulation
+    assert finding.confidence is Confidence[confidence]
 
 
 REWARD_TRAINER = """\

@@ -558,19 +558,14 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
         # the accumulation named: set in the code before at run time, by a named Trainer first
         here.sort(key=lambda a: (a.run_time, a.path not in at_risk))
         shown = display_path(path)
-        sites = [*at_risk.values()]
         documented = (
             "the README names the version, not a dependency file" if _is_readme(path) else ""
         )
-        reports.append(
-            FileReport(
-                shown,
-                [
-                    _finding(shown, pin, kind, here[0], trainer, sites, exact, documented)
-                    for pin, kind in found
-                ],
-            )
-        )
+        findings = []
+        for pin, kind in found:  # a regressed release over-scales fixed-length blocks too
+            sites = [*(trainers if kind == "regressed" else at_risk).values()]
+            findings.append(_finding(shown, pin, kind, here[0], trainer, sites, exact, documented))
+        reports.append(FileReport(shown, findings))
     return reports
 
 
