@@ -988,7 +988,7 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
             row["verdict"] = (
                 f"{row['verdict']}; with the installed transformers {transformers.__version__}: "
                 f"{installed}"
-                f"{'' if installed.startswith('not') else f': require {REQUIRED[target.pin_kind]}'}"
+                f"{f': require {REQUIRED[target.pin_kind]}' if installed == VERIFIED else ''}"
             )
     elif _needs_patch(target, row["original_verdict"], patched):
         row["verdict"] = f"{row['verdict']}; {NOTHING_FIXED}"
