@@ -328,7 +328,7 @@ class _Models:
         """The transformers head an expression builds (`AutoModelForTokenClassification
         .from_pretrained(...)`, `T5ForConditionalGeneration(config)`, a name bound to one,
         moved with `.to(device)` or wrapped by peft's `get_peft_model`), when it is one of
-        `TOKEN_HEADS`."""
+        `TOKEN_HEADS` or `EXAMPLE_HEADS`."""
         for _ in range(8):
             if isinstance(expr, cst.Name):
                 stmt = self.tracer.binding(expr.value, expr)

@@ -598,7 +598,7 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
                 "the arguments may set `label_smoothing_factor`, which a `compute_loss_func` "
                 "replaces; smooth the loss in the function instead"
             )
-        if head_kind(site.head.rsplit(".", 1)[-1]) == "seq2seq" and not self._decoder_inputs(call):
+        if head_kind(site.head) == "seq2seq" and not self._decoder_inputs(call):
             raise Unfixable(
                 "with a `compute_loss_func` the Trainer hands the model no labels, so an "
                 "encoder-decoder needs `decoder_input_ids` from its collator: give the Trainer "
