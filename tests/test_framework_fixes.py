@@ -359,3 +359,24 @@ def test_a_stock_heads_trainer_gets_a_loss_over_the_windows_count(
         assert "compute_loss_func=window_token_loss)" in text and "import torch\n" in text
     if applied:
         assert clean(text, tmp_path)
+
+
+def test_a_stock_heads_trainer_built_from_a_dict_gets_the_loss_in_it(tmp_path):
+    """`Trainer(**trainer_args)` with `trainer_args = dict(...)` in sight: the loss function
+    goes into that dict, beside the Trainer's other arguments."""
+    source = """\
+        from transformers import AutoModelForTokenClassification, Trainer, TrainingArguments
+
+        model = AutoModelForTokenClassification.from_pretrained("checkpoint")
+        args = TrainingArguments("out", gradient_accumulation_steps=4)
+        trainer_args = dict(
+            model=model,
+            args=args,
+        )
+        Trainer(**trainer_args, train_dataset=rows).train()
+        """
+    text, outcomes = fix(source, unsafe=False)
+    assert [(line, done) for line, _, done, _ in outcomes] == [(9, True)]
+    assert "    args=args,\n    compute_loss_func=window_token_loss,\n)" in text
+    assert "Trainer(**trainer_args, train_dataset=rows).train()" in text
+    assert clean(text, tmp_path)

@@ -223,7 +223,7 @@ class _Models:
         for node in self.tree.calls:
             if not self._is_trainer(node.func):
                 continue
-            given = self.given_model(node)
+            given = self.given(node)
             cls = self._model_class(given)
             if cls is None:
                 yield from self._library_head(node, given)
@@ -237,15 +237,21 @@ class _Models:
             passed = f"model: `{cls.name.value}` is trained by `{code(node.func)}` (line {self.tree.line(node)})"
             yield from self._forward(cls, forward, passed)
 
-    def given_model(self, trainer: cst.Call) -> cst.BaseExpression | None:
-        """The model a Trainer call is given: `model=`, first positional, or the `model` of a
-        mapping it unpacks (`Trainer(**trainer_args)` with `trainer_args = dict(model=m)`)."""
-        given = keyword(trainer, "model") or next(iter(positional(trainer)), None)
-        for arg in trainer.args if given is None else ():
-            mapping = self.tracer.origin_call(arg.value) if arg.star == "**" else None
-            if mapping is not None and code(mapping.func) == "dict":
-                given = keyword(mapping, "model") or given
-        return given
+    def given(self, trainer: cst.Call, name: str = "model") -> cst.BaseExpression | None:
+        """What a Trainer call is given as `name`: its keyword (the model also its first
+        positional argument), else that keyword of a `dict(...)` it unpacks
+        (`Trainer(**trainer_args)` with `trainer_args = dict(model=m)`)."""
+        found = keyword(trainer, name)
+        if found is None and name == "model":
+            found = next(iter(positional(trainer)), None)
+        for mapping in self.unpacked(trainer) if found is None else ():
+            found = keyword(mapping, name) or found
+        return found
+
+    def unpacked(self, trainer: cst.Call) -> list[cst.Call]:
+        """The `dict(...)` calls, bound to names, whose items a Trainer call unpacks (`**`)."""
+        calls = (self.tracer.origin_call(a.value) for a in trainer.args if a.star == "**")
+        return [c for c in calls if c is not None and code(c.func) == "dict"]
 
     def _library_head(self, trainer: cst.Call, given: cst.BaseExpression | None) -> Iterator[Site]:
         """A transformers head whose loss ignores the window's count (`TOKEN_HEADS`, or
@@ -253,7 +259,7 @@ class _Models:
         the loss the stock way: no `compute_loss_func`, no same-file `compute_loss` or
         `training_step` override."""
         head = self.head_of(given)
-        if head is None or keyword(trainer, "compute_loss_func") is not None:
+        if head is None or self.given(trainer, "compute_loss_func") is not None:
             return
         own = self.trainers.get(dotted(trainer.func) or "")
         lineage = list(self.lineage(own)) if own is not None else []
@@ -433,7 +439,7 @@ class _Models:
         `Trainer(..., compute_loss_func=f)` or `self.compute_loss_func = f` in a subclass, and
         where."""
         for call in self.tree.calls:
-            given = keyword(call, "compute_loss_func") if self._is_trainer(call.func) else None
+            given = self.given(call, "compute_loss_func") if self._is_trainer(call.func) else None
             function = self._function(given, None)
             if function is not None:
                 where = f"trainer: `{code(call.func)}(..., compute_loss_func={code(given)})` (line {self.tree.line(call)})"

@@ -354,13 +354,13 @@ def _trainer_setup(
         return None
     if any(t.trainer == name or s <= start <= e for s, (t, e) in trainers.items()):
         return None
-    stops, loss = _built_with(tree, call)
+    stops, loss = _built_with(tree, call, audit)
     sites = list(audit.sites())
     flagged = any(  # GA004 reports the loss function it is given, or a model's forward
         site.kind == "forward" or site.kind == "loss-function" and site.function.name.value == loss
         for site in sites
     )
-    model = audit.given_model(call)
+    model = audit.given(call)
     given = audit.head_of(model) or ""  # replayed with a head like it
     fixed_loss, fixed_opt_out = (
         _patched_setup(located.patched_lines, patched) if patched else ("", False)
@@ -396,7 +396,7 @@ def _patched_setup(patched_lines: list[str], line: int) -> tuple[str, bool]:
     if call is None:
         return "", False
     audit = TrainerAudit(tree)
-    return _built_with(tree, call)[1], audit.opted_out(audit.given_model(call))
+    return _built_with(tree, call, audit)[1], audit.opted_out(audit.given(call))
 
 
 def _exact_data(path: Path, original: bytes) -> str:
@@ -450,17 +450,17 @@ def _builds_transformers_trainer(tree, built: cst.BaseExpression, audit, path: P
     return False
 
 
-def _built_with(tree, call: cst.Call) -> tuple[str, str]:
-    """What the Trainer `call` builds is given that the replay must honour: the name of a
-    module-level function of the file passed as `compute_loss_func` (defined in the replay),
-    and why the harness cannot stand for the rest (a model of the project's own class, which
-    computes a loss of its own; a loss function that is not the file's)."""
-    from gaaudit.analysis.tree import code, keyword, positional
+def _built_with(tree, call: cst.Call, audit) -> tuple[str, str]:
+    """What the Trainer `call` builds is given (`audit.given`) that the replay must honour: the
+    name of a module-level function of the file passed as `compute_loss_func` (defined in the
+    replay), and why the harness cannot stand for the rest (a model of the project's own
+    class, which computes a loss of its own; a loss function that is not the file's)."""
+    from gaaudit.analysis.tree import code
 
-    loss = keyword(call, "compute_loss_func")
+    loss = audit.given(call, "compute_loss_func")
     if loss is not None and not (isinstance(loss, cst.Name) and loss.value in tree.functions):
         return f"its `compute_loss_func={code(loss)}` is not a function of this file", ""
-    model = keyword(call, "model") or next(iter(positional(call)), None)
+    model = audit.given(call)
     if isinstance(model, cst.Name):
         bound = tree.bindings(tree.scope_of(call)).get(model.value, [])
         model = next((b.value for b in reversed(bound) if isinstance(b, cst.Assign)), model)

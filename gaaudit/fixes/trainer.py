@@ -588,7 +588,9 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
         call = self.tree.parents[site.node]
         if head_kind(site.head) == "classify":
             return self._head_opt_out(call)
-        if any(arg.star for arg in call.args):
+        unpacked = [arg for arg in call.args if arg.star]
+        mappings = self.audit.unpacked(call)
+        if unpacked and not (len(unpacked) == len(mappings) == 1):
             raise Unfixable(
                 "the Trainer's arguments come partly from an unpacked mapping, which may set "
                 "`compute_loss_func` already"
@@ -617,7 +619,10 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
         else:
             self.edits.insert_before(body[at], function)
         self.edits.spaced.add(body[at])
-        self._add_argument(call, name, keyword_name="compute_loss_func")
+        # into the one `dict(...)` the call unpacks, where its other arguments are
+        self._add_argument(
+            mappings[0] if unpacked else call, name, keyword_name="compute_loss_func"
+        )
         caveat = (
             "transformers 4.46 to 4.49 gather the count under `average_tokens_across_devices` "
             "without scaling a `compute_loss_func`'s loss by the process count: require "
@@ -634,7 +639,7 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
     def _head_opt_out(self, call: cst.Call) -> Choice:
         """`model.accepts_loss_kwargs = False` above the Trainer's statement, for a head with one
         label per example: the Trainer then divides its mean by K, as before transformers 5."""
-        given = model_name(self.audit.given_model(call))
+        given = model_name(self.audit.given(call))
         built = self.audit.tracer.origin_call(given) if given is not None else None
         if built is None or (self.tree.qualified(built.func) or "").startswith("peft."):
             raise Unfixable(

@@ -79,13 +79,19 @@ def _named(namespace: dict, name: str):
     return namespace[name]
 
 
-def as_pinned(cls: type, kind: str = "old") -> type:
+def as_pinned(cls: type, kind: str = "old", head: bool = False) -> type:
     """`cls` training as the releases a pin of `kind` admits did (`checks.versions.verdict`):
     before 4.46, `compute_loss` called without `num_items_in_batch`, the model's own mean loss,
     divided by the accumulation steps; 4.47.0 and 4.48.0 (`regressed`), a model that takes
-    loss kwargs handed no count while the division is skipped."""
+    loss kwargs handed no count while the division is skipped, where a transformers `head`
+    (`models.head`, whose 5.x class takes `**kwargs`) takes none, as in 4.x."""
 
     class Regressed(cls):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if head:
+                self.model_accepts_loss_kwargs = False
+
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             if self.model_accepts_loss_kwargs:
                 num_items_in_batch = None
@@ -449,10 +455,10 @@ def compare(
             try:
                 cls = trainer_class(source, filename, name, given)
                 if old:
-                    cls = as_pinned(cls, old)
+                    cls = as_pinned(cls, old, bool(head))
                 error = row[f"{version}_error"] = _error(
                     cls,
-                    as_pinned(reference, old) if old else reference,
+                    as_pinned(reference, old, bool(head)) if old else reference,
                     replace(window, opts_out=opted),
                 )
                 row[f"{version}_verdict"] = judged(error, torch.float32)
