@@ -242,6 +242,20 @@ def _rank(rank: int, port: int, fixture: str, out: str) -> None:
 EXIT_GRACE = 30  # seconds the ranks get to leave once rank 0 has saved the gradients
 
 
+def _joined(ranks, saved: Path) -> bool:
+    """Whether both ranks are done; a rank that aborts in gloo's teardown after the gradients
+    are saved ("terminate called without an active exception", seen under load) counts as
+    done: that teardown is not what these tests are about."""
+    try:
+        return ranks.join(timeout=1)
+    except torch.multiprocessing.ProcessExitedException:
+        if not saved.exists():
+            raise
+        for process in ranks.processes:
+            process.kill()
+        return True
+
+
 def two_process_gradients(fixture: Path, out: Path) -> list[torch.Tensor]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -252,7 +266,7 @@ def two_process_gradients(fixture: Path, out: Path) -> list[torch.Tensor]:
     )
     deadline = time.monotonic() + TWO_PROCESS_LIMIT
     saved = out / "grads.pt"
-    while not ranks.join(timeout=1):
+    while not _joined(ranks, saved):
         if saved.exists() and time.time() - saved.stat().st_mtime > EXIT_GRACE:
             for process in ranks.processes:  # the gradients are saved: a gloo teardown that
                 process.kill()  # hangs (seen on CI machines) is not what this test is about
