@@ -116,6 +116,11 @@ def verdict(specifier: SpecifierSet) -> str | None:
     return "early" if max(admitted) >= Version(EARLY) else "old"
 
 
+def required(kind: str) -> str:
+    """The requirement that mends a pin of `kind` (`verdict`)."""
+    return "transformers>=4.48.1" if kind == "regressed" else f"transformers>={FIXED}"
+
+
 def _admitted(specifier: SpecifierSet) -> list[Version]:
     """The releases a specifier admits among PROBES, the versions it names and their successors."""
     from packaging.version import Version
@@ -423,7 +428,6 @@ def _finding(
             "admits transformers 4.46.0/4.46.1 at best, whose Trainer over-scales the loss of "
             "models that ignore `num_items_in_batch`"
         )
-    required = "transformers>=4.48.1" if kind == "regressed" else "transformers>=4.46.2"
     if exact is not None and kind == "regressed":
         confidence, why = (
             Confidence.MEDIUM,
@@ -448,7 +452,7 @@ def _finding(
     return Finding(
         path=shown,
         code=CODE,
-        message=f"`{pin.shown}` {problem}, and {accumulates}: require `{required}`",
+        message=f"`{pin.shown}` {problem}, and {accumulates}: require `{required(kind)}`",
         span=Span(pin.line, pin.column, pin.line, pin.column + len(pin.shown)),
         confidence=confidence,
         evidence=(
@@ -602,13 +606,7 @@ def pinned_for(path: Path, root: Path, kinds=OLD) -> tuple[str, str] | None:
         if (kind := bad_pin(pin)) in kinds:
             return f"`{pin.shown}` ({display_path(here)} line {pin.line})", kind
     folders = [f for f in here.parents if f.is_relative_to(_real(root))]
-    near = [
-        p
-        for folder in folders
-        for p in (*_listed(folder), *_listed(folder / "requirements"))
-        if is_pin_file(p) and _regular(p)
-    ]
-    bad = _bad_pins(near, [])
+    bad = _bad_pins([p for folder in folders for p in _pin_files(folder)], [])
     for folder in folders:
         for pin_file, found in sorted(bad.items()):
             if pin_file.parent in (folder, folder / "requirements"):
@@ -638,13 +636,12 @@ def admits(path: Path, release: str) -> tuple[bool, str, list[Path]]:
     named = [(here, p) for p in script_pins(text) if TRANSFORMERS.match(p.requirement)]
     folders = [f for f in here.parents if f.is_relative_to(_real(search_root(path)))]
     for folder in folders if not named else ():
-        for pin_file in (*_listed(folder), *_listed(folder / "requirements")):
-            if is_pin_file(pin_file) and not _is_readme(pin_file) and _regular(pin_file):
-                read.append(pin_file)
-                text = _read(pin_file).decode("utf-8", "replace")
-                named += [
-                    (pin_file, p) for p in pins(pin_file, text) if TRANSFORMERS.match(p.requirement)
-                ]
+        for pin_file in (p for p in _pin_files(folder) if not _is_readme(p)):
+            read.append(pin_file)
+            text = _read(pin_file).decode("utf-8", "replace")
+            named += [
+                (pin_file, p) for p in pins(pin_file, text) if TRANSFORMERS.match(p.requirement)
+            ]
         if named:
             break
     for where, pin in named:
@@ -660,6 +657,12 @@ def admits(path: Path, release: str) -> tuple[bool, str, list[Path]]:
         later = any(v >= _version(release) for v in _admitted(requirement.specifier))
         return later or bool(requirement.url), shown, read
     return True, "", read
+
+
+def _pin_files(folder: Path) -> list[Path]:
+    """The dependency files of `folder` and of its `requirements/` folder."""
+    listed = (*_listed(folder), *_listed(folder / "requirements"))
+    return [p for p in listed if is_pin_file(p) and _regular(p)]
 
 
 def _listed(folder: Path) -> list[Path]:

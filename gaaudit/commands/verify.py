@@ -83,18 +83,16 @@ class Target:
     opts_out: tuple[bool, bool] = (False, False)
 
 
-# What a pin's Trainer does, as replayed (`harness.trainer.as_pinned`), and what mends it.
-PINNED = {
-    kind: "replayed as transformers before 4.46 trains, which {} keeps: each micro-batch's mean "
+# What a pin's Trainer does, as replayed (`harness.trainer.as_pinned`): the releases before
+# 4.46, or those that regressed.
+BEFORE_FIX = (
+    "replayed as transformers before 4.46 trains, which {} keeps: each micro-batch's mean "
     "divided by K"
-    for kind in ("old", "commit")
-} | {
-    "regressed": "replayed as transformers 4.47.0 and 4.48.0 train, which {} keeps: a model "
-    "that takes loss kwargs gets no count, and the K means are summed"
-}
-REQUIRED = {"old": "transformers>=4.46.2", "commit": "transformers>=4.46.2"} | {
-    "regressed": "transformers>=4.48.1"
-}
+)
+REGRESSION = (
+    "replayed as transformers 4.47.0 and 4.48.0 train, which {} keeps: a model that takes "
+    "loss kwargs gets no count, and the K means are summed"
+)
 
 
 @dataclass
@@ -960,7 +958,8 @@ def _progress(text: str) -> None:
 
 def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: bool) -> dict:
     """One K of a Trainer class, replayed by a real Trainer (harness.trainer); under a pin
-    before 4.46, as that release trains, then as the installed one does."""
+    before 4.46 or to 4.47.0/4.48.0, as that release trains, then as the installed one does."""
+    from gaaudit.checks.versions import required
     from gaaudit.harness import trainer
     from gaaudit.harness.gradcheck import resolve_device
 
@@ -988,7 +987,7 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
             row["verdict"] = (
                 f"{row['verdict']}; with the installed transformers {transformers.__version__}: "
                 f"{installed}"
-                f"{f': require {REQUIRED[target.pin_kind]}' if installed == VERIFIED else ''}"
+                f"{f': require {required(target.pin_kind)}' if installed == VERIFIED else ''}"
             )
     elif _needs_patch(target, row["original_verdict"], patched):
         row["verdict"] = f"{row['verdict']}; {NOTHING_FIXED}"
@@ -1065,7 +1064,8 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
             for outcome in outcomes:
                 print(f"{outcome.line:>5}  {outcome.header}")
                 if outcome.pinned:
-                    print(f"{'':>5}  {'':>3}  {PINNED[outcome.pin_kind].format(outcome.pinned)}")
+                    replayed = REGRESSION if outcome.pin_kind == "regressed" else BEFORE_FIX
+                    print(f"{'':>5}  {'':>3}  {replayed.format(outcome.pinned)}")
                 if outcome.equal_sizes:
                     why = (
                         "an epoch's last, short batch left out, as no loader of the project "
