@@ -397,3 +397,43 @@ def test_a_loss_divided_by_its_share_of_the_batch_is_weighted_by_examples(tmp_pa
     )
     messages = [f.message for f in check_file(script, ALL).findings]
     assert any("weighted by its share of the examples" in m for m in messages) is share, messages
+
+
+@pytest.mark.parametrize(
+    "factor, flagged",
+    [
+        ("self.loss_weights_per_dataset[dataset_idx]", True),  # one of several weights
+        ("0.5", True),
+        ("num_tokens", False),  # a count: the mean becomes a sum
+    ],
+)
+def test_a_weight_multiplied_into_a_mean_keeps_it_a_mean(tmp_path, factor, flagged):
+    """`loss *= weights[dataset_idx]` (smollm's m4 trainer) scales a mean; `loss *= count`
+    makes it a sum."""
+    source = (FIXTURES / "ga003_accelerate_dataset_weighted_mean.py").read_text()
+    old = "loss *= self.loss_weights_per_dataset[dataset_idx]"
+    assert old in source
+    path = tmp_path / "train.py"
+    path.write_text(source.replace(old, f"loss *= {factor}"))
+    codes = [f.code for f in check_file(path, Settings(min_confidence=Confidence.LOW)).findings]
+    assert codes == (["GA003"] if flagged else [])
+
+
+@pytest.mark.parametrize(
+    "test, flagged",
+    [
+        ("accum_index == grad_accum_steps - 1", True),
+        ("accum_index + 1 == grad_accum_steps", True),
+        ("grad_accum_steps - 1 == accum_index", True),
+        ("accum_index == n_layers - 1", False),  # not an accumulation name
+        ("accum_index != grad_accum_steps - 1", False),
+    ],
+)
+def test_a_step_at_the_windows_last_index_makes_a_window(tmp_path, test, flagged):
+    source = (FIXTURES / "ga002_last_index_counter_reset.py").read_text()
+    old = "accum_index == grad_accum_steps - 1"
+    assert old in source
+    path = tmp_path / "train.py"
+    path.write_text(source.replace(old, test))
+    codes = [f.code for f in check_file(path, Settings(min_confidence=Confidence.LOW)).findings]
+    assert codes == (["GA002"] if flagged else [])

@@ -190,3 +190,16 @@ def test_lightnings_demo_dataset_is_fixed_length_blocks():
     """`lightning.pytorch.demos.WikiText2` cuts one token stream into 35-token blocks."""
     text = "from lightning.pytorch.demos import WikiText2\nloader = DataLoader(WikiText2())\n"
     assert scan(text).blocks == (1, "`WikiText2`")
+
+
+@pytest.mark.parametrize(
+    "call, masked",
+    [
+        ('model(ids, attention_mask=batch["attention_mask"], labels=ids)', True),
+        ("model(ids, attention_mask=torch.ones_like(ids), labels=ids)", False),
+        ("model(ids, attention_mask = ones(ids.shape), labels=ids)", False),
+    ],
+)
+def test_a_mask_of_ones_is_no_sign_of_padding(call, masked):
+    """A mask of ones hides no position (minimal-llama's `compute_loss`): no padding shown."""
+    assert (scan(f"out = {call}\n").masked is not None) is masked

@@ -312,6 +312,35 @@ def test_a_window_with_a_backward_the_fix_would_not_weight_is_refused():
     )
 
 
+def test_a_backward_in_a_function_the_window_loop_calls_is_refused():
+    """`train_step` backpropagates and the loop calling it steps: a count kept in the loop's
+    function cannot be raised inside `train_step` (it would be another function's local)."""
+    script = FIXTURES / "ga001_step_function_divides_by_its_k.py"
+    (outcome,) = fix_source(script.read_bytes(), script, ALL, unsafe=True).outcomes
+    assert not outcome.applied and outcome.line == 20
+    assert outcome.reason.startswith(
+        "the backward is in `train_step()`, which the loop of line 35 calls once per micro-batch"
+    )
+
+
+def test_micro_steps_into_gradients_the_caller_already_holds_are_refused():
+    """`pretrain_loss` adds its micro-batches to the gradients its caller accumulated and then
+    steps: one division after its loop would divide the caller's gradients too (InstructLLaMA's
+    PPO update, which a safe fix once made worse than the original)."""
+    script = FIXTURES / "ga001_micro_steps_into_callers_gradients.py"
+    outcomes = {o.line: o for o in fix_source(script.read_bytes(), script, ALL, True).outcomes}
+    assert not outcomes[15].applied
+    assert outcomes[15].reason.startswith(
+        "`pretrain_loss()` backpropagates into gradients its caller steps (line 27)"
+    )
+    cleared = script.read_text().replace(
+        "        losses = []\n", "        losses = []\n        self.optimizer.zero_grad()\n"
+    )
+    assert cleared != script.read_text()
+    outcomes = {o.line: o for o in fix_source(cleared.encode(), script, ALL, True).outcomes}
+    assert outcomes[16].applied, outcomes  # cleared first: its loop is the whole window
+
+
 def test_a_count_rebound_before_a_skipped_backward_is_refused():
     """The next batch is fetched after the loss, then a non-finite loss skips its backward:
     counting right after the loss would count a micro-batch the window never sees."""

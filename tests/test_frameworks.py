@@ -11,7 +11,15 @@ from packaging.specifiers import SpecifierSet
 
 from gaaudit import catalogue
 from gaaudit.checks.engine import check_file
-from gaaudit.checks.versions import Pin, bad_pin, check_repository, verdict
+from gaaudit.checks.versions import (
+    OLD,
+    Pin,
+    admits,
+    bad_pin,
+    check_repository,
+    pinned_for,
+    verdict,
+)
 from gaaudit.config import Settings
 from gaaudit.findings import Confidence
 
@@ -155,6 +163,30 @@ def test_model_passed_to_trainer_through_a_name(tmp_path):
             Trainer(model=model, args=args).train()
         """
     assert found(tmp_path, source) == [(6, "GA004", "low")]
+
+
+@pytest.mark.parametrize(
+    "mask, confidence",
+    [('inputs["attention_mask"]', "high"), ('torch.ones_like(inputs["input_ids"])', "low")],
+)
+def test_a_mask_of_ones_handed_to_the_model_shows_no_varying_count(tmp_path, mask, confidence):
+    """minimal-llama's `compute_loss`: labels are the input ids and the mask is all ones, so
+    nothing in the file says the count varies (its data is packed elsewhere)."""
+    source = f"""\
+        import torch
+        from transformers import Trainer
+
+
+        class ModifiedTrainer(Trainer):
+            def compute_loss(self, model, inputs, return_outputs=False):
+                out = model(
+                    input_ids=inputs["input_ids"],
+                    attention_mask={mask},
+                    labels=inputs["input_ids"],
+                )
+                return (out.loss, out) if return_outputs else out.loss
+        """
+    assert found(tmp_path, source) == [(6, "GA004", confidence)]
 
 
 HEAD_SCRIPT = """\
@@ -855,6 +887,66 @@ def test_accumulation_must_sit_under_the_pin_file(tmp_path):
     reports = check_repository(files, [tmp_path])
     assert [Path(r.path).parent.name for r in reports] == ["b"]
     assert reports[0].findings[0].confidence is Confidence.MEDIUM
+
+
+TRAIN = """\
+    from transformers import Trainer, TrainingArguments
+    args = TrainingArguments("out", gradient_accumulation_steps=8)
+    Trainer(model=model, args=args, train_dataset=data).train()
+    """
+
+
+@pytest.mark.parametrize(
+    "layout, reported, governed",
+    [
+        # a `requirements/` folder's files govern the code of the folder above it
+        ({"requirements/train.txt": "transformers==4.30.0\n"}, ["requirements/train.txt"], "old"),
+        # a subproject that names transformers itself is governed by its own requirement
+        (
+            {
+                "requirements.txt": "transformers==4.30.0\n",
+                "sub/pyproject.toml": '[project]\ndependencies = ["transformers>=4.46.2"]\n',
+            },
+            [],
+            None,
+        ),
+        (
+            {
+                "requirements.txt": "transformers>=4.46.2\n",
+                "sub/requirements.txt": "transformers==4.47.0\n",
+            },
+            ["sub/requirements.txt"],
+            "regressed",
+        ),
+        # a README's pin counts only where no dependency file names transformers
+        ({"README.md": "pip install transformers==4.30.0\n"}, ["README.md"], "old"),
+        (
+            {"README.md": "pip install transformers==4.30.0\n", "setup.py": "['transformers']"},
+            [],
+            None,
+        ),
+    ],
+    ids=["requirements-folder", "subproject-fixed", "subproject-regressed", "readme", "setup"],
+)
+def test_the_nearest_requirement_governs_check_fix_and_verify_alike(
+    tmp_path, monkeypatch, layout, reported, governed
+):
+    """GA006 (which pin files are reported for the code), `pinned_for` (fix's refusals,
+    verify's replay) and `admits` (GA004's per-example heads) read the same requirement."""
+    monkeypatch.chdir(tmp_path)
+    files = write(tmp_path, {**layout, "sub/train.py": TRAIN})
+    reports = check_repository(files, [tmp_path])
+    assert [Path(r.path).as_posix() for r in reports] == reported  # shown from the cwd
+    for report in reports:
+        (site,) = [e for e in report.findings[0].evidence if e.startswith("trainer: ")]
+        assert "sub/train.py line 3" in site
+    pinned = pinned_for(tmp_path / "sub/train.py", tmp_path, (*OLD, "regressed"))
+    assert (pinned and pinned[1]) == governed
+    if governed is not None:
+        assert reported[0] in pinned[0]
+    later, shown, _ = admits(tmp_path / "sub/train.py", "5.0.0")
+    assert later is (governed is None)
+    assert later or reported[0] in shown  # the requirement that rules it out, with where
 
 
 def test_inline_script_metadata_is_checked_per_file(tmp_path):

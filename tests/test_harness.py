@@ -732,6 +732,61 @@ def test_fabric_loop_and_an_ignore_index_read_from_the_source():
     assert result.replay.bindings["fabric"] == "single-process Fabric stand-in"
 
 
+BOOSTED_TRAINER = source("""
+    import torch
+    from coati.trainer.base import SLTrainer
+    from coati.trainer.utils import AccumulativeMeanMeter
+
+    class SFTTrainer(SLTrainer):
+        def _train(self, epoch):
+            for i, batch in enumerate(self.train_dataloader):
+                batch = {k: v.to(torch.cuda.current_device()) for k, v in batch.items()}
+                loss = self.model(**batch).loss
+                self.booster.backward(loss=loss, optimizer=self.optimizer)
+                self.accumulative_meter.add("loss", loss.item())
+                if (self.num_train_step + 1) % self.accumulation_steps == 0:
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+                    self.accumulative_meter.reset()
+                self.num_train_step += 1
+""")
+
+
+@pytest.mark.parametrize(
+    "change, low, high",
+    [({}, 2.0, 4.0), ({"loss=loss,": "loss=loss / self.accumulation_steps,"}, 1e-3, 1.0)],
+    ids=["undivided", "mean-over-k"],
+)
+def test_a_booster_trainer_whose_base_class_is_not_installed(change, low, high):
+    """ColossalAI's SFT trainer: a base class of an uninstalled library, the batch moved to
+    `torch.cuda.current_device()`, and `booster.backward(loss=...)`, which divides nothing (K
+    means summed: about K - 1 = 3 from the full batch; divided by K, the means weighed
+    equally); an object named like the accumulation steps (`accumulative_meter`) is not K."""
+    text = BOOSTED_TRAINER
+    for old, new in change.items():
+        text = text.replace(old, new)
+    result = check(text, line_of(text, "for i, batch"), k=4, device="cpu")
+    assert result.replay.bindings["self.booster"].startswith("a booster"), result.replay.bindings
+    assert result.replay.bindings["self.accumulation_steps"] == "K = 4"
+    assert "self.accumulative_meter" not in result.replay.bindings
+    assert result.verdict == "bug reproduced" and low < result.error < high, result
+
+
+@pytest.mark.parametrize(
+    "name, verdict",
+    [
+        ("ga001_step_function_divides_by_its_k", "bug reproduced"),
+        ("ok_step_function_sum_and_count", "verified"),
+    ],
+)
+def test_a_loop_that_calls_the_function_that_backpropagates_is_replayed(name, verdict):
+    """`train_step(model, batch, ...)` backpropagates and the loop calling it steps: the loop
+    is replayed, its `(inputs, targets, mask)` batches served by position."""
+    text = (FIXTURES / f"{name}.py").read_text()
+    result = check(text, line_of(text, "for step, batch"), k=4, device="cpu")
+    assert result.verdict == verdict, result
+
+
 SCRIPT_SHAPED = source("""
     import torch
 
@@ -1422,3 +1477,29 @@ def test_rows_cut_into_inputs_and_targets_are_served_as_token_ids():
     assert analyse(text, line_of(text, "for iter_num")).data_tensor
     indexed = text.replace("train_data[:, 0 : model.config.block_size]", "train_data[0]")
     assert not analyse(indexed, line_of(indexed, "for iter_num")).data_tensor
+
+
+@pytest.mark.parametrize(
+    "config",
+    ["gradient_accum_steps = 16\n", "class C:\n    gradient_accum_steps = 16\ncfg = C()\n"],
+)
+def test_k_read_from_an_imported_config_is_the_replays_k(tmp_path, monkeypatch, config):
+    """`from project.config import cfg` (InstructLLaMA's SFT script), or a config module: the
+    loop's K is the replay's, not the project's 16 (its first window then holds K = 4)."""
+    (tmp_path / "trainconfig.py").write_text(config)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    header = "from trainconfig import cfg\n" if "class" in config else "import trainconfig as cfg\n"
+    text = header + source("""
+        import torch.nn.functional as F
+
+        def train(model, optimizer, loader):
+            for i, batch in enumerate(loader):
+                loss = model(**batch).loss / cfg.gradient_accum_steps
+                loss.backward()
+                if (i + 1) % cfg.gradient_accum_steps == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """)
+    result = check(text, line_of(text, "for i, batch"), k=4, device="cpu")
+    assert result.replay.bindings["cfg.gradient_accum_steps"] == "K = 4", result.replay.bindings
+    assert result.replay.drawn == 4 and result.verdict == "bug reproduced", result

@@ -62,6 +62,7 @@ DENSE_MODEL = re.compile(r"(?i)vae|autoencoder|unet|diffusion|discr|gan$|soundst
 # Keywords of a model call that hand it the micro-batch's lengths or masks (`lens=`,
 # `target_mask=`): its loss then covers a varying number of positions.
 LENGTHS = re.compile(r"(?i)(?:^|_)(?:lens?|lengths?|mask)$|^num_\w*tokens$")
+ONES = {"ones", "ones_like"}  # `attention_mask=torch.ones_like(ids)`: a mask that hides nothing
 # A pairwise preference loss: a log-sigmoid of margins, or a loss of the chosen and the
 # rejected answers' log-probabilities (DPO and kin): one element per pair.
 PAIRWISE = re.compile(r"\blogsigmoid\b|\blog_sigmoid\b|\bchosen\w*\W.*\brejected")
@@ -249,8 +250,13 @@ class Domains:
 
     def _handed_lengths(self, call: cst.Call) -> str | None:
         """The keyword by which a model call is handed the micro-batch's lengths or masks, its
-        own or a key of the dict literal it is handed as `**inputs`."""
-        keywords = [a.keyword.value for a in call.args if a.keyword]
+        own or a key of the dict literal it is handed as `**inputs`; not a mask of ones
+        (`attention_mask=torch.ones_like(ids)` hides no position)."""
+        keywords = [
+            a.keyword.value
+            for a in call.args
+            if a.keyword and not (isinstance(a.value, cst.Call) and last_name(a.value.func) in ONES)
+        ]
         for arg in call.args:
             if arg.star == "**" and isinstance(arg.value, cst.Name):
                 bound = self.tracer.binding(arg.value.value, call)

@@ -51,7 +51,12 @@ PADDED_SIGNS = (
 )
 MASKED_SIGNS = (
     (
-        re.compile(rb"\b(?P<sign>" + b"|".join(w.encode() for w in sorted(MASKED)) + rb")\b"),
+        re.compile(
+            rb"\b(?P<sign>"
+            + b"|".join(w.encode() for w in sorted(MASKED))
+            # not a mask of ones, which hides no position: `attention_mask=torch.ones_like(ids)`
+            + rb")\b(?!\s*=\s*(?:torch\.)?ones(?:_like)?\()"
+        ),
         lambda match: f"`{match['sign'].decode()}`",
     ),
 )

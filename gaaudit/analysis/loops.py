@@ -142,7 +142,7 @@ class _WindowFinding:
             return Window("accumulate", loop, None, accumulate, (accumulate,))
         helpers, _ = self._helpers  # a helper's window is judged where it is called
         if loop is None and isinstance(scope, cst.FunctionDef) and scope.name.value not in helpers:
-            found = self._calls_window(scope)
+            found = self._calls_window(scope) or self._caller_window(scope)
             if found is not None:
                 return found
         if self.accelerate_deepspeed(backward):  # the engine accumulates behind `optimizer.step()`
@@ -220,8 +220,8 @@ class _WindowFinding:
         for step in steps:
             guarded = self._guard(step, loop)
             if guarded is not None:
-                guard, modulo = guarded
-                return Window("modulo", loop, modulo.right, guard, (guard,))
+                guard, size = guarded
+                return Window("modulo", loop, size, guard, (guard,))
             skipping = self._skipping_guard(step, loop)
             if skipping is not None and self.tree.order[backward] < self.tree.order[skipping[0]]:
                 guard, modulo, after = skipping
@@ -262,9 +262,37 @@ class _WindowFinding:
         for step in self.steps_in(function):
             guarded = self._guard(step, function)
             if guarded is not None and not cleared & {None, _optimizer_of(step)}:
-                guard, modulo = guarded
-                return Window("calls", None, modulo.right, guard, (guard,))
+                guard, size = guarded
+                return Window("calls", None, size, guard, (guard,))
         return None
+
+    def _caller_window(self, function: cst.FunctionDef) -> Window | None:
+        """The window of a loop of the file that calls `function`, a function that
+        backpropagates and does not step, once per micro-batch and steps under `if <a % k>:`
+        (`train_step(model, batch, K)`, then `if i % K == 0: update_step(...)`)."""
+        if self.steps_in(function):
+            return None
+        for call in self.calls_of(function):
+            scope = self.tree.scope_of(call)
+            loop = next((a for a in self.tree.ancestors(call) if isinstance(a, LOOPS)), None)
+            if loop is None or not self._inside(loop, scope) or not self.steps_in(loop):
+                continue
+            found = self._modulo_window(loop, call)
+            if found is not None:
+                return found
+        return None
+
+    def calls_of(self, function: cst.FunctionDef) -> list[cst.Call]:
+        """The calls of the file, outside `function`, of that function (`helper(...)`,
+        `self.helper(...)`) where the file defines it once."""
+        name = function.name.value
+        if self.tree.functions.get(name) is not function:
+            return []
+        return [
+            call
+            for call in self.tree.calls
+            if _helper_name(call.func) == name and not self._inside(call, function)
+        ]
 
     def _accumulating_call(self, function: cst.FunctionDef) -> cst.With | None:
         """The `with accelerator.accumulate(...)` block holding a call of `function`, a
@@ -295,16 +323,39 @@ class _Guards:
 
     def _guard(
         self, call: cst.Call, region: cst.CSTNode, modulo: bool = True
-    ) -> tuple[cst.If, cst.BinaryOperation | None] | None:
-        """The `if` inside `region` that holds the call and tests `a % k` (any `if` when not
-        `modulo`)."""
+    ) -> tuple[cst.If, cst.BaseExpression | None] | None:
+        """The `if` inside `region` that holds the call and tests `a % k`, or a window's last
+        index (`a == k - 1`), with its `k` (any `if` when not `modulo`)."""
         for guard in self.tree.ancestors(call):
             if guard is region:
                 return None
             if isinstance(guard, cst.If):
                 found = self._modulo(guard.test)
-                if found is not None or not modulo:
-                    return guard, found
+                size = found.right if found is not None else self._last_index(guard.test)
+                if size is not None or not modulo:
+                    return guard, size
+        return None
+
+    def _last_index(self, test: cst.BaseExpression) -> cst.BaseExpression | None:
+        """The accumulation name `k` of a test for a window's last index, `a == k - 1` or
+        `a + 1 == k` (minimal-llama's `batch_metadata["grad_accum_index"] == k - 1`)."""
+        if not (
+            isinstance(test, cst.Comparison)
+            and len(test.comparisons) == 1
+            and isinstance(test.comparisons[0].operator, cst.Equal)
+        ):
+            return None
+        sides = (test.left, test.comparisons[0].comparator)
+        for side, other in (sides, sides[::-1]):
+            one = isinstance(side, cst.BinaryOperation) and code(side.right) == "1"
+            if one and isinstance(side.operator, cst.Subtract):
+                size = side.left
+            elif one and isinstance(side.operator, cst.Add):
+                size = other
+            else:
+                continue
+            if self.is_accumulation_name(size):
+                return size
         return None
 
     def _skipping_guard(
@@ -364,8 +415,11 @@ class _Frameworks:
         receiver = self._receiver(backward)
         if receiver is None or not self._is_accelerator(receiver):
             return None
-        if window.kind == "accumulate":
-            return f"accelerate's `{receiver}.accumulate()`"
+        if window.kind == "accumulate":  # named as the window's `with` calls it
+            items = window.anchor.items if isinstance(window.anchor, cst.With) else ()
+            called = [dotted(i.item.func) for i in items if isinstance(i.item, cst.Call)]
+            named = next((c for c in called if c and c.endswith(".accumulate")), None)
+            return f"accelerate's `{named or receiver + '.accumulate'}()`"
         if self._configured_accelerator():
             return "accelerate, `Accelerator(gradient_accumulation_steps=...)`"
         return None

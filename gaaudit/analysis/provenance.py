@@ -152,6 +152,8 @@ def _is_weight(factor: cst.BaseExpression) -> bool:
     factor that keeps a mean a mean, unlike a count."""
     if isinstance(factor, (cst.Integer, cst.Float)):
         return True
+    if isinstance(factor, cst.Subscript):  # one of several weights: `loss_weights[dataset_idx]`
+        factor = factor.value
     name = last_name(factor.func if isinstance(factor, cst.Call) else factor) or ""
     return bool(WEIGHT.search(name) or PROCESSES.fullmatch(name))
 
@@ -806,7 +808,8 @@ class Tracer(_Calls, _Callees, _Counts):
             before = self._from_binding(name, previous, depth + 1) if previous else UNKNOWN
             if isinstance(stmt.operator, cst.DivideAssign):
                 return before.divided(Division(stmt, stmt.value))
-            if isinstance(stmt.operator, cst.MultiplyAssign) and before.kind == "mean":
+            multiplied = isinstance(stmt.operator, cst.MultiplyAssign) and before.kind == "mean"
+            if multiplied and not _is_weight(stmt.value):  # `loss *= weights[i]` stays a mean
                 return self._sum(stmt, f"`{name}` multiplied by a count")
             return before
         value = stmt.value if isinstance(stmt, (cst.Assign, cst.AnnAssign)) else None

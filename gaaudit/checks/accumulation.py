@@ -212,7 +212,7 @@ class _Divisors:
         if self.structure.is_accumulation_name(divisor) or _example_share(divisor):
             return True
         if window.size is not None:
-            return self._same_value(divisor, window.size)
+            return self._same_value(divisor, window.size) or self._given(divisor, window.size)
         if window.loop is None:
             return False
         return not depends_on(divisor, self.tree.assigned_in(window.loop))
@@ -220,6 +220,20 @@ class _Divisors:
     def _same_value(self, a: cst.BaseExpression, b: cst.BaseExpression) -> bool:
         """Equal code, or one is a name bound to the other (`k = args.accum`)."""
         return bool({_bare(a), self._alias(a)} & {_bare(b), self._alias(b)} - {""})
+
+    def _given(self, divisor: cst.BaseExpression, size: cst.BaseExpression) -> bool:
+        """A parameter of the function holding the division that every call of the file
+        passes K (`train_step(model, batch, args.accum)` dividing by its `accum`)."""
+        function = self.tree.scope_of(divisor) if divisor in self.tree.order else None
+        if not isinstance(divisor, cst.Name) or not isinstance(function, cst.FunctionDef):
+            return False
+        names = [p.name.value for p in function.params.params]
+        names = names[1:] if names[:1] == ["self"] else names
+        if divisor.value not in names:
+            return False
+        index = names.index(divisor.value)
+        given = [argument_for(c, index, divisor.value) for c in self.structure.calls_of(function)]
+        return bool(given) and all(a is not None and self._same_value(a, size) for a in given)
 
     def _alias(self, expr: cst.BaseExpression) -> str:
         if (

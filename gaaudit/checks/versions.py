@@ -537,7 +537,7 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     settings found in its own folder and below. Nothing else is read unless a bad pin exists.
     """
     walked = sorted({_real(p) for root in roots if root.is_dir() for p in _walk(root)})
-    bad = _bad_pins(walked, files)
+    bad, declared = _bad_pins(walked, files)
     if not bad:
         return []
     scanned = [p for p in walked if p.suffix in CONFIGS] + [
@@ -548,13 +548,13 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     accumulations = [a for path in scanned for a in _accumulations(path, data[path], base)]
     reports = []
     for path, found in sorted(bad.items()):
-        here = [a for a in accumulations if a.path.is_relative_to(path.parent)]
+        here = [a for a in accumulations if _governs(path, a.path, declared)]
         if not here:
             continue
         trainers = {
             p: site
             for p in scanned
-            if p.suffix == ".py" and p.is_relative_to(path.parent)
+            if p.suffix == ".py" and _governs(path, p, declared)
             for site in _trainer_sites(p, data[p])
         }
         trainer = any(a.trainer for a in here) or bool(trainers)
@@ -573,46 +573,57 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     return reports
 
 
-def _bad_pins(walked: list[Path], files: list[Path]) -> dict[Path, list[tuple[Pin, str]]]:
+def _bad_pins(
+    walked: list[Path], files: list[Path]
+) -> tuple[dict[Path, list[tuple[Pin, str]]], set[Path]]:
     """The dependency files among `walked` and `files` with a transformers pin without the
-    fix, and their pins with the verdict of each (`bad_pin`). A README's pin counts only where
-    no dependency file of its folder or above names transformers."""
-    bad, declared = {}, set()  # the folders whose dependency files name transformers
+    fix, and their pins with the verdict of each (`bad_pin`); and the folders whose dependency
+    files name transformers (`_owner`). A README's pin counts only where no dependency file of
+    its folder or above names transformers."""
+    bad, declared = {}, set()
     pin_files = {p for p in walked if is_pin_file(p)} | {_real(p) for p in files if is_pin_file(p)}
     for path in sorted(pin_files, key=_is_readme):  # READMEs last: see `declared`
         text = _read(path).decode("utf-8", "replace")
         named = pins(path, text)
         if not _is_readme(path):
             if any(TRANSFORMERS.match(pin.requirement) for pin in named):
-                declared.add(path.parent)
-        elif any(path.parent.is_relative_to(folder) for folder in declared):
+                declared.add(_owner(path))
+        elif any(_owner(path).is_relative_to(folder) for folder in declared):
             continue  # a dependency file rules; a README's version is advice
         found = [
             (pin, kind) for pin in named if (kind := bad_pin(pin)) and not _suppressed(pin.raw)
         ]
         if found:
             bad[path] = found
-    return bad
+    return bad, declared
+
+
+def _owner(pin_file: Path) -> Path:
+    """The folder whose code a dependency file governs: its own, or the one above a
+    `requirements/` folder (`requirements/train.txt`)."""
+    folder = pin_file.parent
+    return folder.parent if folder.name == "requirements" else folder
+
+
+def _governs(pin_file: Path, path: Path, declared: set[Path]) -> bool:
+    """Whether `pin_file` governs the file at `path`: `path` is under its folder (`_owner`),
+    and no folder between them names transformers in dependency files of its own (a
+    subproject's requirement rules its code)."""
+    owner = _owner(pin_file)
+    return path.is_relative_to(owner) and not any(
+        folder != owner and folder.is_relative_to(owner) and path.is_relative_to(folder)
+        for folder in declared
+    )
 
 
 def pinned_for(path: Path, root: Path, kinds=OLD) -> tuple[str, str] | None:
     """The transformers pin that keeps `path`'s Trainer as a release of `kinds` trains (see
     `verdict`; by default before 4.46: a pin admitting only older releases, or a git commit),
-    in the file's inline script metadata, else in the dependency files of its folder and those
-    above it up to `root`, the nearest first: where it is written, `` `transformers==4.31.0`
-    (requirements.txt line 3) ``, and its kind."""
-    here = _real(path)
-    for pin in script_pins(_read(here).decode("utf-8", "replace")):
-        if (kind := bad_pin(pin)) in kinds:
-            return f"`{pin.shown}` ({display_path(here)} line {pin.line})", kind
-    folders = [f for f in here.parents if f.is_relative_to(_real(root))]
-    bad = _bad_pins([p for folder in folders for p in _pin_files(folder)], [])
-    for folder in folders:
-        for pin_file, found in sorted(bad.items()):
-            if pin_file.parent in (folder, folder / "requirements"):
-                for pin, kind in found:
-                    if kind in kinds:
-                        return f"`{pin.shown}` ({display_path(pin_file)} line {pin.line})", kind
+    among the requirements that govern it (`governing`): where it is written,
+    `` `transformers==4.31.0` (requirements.txt line 3) ``, and its kind."""
+    for where, pin in governing(path, root)[0]:
+        if (kind := bad_pin(pin)) in kinds and not _suppressed(pin.raw):
+            return _written(where, pin), kind
     return None
 
 
@@ -623,40 +634,61 @@ def governing_pin(path: Path, kinds=OLD) -> tuple[str, str]:
     return pinned_for(path, search_root(path), kinds) or ("", "")
 
 
-def admits(path: Path, release: str) -> tuple[bool, str, list[Path]]:
-    """Whether the transformers requirement that governs `path` admits `release` or a later
-    one: its inline script metadata, else those of the dependency files (not READMEs) of the
-    nearest folder, from its own up to its repository (`search_root`), that names
-    transformers; that requirement as written with where ("" where none does: any release),
-    and the files read."""
-    from packaging.requirements import InvalidRequirement, Requirement
-
-    here, read = _real(path), []
+def governing(path: Path, root: Path) -> tuple[list[tuple[Path, Pin]], list[Path]]:
+    """The transformers requirements that govern `path`, with where each is written: those of
+    its inline script metadata, else those of the dependency files of the nearest folder, from
+    its own up to `root`, that names transformers (GA006 reads them so: `_governs`), else the
+    first pin of the nearest README; and the dependency files read."""
+    here, read, readmes = _real(path), [], []
     text = _read(here).decode("utf-8", "replace")
     named = [(here, p) for p in script_pins(text) if TRANSFORMERS.match(p.requirement)]
-    folders = [f for f in here.parents if f.is_relative_to(_real(search_root(path)))]
+    folders = [f for f in here.parents if f.is_relative_to(_real(root))]
     for folder in folders if not named else ():
-        for pin_file in (p for p in _pin_files(folder) if not _is_readme(p)):
+        for pin_file in _pin_files(folder):
             read.append(pin_file)
             text = _read(pin_file).decode("utf-8", "replace")
-            named += [
+            found = [
                 (pin_file, p) for p in pins(pin_file, text) if TRANSFORMERS.match(p.requirement)
             ]
+            (readmes if _is_readme(pin_file) else named).extend(found)
         if named:
             break
+    return named or readmes[:1], read
+
+
+def admits(path: Path, release: str) -> tuple[bool, str, list[Path]]:
+    """Whether the transformers requirements that govern `path` (`governing`, up to its
+    repository: `search_root`) admit `release` or a later one; the first that does not, else
+    the first, as written with where ("" where none names transformers: any release); and the
+    dependency files read."""
+    named, read = governing(path, search_root(path))
     for where, pin in named:
-        try:
-            requirement = Requirement(pin.requirement)
-        except InvalidRequirement:
-            continue
-        tag = GIT_REF.search(requirement.url or "")
-        version = tag.group("release") if tag and tag.group("release") else None
-        shown = f"`{pin.shown}` ({display_path(where)} line {pin.line})"
-        if version is not None:
-            return _version(version) >= _version(release), shown, read
-        later = any(v >= _version(release) for v in _admitted(requirement.specifier))
-        return later or bool(requirement.url), shown, read
-    return True, "", read
+        if not _admits_from(pin, release):
+            return False, _written(where, pin), read
+    return True, _written(*named[0]) if named else "", read
+
+
+def _written(where: Path, pin: Pin) -> str:
+    """A pin as written, with where: `` `transformers==4.31.0` (requirements.txt line 3) ``."""
+    return f"`{pin.shown}` ({display_path(where)} line {pin.line})"
+
+
+def _admits_from(pin: Pin, release: str) -> bool:
+    """Whether a requirement admits `release` or a later one: a git tag from that release on,
+    another git ref (the default branch, or a commit that cannot be dated here), or a
+    specifier that admits such a release; a requirement that cannot be read admits any."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        requirement = Requirement(pin.requirement)
+    except InvalidRequirement:
+        return True
+    tag = GIT_REF.search(requirement.url or "")
+    if tag and tag.group("release"):
+        return _version(tag.group("release")) >= _version(release)
+    if requirement.url or not requirement.specifier:
+        return True
+    return any(v >= _version(release) for v in _admitted(requirement.specifier))
 
 
 def _pin_files(folder: Path) -> list[Path]:

@@ -72,8 +72,10 @@ class Windows:
 
     def _site(self, window: Window, backward: cst.Call) -> Site | None:
         modulo = self.tree.parents.get(window.size) if window.size is not None else None
-        if not isinstance(modulo, cst.BinaryOperation):
-            return None
+        if not (
+            isinstance(modulo, cst.BinaryOperation) and isinstance(modulo.operator, cst.Modulo)
+        ):
+            return None  # a window's last index tested (`index == K - 1`) counts from nothing
         counter, plus_one = _counter(modulo.left)
         if counter is None:
             return None

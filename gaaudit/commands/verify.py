@@ -591,7 +591,8 @@ def _trainer_targets(
 
 
 def _replayed_statement(tree, window, anchor: cst.CSTNode) -> cst.CSTNode | None:
-    """The loop that holds both the backward calls and the optimizer step, else the function."""
+    """The loop that holds both the backward calls and the optimizer step (or the calls of the
+    function that backpropagates), else the function."""
     from gaaudit.analysis.tree import target_names, variables
 
     loops = [a for a in tree.ancestors(anchor) if isinstance(a, (cst.For, cst.While))]
@@ -599,7 +600,7 @@ def _replayed_statement(tree, window, anchor: cst.CSTNode) -> cst.CSTNode | None
         outer = loops[loops.index(window.loop) + 1 :]  # the loop whose body also steps
         scope = tree.scope_of(window.loop)
         return outer[0] if outer else scope if isinstance(scope, cst.FunctionDef) else window.loop
-    if window.kind in ("modulo", "accumulate") and loops:
+    if window.kind in ("modulo", "accumulate") and (loops or window.loop is not None):
         return window.loop or loops[-1]
     scope = tree.scope_of(anchor)
     if window.kind == "framework" and loops and tree.scope_of(loops[0]) is scope:

@@ -465,11 +465,31 @@ class _Windows:
         return False
 
     def _modular(self, test: ast.expr) -> bool:
-        """Whether a test computes `a % k`, or reads a name assigned from such a value."""
-        return bool(self._modular_names) and any(
-            _is_modulo(n) or (isinstance(n, ast.Name) and n.id in self._modular_names)
-            for n in ast.walk(test)
-        )
+        """Whether a test computes `a % k`, or reads a name assigned from such a value, or
+        tests a window's last index (`a == k - 1`, `loops.Structure._last_index`)."""
+        return (
+            bool(self._modular_names)
+            and any(
+                _is_modulo(n) or (isinstance(n, ast.Name) and n.id in self._modular_names)
+                for n in ast.walk(test)
+            )
+        ) or self._last_index(test)
+
+    def _last_index(self, test: ast.expr) -> bool:
+        if not (isinstance(test, ast.Compare) and [type(o) for o in test.ops] == [ast.Eq]):
+            return False
+        sides = (test.left, test.comparators[0])
+        for side, other in (sides, sides[::-1]):
+            one = (
+                isinstance(side, ast.BinOp)
+                and isinstance(side.right, ast.Constant)
+                and side.right.value == 1
+            )
+            size = side.left if one and isinstance(side.op, ast.Sub) else None
+            size = other if one and isinstance(side.op, ast.Add) else size
+            if size is not None and (_last(size) or "") in self.names:
+                return True
+        return False
 
     @cached_property
     def _modular_names(self) -> set[str]:

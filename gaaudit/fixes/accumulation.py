@@ -1090,7 +1090,48 @@ class _Window:
             raise Unfixable(
                 "the optimizer step is not in this function; gaaudit cannot place the one division"
             )
+        call = site.backward.call
+        if (
+            window.loop is not None
+            and call is not None
+            and not self.tree.contains(window.loop, call)
+        ):
+            function = self.tree.scope_of(call)
+            raise Unfixable(
+                f"the backward is in `{function.name.value}()`, which the loop of line "
+                f"{self.tree.line(window.loop)} calls once per micro-batch; gaaudit rewrites a "
+                "window whose backward it sees in the loop: return the micro-batch's valid-target "
+                "count beside its loss sum, and divide the gradients once by the window's total at "
+                "the step"
+            )
+        if window.kind == "micro-loop":
+            self._cleared_before(window)
         self._prepared[window.anchor] = (site, self._optimizer(window))
+
+    def _cleared_before(self, window: Window) -> None:
+        """Refuse a micro-step loop whose gradients its function's caller steps (`_after_calls`)
+        where the function does not clear them before the loop: the caller may have
+        accumulated gradients of its own there (InstructLLaMA's PPO update adds a pretraining
+        loss's micro-steps to the policy's), which the one division would divide too."""
+        function = self.tree.scope_of(window.loop)
+        stepped = [s for s in window.step_region if not self.tree.contains(function, s)]
+        if not stepped or not isinstance(function, cst.FunctionDef):
+            return
+        start = self.tree.order[window.loop]
+        if any(
+            isinstance(n, cst.Call)
+            and last_name(n.func) == "zero_grad"
+            and self.tree.order[n] < start
+            for n in self.tree.walk(function, into_defs=False)
+        ):
+            return
+        raise Unfixable(
+            f"`{function.name.value}()` backpropagates into gradients its caller steps (line "
+            f"{self.tree.line(stepped[0])}) and does not clear them before its loop: one division "
+            "after the loop would also divide what the caller accumulated before calling it; "
+            "clear the gradients in the function, or weight each micro-batch by its share of the "
+            "window's count"
+        )
 
     def _finish_window(self, site: Site, optimizer: str) -> None:
         """Start, normalise and reset the window's count (and its loss sum when a log reads it)."""

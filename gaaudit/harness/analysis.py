@@ -34,11 +34,13 @@ ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip", "log_every"}
 HF_KWARGS = {"input_ids", "labels", "attention_mask", "decoder_input_ids", "inputs_embeds"}
 MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
 BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness's batches
-    **dict.fromkeys(("input_ids", "ids", "tokens", "input_tokens", "source_ids"), "input_ids"),
+    **dict.fromkeys(
+        ("input_ids", "ids", "tokens", "input_tokens", "source_ids", "inputs", "x"), "input_ids"
+    ),
     **dict.fromkeys(
         ("attention_mask", "attn_mask", "input_mask", "mask", "source_mask"), "attention_mask"
     ),
-    **dict.fromkeys(("labels", "label_ids", "targets", "target", "target_ids"), "labels"),
+    **dict.fromkeys(("labels", "label_ids", "targets", "target", "target_ids", "y"), "labels"),
     # made from the labels: 1 where the loss counts a target, 0 where it ignores one
     **dict.fromkeys(("loss_mask", "label_mask", "labels_mask", "target_mask"), "loss_mask"),
 }
@@ -52,6 +54,7 @@ DIVISOR_RE = re.compile(r"accum", re.IGNORECASE)
 COUNT_RE = re.compile(r"(steps|iters?)$", re.IGNORECASE)
 NOT_DIVISOR_RE = re.compile(r"loss|token|count|item|sum|total", re.IGNORECASE)
 MICRO_SIZE_RE = re.compile(r"micro_?(batch_?)?(size|bs)$|^mbs$", re.IGNORECASE)
+BOOSTER_RE = re.compile(r"booster|strategy", re.IGNORECASE)  # ColossalAI's `booster.backward`
 # a loss function handed in (`train_one_epoch(model, criterion, ...)`, `self.loss_fn`)
 CRITERION_RE = re.compile(r"criterion|loss_?(fn|func|function|fct)", re.IGNORECASE)
 # `ignore_index=-1` (or a module constant) in the source: the value its loss ignores (used for
@@ -84,7 +87,8 @@ class Plan:
     """What replay needs to run one statement. `free` holds the names the statement and its
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
     binds there (model, engine, optimizer, optimizers, schedulers, data, data-call, contexts,
-    turns, divisor, divisor-call, micro-size, width, accelerator, fabric, scaler, device).
+    turns, divisor, divisor-call, micro-size, width, accelerator, fabric, booster, scaler,
+    device).
     `splits_batch`: the loop cuts each loader batch into micro-batches itself, so it is served
     the whole window at once. `owner`: the class whose method holds the statement. `derived`:
     assignments before the statement to evaluate. `stages`: two models chained as encoder and
@@ -490,7 +494,8 @@ class _Usage:
             and _is_minus_one(call.args[0])
         ):
             self.evidence[args[-1]].add("width")  # `logits.view(-1, V)`: V is the output width
-        if isinstance(call.func, ast.Attribute) and call.func.attr == "backward" and not args:
+        handed = args or any(k.arg in ("loss", "tensor") for k in call.keywords)
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "backward" and not handed:
             self.tensor_backward = True
         if func is None:
             return
@@ -515,7 +520,7 @@ class _Usage:
                     self.evidence[arg].add("optimizer-arg")
         elif method in MODEL_METHODS:
             self.evidence[receiver].add("model-method")
-        elif method == "backward" and call.args:
+        elif method == "backward" and handed:
             self.evidence[receiver].add("backward")  # `engine.backward(loss)`: DeepSpeed's
         elif method == "accumulate":
             self.evidence[receiver].add("accumulate")
@@ -827,12 +832,18 @@ def _is_divisor(chain: Chain, divisor_names) -> bool:
     return bool(DIVISOR_RE.search(chain[-1])) and not NOT_DIVISOR_RE.search(chain[-1])
 
 
+def _has_attributes(chain: Chain, usage: _Usage) -> bool:
+    """Whether the loop reads attributes of a chain: an object (`self.accumulative_meter.add`),
+    not a number."""
+    return any(len(other) > len(chain) and other[: len(chain)] == chain for other in usage.chains)
+
+
 def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | None:
     ev, last = usage.evidence.get(chain, set()), chain[-1]
     if last in ITER_WRAPPERS:
         return None  # it iterates the data it is handed
     called = "called" in ev
-    if _is_divisor(chain, divisor_names):
+    if _is_divisor(chain, divisor_names) and not _has_attributes(chain, usage):
         if not called:
             return "divisor"
         if COUNT_RE.search(last) and "accumulate" not in ev:
@@ -845,6 +856,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "accelerator"
     if not called and "fabric" in last.lower():
         return "fabric"
+    if not called and "backward" in ev and BOOSTER_RE.search(last):
+        return "booster"
     if "scaler" in ev or (not called and "scaler" in last.lower()):
         return "scaler"
     if called and "scaler" in last.lower():

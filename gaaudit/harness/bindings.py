@@ -21,6 +21,7 @@ from gaaudit.harness.models import TinyTokenModel, ignore_value, vocab_size
 from gaaudit.harness.nets import PAD_ID, output_width
 from gaaudit.harness.stubs import (
     Batch,
+    Booster,
     Criterion,
     DataSource,
     Fabric,
@@ -59,10 +60,12 @@ class Objects:
     ):
         self.plan, self.bindings, self.values, self.filename = plan, bindings, {}, filename
         self.sources: list[DataSource] = []  # the data the loop reads, to count what it drew
-        roles = {
+        roles = {  # not a module's attributes (`torch.optim`), but its K (`config.accum_steps`)
             c: r
             for c, r in plan.roles.items()
-            if not isinstance(namespace.get(c[0]), types.ModuleType) or c[0] in plan.rebound
+            if not isinstance(namespace.get(c[0]), types.ModuleType)
+            or c[0] in plan.rebound
+            or r == "divisor"
         }
         if plan.owner is not None:
             self._instance(namespace)
@@ -92,6 +95,7 @@ class Objects:
             "accelerator": (self.accelerator, f"Accelerator(gradient_accumulation_steps={steps})"),
             "scaler": (self.scaler, f"GradScaler(enabled={getattr(self.scaler, '_enabled', 0)})"),
             "fabric": (fabric, "single-process Fabric stand-in"),
+            "booster": (Booster("booster"), "a booster whose backward(loss) backpropagates it"),
             "loss-scaler": (
                 LossScaler("loss_scaler"),
                 "loss scaler stand-in: backward, and a step where update_grad holds",
@@ -125,7 +129,7 @@ class Objects:
                     chain, stages[chain], f"the {part} of the tiny encoder-decoder pair", namespace
                 )
             else:
-                self._bind(chain, *described[role], namespace)
+                self._bind(chain, *described[role], namespace, imported=role == "divisor")
         for name, value in plan.initial.items():
             if name not in self.values and name not in namespace:
                 self.values[name] = value
@@ -257,11 +261,19 @@ class Objects:
             return 0
         return served[0]
 
-    def _bind(self, chain, value, text: str, namespace: dict) -> None:
+    def _bind(self, chain, value, text: str, namespace: dict, imported: bool = False) -> None:
+        """Bind `value` at `chain`: a free name, or an attribute of a stand-in (or of the
+        instance whose method holds the loop); with `imported`, also an attribute of an object
+        the module imports (`cfg.gradient_accum_steps` of a project's config), which the
+        loop and its helpers then see through an `Overlay` (the object itself stays as it is)."""
         root = chain[0]
         owner = self.plan.owner
         if len(chain) == 1:
             self.values[root] = value
+        elif imported and len(chain) == 2 and root in namespace and root not in self.values:
+            if not isinstance(namespace[root], Overlay):
+                namespace[root] = Overlay(namespace[root])
+            namespace[root]._replaced[chain[1]] = value
         elif root in namespace or not (
             isinstance(self.values.setdefault(root, Stub(root)), Stub)
             or owner is not None
@@ -274,6 +286,18 @@ class Objects:
                 holder = getattr(holder, name)
             setattr(holder, chain[-1], value)
         self.bindings[".".join(chain)] = text
+
+
+class Overlay:
+    """An object with some attributes replaced, the others read from it."""
+
+    def __init__(self, wrapped) -> None:
+        self._wrapped, self._replaced = wrapped, {}
+
+    def __getattr__(self, name: str):  # only for names the overlay does not hold itself
+        if name in self._replaced:
+            return self._replaced[name]
+        return getattr(self._wrapped, name)
 
 
 def _samples(batch) -> int:

@@ -527,12 +527,13 @@ def _namespace(plan: Plan, filename: str) -> dict:
     """Module globals: `range` that tolerates stub limits, `open` that tolerates stub paths,
     the source's imports (stubs for those that fail, but a batch mover such as `to_device`,
     which moves the batch; trackers and tqdm replaced), then the module-level helpers the
-    statement uses."""
+    statement uses (a stub unpacks in them too: `_StubsUnpack`)."""
     namespace = {
         "__name__": "__gaaudit_replay__",
         "__builtins__": builtins,
         "range": stub_range,
         "open": _open,
+        _UNPACK: _unpacked,
     }
     for node in plan.imports:
         try:
@@ -555,8 +556,11 @@ def _namespace(plan: Plan, filename: str) -> dict:
         elif module.split(".")[0] == "tqdm":
             namespace[name] = trange if getattr(value, "__name__", "") == "trange" else Progress
     for helper in plan.helpers:
+        module = ast.fix_missing_locations(
+            ast.Module([_StubsUnpack().visit(copy.deepcopy(helper))], [])
+        )
         try:
-            exec(compile(ast.Module([helper], []), filename, "exec"), namespace)  # noqa: S102
+            exec(compile(module, filename, "exec"), namespace)  # noqa: S102
         except (Exception, SystemExit):  # noqa: BLE001, S112 - its name stays a stub
             continue
     return namespace
@@ -575,7 +579,6 @@ def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
     target is defined without its decorators), and the keyword arguments to call it with."""
     values = objects.values
     namespace.update({n: v for n, v in values.items() if n not in (plan.params or ())})
-    namespace[_UNPACK] = _unpacked
     target = _StubsUnpack().visit(_EvaluationLeftOut(plan.target).visit(copy.deepcopy(plan.target)))
     if plan.params is not None:
         target.decorator_list = []
@@ -684,18 +687,46 @@ def _capturing(optimizer: RecordingOptimizer, namespace: dict):
 
 @contextlib.contextmanager
 def _staying_on(device: torch.device):
-    """On a machine without the accelerator the code expects, `.cuda()` keeps tensors and
-    modules where they are, and `torch.cuda.synchronize()` has nothing to wait for."""
+    """On a machine without the accelerator the code expects, `.cuda()` and `.to(...)` to a
+    CUDA device (`"cuda"`, `local_rank`, a stand-in's value) keep tensors and modules where
+    the replay runs, `torch.cuda.synchronize()` has nothing to wait for, and
+    `torch.cuda.current_device()` is that device (`to_device(batch, ...)`)."""
     if device.type == "cuda":
         yield
         return
-    saved = torch.Tensor.cuda, torch.nn.Module.cuda, torch.cuda.synchronize
-    torch.Tensor.cuda = torch.nn.Module.cuda = lambda self, *args, **kwargs: self
-    torch.cuda.synchronize = lambda *args, **kwargs: None
+    cuda, tensor, module = torch.cuda, torch.Tensor, torch.nn.Module
+    saved = tensor.cuda, module.cuda, tensor.to, module.to, cuda.synchronize, cuda.current_device
+    tensor.cuda = module.cuda = lambda self, *args, **kwargs: self
+    tensor.to, module.to = _staying(tensor.to, device), _staying(module.to, device)
+    cuda.synchronize = lambda *args, **kwargs: None
+    cuda.current_device = lambda: device
     try:
         yield
     finally:
-        torch.Tensor.cuda, torch.nn.Module.cuda, torch.cuda.synchronize = saved
+        tensor.cuda, module.cuda, tensor.to, module.to, cuda.synchronize, cuda.current_device = (
+            saved
+        )
+
+
+def _staying(to, device: torch.device):
+    """`to` with a CUDA device, a device index or a stand-in read as `device`, and a stand-in
+    dtype left out (`x.to(device_id, dtype=cast_dtype)` of an unbound script)."""
+
+    def where(value):
+        cuda = isinstance(value, str) and value.startswith("cuda")
+        index = isinstance(value, int) and not isinstance(value, bool)
+        if cuda or index or isinstance(value, Stub):
+            return device
+        return device if isinstance(value, torch.device) and value.type == "cuda" else value
+
+    def moved(self, *args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = where(kwargs["device"])
+        if isinstance(kwargs.get("dtype"), Stub):
+            del kwargs["dtype"]
+        return to(self, *map(where, args), **kwargs)
+
+    return moved
 
 
 @contextlib.contextmanager

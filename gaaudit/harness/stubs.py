@@ -13,13 +13,13 @@ import torch
 
 class Stub:
     """An inert stand-in: callable (as a decorator, it returns what it decorates; handed the
-    data first, it returns the data),
-    attribute-able (attributes are stubs too, or the values given in `children`),
-    iterable-empty, falsy, a no-op context manager, absorbing in arithmetic, unequal to
-    everything else, larger than any number and, on the left of `<`, below another stub (a
-    limit such as `args.max_steps` is never reached, `epoch < args.epochs` holds). Items set
-    on it are kept, and `items` gives some from the start (`state["iter_num"] += 1` counts
-    from 0). Its repr names the expression it replaces."""
+    data first, it returns the data), attribute-able (attributes are stubs too, or the values
+    given in `children`), iterable-empty, falsy, a no-op context manager, absorbing in
+    arithmetic, unequal to everything else, dropped from a class's bases, larger than any
+    number and, on the left of `<`, below another stub (a limit such as `args.max_steps` is
+    never reached, `epoch < args.epochs` holds). Items set on it are kept, and `items` gives
+    some from the start (`state["iter_num"] += 1` counts from 0). Its repr names the
+    expression it replaces."""
 
     def __init__(self, path: str = "stub", children: dict | None = None, items: dict | None = None):
         object.__setattr__(self, "_path", path)
@@ -46,6 +46,9 @@ class Stub:
             # replay cannot import, `prepare_sample(samples, cuda_enabled=...)`, returns it
             return args[0]
         return Stub(f"{self._path}()")
+
+    def __mro_entries__(self, bases: tuple) -> tuple:
+        return ()  # a base class that is not installed: `class SFTTrainer(SLTrainer):`
 
     def __getitem__(self, key):
         try:
@@ -264,6 +267,15 @@ class Fabric(Stub):
 
     def all_reduce(self, data, *args, **kwargs):
         return data  # one process: the sum over processes is the value itself
+
+
+class Booster(Stub):
+    """ColossalAI's `booster.backward(loss, optimizer)` (and coati's `strategy.backward`) for
+    one process: the loss backpropagated as it is (neither divides by K); everything else is
+    inert."""
+
+    def backward(self, loss, *args, **kwargs) -> None:
+        loss.backward()
 
 
 class Turns(Stub):
