@@ -341,6 +341,33 @@ def test_micro_steps_into_gradients_the_caller_already_holds_are_refused():
     assert outcomes[16].applied, outcomes  # cleared first: its loop is the whole window
 
 
+def test_a_conditional_labels_expression_is_counted_whole():
+    """ColossalAI's `labels=batch["labels"] if self.apply_loss_mask else batch["input_ids"]`:
+    the count shifts and compares the whole conditional, not its last operand (unparenthesised,
+    the mask branch summed the label ids themselves)."""
+    source = textwrap.dedent(
+        """\
+        from transformers import AutoModelForCausalLM
+
+
+        def train(model, optimizer, loader, accumulation_steps, mask_prompts):
+            for step, batch in enumerate(loader):
+                outputs = model(
+                    batch["input_ids"],
+                    labels=batch["labels"] if mask_prompts else batch["input_ids"],
+                )
+                (outputs.loss / accumulation_steps).backward()
+                if (step + 1) % accumulation_steps == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        """
+    )
+    result = fix_source(source.encode(), Path("train.py"), ALL, unsafe=False)
+    fixed = result.after.decode()
+    assert '((batch["labels"] if mask_prompts else batch["input_ids"])[..., 1:] != -100)' in fixed
+    compile(fixed, "train.py", "exec")
+
+
 def test_a_count_rebound_before_a_skipped_backward_is_refused():
     """The next batch is fetched after the loss, then a non-finite loss skips its backward:
     counting right after the loss would count a micro-batch the window never sees."""

@@ -495,8 +495,8 @@ class _CompanionCounts:
         labels = None
         if call is not None:
             labels = keyword(call, "labels")
-            if labels is not None:
-                labels = code(labels)
+            if labels is not None:  # `(a if mask else b)[..., 1:]`, not `a if mask else b[...]`
+                labels = atom(labels)
             else:
                 spread = next((a.value for a in call.args if a.star == "**"), None)
                 if spread is not None:
@@ -582,7 +582,7 @@ class _CompanionCounts:
             r"(-100)\b", self.text
         )
         if ignore:
-            return (f"({code(target)} != {ignore.group(1)}).sum()", ""), True
+            return (f"({atom(target)} != {ignore.group(1)}).sum()", ""), True
         return (
             f"{atom(target)}.numel()",
             "assumes every target counts: no ignore_index is visible",

@@ -42,6 +42,7 @@ from gaaudit.fixes.accumulation import Outcome
 from gaaudit.fixes.edits import (
     Edits,
     Unfixable,
+    atom,
     copy_edits,
     statement_line,
     torch_module,
@@ -193,7 +194,7 @@ class _ComputeLoss:
         averages the gradients."""
         ignore = keyword(loss.configured, "ignore_index")
         fallback = (
-            f"({code(loss.targets)} != {code(ignore) if ignore is not None else '-100'}).sum()"
+            f"({atom(loss.targets)} != {code(ignore) if ignore is not None else '-100'}).sum()"
         )
         summed = with_argument(loss.configured, "reduction", '"sum"')
         if loss.configured is loss.call:

@@ -295,6 +295,8 @@ class Overlay:
         self._wrapped, self._replaced = wrapped, {}
 
     def __getattr__(self, name: str):  # only for names the overlay does not hold itself
+        if name in ("_wrapped", "_replaced"):  # not set yet: a copy being made
+            raise AttributeError(name)
         if name in self._replaced:
             return self._replaced[name]
         return getattr(self._wrapped, name)
