@@ -1486,9 +1486,10 @@ def test_rows_cut_into_inputs_and_targets_are_served_as_token_ids():
 def test_k_read_from_an_imported_config_is_the_replays_k(tmp_path, monkeypatch, config):
     """`from project.config import cfg` (InstructLLaMA's SFT script), or a config module: the
     loop's K is the replay's, not the project's 16 (its first window then holds K = 4)."""
-    (tmp_path / "trainconfig.py").write_text(config)
+    module = f"trainconfig_{len(config)}"  # one module per case: imports are cached
+    (tmp_path / f"{module}.py").write_text(config)
     monkeypatch.syspath_prepend(str(tmp_path))
-    header = "from trainconfig import cfg\n" if "class" in config else "import trainconfig as cfg\n"
+    header = f"from {module} import cfg\n" if "class" in config else f"import {module} as cfg\n"
     text = header + source("""
         import torch.nn.functional as F
 
