@@ -153,13 +153,18 @@ def bad_pin(pin: Pin) -> str | None:
     if requirement.name.lower() != "transformers":
         return None
     if requirement.url:
-        ref = GIT_REF.search(requirement.url)
-        if ref is None:
-            return None  # the default branch, which has the fix
-        if ref.group("release"):
-            return verdict(SpecifierSet(f"=={ref.group('release')}"))
-        return "commit"
+        ref = _git_ref(requirement.url)
+        if ref in (None, "commit"):
+            return ref  # None: the default branch, which has the fix
+        return verdict(SpecifierSet(f"=={ref}"))
     return verdict(requirement.specifier) if requirement.specifier else None
+
+
+def _git_ref(url: str) -> str | None:
+    """What a git URL of transformers installs: a release (`@v4.28.0`: "4.28.0"), "commit",
+    or None (the default branch)."""
+    ref = GIT_REF.search(url)
+    return None if ref is None else ref.group("release") or "commit"
 
 
 # Pins -------------------------------------------------------------------------------------
@@ -683,9 +688,9 @@ def _admits_from(pin: Pin, release: str) -> bool:
         requirement = Requirement(pin.requirement)
     except InvalidRequirement:
         return True
-    tag = GIT_REF.search(requirement.url or "")
-    if tag and tag.group("release"):
-        return _version(tag.group("release")) >= _version(release)
+    ref = _git_ref(requirement.url or "")
+    if ref not in (None, "commit"):
+        return _version(ref) >= _version(release)
     if requirement.url or not requirement.specifier:
         return True
     return any(v >= _version(release) for v in _admitted(requirement.specifier))
