@@ -179,15 +179,7 @@ class _WindowFinding:
         function = self.tree.scope_of(node)
         if not isinstance(function, cst.FunctionDef):
             return ()
-        name = function.name.value
-        if self.tree.functions.get(name) is not function:
-            return ()
-        return tuple(
-            statement
-            for call in self.tree.calls
-            if _helper_name(call.func) == name and not self._inside(call, function)
-            for statement in self._after(call)
-        )
+        return tuple(s for call in self.calls_of(function) for s in self._after(call))
 
     def _reads_grad(self, region: cst.CSTNode, activations: bool = True) -> bool:
         """Whether `region` reads a `.grad`; not `activations`: leave out a micro-batch's
@@ -297,14 +289,10 @@ class _WindowFinding:
     def _accumulating_call(self, function: cst.FunctionDef) -> cst.With | None:
         """The `with accelerator.accumulate(...)` block holding a call of `function`, a
         same-file function that computes the loss and calls backward itself."""
-        name = function.name.value
-        if self.tree.functions.get(name) is not function:
-            return None
-        for call in self.tree.calls:
-            if _helper_name(call.func) == name and not self._inside(call, function):
-                block = next((a for a in self.tree.ancestors(call) if self._is_accumulate(a)), None)
-                if block is not None:
-                    return block
+        for call in self.calls_of(function):
+            block = next((a for a in self.tree.ancestors(call) if self._is_accumulate(a)), None)
+            if block is not None:
+                return block
         return None
 
     @staticmethod
