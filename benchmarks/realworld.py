@@ -508,7 +508,11 @@ def _original_verdict(trees: Path, row: Row) -> tuple[str | None, str]:
         return None, "timed out after 600 s"
     except (ValueError, KeyError):
         return None, f"error: {(result.stderr.strip().splitlines() or ['no output'])[-1]}"
-    found = [r.get("original_verdict", r["verdict"]) for loop in loops for r in loop["rows"]]
+    found = [  # after a short first window (GA007, not the labels' question), the next one's
+        r.get("window_verdict") or r.get("original_verdict", r["verdict"])
+        for loop in loops
+        for r in loop["rows"]
+    ]
     if "bug reproduced" in found:
         return "bug reproduced", ""
     if "verified" in found:

@@ -88,6 +88,30 @@ def test_recording_optimizer_captures_gradients_and_stops():
     assert not issubclass(StepReached, Exception)  # a loop's `except Exception` cannot swallow it
 
 
+def test_recording_optimizer_runs_a_closure_and_skips_the_steps_it_is_told_to():
+    """`optimizer.step(closure)` backpropagates in the closure first (Fabric's trainer); with
+    `skip`, the first steps change nothing and count the micro-batches anew."""
+    model = torch.nn.Linear(3, 1)
+    drawn = [0]  # micro-batches the replay has served
+    optimizer = RecordingOptimizer(model.parameters(), skip=1)
+    optimizer.count(lambda: drawn[0])
+
+    def closure():
+        loss = model(torch.ones(2, 3)).sum()
+        loss.backward()
+        return loss
+
+    drawn[0] = 3
+    optimizer.step(closure)  # skipped: goes on
+    weight = model.weight.detach().clone()
+    drawn[0] = 7
+    with pytest.raises(StepReached):
+        optimizer.step(closure)
+    assert torch.equal(model.weight, weight)  # nothing was stepped
+    assert torch.equal(optimizer.grads[0], model.weight.grad) and model.weight.grad.abs().sum() > 0
+    assert optimizer.drawn() == 4  # since the skipped step
+
+
 def test_stub_is_inert():
     args = Stub("args")
     assert not args.with_tracking and args.x.y() is not None
@@ -997,8 +1021,9 @@ def test_assignments_before_the_loop_run_only_when_they_build_a_torch_module(tmp
 
 
 def test_a_first_window_of_one_micro_batch_is_compared_with_that_batch():
-    """`if step % K == 0` from step 0 steps after one micro-batch (issue 18, item 2): the
-    patched loop is judged against the full batch of that one, not of K micro-batches."""
+    """`if step % K == 0` from step 0 steps after one micro-batch (issue 18, item 2): each
+    loop is judged against the full batch of that one, not of K micro-batches, and then on
+    its next window, of K."""
     guard = "== args.gradient_accumulation_steps - 1:"
     buggy = HF_BUGGY.replace(guard, "== 0:")
     fixed = HF_FIXED.replace(guard, "== 0:")
@@ -1013,10 +1038,14 @@ def test_a_first_window_of_one_micro_batch_is_compared_with_that_batch():
         device="cpu",
     )
     assert result.patched.window == result.original.window == 1
-    assert result.verdict == "verified" and result.patched.error < 1e-5, result.patched
-    # the original divides its one micro-batch's mean by K: 3/4 of the gradient is missing
+    assert result.verdict == "verified" and result.patched.first_error < 1e-5, result.patched
+    assert result.patched.window_verdict == "verified" and result.patched.error < 1e-5
+    # the original divides its one micro-batch's mean by K: 3/4 of the gradient is missing;
+    # its next window of K weights the micro-batches' means alike
     assert result.original.verdict == "bug reproduced"
-    assert abs(result.original.error - 0.75) < 1e-3
+    assert abs(result.original.first_error - 0.75) < 1e-3
+    assert result.original.window_verdict == "bug reproduced", result.original
+    assert 1e-3 < result.original.error != result.original.first_error
 
 
 OPTION_DEFAULTS = source("""
@@ -1504,3 +1533,41 @@ def test_k_read_from_an_imported_config_is_the_replays_k(tmp_path, monkeypatch, 
     result = check(text, line_of(text, "for i, batch"), k=4, device="cpu")
     assert result.replay.bindings["cfg.gradient_accum_steps"] == "K = 4", result.replay.bindings
     assert result.replay.drawn == 4 and result.verdict == "bug reproduced", result
+
+
+GROUP_AND_NEXT_WINDOW = source("""
+    import torch.distributed as dist
+
+    def train(model, loader, optimizer, accum_steps):
+        bar = None
+        profiler = None
+        if rank == 0:
+            bar = tqdm.tqdm(range(100))
+            if cfg.use_profiler:
+                profiler = make_profiler()
+        for it, batch in enumerate(loader):
+            loss = model(**batch).loss / accum_steps
+            loss.backward()
+            if it % accum_steps == 0:
+                world = dist.get_world_size()
+                model.clip_grad_norm_(1.0 / world)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                bar.update(1)
+                if profiler is not None:
+                    profiler.step()
+""")
+
+
+def test_a_loop_that_wants_a_process_group_is_replayed_through_its_short_first_window():
+    """A loop calling `torch.distributed` unguarded runs as the one rank of a group; FSDP's
+    `model.clip_grad_norm_` clips like torch's; a name set to None and then to something else
+    under a condition is a stub (`bar.update`), but None where the loop tests it (`profiler`),
+    whose `step()` is no optimizer's. So the replay goes past the short first window's step
+    (GA007) to the next one, of K micro-batches, where mean/K shows."""
+    text = GROUP_AND_NEXT_WINDOW
+    result = check(text, line_of(text, "for it"), k=4, device="cpu")
+    assert result.window == 1 and abs(result.first_error - 0.75) < 1e-3, result
+    assert result.window_verdict == "bug reproduced" and 1e-3 < result.error < 0.75, result
+    assert result.replay.bindings["bar"] == "stub", result.replay.bindings
+    assert result.replay.bindings["profiler"] == "None, as assigned before the statement"

@@ -113,20 +113,23 @@ def test_the_fixed_ddp_loop_also_runs_in_one_process():
 
 
 def test_a_ddp_loop_replayed_in_one_process_says_how_to_replay_it():
-    """An unguarded collective (the user's own) needs a process group: the verdict says how
-    to give it one."""
+    """An unguarded collective (the user's own) needs a process group: the loop is replayed
+    as the one rank of a group of its own, and the verdict says so and how to replay it on
+    two."""
     original = FIXTURES / "ga001_ddp_no_sync_chunks.py"
     patched = original.with_name("ga001_ddp_no_sync_chunks.fixed.py").read_text()
     unguarded = patched.replace("if dist.is_initialized():\n", "if True:\n", 1)
     row = replayed_in_one_process(original.read_text(), unguarded)
-    assert row["verdict"].startswith("not replayable: ")
-    assert row["verdict"].endswith("replay it with --distributed 2"), row
+    assert row["verdict"] == (
+        f"{VERIFIED}; replayed as one rank of a process group (--distributed 2 for two)"
+    ), row
+    assert row["patched_error"] < 1e-5, row
 
 
 def test_a_flagged_loop_left_unfixed_says_how_to_replay_its_collective(tmp_path):
     """A loop `fix` leaves as it is (clipping every micro-batch, its step counted in the body)
-    whose own collective needs a process group: the verdict says how to give it one, then
-    that nothing was fixed."""
+    whose own collective needs a process group: replayed as one rank of a group, the verdict
+    says so and how to replay it on two, then that nothing was fixed."""
     source = clipping_unfixed()
     script = tmp_path / "train.py"
     script.write_text(
@@ -137,5 +140,8 @@ def test_a_flagged_loop_left_unfixed_says_how_to_replay_its_collective(tmp_path)
         )
     )
     result = gaaudit("verify", str(script), "-k", "2", "--device", "cpu")
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "replay it with --distributed 2; nothing was fixed" in result.stdout, result.stdout
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (
+        "bug reproduced; replayed as one rank of a process group (--distributed 2 for two); "
+        "nothing was fixed" in result.stdout
+    ), result.stdout

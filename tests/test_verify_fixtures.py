@@ -53,8 +53,8 @@ TRAINER_LIMITS = {
 }
 
 # Off-by-one windows (GA007): the original's first window holds fewer than K micro-batches and
-# is judged against the full batch of those (so a token-weighted loss matches); the patched
-# loop's holds K.
+# is judged against the full batch of those (so a token-weighted loss matches), then its next
+# window, of K; the patched loop's first window holds K.
 WINDOWS = {p.stem for p in ORIGINALS if "GA007" in {code for _, code, _ in expected(p)}}
 # The first window's micro-batches at K = 4 where it is not 1 (a counter already raised for the
 # micro-batch at hand, tested with `(i + 1) % K`).
@@ -213,6 +213,9 @@ def test_original_reproduces_the_bug_and_patched_is_verified(loops, name):
         if name in WINDOWS:
             assert row["first_window"] == FIRST_WINDOW.get(name, 1), row
             assert row["patched_first_window"] is None, row
+            # replayed on to the next step: a window of K, where their token-weighted loss
+            # matches the full batch
+            assert row["window_verdict"] == "verified" and row["original_error"] < 1e-5, row
             assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop
             continue
         # on data like the file's, or counting every position

@@ -925,12 +925,15 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     "k": k,
                     "original_error": result.original.error,
                     "patched_error": result.patched.error if patched else None,
-                    "verdict": f"{_hinted(result.original.verdict, options)}; {NOTHING_FIXED}"
+                    "verdict": f"{_hinted(result.original, options)}; {NOTHING_FIXED}"
                     if _needs_patch(target, result.original.verdict, patched)
-                    else _hinted(result.verdict, options),
+                    else _hinted(result.patched, options),
                     "original_verdict": result.original.verdict,
                     "first_window": result.original.window,
+                    "first_window_error": result.original.first_error,
+                    "window_verdict": result.original.window_verdict,
                     "patched_first_window": result.patched.window if patched else None,
+                    "patched_first_window_error": result.patched.first_error if patched else None,
                     "dtype": result.dtype,
                     "processes": options.distributed or 1,
                 }
@@ -1012,17 +1015,39 @@ def _lightning_row(job: dict, target: Target, options: Options, k: int, patched:
     return {**row, "dtype": "float32", "processes": 1}
 
 
+def _first_window(loop: str, key: str, row: dict) -> str:
+    """What the row says of a loop whose first window holds fewer than K micro-batches."""
+    held, error = row[key], row.get(f"{key}_error")
+    text = (
+        f"the {loop} loop's first window holds {held} micro-batch{'es' if held > 1 else ''}, "
+        f"not {row['k']}"
+    )
+    if error is None:  # its next window did not replay
+        return f"{text}: compared with the full batch of those"
+    return (
+        f"{text}: error {_number(error)} against the full batch of those; the row's error is "
+        "its next window's"
+    )
+
+
 def _needs_patch(target: Target, original: str, patched: bool) -> bool:
     """Whether a row lacks the patch it needs: a flagged loop that fix left, whose original
     verdict is not a match with the full batch."""
     return target.flagged and not patched and original != VERIFIED
 
 
-def _hinted(verdict: str, options: Options) -> str:
-    """A loop that needs a process group says how to give it one."""
-    if not options.distributed and "process group" in verdict:
-        return f"{verdict}; replay it with --distributed 2"
-    return verdict
+def _hinted(check, options: Options) -> str:
+    """A loop's verdict; one that needs a process group says how to give it one, and one
+    replayed as the one rank of a group says so."""
+    from gaaudit.harness.replay import GROUP_OF_ONE
+
+    if options.distributed:
+        return check.verdict
+    if "process group" in check.verdict:
+        return f"{check.verdict}; replay it with --distributed 2"
+    if GROUP_OF_ONE in check.replay.bindings.values():
+        return f"{check.verdict}; replayed as one rank of a process group (--distributed 2 for two)"
+    return check.verdict
 
 
 def _child() -> None:
@@ -1093,13 +1118,8 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
                         ("original", "first_window"),
                         ("patched", "patched_first_window"),
                     ):
-                        held = row.get(key)
-                        if held:
-                            print(
-                                f"{'':>5}  {'':>3}  the {loop} loop's first window holds {held} "
-                                f"micro-batch{'es' if held > 1 else ''}, not {row['k']}: "
-                                "compared with the full batch of those"
-                            )
+                        if row.get(key):
+                            print(f"{'':>5}  {'':>3}  {_first_window(loop, key, row)}")
             if not outcomes:
                 print(f"{path}: no accumulation loop to replay")
     everything = [o for _, outcomes in results for o in outcomes]

@@ -46,7 +46,8 @@ BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness
 }
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
-SCHEDULER_RE = re.compile(r"sched", re.IGNORECASE)
+# what steps without being an optimizer: a learning-rate schedule, `torch.profiler.profile`
+SCHEDULER_RE = re.compile(r"sched|profil", re.IGNORECASE)
 # a function that makes something (`get_sft_collate_fn(**kwargs)`): not a model called on a batch
 FACTORY_RE = re.compile(r"(get|make|build|create|load)_", re.IGNORECASE)
 DATA_RE = re.compile(r"batch|loader|data|(^|_)iter(ator)?($|_)", re.IGNORECASE)
@@ -312,7 +313,8 @@ def _initial_values(
     tree: ast.Module, target: ast.stmt, free: list[str], settings: dict[str, object]
 ) -> dict[str, object]:
     """Literal values the source assigns to the statement's free names before it, at module
-    level or in the functions enclosing it (`num_items = 0`), or gives them as parameter
+    level or in the functions enclosing it (`num_items = 0`; `None` reassigned later only
+    where the statement tests `is None`), or gives them as parameter
     defaults of those functions (`start_step=0`; `None` only where the statement tests
     `is None`, which also makes `None` of such a parameter without a default: `mixup_fn`),
     or option defaults it reads into them
@@ -350,9 +352,15 @@ def _initial_values(
         for arg in function.args.posonlyargs + function.args.args + function.args.kwonlyargs:
             if arg.arg in guarded and arg.arg not in given:  # the optional part left out
                 defaults[arg.arg] = None
+    unset = {  # `profiler = None`, made something else under a condition the statement tests
+        bound.id: None
+        for n in before
+        for bound in n.targets
+        if isinstance(bound, ast.Name) and bound.id in guarded and literal(n.value) == (True, None)
+    }
     found = {
         name: value
-        for name, value in {**defaults, **options, **constants(before)}.items()
+        for name, value in {**defaults, **options, **unset, **constants(before)}.items()
         if name in free
     }
     augmented = {

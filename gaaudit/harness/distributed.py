@@ -267,7 +267,8 @@ class _RankSession(_Session):
         )
         self.ranks, self.per_rank = ranks, k
 
-    def replay(self, plan, filename: str, whole: int = 0) -> Replay:
+    def replay(self, plan, filename: str, whole: int = 0, after: int = 0) -> Replay:
+        """As _Session.replay; `after` is always 0 here (no short-window check)."""
         if not whole:  # each rank's draws are a shard of the window: no short-window check
             result = self.ranks.run(
                 plan,

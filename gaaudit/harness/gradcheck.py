@@ -145,20 +145,33 @@ class _Group(dict):
 
 
 class RecordingOptimizer(torch.optim.SGD):
-    """A real SGD whose `step()` records the gradients in `grads` and raises StepReached."""
+    """A real SGD whose `step()` records the gradients in `grads` and raises StepReached; the
+    first `skip` steps change nothing and go on."""
 
-    def __init__(self, params, lr: float = 1e-3):
+    def __init__(self, params, lr: float = 1e-3, skip: int = 0):
         super().__init__(params, lr=lr)
         self.param_groups = [_Group(group) for group in self.param_groups]
         self.grads: list[torch.Tensor] | None = None
+        self.skip = skip
         # the gradients at the first and at the latest clip, where it was, and the
         # micro-batches drawn by then
         self.clipped: tuple[list[torch.Tensor], str, int] | None = None
         self.last_clipped: tuple[list[torch.Tensor], str, int] | None = None
-        self.drawn: Callable[[], int] = lambda: 0  # micro-batches drawn so far (the replay's)
+        self.drawn: Callable[[], int] = lambda: 0  # micro-batches drawn since the last step
+
+    def count(self, drawn: Callable[[], int]) -> None:
+        """Count the micro-batches drawn (the replay's counter) from here on."""
+        start = drawn()
+        self.drawn = lambda: drawn() - start
 
     def record(self, where: str = "optimizer.step") -> None:
-        """Snapshot the gradients of every parameter group, then end the replay."""
+        """Snapshot the gradients of every parameter group, then end the replay (after the
+        steps to skip, which start the window anew)."""
+        if self.skip:
+            self.skip -= 1
+            self.count(self.drawn)
+            self.clipped = self.last_clipped = None
+            return
         self.grads = self._gradients()
         raise StepReached(where)
 
@@ -175,6 +188,9 @@ class RecordingOptimizer(torch.optim.SGD):
         return snapshot(p for group in self.param_groups for p in group["params"])
 
     def step(self, closure=None):
+        if closure is not None:  # `optimizer.step(closure)`: the closure backpropagates first
+            with torch.enable_grad():
+                closure()
         self.record()
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:

@@ -55,7 +55,9 @@ from gaaudit.vocabulary import BACKWARDS, CLIPPERS, MOVERS
 
 ENGINE_STARTUP = 120.0  # seconds a fresh process may take to import torch and DeepSpeed
 BRIEF = 240  # characters of an exception's message a verdict quotes at most
-# the process kept for DeepSpeed replays (in the verifying process), and whether this is it
+GROUP_OF_ONE = "a gloo process group of one rank (the loop calls torch.distributed)"
+# the process kept for replays that want a process group (in the verifying process), and
+# whether this is it
 _apart: dict = {"pool": None, "engine": False}
 TRACKERS = (
     "wandb",
@@ -93,13 +95,19 @@ class Check:
     """One loop against the full batch. `verdict` is `verified`, `bug reproduced`,
     `inconclusive: ...` or `not replayable: ...`. `error` is the relative gradient error
     (see _Session.check for its reference); `k1_error` is the error of the loop replayed with
-    the whole window as one micro-batch, when that ran (it rules out a harness mismatch)."""
+    the whole window as one micro-batch, when that ran (it rules out a harness mismatch).
+    A loop whose first window holds fewer than K micro-batches (`window`, GA007) is judged on
+    that window and, where the replay goes on to its next step, on its next window too
+    (`first_error` is then the first's, `error` and `window_verdict` the next's): it
+    reproduces a bug when either does."""
 
     verdict: str
     error: float | None
     k1_error: float | None
     replay: Replay
     window: int | None = None  # micro-batches of the window the loop formed, when not K
+    first_error: float | None = None
+    window_verdict: str | None = None  # its next window's alone, after a short first window
 
 
 @dataclass(frozen=True)
@@ -135,51 +143,73 @@ class _Session:
             data is not None
         )  # the user's batches: the loop on the whole window is the reference
         if self.user:
-            micro = [factory.to_device(b, self.device) for b in data.window(k, seed)]
             ignore_index = ignore_value(self.kind, getattr(plan, "ignore_index", None))
-            self.window = Window("user", micro, factory.concatenate(micro), ignore_index)
-            self.references = {}
+
+            def fresh(n: int) -> Window:
+                micro = [factory.to_device(b, self.device) for b in data.window(n, seed)]
+                return Window("user", micro, factory.concatenate(micro), ignore_index)
         else:
-            self.window = make_window(
-                self.kind,
-                k,
-                micro_batch_size,
-                seed,
-                packed=packed,
-                ignore_index=getattr(plan, "ignore_index", None),
-                label_smoothing=getattr(plan, "label_smoothing", 0.0),
-            ).to(self.device)
-            self.references = {k: self._reference(self.window)}
+
+            def fresh(n: int) -> Window:
+                return make_window(
+                    self.kind,
+                    n,
+                    micro_batch_size,
+                    seed,
+                    packed=packed,
+                    ignore_index=getattr(plan, "ignore_index", None),
+                    label_smoothing=getattr(plan, "label_smoothing", 0.0),
+                ).to(self.device)
+
+        self.window = fresh(k)
+        self.fresh = fresh
+        self.longer: dict[int, Window] = {}  # after a short first window: its micro-batches and K
+        self.windows: dict[tuple[int, int], Window] = {(k, 0): self.window}
+        self.references: dict[tuple[int, int], list[torch.Tensor]] = {}
+        if not self.user:
+            self.reference(k)  # before any replay can touch torch's global state
 
     def _reference(self, window: Window) -> list[torch.Tensor]:
         with deterministic(self.seed, self.device):
             model = build_model(self.kind, self.seed, self.window.ignore_index).to(self.device)
             return full_batch_grads(model, window)
 
-    def first(self, n: int) -> Window:
-        """The window of the first `n` micro-batches (the whole window when n is K)."""
-        if n == self.k:
+    def drawn_from(self, after: int) -> Window:
+        """The micro-batches a replay draws: the window, or (`after`) a first window of `after`
+        micro-batches followed by K more."""
+        if not after:
             return self.window
-        micro = self.window.micro[:n]
-        full = (
-            factory.concatenate(micro)
-            if self.user
-            else merge_batches(micro, self.window.ignore_index)
-        )
-        return replace(self.window, micro=micro, full=full)
+        if after not in self.longer:
+            self.longer[after] = self.fresh(after + self.k)
+        return self.longer[after]
 
-    def reference(self, n: int) -> list[torch.Tensor]:
-        """The full-batch gradient of the window's first `n` micro-batches."""
-        if n not in self.references:
-            self.references[n] = self._reference(self.first(n))
-        return self.references[n]
+    def first(self, n: int, after: int = 0) -> Window:
+        """The window of the `n` micro-batches drawn after the first `after` (the whole window
+        when n is K and `after` 0)."""
+        if (n, after) not in self.windows:
+            micro = self.drawn_from(after).micro[after : after + n]
+            full = (
+                factory.concatenate(micro)
+                if self.user
+                else merge_batches(micro, self.window.ignore_index)
+            )
+            self.windows[n, after] = replace(self.window, micro=micro, full=full)
+        return self.windows[n, after]
 
-    def replay(self, plan: Plan, filename: str, whole: int = 0) -> Replay:
-        """Replay `plan` on the window, or (`whole` = n) on its first n micro-batches as one."""
+    def reference(self, n: int, after: int = 0) -> list[torch.Tensor]:
+        """The full-batch gradient of those micro-batches."""
+        if (n, after) not in self.references:
+            self.references[n, after] = self._reference(self.first(n, after))
+        return self.references[n, after]
+
+    def replay(self, plan: Plan, filename: str, whole: int = 0, after: int = 0) -> Replay:
+        """Replay `plan` on the window; with `whole` = n, on the first n micro-batches (after the
+        first `after`) as one; with `after` alone, through the step of a first window of `after`
+        micro-batches to the next step (see check)."""
         if whole:
-            batches, k = [self.first(whole).full], 1
+            batches, k = [self.first(whole, after).full], 1
         else:
-            batches, k = self.window.micro, self.k
+            batches, k = self.drawn_from(after).micro, self.k
         return _execute(
             plan,
             filename,
@@ -190,26 +220,54 @@ class _Session:
             self.device,
             self.dtype,
             self.timeout,
+            skip=int(bool(after and not whole)),
         )
 
     def check(self, plan: Plan | str, filename: str) -> Check:
-        """The verdict on one loop (see Check). fp32: the K-micro-batch gradient against the
-        full batch; the one-micro-batch replay only runs to explain a mismatch. bf16/fp16: the
-        one-micro-batch replay runs first, must agree with the full batch within AGREEMENT,
-        and is the reference, so that only the splitting is measured."""
+        """The verdict on one loop (see Check). A first window of fewer than K micro-batches
+        (`step % K == 0` from step 0, GA007) is judged against the full batch of those; the
+        loop is then replayed on to its next step and judged on that window too."""
         if isinstance(plan, str):
             return Check(f"not replayable: {plan}", None, None, Replay(None, plan))
         result = self.replay(plan, filename)
         if not result.ok:
             return Check(f"not replayable: {result.reason}", None, None, result)
         short = result.drawn if 0 < result.drawn < self.k else None  # `step % K == 0` from 0
-        check = partial(Check, replay=result, window=short)
+        first = self._judged(plan, filename, result, short or self.k)
+        if short is None:
+            return first
+        later = self.replay(plan, filename, after=short)
+        if not later.ok:  # judged on its first window alone
+            return replace(first, window=short)
+        n = later.drawn if 0 < later.drawn <= self.k else self.k
+        window = self._judged(plan, filename, later, n, after=short)
+        verdicts = (first.verdict, window.verdict)
+        return replace(
+            window,
+            verdict="bug reproduced"
+            if "bug reproduced" in verdicts
+            else next((v for v in verdicts if v != "verified"), "verified"),
+            window=short,
+            first_error=first.error,
+            window_verdict=window.verdict,
+        )
+
+    def _judged(self, plan: Plan, filename: str, result: Replay, n: int, after: int = 0) -> Check:
+        """The verdict on a replay that reached its step after `n` micro-batches (drawn after
+        the first `after`). fp32: the gradient against their full batch; the one-micro-batch
+        replay only runs to explain a mismatch. bf16/fp16: the one-micro-batch replay runs
+        first, must agree with the full batch within AGREEMENT, and is the reference, so that
+        only the splitting is measured."""
+        check = partial(Check, replay=result)
         exact = self.dtype == torch.float32
-        n = short or self.k
-        error = relative_error(result.grads, self.reference(n)) if exact and not self.user else None
+        error = (
+            relative_error(result.grads, self.reference(n, after))
+            if exact and not self.user
+            else None
+        )
         if error is not None and error < self.tolerance:
             return check("verified", error, None)
-        whole = self.replay(plan, filename, whole=n) if self.k > 1 else result
+        whole = self.replay(plan, filename, whole=n, after=after) if self.k > 1 else result
         if self.user:
             if not whole.ok:
                 return check(
@@ -220,7 +278,7 @@ class _Session:
                 )
             error = relative_error(result.grads, whole.grads)
             return check(judged(error, self.dtype), error, None)
-        k1_error = relative_error(whole.grads, self.reference(n)) if whole.ok else None
+        k1_error = relative_error(whole.grads, self.reference(n, after)) if whole.ok else None
         if k1_error is None or (not exact and k1_error >= AGREEMENT[self.dtype]):
             detail = whole.reason or f"error {k1_error:.1e}"
             return check(
@@ -375,18 +433,19 @@ def _execute(
     dtype: torch.dtype,
     timeout: float,
     wrap=None,
+    skip: int = 0,
 ) -> Replay:
     """Run the planned statement once; never raises for what the user's code does. `wrap`
     (e.g. DistributedDataParallel) is applied to the fresh model, unless a DeepSpeed engine
-    wraps it."""
+    wraps it. The gradients are captured at the step after the first `skip` ones."""
     engine = "engine" in plan.roles.values()
     dist = torch.distributed
     ranks = dist.is_initialized() and dist.get_world_size() > 1  # a rank of --distributed
+    args = (plan, filename, batches, k, ignore_index, seed, device, dtype, timeout, None, skip)
     if engine and not ranks and not _apart["engine"]:
-        args = (plan, filename, batches, k, ignore_index, seed, device, dtype, timeout)
         return _in_own_process(args, timeout)
     output, bindings = io.StringIO(), {}
-    grads, where, reason, drawn = None, "", "", 0
+    grads, where, reason, drawn, grouped = None, "", "", 0, False
     precision = autocast(device, dtype)  # the harness's own, made before the loop's are changed
     with (
         deterministic(seed, device),
@@ -402,7 +461,9 @@ def _execute(
             model.no_sync = contextlib.nullcontext  # DDP's, for one process: nothing to skip
         else:
             model = wrap(model)
-        optimizer = RecordingOptimizer(model.parameters())
+        optimizer = RecordingOptimizer(model.parameters(), skip=skip)
+        if not hasattr(model, "clip_grad_norm_"):  # FSDP's own clipping, recorded as torch's
+            model.clip_grad_norm_ = lambda *args, **kwargs: optimizer.clip("clip_grad_norm_")
         try:
             namespace = _namespace(plan, filename)
             objects = Objects(
@@ -418,7 +479,7 @@ def _execute(
                 bindings=bindings,
                 filename=filename,
             )
-            optimizer.drawn = objects.drawn
+            optimizer.count(objects.drawn)
             function, kwargs = _callable(plan, filename, namespace, objects)
             with (
                 _capturing(optimizer, namespace),
@@ -431,17 +492,21 @@ def _execute(
                     for _ in result:
                         pass
         except StepReached as stop:
-            grads, where, drawn = optimizer.grads, stop.where, objects.drawn()
+            grads, where, drawn = optimizer.grads, stop.where, optimizer.drawn()
         except Exhausted as exc:
             reason = f"the loop did not reach an optimizer step ({exc})"
         except _TimedOut:
             reason = f"timed out after {timeout:g} s"
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported as the reason
             reason = _describe(exc, filename, plan)
+            grouped = _wants_group(exc) and not dist.is_initialized()
         else:
             grads, where = snapshot(model.parameters()), "end of statement"
             if objects.scaler is not None and objects.scaler.is_enabled():
                 grads = [g / objects.scaler.get_scale() for g in grads]
+    if grouped:  # `dist.get_rank()`, a DistributedSampler: again as the one rank of a group
+        result = _in_own_process(args, timeout)
+        return replace(result, bindings={**result.bindings, "torch.distributed": GROUP_OF_ONE})
     stopped = where in ("", "end of statement")  # no further than the first clip, if any
     clipped = optimizer.clipped if stopped else optimizer.last_clipped
     if clipped is not None and (stopped or clipped[2] == drawn):
@@ -470,9 +535,10 @@ def _execute(
 
 
 def _in_own_process(args: tuple, timeout: float) -> Replay:
-    """A replay on one process of a loop that steps a DeepSpeed engine, in the process kept for
-    them: DeepSpeed wants a process group and keeps state of its own, which the replays here
-    must not meet (a Trainer would see a distributed run)."""
+    """A replay on one process of a loop that steps a DeepSpeed engine or calls
+    `torch.distributed` unguarded, in the process kept for them: such a loop wants a process
+    group (DeepSpeed keeps state of its own too), which the replays here must not meet (a
+    Trainer would see a distributed run)."""
     import multiprocessing
 
     if _apart["pool"] is None:
@@ -507,7 +573,7 @@ def _engine_process_stopped() -> None:
 
 
 def _engine_process() -> None:
-    """The kept process starts: a gloo group of one, for every DeepSpeed replay it runs."""
+    """The kept process starts: a gloo group of one, for every replay it runs."""
     import torch.distributed as dist
 
     _apart["engine"] = True
@@ -664,7 +730,12 @@ def _unpacked(value, count: int):
 def _capturing(optimizer: RecordingOptimizer, namespace: dict):
     """Capture the gradients at any optimizer's step, and record gradient clipping (which
     then clips nothing), for the duration of the replay."""
-    hook = register_optimizer_step_pre_hook(lambda *args: optimizer.record("optimizer.step"))
+
+    def stepping(stepped, *args) -> None:
+        if stepped is not optimizer:  # its own `step()` records too
+            optimizer.record("optimizer.step")
+
+    hook = register_optimizer_step_pre_hook(stepping)
     modules = (torch.nn.utils, torch.nn.utils.clip_grad)
     saved = [(m, n, getattr(m, n)) for m in modules for n in CLIPPERS if hasattr(m, n)]
     originals = {id(f): n for _, n, f in saved}
@@ -775,6 +846,11 @@ def _time_limit(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _wants_group(exc: BaseException) -> bool:
+    """The loop called `torch.distributed` (or a DistributedSampler) without a process group."""
+    return isinstance(exc, (ValueError, RuntimeError)) and "process group" in str(exc)
 
 
 def _describe(exc: BaseException, filename: str, plan: Plan) -> str:

@@ -44,7 +44,7 @@ def literal(node: ast.expr) -> tuple[bool, object]:
 
 def constants(body: list[ast.stmt]) -> dict[str, object]:
     """Literal values assigned to names in `body`, tuples unpacked (`PAD, BOS = 0, 1`); the
-    last assignment wins."""
+    last assignment wins (`bar = None` then `bar = tqdm(...)`: unknown)."""
     found = {}
     for node in body:
         if not isinstance(node, ast.Assign):
@@ -57,10 +57,14 @@ def constants(body: list[ast.stmt]) -> dict[str, object]:
                 and len(target.elts) == len(node.value.elts)
             ):
                 pairs = list(zip(target.elts, node.value.elts))
-            for name, value in pairs:
+            for bound, value in pairs:
                 ok, result = literal(value)
-                if isinstance(name, ast.Name) and ok:
-                    found[name.id] = result
+                if isinstance(bound, ast.Name) and ok:
+                    found[bound.id] = result
+                else:
+                    for name in ast.walk(bound):
+                        if isinstance(name, ast.Name):
+                            found.pop(name.id, None)
     return found
 
 
