@@ -748,3 +748,18 @@ def test_an_optimizer_that_backpropagates_itself_is_not_divided_before_its_step(
     assert "loss-scaling wrapper (apex's `FP16_Optimizer`" in outcome.reason
     plain = FIXTURES / "ga001_example_share_divisor.py"
     assert all(o.applied for o in fix_source(plain.read_bytes(), plain, ALL).outcomes)
+
+
+def test_a_sum_divided_by_its_count_and_k_at_once_backpropagates_the_sum():
+    """`loss_sum / (n_tokens * k)` is the mean over K, made in one division: unlogged, the sum
+    is backpropagated as it is (never the sum times its count); logged, the name keeps its
+    value and the backward undoes both factors."""
+    logged = (
+        (FIXTURES / "ga001_sum_over_count_times_k.py")
+        .read_bytes()
+        .replace(b"    loss.backward()\n", b"    loss.backward()\n    print(loss.item())\n")
+    )
+    after = fixed(logged)
+    assert b"loss = loss_sum / (n_tokens * grad_accum_steps)\n" in after
+    assert b"(loss * grad_accum_steps * micro_tokens).backward()" in after
+    assert b"print(loss.item())" in after and b"micro_tokens = n_tokens\n" in after

@@ -723,9 +723,11 @@ class Tracer(_Calls, _Callees, _Counts):
     def _binary(self, expr: cst.BinaryOperation, depth: int) -> Origin:
         left = self.origin(expr.left, depth + 1)
         if isinstance(expr.operator, cst.Divide):
-            if left.kind == "sum" and self._per_micro_batch(expr, expr.right):
+            count, constant = self._count_of(expr) if left.kind == "sum" else (None, None)
+            if count is not None:
                 what = f"`{code(expr)}`, a sum over its own count ({MASKED_MEAN})"
-                return replace(self._mean(expr, what), count=expr.right)
+                mean = replace(self._mean(expr, what), count=count)
+                return mean.divided(Division(expr, constant)) if constant is not None else mean
             return left.divided(Division(expr, expr.right))
         right = self.origin(expr.right, depth + 1)
         if isinstance(expr.operator, cst.Multiply):
@@ -739,6 +741,17 @@ class Tracer(_Calls, _Callees, _Counts):
                     if side.kind == kind:
                         return replace(side, added=side.added or code(other))
         return UNKNOWN
+
+    def _count_of(self, expr: cst.BinaryOperation):
+        """For `sum / divisor`: (the micro-batch's count, a constant factor beside it or None)
+        when the divisor is computed per micro-batch (`sum / (n_tokens * k)`: (`n_tokens`,
+        `k`)), else (None, None)."""
+        divisor = unguarded(expr.right)
+        if isinstance(divisor, cst.BinaryOperation) and isinstance(divisor.operator, cst.Multiply):
+            for count, constant in ((divisor.left, divisor.right), (divisor.right, divisor.left)):
+                if self._per_micro_batch(expr, count) and not self._per_micro_batch(expr, constant):
+                    return count, constant
+        return (expr.right, None) if self._per_micro_batch(expr, expr.right) else (None, None)
 
     def _per_micro_batch(self, expr: cst.CSTNode, divisor: cst.BaseExpression) -> bool:
         """Whether a divisor is computed inside the loop that holds `expr` (a micro-batch count)."""

@@ -925,9 +925,9 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     "k": k,
                     "original_error": result.original.error,
                     "patched_error": result.patched.error if patched else None,
-                    "verdict": f"{_hinted(result.original, options)}; {NOTHING_FIXED}"
+                    "verdict": f"{_hinted(result.original.verdict, options)}; {NOTHING_FIXED}"
                     if _needs_patch(target, result.original.verdict, patched)
-                    else _hinted(result.patched, options),
+                    else _hinted(result.verdict, options),
                     "original_verdict": result.original.verdict,
                     "first_window": result.original.window,
                     "first_window_error": result.original.first_error,
@@ -936,6 +936,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     "patched_first_window_error": result.patched.first_error if patched else None,
                     "dtype": result.dtype,
                     "processes": options.distributed or 1,
+                    "process_group": _grouped(result.original, result.patched),
                 }
             )
         outcomes.append(asdict(outcome))
@@ -1036,18 +1037,18 @@ def _needs_patch(target: Target, original: str, patched: bool) -> bool:
     return target.flagged and not patched and original != VERIFIED
 
 
-def _hinted(check, options: Options) -> str:
-    """A loop's verdict; one that needs a process group says how to give it one, and one
-    replayed as the one rank of a group says so."""
+def _hinted(verdict: str, options: Options) -> str:
+    """A loop that needs a process group says how to give it one."""
+    if not options.distributed and "process group" in verdict:
+        return f"{verdict}; replay it with --distributed 2"
+    return verdict
+
+
+def _grouped(*checks) -> bool:
+    """Whether a replay ran as the one rank of a process group of its own."""
     from gaaudit.harness.replay import GROUP_OF_ONE
 
-    if options.distributed:
-        return check.verdict
-    if "process group" in check.verdict:
-        return f"{check.verdict}; replay it with --distributed 2"
-    if GROUP_OF_ONE in check.replay.bindings.values():
-        return f"{check.verdict}; replayed as one rank of a process group (--distributed 2 for two)"
-    return check.verdict
+    return any(GROUP_OF_ONE in check.replay.bindings.values() for check in checks)
 
 
 def _child() -> None:
@@ -1120,6 +1121,11 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
                     ):
                         if row.get(key):
                             print(f"{'':>5}  {'':>3}  {_first_window(loop, key, row)}")
+                    if row.get("process_group"):
+                        print(
+                            f"{'':>5}  {'':>3}  replayed as the one rank of a process group, as "
+                            "the loop calls torch.distributed: --distributed 2 replays it on two"
+                        )
             if not outcomes:
                 print(f"{path}: no accumulation loop to replay")
     everything = [o for _, outcomes in results for o in outcomes]

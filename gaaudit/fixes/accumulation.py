@@ -604,9 +604,21 @@ class _LossRewrite:
         first = self._prepared.get(site.window.anchor)
         if first is not None and self._scaled(first[0]) != scaled:
             raise Unfixable("the window mixes backward calls with and without the GradScaler")
-        summed = None if kept or scaled else self._summed(site)
+        # `sum / (count * k)` rewritten: one division makes the mean and divides it by K, so
+        # its left is the micro-batch's sum already (a kept name is weighted as any mean/K)
+        own = site.kind == "loss-division" and site.division.node is site.origin.source
+        own = own and not kept
+        if own and scaled:
+            raise Unfixable(
+                f"`{code(site.division.node)}` divides the loss's sum by its count and K at once "
+                "before the GradScaler: backpropagate the scaled sum and divide the gradients "
+                "once by the window's count"
+            )
+        summed = None if kept or scaled or own else self._summed(site)
         factor = self._framework_factor(site)
-        if summed is None:
+        if own:
+            factor = factor.removeprefix(" * ")
+        elif summed is None:
             weight = f"({self.micro} / {self.reference})" if scaled else self.micro
             factor = weight + factor
         else:
@@ -618,7 +630,7 @@ class _LossRewrite:
             anchor = statement_line(self.tree, node)
             new = self._undivided(node, anchor, factor)
             guard = self._divisor_guard(anchor, site.division.divisor)
-            self._note_logged_reads(site, node, anchor, summed is not None, guard or anchor)
+            self._note_logged_reads(site, node, anchor, summed is not None or own, guard or anchor)
         else:
             node = site.backward.loss
             anchor = statement_line(self.tree, site.backward.call)
