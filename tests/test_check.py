@@ -437,3 +437,23 @@ def test_a_step_at_the_windows_last_index_makes_a_window(tmp_path, test, flagged
     path.write_text(source.replace(old, test))
     codes = [f.code for f in check_file(path, Settings(min_confidence=Confidence.LOW)).findings]
     assert codes == (["GA002"] if flagged else [])
+
+
+@pytest.mark.parametrize(
+    "divided",
+    [
+        "loss_sum / (n_tokens * grad_accum_steps)",
+        "loss_sum / (grad_accum_steps * n_tokens)",
+        "loss_sum / grad_accum_steps / n_tokens",
+        "loss_sum / n_tokens / grad_accum_steps",
+    ],
+)
+def test_a_sum_divided_by_its_count_and_k_is_a_mean_over_k(tmp_path, divided):
+    """However the two divisions are written, a token sum over its own count and K is mean/K
+    (GA001), never a missing division (GA002)."""
+    source = (FIXTURES / "ga001_sum_over_count_times_k.py").read_text()
+    path = tmp_path / "train.py"
+    path.write_text(source.replace("loss_sum / (n_tokens * grad_accum_steps)", divided))
+    (finding,) = check_file(path, ALL).findings
+    assert (finding.code, finding.confidence) == ("GA001", Confidence.HIGH), finding
+    assert "`grad_accum_steps`" in finding.message

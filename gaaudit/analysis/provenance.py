@@ -726,7 +726,8 @@ class Tracer(_Calls, _Callees, _Counts):
             count, constant = self._count_of(expr) if left.kind == "sum" else (None, None)
             if count is not None:
                 what = f"`{code(expr)}`, a sum over its own count ({MASKED_MEAN})"
-                mean = replace(self._mean(expr, what), count=count)
+                # what divided the sum divides the mean (`loss_sum / k / n_tokens`)
+                mean = replace(self._mean(expr, what), count=count, divisions=left.divisions)
                 return mean.divided(Division(expr, constant)) if constant is not None else mean
             return left.divided(Division(expr, expr.right))
         right = self.origin(expr.right, depth + 1)
