@@ -763,3 +763,19 @@ def test_a_sum_divided_by_its_count_and_k_at_once_backpropagates_the_sum():
     assert b"loss = loss_sum / (n_tokens * grad_accum_steps)\n" in after
     assert b"(loss * grad_accum_steps * micro_tokens).backward()" in after
     assert b"print(loss.item())" in after and b"micro_tokens = n_tokens\n" in after
+
+
+@pytest.mark.parametrize(
+    "divided",
+    [
+        "loss_sum / (n_tokens * grad_accum_steps)",
+        "loss_sum / grad_accum_steps / n_tokens",
+        "(loss_sum / grad_accum_steps) / n_tokens",
+    ],
+)
+def test_a_sum_divided_by_k_and_its_count_becomes_the_sum(divided):
+    """The sum is in sight: the fix backpropagates it as it is, counting `n_tokens`."""
+    source = (FIXTURES / "ga001_sum_over_count_times_k.py").read_bytes()
+    after = fixed(source.replace(b"loss_sum / (n_tokens * grad_accum_steps)", divided.encode()))
+    assert b"    loss = loss_sum\n    loss.backward()\n" in after
+    assert b"micro_tokens = n_tokens\n" in after and f"loss = {divided}".encode() not in after

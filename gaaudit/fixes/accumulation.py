@@ -604,10 +604,17 @@ class _LossRewrite:
         first = self._prepared.get(site.window.anchor)
         if first is not None and self._scaled(first[0]) != scaled:
             raise Unfixable("the window mixes backward calls with and without the GradScaler")
-        # `sum / (count * k)` rewritten: one division makes the mean and divides it by K, so
-        # its left is the micro-batch's sum already (a kept name is weighted as any mean/K)
-        own = site.kind == "loss-division" and site.division.node is site.origin.source
-        own = own and not kept
+        # `sum / (count * k)` or `sum / k / count` rewritten: the divisions make the mean and
+        # divide it by K, so the micro-batch's sum is in sight (a kept name is weighted as any
+        # mean/K)
+        source = site.origin.source
+        own = site.kind == "loss-division" and not kept
+        own = own and (
+            site.division.node is source
+            or isinstance(source, cst.BinaryOperation)
+            and isinstance(source.operator, cst.Divide)
+            and source.left is site.division.node
+        )
         if own and scaled:
             raise Unfixable(
                 f"`{code(site.division.node)}` divides the loss's sum by its count and K at once "
@@ -629,6 +636,8 @@ class _LossRewrite:
             node = site.division.node
             anchor = statement_line(self.tree, node)
             new = self._undivided(node, anchor, factor)
+            if own:  # `sum / k / count`: the sum alone
+                node = source
             guard = self._divisor_guard(anchor, site.division.divisor)
             self._note_logged_reads(site, node, anchor, summed is not None or own, guard or anchor)
         else:
