@@ -220,7 +220,7 @@ class _Session:
             self.device,
             self.dtype,
             self.timeout,
-            skip=int(bool(after and not whole)),
+            skip=1 if after and not whole else 0,
         )
 
     def check(self, plan: Plan | str, filename: str) -> Check:
@@ -462,8 +462,6 @@ def _execute(
         else:
             model = wrap(model)
         optimizer = RecordingOptimizer(model.parameters(), skip=skip)
-        if not hasattr(model, "clip_grad_norm_"):  # FSDP's own clipping, recorded as torch's
-            model.clip_grad_norm_ = lambda *args, **kwargs: optimizer.clip("clip_grad_norm_")
         try:
             namespace = _namespace(plan, filename)
             objects = Objects(
@@ -482,7 +480,7 @@ def _execute(
             optimizer.count(objects.drawn)
             function, kwargs = _callable(plan, filename, namespace, objects)
             with (
-                _capturing(optimizer, namespace),
+                _capturing(optimizer, namespace, model),
                 _staying_on(device),
                 precision,
                 _time_limit(timeout),
@@ -727,9 +725,10 @@ def _unpacked(value, count: int):
 
 
 @contextlib.contextmanager
-def _capturing(optimizer: RecordingOptimizer, namespace: dict):
+def _capturing(optimizer: RecordingOptimizer, namespace: dict, model: torch.nn.Module):
     """Capture the gradients at any optimizer's step, and record gradient clipping (which
-    then clips nothing), for the duration of the replay."""
+    then clips nothing: torch's, and the model's own, as FSDP's `model.clip_grad_norm_`), for
+    the duration of the replay."""
 
     def stepping(stepped, *args) -> None:
         if stepped is not optimizer:  # its own `step()` records too
@@ -748,6 +747,8 @@ def _capturing(optimizer: RecordingOptimizer, namespace: dict):
     for key, value in list(namespace.items()):
         if id(value) in originals:
             namespace[key] = clipper(originals[id(value)])
+    if not hasattr(model, "clip_grad_norm_"):  # a fresh model of the replay's, not the user's
+        model.clip_grad_norm_ = clipper("clip_grad_norm_")
     try:
         yield
     finally:
