@@ -457,3 +457,30 @@ def test_a_sum_divided_by_its_count_and_k_is_a_mean_over_k(tmp_path, divided):
     (finding,) = check_file(path, ALL).findings
     assert (finding.code, finding.confidence) == ("GA001", Confidence.HIGH), finding
     assert "`grad_accum_steps`" in finding.message
+
+
+@pytest.mark.parametrize(
+    "unpacked, confidence",
+    [
+        ("loss, sample_size, logging_output", Confidence.LOW),  # fairseq's criterion
+        ("loss, ntokens, logging_output", Confidence.LOW),
+        ("loss, num_masked_tokens, logging_output", Confidence.LOW),  # icefall's HuBERT
+        ("loss, accuracy, logging_output", Confidence.HIGH),  # not a count
+        ("mean_loss, sample_size, logging_output", Confidence.HIGH),  # named a mean
+    ],
+)
+def test_a_loss_returned_beside_its_count_may_be_a_sum(tmp_path, unpacked, confidence):
+    """A call that hands back a count beside its loss often sums over that count (fairseq's
+    convention): sum/K weighs every target alike, so such a finding is low."""
+    source = (FIXTURES / "ga001_criterion_returns_sample_size.py").read_text()
+    old = "loss, sample_size, logging_output = criterion(model, sample)"
+    assert old in source
+    name = unpacked.split(",")[0]
+    path = tmp_path / "train.py"
+    path.write_text(
+        source.replace(old, f"{unpacked} = criterion(model, sample)").replace(
+            "(loss / cfg.update_freq)", f"({name} / cfg.update_freq)"
+        )
+    )
+    (finding,) = check_file(path, ALL).findings
+    assert (finding.code, finding.confidence) == ("GA001", confidence), finding

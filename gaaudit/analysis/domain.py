@@ -153,12 +153,23 @@ class Domains:
         if origin.configured is not None:
             call = source if isinstance(source, cst.Call) else origin.configured
             return self._torch_loss(origin.configured, call)
+        if origin.beside:
+            return Domain(
+                "unknown",
+                None,
+                f"`{code(source.func)}(...)` also returns `{origin.beside}`, a count, so its "
+                "loss may be the sum over it (fairseq's convention), which mean/K does not weight "
+                "wrongly",
+            )
         if isinstance(source, cst.Call) and origin.from_model:
             return self.model_loss(source, returned=True)
         if isinstance(source, (cst.Attribute, cst.Subscript)):
             return self.model_loss(self._model_call(source), returned)
         if isinstance(source, cst.Call) and isinstance(source.func, cst.Attribute):
-            found = _reduced(self.spelled(source.func.value), code(source))
+            reduced = source.func.value  # `x.mean()`, or `torch.mean(x)`'s `x`
+            if self.tree.qualified(source.func) in ("torch.mean", "torch.nanmean"):
+                reduced = next(iter(positional(source)), reduced)
+            found = _reduced(self.spelled(reduced), code(source))
             if found is not None:
                 return found
         if MASKED_MEAN in origin.what:

@@ -401,7 +401,7 @@ class _Frameworks:
         if window.kind == "framework" and self.accelerate_deepspeed(backward):
             return "accelerate with DeepSpeed, gradient_accumulation_steps in the config given at launch"
         receiver = self._receiver(backward)
-        if receiver is None or not self._is_accelerator(receiver):
+        if receiver is None or not self.is_accelerator(receiver):
             return None
         if window.kind == "accumulate":  # named as the window's `with` calls it
             items = window.anchor.items if isinstance(window.anchor, cst.With) else ()
@@ -427,7 +427,7 @@ class _Frameworks:
             calls.setdefault(self.tree.qualified(node.func) or "", []).append(node)
         return calls
 
-    def _is_accelerator(self, name: str) -> bool:
+    def is_accelerator(self, name: str) -> bool:
         """`accelerator`, or a name bound to an `Accelerator(...)` in the file (`acc`)."""
         return "accelerator" in name.lower() or any(
             isinstance(value, cst.Call)
@@ -453,7 +453,7 @@ class _Frameworks:
         receiver = self._receiver(backward)
         return (
             receiver is not None
-            and self._is_accelerator(receiver)
+            and self.is_accelerator(receiver)
             and self._deepspeed_plugin_at_launch
         )
 

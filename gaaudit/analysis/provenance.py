@@ -41,6 +41,14 @@ PROCESSES = re.compile(
     r"(?i)(?:get_)?world_size|dp_size|dp_world_size|data_parallel_size|num_processes|n_gpus?|num_gpus"
 )
 MODEL = re.compile(r"(?i)^(?:model|net|network|transformer|gpt|llm|lm|module)$|_model$|_wrapper$")
+# A count a call returns beside its loss (fairseq's `loss, sample_size, logging_output =
+# criterion(model, sample)`), whose loss is then often the sum over it; and loss names that say
+# a mean whatever is returned beside them.
+COUNT_BESIDE = re.compile(
+    r"(?i)^(?:sample_size|n_?tok(?:en)?s|ntok(?:en)?s"
+    r"|num_\w*(?:tokens?|targets?|labels?|items|frames|elements))$"
+)
+SAYS_MEAN = re.compile(r"(?i)mean|avg|average|per_token")
 RESHAPES = {"reshape", "view", "flatten", "contiguous"}
 GUARDS = {"clamp", "clamp_min", "clamp_", "clamp_min_", "float", "double", "to", "item", "detach"}
 
@@ -75,6 +83,7 @@ class Origin:
     configured: cst.Call | None = field(default=None, compare=False, repr=False)  # a torch loss
     added: str = ""  # another term added to (or subtracted from) it: `aux_loss * coef`
     through: str = ""  # an autograd Function it passed through as it is: `L2Wrap.apply`
+    beside: str = ""  # a count its call returns beside it: `loss, sample_size, log = ...`
 
     @property
     def description(self) -> str:
@@ -869,8 +878,16 @@ class Tracer(_Calls, _Callees, _Counts):
             if imported is not None:
                 return imported
             if "loss" in name:
-                what = f"`{name}` returned by `{code(value.func)}(...)`, a model's mean loss"
-                return replace(self._mean(value, what), from_model=True)
+                counts = [
+                    n
+                    for e in target.elements
+                    if (n := last_name(e.value)) and COUNT_BESIDE.match(n)
+                ]
+                beside = counts[0] if counts and not SAYS_MEAN.search(name) else ""
+                what = f"`{name}` returned by `{code(value.func)}(...)`, " + (
+                    f"beside the count `{beside}`" if beside else "a model's mean loss"
+                )
+                return replace(self._mean(value, what), from_model=True, beside=beside)
         return UNKNOWN
 
     def _subscript(self, expr: cst.Subscript, depth: int) -> Origin:

@@ -242,6 +242,13 @@ class _Counting:
             )
         if origin.kind != "mean" or (source is None and origin.count is None and not origin.module):
             raise Unfixable("gaaudit could not tell what the loss averages over")
+        if origin.beside:
+            raise Unfixable(
+                f"`{code(source.func)}(...)` returns the count `{origin.beside}` beside the loss, "
+                "which may then be the sum over it; if it is a mean, backpropagate "
+                f"`loss * {origin.beside}` and divide the gradients once by the window's total "
+                f"of `{origin.beside}`"
+            )
         if origin.branch:
             raise Unfixable(
                 "the loss is defined in both branches of an `if`, over different counts; "
@@ -942,7 +949,10 @@ class _Owners:
             and positional(site.backward.call)
         ):
             name = dotted(func.value) or ""
-            return name if kind in name.lower() else None
+            if kind in name.lower() or (  # or `acc = Accelerator(...)`
+                kind == "accelerator" and self.auditor.structure.is_accelerator(name)
+            ):
+                return name
         return None
 
     def _gathering(self, site: Site, device: str, names: list[str]) -> tuple[str, str]:

@@ -42,7 +42,9 @@ BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness
     ),
     **dict.fromkeys(("labels", "label_ids", "targets", "target", "target_ids", "y"), "labels"),
     # made from the labels: 1 where the loss counts a target, 0 where it ignores one
-    **dict.fromkeys(("loss_mask", "label_mask", "labels_mask", "target_mask"), "loss_mask"),
+    **dict.fromkeys(
+        ("loss_mask", "label_mask", "labels_mask", "target_mask", "completion_mask"), "loss_mask"
+    ),
 }
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
