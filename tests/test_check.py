@@ -484,3 +484,23 @@ def test_a_loss_returned_beside_its_count_may_be_a_sum(tmp_path, unpacked, confi
     )
     (finding,) = check_file(path, ALL).findings
     assert (finding.code, finding.confidence) == ("GA001", confidence), finding
+
+
+@pytest.mark.parametrize(
+    "window_size",
+    [
+        "cfg[\n            'gradient_accumulation_steps'\n        ]",  # another layout and quotes
+        'cfg["gradient_accumulation_steps"]',
+        'cfg["micro_steps"]',  # not the divisor: its key names the accumulation steps
+    ],
+)
+def test_a_config_entry_named_for_accumulation_is_the_windows_k(tmp_path, window_size):
+    """`loss / cfg["gradient_accumulation_steps"]` divides by K however the window's own test
+    spells its size (lit-gpt's `is_accumulating` spans three lines): GA001, never GA002."""
+    source = (FIXTURES / "ga001_config_dict_divisor.py").read_text()
+    old = "cfg[\n            'gradient_accumulation_steps'\n        ]"
+    assert old in source
+    path = tmp_path / "train.py"
+    path.write_text(source.replace(old, window_size))
+    (finding,) = check_file(path, ALL).findings
+    assert (finding.code, finding.confidence) == ("GA001", Confidence.HIGH), finding

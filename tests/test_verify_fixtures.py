@@ -127,6 +127,12 @@ NOT_REPLAYABLE = {
         "not replayable: ValueError: too many values to unpack",
         ("too many values to unpack",),
     ),
+    # Policy-gradient rollouts: old log-probabilities and advantages the harness's batches do
+    # not hold.
+    **{
+        name: ("not replayable: KeyError: 'old_logps'", ("KeyError: 'old_logps'",))
+        for name in ("ga001_exact_grpo_sequence_level_mean", "ga001_grpo_token_level_mean")
+    },
     # Batches with keys the harness's data does not hold (`chosen`).
     "ga001_exact_dpo_named_logsigmoid": (
         "not replayable: KeyError: 'chosen'",

@@ -66,6 +66,11 @@ ONES = {"ones", "ones_like"}  # `attention_mask=torch.ones_like(ids)`: a mask th
 # A pairwise preference loss: a log-sigmoid of margins, or a loss of the chosen and the
 # rejected answers' log-probabilities (DPO and kin): one element per pair.
 PAIRWISE = re.compile(r"\blogsigmoid\b|\blog_sigmoid\b|\bchosen\w*\W.*\brejected")
+# Per-row means averaged over the rows (GRPO's sequence-level loss,
+# `((loss * mask).sum(dim=1) / mask.sum(dim=1)).mean()`): one element per sequence.
+PER_ROW = re.compile(
+    r"\.sum\(\s*(?:dim\s*=\s*|axis\s*=\s*)?-?\d+\s*\)\s*/.*\.sum\(\s*(?:dim\s*=\s*|axis\s*=\s*)?-?\d+\s*\)"
+)
 SQUARED = re.compile(r"\*\*\s*2\b|\.pow\(\s*2\s*\)|\.abs\(\)|\btorch\.abs\(|\.square\(\)")
 # How another module's loss is described when it is a plain `.mean()` there: its code first.
 RETURNED_MEAN = re.compile(r"`([^`]*)\.mean\(\)`")
@@ -354,6 +359,10 @@ def _reduced(reduced: str, mean: str) -> Domain | None:
     loss (one element per pair), a squared error or norm (a dense tensor)."""
     if PAIRWISE.search(reduced):
         return Domain("examples", False, "a pairwise preference loss, one element per pair")
+    if PER_ROW.search(reduced):
+        return Domain(
+            "examples", False, f"`{_short(mean)}` averages per-row means, one per sequence"
+        )
     if SQUARED.search(reduced):
         return Domain("dense", False, f"`{_short(mean)}` averages a dense tensor")
     return None

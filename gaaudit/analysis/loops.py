@@ -597,6 +597,11 @@ class _Frameworks:
         return None
 
     def is_accumulation_name(self, expr: cst.CSTNode) -> bool:
+        """`k`, `args.k`, or a config's entry `cfg["k"]` whose name is an accumulation name."""
+        if isinstance(expr, cst.Subscript) and len(expr.slice) == 1:
+            index = expr.slice[0].slice
+            key = string_value(index.value) if isinstance(index, cst.Index) else None
+            return (key or "") in self.names
         return (last_name(expr) or "") in self.names
 
 

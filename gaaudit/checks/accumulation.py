@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,7 +220,7 @@ class _Divisors:
 
     def _same_value(self, a: cst.BaseExpression, b: cst.BaseExpression) -> bool:
         """Equal code, or one is a name bound to the other (`k = args.accum`)."""
-        return bool({_bare(a), self._alias(a)} & {_bare(b), self._alias(b)} - {""})
+        return bool({_canonical(a), self._alias(a)} & {_canonical(b), self._alias(b)} - {""})
 
     def _given(self, divisor: cst.BaseExpression, size: cst.BaseExpression) -> bool:
         """A parameter of the function holding the division that every call of the file
@@ -241,7 +242,9 @@ class _Divisors:
         ):  # detached: another module's
             return ""
         stmt = self.tracer.binding(expr.value, expr)
-        return code(stmt.value) if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 else ""
+        if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1:
+            return _canonical(stmt.value)
+        return ""
 
     def _gradient_divisions(
         self, window: Window
@@ -454,9 +457,13 @@ def _subject(origin: Origin) -> str:
     return "Mean loss" if origin.kind == "mean" else "Loss"
 
 
-def _bare(expr: cst.BaseExpression) -> str:
-    """An expression's code without its outer parentheses: `(args.k)` is `args.k`."""
-    return code(expr.with_changes(lpar=[], rpar=[])) if getattr(expr, "lpar", None) else code(expr)
+def _canonical(expr: cst.BaseExpression) -> str:
+    """An expression as Python reads it, whatever its parentheses, layout or quotes:
+    `(args.k)` is `args.k`, and `cfg['k']` spread over three lines is `cfg["k"]`."""
+    try:
+        return ast.dump(ast.parse(code(expr).strip(), mode="eval"))
+    except SyntaxError:
+        return code(expr)
 
 
 def _is_lightning_module(cls: cst.ClassDef) -> bool:

@@ -96,8 +96,8 @@ class Plan:
     the whole window at once. `owner`: the class whose method holds the statement. `derived`:
     assignments before the statement to evaluate. `stages`: two models chained as encoder and
     decoder. `settings`: the script's option defaults, given to the stubs that stand for its
-    parsed arguments. `counters`: the string items of a free mapping that the statement counts
-    with (they start at 0)."""
+    parsed arguments. `items`: the string items of a free mapping that the statement counts
+    with (they start at 0) or divides by (K)."""
 
     target: ast.stmt
     imports: list[ast.stmt]
@@ -108,7 +108,7 @@ class Plan:
     roles: dict[Chain, str]
     prefetch: dict[Chain, list[str]] = field(default_factory=dict)
     initial: dict[str, object] = field(default_factory=dict)
-    counters: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    items: dict[str, dict[str, str]] = field(default_factory=dict)
     model_kind: str = "causal"
     ignore_index: int | None = None
     data_arity: int = 0
@@ -373,22 +373,27 @@ def _initial_values(
     return {**dict.fromkeys(augmented & set(free), 0), **found}
 
 
-def _counters(target: ast.stmt, free: list[str]) -> dict[str, tuple[str, ...]]:
-    """Free names of mappings whose string items the statement augments: the counters a loop
-    keeps in a dict (lit-gpt's `state["iter_num"] += 1`), by name."""
-    counters = defaultdict(list)
+def _items(target: ast.stmt, free: list[str], divisor_names) -> dict[str, dict[str, str]]:
+    """Free names of mappings whose string items the statement counts with (lit-gpt's
+    `state["iter_num"] += 1`: "counter") or divides by (`cfg["gradient_accumulation_steps"]`:
+    "divisor"), by name, each item's role by key."""
+    items: dict[str, dict[str, str]] = defaultdict(dict)
+    augmented = [n.target for n in ast.walk(target) if isinstance(n, ast.AugAssign)]
     for node in ast.walk(target):
-        item = node.target if isinstance(node, ast.AugAssign) else None
-        if (
-            isinstance(item, ast.Subscript)
-            and isinstance(item.value, ast.Name)
-            and item.value.id in free
-            and isinstance(item.slice, ast.Constant)
-            and isinstance(item.slice.value, str)
-            and item.slice.value not in counters[item.value.id]
+        if not (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in free
+            and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, str)
         ):
-            counters[item.value.id].append(item.slice.value)
-    return {name: tuple(keys) for name, keys in counters.items()}
+            continue
+        roles, key = items[node.value.id], node.slice.value
+        if any(node is item for item in augmented):
+            roles[key] = "counter"
+        elif _is_divisor((key,), divisor_names):
+            roles.setdefault(key, "divisor")
+    return {name: roles for name, roles in items.items() if roles}
 
 
 def _tested_for_none(target: ast.AST) -> set[str]:
@@ -1030,7 +1035,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         roles=roles,
         prefetch=prefetch,
         initial=_initial_values(tree, target, free, settings),
-        counters=_counters(target, free),
+        items=_items(target, free, divisor_names),
         settings=settings,
         rebound=frozenset(rebound),
         model_kind=kind,

@@ -134,11 +134,12 @@ class Objects:
             if name not in self.values and name not in namespace:
                 self.values[name] = value
                 self.bindings[name] = f"{value!r}, as assigned before the statement"
-        for name, keys in plan.counters.items():
+        for name, roles in plan.items.items():
             if name not in self.values and name not in namespace:
-                self.values[name] = Stub(name, items=dict.fromkeys(keys, 0))
-                counted = ", ".join(f"[{key!r}]" for key in keys)
-                self.bindings[name] = f"stub whose counters {counted} start at 0"
+                values = {key: k if role == "divisor" else 0 for key, role in roles.items()}
+                self.values[name] = Stub(name, items=values)
+                held = ", ".join(f"[{key!r}] = {value}" for key, value in values.items())
+                self.bindings[name] = f"stub whose items start as {held}"
         self._derive(namespace)
         params = [p for p in plan.params or [] if p not in plan.optional]
         for name in plan.free + params:
