@@ -878,12 +878,9 @@ class Tracer(_Calls, _Callees, _Counts):
             if imported is not None:
                 return imported
             if "loss" in name:
-                counts = [
-                    n
-                    for e in target.elements
-                    if (n := last_name(e.value)) and COUNT_BESIDE.match(n)
-                ]
-                beside = counts[0] if counts and not SAYS_MEAN.search(name) else ""
+                names = (last_name(e.value) or "" for e in target.elements)
+                counts = (n for n in names if COUNT_BESIDE.match(n))
+                beside = "" if SAYS_MEAN.search(name) else next(counts, "")
                 what = f"`{name}` returned by `{code(value.func)}(...)`, " + (
                     f"beside the count `{beside}`" if beside else "a model's mean loss"
                 )
