@@ -6,6 +6,7 @@ imports, the statement and the module-level helpers it calls) in this process.""
 from __future__ import annotations
 
 import ast
+import atexit
 import builtins
 import contextlib
 import copy
@@ -568,6 +569,9 @@ def _engine_process_stopped() -> None:
     if _apart["pool"] is not None:
         _apart["pool"].terminate()
         _apart["pool"] = None
+
+
+atexit.register(_engine_process_stopped)  # a replay outside `engine_process()` (the API's)
 
 
 def _engine_process() -> None:
