@@ -491,7 +491,7 @@ def test_a_loss_returned_beside_its_count_may_be_a_sum(tmp_path, unpacked, confi
     [
         "cfg[\n            'gradient_accumulation_steps'\n        ]",  # another layout and quotes
         'cfg["gradient_accumulation_steps"]',
-        'cfg["micro_steps"]',  # not the divisor: its key names the accumulation steps
+        'cfg["micro_steps"]',  # another entry: the divisor's own key says it is K
     ],
 )
 def test_a_config_entry_named_for_accumulation_is_the_windows_k(tmp_path, window_size):
