@@ -1039,7 +1039,9 @@ def _needs_patch(target: Target, original: str, patched: bool) -> bool:
 
 def _hinted(verdict: str, options: Options) -> str:
     """A loop that needs a process group says how to give it one."""
-    if not options.distributed and "process group" in verdict:
+    from gaaudit.harness.replay import wants_group
+
+    if not options.distributed and wants_group(verdict):
         return f"{verdict}; replay it with --distributed 2"
     return verdict
 
