@@ -348,6 +348,8 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
     reasons: Counter[str] = Counter()
     outcome: dict[Row, str] = {}  # buggy file -> what fix did
     said: dict[Row, list[str]] = {}  # buggy file -> why its findings were not fixed
+    pin_fixes: dict[str, dict[str, list[str]]] = {}  # repository -> `_pin_fixes`
+    pin_fixed: dict[Row, list[str]] = {}  # buggy file -> the dependency files a safe fix raised
     started = time.perf_counter()
     for row in rows:
         target = tree_of(trees, row.repo) / row.path
@@ -383,11 +385,19 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
                 for line in result.stdout.splitlines()
                 if (found := re.search(r": GA\d+ not fixed: (.*)$", line))
             ]
+            if after == before and not why:  # a pin that names the file's Trainer, if any
+                why = pin_fixes.setdefault(row.repo, _pin_fixes(root)).get(row.path, [])
+                pinned = sorted({w[len(PIN_FIXED) :] for w in why if w.startswith(PIN_FIXED)})
+                if pinned:
+                    pin_fixed[row] = pinned
+                    why = []
             reasons.update(re.sub(r"`[^`]*`", "`...`", reason)[:100] for reason in why)
             said[row] = why
             outcome[row] = (
                 "fixed by a safe fix"
                 if after != before
+                else "fixed by a safe fix of its transformers pin"
+                if row in pin_fixed
                 else "only an unsafe fix (--unsafe-fixes)"
                 if any(reason.startswith("unsafe fix") for reason in why)
                 else "refused, with the reason"
@@ -397,14 +407,17 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
     positives = [row for row in rows if row.positive]
     negatives = [row for row in rows if row.label in NEGATIVE]
     fixed = [row for row in positives if row in changed]
-    print(f"buggy files            {len(positives):>4}: changed by a safe fix {len(fixed)}", end="")
-    print(f" ({ratio(len(fixed), len(positives))}), compiling {sum(changed[r] for r in fixed)}")
+    safe = len(fixed) + len(pin_fixed)
+    print(f"buggy files            {len(positives):>4}: fixed by a safe fix {safe}", end="")
+    print(f" ({ratio(safe, len(positives))}), {len(pin_fixed)} of them by their pin;", end="")
+    print(f" changed files compiling {sum(changed[r] for r in fixed)} of {len(fixed)}")
     for what, count in Counter(outcome.values()).most_common():
         print(f"  {count:>3}  {what}")
         if each:
             for row in sorted((r for r in outcome if outcome[r] == what), key=str):
                 print(f"         {row.repo}/{row.path}  {'; '.join(said[row])[:150]}")
     verdicts = Counter(replayed(trees, row) for row in fixed)
+    verdicts += Counter(_replayed_with_pins(trees, row, pins) for row, pins in pin_fixed.items())
     for verdict, count in verdicts.most_common():
         print(f"  {count:>3}  gaaudit verify: {verdict}")
     wrong = [row for row in negatives if row in changed]
@@ -416,6 +429,55 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
         print(f"  {count:>3}  {reason}")
     print(f"\n{len(rows)} files; wall time {time.perf_counter() - started:.1f}s")
     return 0
+
+
+PIN_FIXED = "its transformers pin: "  # how `_pin_fixes` says a pin got a safe fix
+
+
+def _pin_fixes(root: Path) -> dict[str, list[str]]:
+    """For each file whose Trainer a GA006 pin names (at the default confidence), what
+    `gaaudit fix` says of that pin at the tree's root (`--diff`: nothing is written): the
+    pin's safe fix (`PIN_FIXED`, then where), or why it was not fixed ("unsafe fix (...)"
+    where `--unsafe-fixes` would raise it)."""
+    options = ["--select", "GA006", "--no-cache", "."]
+    checked = subprocess.run(
+        [*GAAUDIT, "check", *options, "--format", "json", "--exit-zero"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    fixed = subprocess.run(
+        [*GAAUDIT, "fix", *options, "--diff"], cwd=root, capture_output=True, text=True, check=False
+    )
+    said = {}
+    for line in fixed.stderr.splitlines():
+        if found := re.match(r"((.*?):\d+:\d+): GA006 (fixed|not fixed): (.*)$", line):
+            applied = found.group(3) == "fixed"
+            said[found.group(1)] = f"{PIN_FIXED}{found.group(2)}" if applied else found.group(4)
+    named: dict[str, list[str]] = defaultdict(list)
+    for finding in json.loads(checked.stdout or '{"findings": []}')["findings"]:
+        where = f"{finding['path']}:{finding['line']}:{finding['column']}"
+        for site in _trainer_sites(finding) if where in said else ():
+            named[os.path.normpath(site)].append(said[where])
+    return named
+
+
+def _replayed_with_pins(trees: Path, row: Row, pins: list[str]) -> str:
+    """What `gaaudit verify` says of a file's loops once the safe fixes of the dependency
+    files `pins` are applied (they are put back afterwards): "verified" where its Trainer,
+    replayed as the release the fixed pin admits trains, matches the full batch."""
+    root = tree_of(trees, row.repo)
+    kept = {root / pin: (root / pin).read_bytes() for pin in pins}
+    try:
+        subprocess.run(
+            [*GAAUDIT, "fix", "--no-cache", *pins], cwd=root, capture_output=True, check=False
+        )
+        verdict, why = _original_verdict(trees, row)
+        return {"matches": "verified", None: f"not replayable: {why}"}.get(verdict, "bug remains")
+    finally:
+        for path, data in kept.items():
+            path.write_bytes(data)
 
 
 def _verify(trees: Path, row: Row) -> subprocess.CompletedProcess:

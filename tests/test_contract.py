@@ -199,9 +199,9 @@ def test_fix_exits_1_while_findings_remain(tmp_path):
     assert gaaudit("fix", ".", "--diff", cwd=root).returncode == 1
 
 
-def test_fix_counts_a_pin_in_a_requirements_file_as_not_fixed(tmp_path):
-    """GA006 on a dependency file: `fix` has no rewrite for a version pin, so it names it as
-    `check` does and exits 1, leaving every file as it was."""
+def test_fix_raises_a_pin_in_a_requirements_file_only_as_an_unsafe_fix(tmp_path):
+    """GA006 on a dependency file: raising the pin is an unsafe fix, so `fix` names it as
+    such and exits 1, leaving every file as it was; `--unsafe-fixes` rewrites the pin alone."""
     script = "\n".join(
         line for line in GA006_BAD.splitlines() if not line.startswith("#")
     )  # the script without its inline metadata: the pin is in requirements.txt
@@ -211,12 +211,19 @@ def test_fix_counts_a_pin_in_a_requirements_file_as_not_fixed(tmp_path):
     ]
     result = gaaudit("fix", ".", "--no-cache", cwd=root)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "requirements.txt:1:1: GA006 not fixed: gaaudit has no rewrite" in result.stdout
+    assert (
+        "requirements.txt:1:1: GA006 not fixed: unsafe fix (`transformers>=4.46.2`" in result.stdout
+    )
     assert "Fixed 0 findings in 0 files; 1 not fixed." in result.stdout
     assert (root / "train.py").read_text() == script
     assert (root / "requirements.txt").read_text() == "transformers==4.45.2\n"
     assert gaaudit("fix", "requirements.txt", "--no-cache", cwd=root).returncode == 1
     assert gaaudit("fix", ".", "--exit-zero", cwd=root).returncode == 0
+    unsafe = gaaudit("fix", ".", "--no-cache", "--unsafe-fixes", cwd=root)
+    assert unsafe.returncode == 0, unsafe.stdout + unsafe.stderr
+    assert "Fixed 1 finding in 1 file (requirements.txt); 0 not fixed." in unsafe.stdout
+    assert (root / "requirements.txt").read_text() == "transformers>=4.46.2\n"
+    assert (root / "train.py").read_text() == script
 
 
 def test_fix_skips_files_the_cache_knows_are_clean(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, ROOT
 
+from gaaudit import catalogue
 from gaaudit.checks.engine import check_file
 from gaaudit.config import Settings
 from gaaudit.findings import Confidence
@@ -380,3 +381,158 @@ def test_a_stock_heads_trainer_built_from_a_dict_gets_the_loss_in_it(tmp_path):
     assert "    args=args,\n    compute_loss_func=window_token_loss,\n)" in text
     assert "Trainer(**trainer_args, train_dataset=rows).train()" in text
     assert clean(text, tmp_path)
+
+
+# GA006: a pin raised (an unsafe fix) ------------------------------------------------------
+
+TRAINS = """\
+from transformers import Trainer, TrainingArguments
+
+args = TrainingArguments(output_dir="out", gradient_accumulation_steps=8)
+Trainer(model=model, args=args).train()
+"""
+
+
+@pytest.mark.parametrize(
+    "name, before, after",
+    [
+        (
+            "requirements.txt",
+            'torch\ntransformers[torch] == 4.30.2 ; python_version >= "3.8"  # pinned\n',
+            'torch\ntransformers[torch] >=4.46.2 ; python_version >= "3.8"  # pinned\n',
+        ),
+        ("requirements.txt", "transformers>=4.30,<4.38\r\n", "transformers>=4.46.2\r\n"),
+        ("requirements.txt", "transformers>=4.48.0,<4.48.1\n", "transformers>=4.48.1\n"),
+        (
+            "setup.py",
+            'setup(install_requires=["peft", "transformers==4.33.0", "torch"])\n',
+            'setup(install_requires=["peft", "transformers>=4.46.2", "torch"])\n',
+        ),
+        (
+            "pyproject.toml",
+            '[project]\ndependencies = [\n    "transformers==4.40.0", "tokenizers==0.19.1",\n]\n',
+            '[project]\ndependencies = [\n    "transformers>=4.46.2", "tokenizers==0.19.1",\n]\n',
+        ),
+        (
+            "pyproject.toml",
+            '[tool.poetry.dependencies]\ntransformers = "~4.45"\n',
+            '[tool.poetry.dependencies]\ntransformers = ">=4.46.2"\n',
+        ),
+        (
+            "pyproject.toml",
+            "[tool.poetry.dependencies]\ntransformers = { version = '4.45.2', extras = ['torch'] }\n",
+            "[tool.poetry.dependencies]\ntransformers = { version = '>=4.46.2', extras = ['torch'] }\n",
+        ),
+        (
+            "setup.cfg",
+            "[options]\ninstall_requires =\n    transformers~=4.40.0\n",
+            "[options]\ninstall_requires =\n    transformers>=4.46.2\n",
+        ),
+        (
+            "environment.yml",
+            "dependencies:\n  - conda-forge::transformers=4.30\n  - pip:\n    - transformers==4.30.2\n",
+            "dependencies:\n  - conda-forge::transformers>=4.46.2\n  - pip:\n    - transformers>=4.46.2\n",
+        ),
+    ],
+)
+def test_a_pin_is_raised_in_its_own_syntax_as_an_unsafe_fix(tmp_path, cli, name, before, after):
+    """`fix --unsafe-fixes` rewrites only the version constraint (name, extras, marker,
+    comment and line ending kept) to the first release with the Trainer's fix; without the
+    option the pin is named as an unsafe fix; the raised pin is no finding, and a second run
+    changes nothing."""
+    (tmp_path / "train.py").write_text(TRAINS)
+    pin = tmp_path / name
+    pin.write_bytes(before.encode())
+    safe = cli("fix", "--no-cache", ".", cwd=tmp_path)
+    assert safe.exit_code == 1 and pin.read_bytes() == before.encode(), safe.output
+    assert "GA006 not fixed: unsafe fix (" in safe.output and "--unsafe-fixes" in safe.output
+    done = cli("fix", "--no-cache", "--unsafe-fixes", ".", cwd=tmp_path)
+    assert pin.read_bytes() == after.encode(), done.output
+    assert done.exit_code == 0 and "GA006" not in cli("check", "--no-cache", ".").output
+    again = cli("fix", "--no-cache", "--unsafe-fixes", ".", cwd=tmp_path)
+    assert again.exit_code == 0 and pin.read_bytes() == after.encode()
+
+
+@pytest.mark.parametrize(
+    "name, before, after",
+    [
+        ("requirements.txt", "transformers==4.48.0  # sft\n", "transformers==4.48.1  # sft\n"),
+        ("setup.py", 'setup(install_requires=["transformers==4.46.1"])\n', None),
+        (
+            "pyproject.toml",
+            '[tool.poetry.dependencies]\ntransformers = "4.47.0"\n',
+            '[tool.poetry.dependencies]\ntransformers = "==4.47.1"\n',
+        ),
+    ],
+)
+def test_an_exact_pin_to_a_release_without_the_fix_gets_its_patch_release_safely(
+    tmp_path, cli, name, before, after
+):
+    """4.46.2, 4.47.1 and 4.48.1 are the patch releases that mended 4.46.0/4.46.1, 4.47.0
+    and 4.48.0: an exact pin to one of those moves to its minor's patch release, a safe fix."""
+    after = after or before.replace("4.46.1", "4.46.2")
+    (tmp_path / "train.py").write_text(TRAINS)
+    pin = tmp_path / name
+    pin.write_text(before)
+    done = cli("fix", "--no-cache", ".", cwd=tmp_path)
+    assert done.exit_code == 0 and pin.read_text() == after, done.output
+    assert "GA006" not in cli("check", "--no-cache", ".").output
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("README.md", "Install: `pip install transformers==4.30.2`\n"),
+        (
+            "requirements.txt",
+            "transformers @ git+https://github.com/huggingface/transformers@0dcb46e7a4a9e5\n",
+        ),
+    ],
+)
+def test_a_readme_or_a_git_commit_is_named_not_rewritten(tmp_path, cli, name, text):
+    (tmp_path / "train.py").write_text(TRAINS)
+    (tmp_path / name).write_text(text)
+    result = cli(
+        "fix", "--no-cache", "--unsafe-fixes", "--min-confidence", "low", ".", cwd=tmp_path
+    )
+    assert (tmp_path / name).read_text() == text
+    assert "GA006 not fixed: a " in result.output, result.output
+    assert "require `transformers>=4.46.2` in its place" in result.output
+
+
+def test_the_pin_is_raised_before_the_trainer_override_it_held_back(tmp_path, cli):
+    """With the pin raised first, one `fix --unsafe-fixes` run also gives the Trainer
+    override the count the newer Trainer passes: a second run changes nothing."""
+    (tmp_path / "requirements.txt").write_text("transformers==4.43.4\n")
+    (tmp_path / "train.py").write_text(TRAINS)
+    script = tmp_path / "trainers.py"
+    script.write_text(PINNED_OVERRIDES)
+    cli("fix", "--no-cache", "--min-confidence", "low", "--unsafe-fixes", ".", cwd=tmp_path)
+    assert (tmp_path / "requirements.txt").read_text() == "transformers>=4.46.2\n"
+    fixed = script.read_text()
+    assert "num_items_in_batch" in fixed
+    cli("fix", "--no-cache", "--min-confidence", "low", "--unsafe-fixes", ".", cwd=tmp_path)
+    assert script.read_text() == fixed
+
+
+def test_a_scripts_inline_metadata_pin_is_raised_as_the_catalogue_shows():
+    """GA006's catalogue example pins transformers in PEP 723 metadata: `--unsafe-fixes`
+    makes it the `good` example, byte for byte; without it the pin is named as unsafe."""
+    rule = catalogue.load()["GA006"]
+    text, outcomes = fix(rule.bad)
+    assert text == textwrap.dedent(rule.good)
+    assert [(code, applied) for _, code, applied, _ in outcomes] == [("GA006", True)]
+    text, outcomes = fix(rule.bad, unsafe=False)
+    assert text == textwrap.dedent(rule.bad)
+    assert outcomes[0][3].startswith("unsafe fix (`transformers>=4.46.2`")
+
+
+def test_verify_holds_a_pin_fix_back(tmp_path, cli):
+    """`fix --verify` applies only what a replay verifies, and a dependency file is not
+    replayed: its pin stays, and the run says why."""
+    (tmp_path / "train.py").write_text(TRAINS)
+    (tmp_path / "requirements.txt").write_text("transformers==4.48.0\n")
+    result = cli("fix", "--no-cache", "--verify", ".", cwd=tmp_path)
+    assert (tmp_path / "requirements.txt").read_text() == "transformers==4.48.0\n"
+    assert "requirements.txt: fixes held back: --verify replays Python files only" in result.output
+    assert result.exit_code == 1

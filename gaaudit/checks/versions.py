@@ -44,7 +44,7 @@ MAX_BYTES = 1 << 20
 # `gradient_accumulation_steps: 8`, `"gradient_accumulation_steps": 8`, `= 8`, `--gradient-accumulation-steps 8`
 SETTING = re.compile(r"""gradient[_-]accumulation[_-]steps["']?\s*(?:[:=]|\s)\s*["']?(\d+)\b""")
 QUOTED = re.compile(r"""(["'])\s*(transformers(?![\w-])[^"']*)\1""", re.IGNORECASE)
-POETRY = re.compile(r"""^(\s*["']?)transformers["']?\s*=\s*(.+?)\s*$""", re.IGNORECASE)
+POETRY = re.compile(r"""^(\s*["']?)transformers["']?\s*=(?!=)\s*(.+?)\s*$""", re.IGNORECASE)
 CONDA = re.compile(r"^(?:[\w-]+::)?transformers\s*(?:=|\s)\s*(\d[\w.*]*)$", re.IGNORECASE)
 # The ref of a git URL of transformers itself: a release tag (`@v4.28.0`) or a commit.
 GIT_REF = re.compile(
@@ -116,9 +116,14 @@ def verdict(specifier: SpecifierSet) -> str | None:
     return "early" if max(admitted) >= Version(EARLY) else "old"
 
 
+def minimum(kind: str) -> str:
+    """The first release that mends a pin of `kind` (`verdict`)."""
+    return "4.48.1" if kind == "regressed" else FIXED
+
+
 def required(kind: str) -> str:
     """The requirement that mends a pin of `kind` (`verdict`)."""
-    return "transformers>=4.48.1" if kind == "regressed" else f"transformers>={FIXED}"
+    return f"transformers>={minimum(kind)}"
 
 
 def _admitted(specifier: SpecifierSet) -> list[Version]:
@@ -182,7 +187,7 @@ def pins(path: Path, text: str) -> list[Pin]:
         return list(_setup_cfg(lines))
     if name.startswith("environment"):
         return list(_environment(lines))
-    if _is_readme(path):
+    if is_readme(path):
         return list(_readme(lines))
     return [
         pin for number, raw in enumerate(lines, 1) if (pin := _requirement_line(number, raw, 0))
@@ -195,7 +200,7 @@ def is_pin_file(path: Path) -> bool:
         return True
     if name.startswith("environment") and path.suffix in (".yml", ".yaml"):
         return True
-    if _is_readme(path):
+    if is_readme(path):
         return True
     text_file = path.suffix == ".txt"
     return text_file and (
@@ -203,7 +208,7 @@ def is_pin_file(path: Path) -> bool:
     )
 
 
-def _is_readme(path: Path) -> bool:
+def is_readme(path: Path) -> bool:
     return path.name.lower().startswith("readme") and path.suffix in (".md", ".rst", ".txt")
 
 
@@ -568,7 +573,7 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
         here.sort(key=lambda a: (a.run_time, a.path not in at_risk))
         shown = display_path(path)
         documented = (
-            "the README names the version, not a dependency file" if _is_readme(path) else ""
+            "the README names the version, not a dependency file" if is_readme(path) else ""
         )
         findings = []
         for pin, kind in found:  # a regressed release over-scales fixed-length blocks too
@@ -587,10 +592,10 @@ def _bad_pins(
     its folder or above names transformers."""
     bad, declared = {}, set()
     pin_files = {p for p in walked if is_pin_file(p)} | {_real(p) for p in files if is_pin_file(p)}
-    for path in sorted(pin_files, key=_is_readme):  # READMEs last: see `declared`
+    for path in sorted(pin_files, key=is_readme):  # READMEs last: see `declared`
         text = _read(path).decode("utf-8", "replace")
         named = pins(path, text)
-        if not _is_readme(path):
+        if not is_readme(path):
             if any(TRANSFORMERS.match(pin.requirement) for pin in named):
                 declared.add(_owner(path))
         elif any(_owner(path).is_relative_to(folder) for folder in declared):
@@ -655,7 +660,7 @@ def governing(path: Path, root: Path) -> tuple[list[tuple[Path, Pin]], list[Path
             found = [
                 (pin_file, p) for p in pins(pin_file, text) if TRANSFORMERS.match(p.requirement)
             ]
-            (readmes if _is_readme(pin_file) else named).extend(found)
+            (readmes if is_readme(pin_file) else named).extend(found)
         if named:
             break
     return named or readmes[:1], read

@@ -65,12 +65,13 @@ def fix(options: FixOptions) -> int:
             warn_nothing_found(paths)
         store = None if options.no_cache else cache_for(options, settings)
         pins = dependency_files(files)  # read by GA006, not as Python
+        # pins first: a Trainer override's rewrite for transformers>=4.46 waits for its pin
+        _fix_pins(pin_reports(files, paths, pins, settings), options, tally)
         for path in (f for f in files if f not in pins):
             known = store.get(path) if store is not None else None
             if known and store.fresh(path, known) and not known.findings and not known.error:
                 continue  # checked clean since it last changed: nothing to fix
             _fix_one(path, settings, options, tally)
-        _pins_left(pin_reports(files, paths, pins, settings), options, tally)
     if not options.quiet:
         verb = "Would fix" if options.diff else "Fixed"
         files = plural(len(tally.changed), "file")
@@ -128,8 +129,14 @@ def _fix_one(path: Path, settings, options: FixOptions, tally: Tally, data: byte
         if data is not None:
             sys.stdout.buffer.write(data)
         return
-    if result is None:
-        return
+    if result is not None:
+        _tell(result, options, tally, data is None)
+
+
+def _tell(result, options: FixOptions, tally: Tally, show_diff: bool = True) -> None:
+    """Count a file's outcomes, say why each finding was not fixed, and show the diff (with
+    --diff, unless the text came on standard input and the diff went to standard output)."""
+    stderr = _to_stderr(options)
     if result.changed:
         tally.changed += [result.path, *(c.path for c in result.companions)]
     for outcome in result.outcomes:
@@ -141,22 +148,34 @@ def _fix_one(path: Path, settings, options: FixOptions, tally: Tally, data: byte
         else:
             tally.skipped += 1
             _say(f"{where} not fixed: {outcome.reason}", stderr)
-    if options.diff and result.changed and data is None:
+    if options.diff and result.changed and show_diff:
         diff = "".join(f.diff() for f in (result, *result.companions))
         sys.stdout.write(_colour_diff(diff) if use_color() else diff)
 
 
-def _pins_left(reports, options: FixOptions, tally: Tally) -> None:
-    """GA006's findings on dependency files (requirements, pyproject.toml, ...): a version
-    pin has no rewrite, so each is left for the user, as `check` reports it."""
-    from gaaudit.fixes.fixer import NO_REWRITE
+def _fix_pins(reports, options: FixOptions, tally: Tally) -> None:
+    """GA006's findings on dependency files (requirements, pyproject.toml, ...): each pin
+    raised to a release with the Trainer's fix (`fixes.pins`; unsafe but for an exact pin's
+    patch release)."""
+    from gaaudit.fixes.codemod import WriteError, write_atomic
+    from gaaudit.fixes.pins import fix_pins
 
     stderr = _to_stderr(options)
     for report in reports:
-        for finding in report.findings:
-            tally.skipped += 1
-            where = f"{report.path}:{finding.location}: {finding.code}"
-            _say(f"{where} not fixed: {NO_REWRITE.format(code=finding.code)}", stderr)
+        path = Path(report.path)
+        try:
+            result = fix_pins(path, report.path, report.findings, options.unsafe_fixes)
+            if options.verify and result.changed:  # as `_held_back` says of any such file
+                _say(f"{result.path}: fixes held back: --verify replays Python files only", stderr)
+                tally.skipped += sum(o.applied for o in result.outcomes)
+                continue
+            if result.changed and not options.diff:
+                write_atomic(path, result.after, result.before)
+        except (OSError, WriteError) as exc:
+            tally.errors += 1
+            _say(f"{report.path}: E999 {exc}", stderr)
+            continue
+        _tell(result, options, tally)
 
 
 def _held_back(path: Path, result) -> str:

@@ -11,6 +11,7 @@ from gaaudit.discover.notebook import rebuild
 from gaaudit.discover.screen import screen
 from gaaudit.discover.source import Source, SourceError, parse, read
 from gaaudit.fixes.codemod import FileFix, apply
+from gaaudit.fixes.pins import fix_script_pins
 
 # Why a GA001-GA003 finding needs no rewrite of its own: a framework fix changed its line.
 COVERED = "by the GA004/GA005 rewrite of the same code"
@@ -61,15 +62,20 @@ def fix_source(
         edits = _merged(edits, planner.edits)
         companions = [_rewritten(p, t, e) for p, (t, e) in planner.companions.items()]
     handled = {(o.site.code, o.line, o.column) for o in outcomes}
+    pinned = [f for f in findings if f.code == "GA006"]  # in the script's inline metadata
     outcomes += [
         Outcome(f, f.span.line, f.span.column, False, NO_REWRITE.format(code=f.code))
         for f in findings
-        if (f.code, f.span.line, f.span.column) not in handled
+        if (f.code, f.span.line, f.span.column) not in handled and f not in pinned
     ]
+    fixed = (
+        _compiled(apply(module, edits, data), shown) if any(o.applied for o in outcomes) else data
+    )
+    if pinned:
+        raised, said = fix_script_pins(text, fixed.decode(module.encoding), pinned, unsafe)
+        fixed = raised.encode(module.encoding)
+        outcomes += said
     outcomes.sort(key=lambda o: (o.line, o.column, o.site.code))
-    if not any(o.applied for o in outcomes):
-        return FileFix(shown, data, data, outcomes)
-    fixed = _compiled(apply(module, edits, data), shown)
     return FileFix(shown, data, fixed, outcomes, [c for c in companions if c.changed])
 
 
