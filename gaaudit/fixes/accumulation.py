@@ -1328,13 +1328,11 @@ class _Window:
         if helper is None:
             return None
         steps = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Call) and is_step(n)]
-        if len(steps) != 1:
+        # one optimizer, stepped once or on each path (`scaler.step(opt)` else `opt.step()`)
+        stepped = {dotted(args[0] if (args := positional(s)) else s.func.value) for s in steps}
+        if len(stepped) != 1 or None in stepped:
             return None
-        args = positional(steps[0])
-        optimizer = args[0] if args else steps[0].func.value
-        root = dotted(optimizer)
-        if root is None:
-            return None
+        root = stepped.pop()
         first, _, rest = root.partition(".")
         names = [p.name.value for p in helper.params.params]
         if first == "self":
