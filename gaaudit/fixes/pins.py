@@ -76,7 +76,7 @@ def fix_pins(path: Path, shown: str, findings: list[Finding], unsafe: bool) -> F
     before = path.read_bytes()
     text = before.decode("utf-8", "surrogateescape")
     written = {(p.line, p.column): p for p in pins(path, text)}
-    found = [(f, None if is_readme(path) else written.get(_at(f))) for f in findings]
+    found = [(f, written.get(_at(f))) for f in findings]
     readme = "a README's advice is not rewritten" if is_readme(path) else ""
     after, outcomes = _raise(text, found, unsafe, readme)
     return FileFix(shown, before, after.encode("utf-8", "surrogateescape"), outcomes)
@@ -96,17 +96,17 @@ def fix_script_pins(
 def _raise(
     text: str, found: list[tuple[Finding, Pin | None]], unsafe: bool, unread: str = ""
 ) -> tuple[str, list[Outcome]]:
-    """`text` with each finding's pin raised (where `unsafe` allows), and the outcomes, at
-    the findings' own positions."""
+    """`text` with each finding's pin raised (where `unsafe` allows; nowhere where `unread`
+    says why not), and the outcomes, at the findings' own positions."""
     lines = text.splitlines(keepends=True)
     outcomes = []
     for finding, pin in sorted(found, key=_right_to_left):
         kind = bad_pin(pin) if pin is not None else None
         constraint, safe = mending(pin, kind) if kind else (f">={minimum('old')}", False)
-        new = raised(pin, constraint) if kind not in (None, "commit") else None
+        new = None if unread or kind in (None, "commit") else raised(pin, constraint)
         if new is None:
             git = pin is not None and "@" in pin.requirement
-            what = unread or ("a git URL names no release" if git else "an unread form of pin")
+            what = unread or ("a git URL is not rewritten" if git else "an unread form of pin")
             why = f"{what}: require `transformers{constraint}` in its place"
             outcomes.append(Outcome(finding, *_at(finding), False, why))
         elif not safe and not unsafe:
