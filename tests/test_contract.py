@@ -215,6 +215,7 @@ def test_fix_raises_a_pin_in_a_requirements_file_only_as_an_unsafe_fix(tmp_path)
         "requirements.txt:1:1: GA006 not fixed: unsafe fix (`transformers>=4.46.2`" in result.stdout
     )
     assert "Fixed 0 findings in 0 files; 1 not fixed." in result.stdout
+    assert "1 hidden fix can be enabled with --unsafe-fixes." in result.stdout
     assert (root / "train.py").read_text() == script
     assert (root / "requirements.txt").read_text() == "transformers==4.45.2\n"
     assert gaaudit("fix", "requirements.txt", "--no-cache", cwd=root).returncode == 1
@@ -222,6 +223,7 @@ def test_fix_raises_a_pin_in_a_requirements_file_only_as_an_unsafe_fix(tmp_path)
     unsafe = gaaudit("fix", ".", "--no-cache", "--unsafe-fixes", cwd=root)
     assert unsafe.returncode == 0, unsafe.stdout + unsafe.stderr
     assert "Fixed 1 finding in 1 file (requirements.txt); 0 not fixed." in unsafe.stdout
+    assert "hidden fix" not in unsafe.stdout
     assert (root / "requirements.txt").read_text() == "transformers>=4.46.2\n"
     assert (root / "train.py").read_text() == script
 

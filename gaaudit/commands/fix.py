@@ -41,6 +41,7 @@ class Tally:
 
     applied: int = 0
     skipped: int = 0
+    hidden: int = 0  # of those skipped, the unsafe fixes `--unsafe-fixes` would apply
     errors: int = 0
     changed: list[str] = field(default_factory=list)  # files rewritten (or, with --diff, to be)
 
@@ -81,6 +82,9 @@ def fix(options: FixOptions) -> int:
             f"{tally.skipped} not fixed.",
             _to_stderr(options),
         )
+        if tally.hidden:
+            hidden = plural(tally.hidden, "hidden fix").replace("fixs", "fixes")
+            _say(f"{hidden} can be enabled with --unsafe-fixes.", _to_stderr(options))
     if options.exit_zero:
         return EXIT_CLEAN
     if tally.errors:
@@ -147,6 +151,7 @@ def _tell(result, options: FixOptions, tally: Tally, show_diff: bool = True) -> 
                 _say(f"{where} fixed: {outcome.reason}", stderr)
         else:
             tally.skipped += 1
+            tally.hidden += outcome.reason.startswith("unsafe fix")
             _say(f"{where} not fixed: {outcome.reason}", stderr)
     if options.diff and result.changed and show_diff:
         diff = "".join(f.diff() for f in (result, *result.companions))
