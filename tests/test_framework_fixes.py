@@ -383,7 +383,7 @@ def test_a_stock_heads_trainer_built_from_a_dict_gets_the_loss_in_it(tmp_path):
     assert clean(text, tmp_path)
 
 
-# GA006: a pin raised (an unsafe fix) ------------------------------------------------------
+# GA006: a pin raised (safe to a patch release, else unsafe) --------------------------------
 
 TRAINS = """\
 from transformers import Trainer, TrainingArguments
