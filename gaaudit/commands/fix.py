@@ -83,7 +83,7 @@ def fix(options: FixOptions) -> int:
             _to_stderr(options),
         )
         if tally.hidden:
-            hidden = plural(tally.hidden, "hidden fix").replace("fixs", "fixes")
+            hidden = plural(tally.hidden, "hidden fix", "hidden fixes")
             _say(f"{hidden} can be enabled with --unsafe-fixes.", _to_stderr(options))
     if options.exit_zero:
         return EXIT_CLEAN
@@ -170,8 +170,9 @@ def _fix_pins(reports, options: FixOptions, tally: Tally) -> None:
         path = Path(report.path)
         try:
             result = fix_pins(path, report.path, report.findings, options.unsafe_fixes)
-            if options.verify and result.changed:  # as `_held_back` says of any such file
-                _say(f"{result.path}: fixes held back: --verify replays Python files only", stderr)
+            held = options.verify and result.changed and _held_back(path, result)
+            if held:
+                _say(f"{result.path}: fixes held back: {held}", stderr)
                 tally.skipped += sum(o.applied for o in result.outcomes)
                 continue
             if result.changed and not options.diff:

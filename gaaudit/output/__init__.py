@@ -67,8 +67,9 @@ def write(fmt: str, run: CheckRun, out: TextIO) -> None:
     import_module(f"{__name__}.{fmt}").write(run, out)
 
 
-def plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+def plural(n: int, noun: str, nouns: str = "") -> str:
+    """`1 file`, `2 files`; `nouns` where the plural is not `noun` + s."""
+    return f"{n} {noun}" if n == 1 else f"{n} {nouns or noun + 's'}"
 
 
 def source_lines(path: str) -> list[str]:
