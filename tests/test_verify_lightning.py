@@ -72,6 +72,27 @@ def module():
 """
 
 
+# a module whose layers are its own, made from an argument: nothing the harness stands in for
+OWN_LAYERS = """\
+import lightning as L
+import torch
+
+
+class LitNet(L.LightningModule):
+    def __init__(self, width):
+        super().__init__()
+        self.layer = torch.nn.Linear(width, 2)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+"""
 FIXED_LENGTH = "\nblock_size = 24  # the data are packed blocks of this many tokens\n"
 FIT = "\n\ndef main():\n    trainer = L.Trainer(accumulate_grad_batches=4)\n    trainer.fit(LitLM())\n"
 FIT_PRECISION = FIT.replace("main():", "main(precision):").replace(
@@ -95,6 +116,7 @@ PROJECTS = {
     "fixed_length": ("lit.py", {"lit.py": lit(extra=FIXED_LENGTH)}),
     "flagged_fixed_length": ("lit.py", {"lit.py": lit(extra=FIXED_LENGTH, after=FIT)}),
     "arguments": ("lit.py", {"lit.py": lit(parameters=", lr")}),
+    "own_layers": ("lit.py", {"lit.py": OWN_LAYERS}),
     "fitted": ("lit.py", {"lit.py": lit(after=FIT)}),
     "fitted_with_hook": ("lit.py", {"lit.py": lit(after=HOOK + FIT)}),
     "fitted_precision_at_run_time": ("lit.py", {"lit.py": lit(after=FIT_PRECISION)}),
@@ -169,12 +191,23 @@ def test_the_fixed_module_divides_once_per_window_and_matches_the_full_batch(rep
     assert all(row["patched_error"] < 1e-5 for row in loop["rows"]), loop
 
 
-def test_a_module_that_needs_arguments_asks_for_the_model_factory(replayed):
+def test_a_module_that_needs_arguments_stands_in_without_its_init(replayed):
+    """`LitLM(lr)`: made without its __init__, the tiny model at `self.model`, which its
+    training_step calls; its mean loss divided by Lightning shows the bug."""
     loop = replayed["arguments"]
+    assert loop["verdict"] == "bug reproduced", loop
+    assert [row["original_verdict"] for row in loop["rows"]] == ["bug reproduced"] * 2, loop
+    assert all(row["original_error"] > 1e-3 for row in loop["rows"]), loop
+
+
+def test_a_module_whose_layers_are_its_own_asks_for_the_model_factory(replayed):
+    loop = replayed["own_layers"]
     assert loop["verdict"].startswith("not replayable: "), loop
     for row in loop["rows"]:
-        assert row["verdict"].startswith("not replayable: TypeError: `LitLM()` cannot be built")
-        assert "pass your module with --model-factory" in row["verdict"]
+        assert row["verdict"].startswith("not replayable: TypeError: `LitNet` made without its")
+        assert "holds no model" in row["verdict"], row
+        assert "`LitNet()` cannot be built here (TypeError: " in row["verdict"], row
+        assert row["verdict"].endswith("pass your module with --model-factory"), row
 
 
 def test_a_framework_trainer_is_replayed_in_one_process(tmp_path):

@@ -873,6 +873,8 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             if job.get("progress"):
                 _progress(f"training {job['filename']}:{target.line} with {trains}")
             outcome.rows = [row(job, target, options, k, patched) for k in options.ks]
+            if any(r.pop("equal_sizes", False) for r in outcome.rows):
+                outcome.equal_sizes = target.equal_sizes or LAST_BATCH_LEFT_OUT
             outcomes.append(asdict(outcome))
             continue
         if _one_target_per_sample(job["original"], target):  # GA-GUIDE section 3

@@ -93,7 +93,9 @@ class Plan:
     turns, divisor, divisor-call, micro-size, width, accelerator, fabric, booster, scaler,
     device).
     `splits_batch`: the loop cuts each loader batch into micro-batches itself, so it is served
-    the whole window at once. `owner`: the class whose method holds the statement. `derived`:
+    the whole window at once. `owner`: the class whose method holds the statement;
+    `lightning`: it is a LightningModule whose instance the harness builds for a Lightning
+    Trainer (the instance has no role; `self(...)` runs its `forward`). `derived`:
     assignments before the statement to evaluate. `stages`: two models chained as encoder and
     decoder. `settings`: the script's option defaults, given to the stubs that stand for its
     parsed arguments. `items`: the string items of a free mapping that the statement counts
@@ -122,6 +124,7 @@ class Plan:
     splits_batch: bool = False
     label_smoothing: float = 0.0
     owner: Owner | None = None
+    lightning: bool = False
     derived: list[Derived] = field(default_factory=list)
     stages: tuple[Chain, Chain] | None = None
     settings: dict[str, object] = field(default_factory=dict)  # argparse defaults, by dest
@@ -678,6 +681,15 @@ def _tensor_batch(target: ast.stmt, usage: _Usage, models: list[Chain], data: li
         for node in ast.walk(target)
     ):
         return False  # `batch[0]`, `batch["input_ids"]`: a tuple or a dict
+    if any(  # `self({"input_ids": batch, "labels": batch})`: the inputs of a model
+        isinstance(node, ast.Dict)
+        and any(
+            isinstance(key, ast.Constant) and key.value == "input_ids" and tensor(value) in names
+            for key, value in zip(node.keys, node.values)
+        )
+        for node in ast.walk(target)
+    ):
+        return True
     return any(
         tensor(value) in names
         for model in models
@@ -926,8 +938,15 @@ def _local_defs(tree: ast.Module, target: ast.stmt) -> dict[str, ast.FunctionDef
     return found
 
 
-def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = None) -> Plan:
-    """Plan the replay of the loop or function at `line` of `source`."""
+def analyse(
+    source: str,
+    line: int,
+    divisor_names=(),
+    model_kind: str | None = None,
+    lightning: bool = False,
+) -> Plan:
+    """Plan the replay of the loop or function at `line` of `source`; with `lightning`, of a
+    method of a LightningModule that a Lightning Trainer runs (see Plan)."""
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
@@ -954,13 +973,18 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         }
     owner = enclosing_owner(tree, target)
     base = framework_base(tree, owner) if owner else None
-    if base:
+    if base and not lightning:
         raise NotReplayable(
             f"the statement is in a method of `{owner.node.name}`, a subclass of `{base[0]}` from "
             f"{base[1]}: the loss, the accumulation and the optimizer step run inside {base[1]}, "
             "which statement replay does not reproduce"
         )
     usage, helpers = _Usage(), []
+    if lightning and params and len(params) > 1:
+        # `training_step(self, batch, ...)`: the Trainer hands it each batch, as a loop's
+        # `for batch in loader` does
+        usage.evidence[(params[1],)].add("iterated")
+        usage.items[(params[1],)] = params[1]
 
     def gather(pending: list[ast.stmt]) -> None:
         """Add the module-level functions the pending code reads, and what they read."""
@@ -980,7 +1004,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
                 free.extend(n for n in inner.free if n not in free)
 
     gather([target])
-    methods = methods_called(owner, [target, *helpers]) if owner else []
+    methods = methods_called(owner, [target, *helpers], calls_itself=lightning) if owner else []
     for method in methods:
         inner = FreeNames()
         inner.visit(method)
@@ -992,6 +1016,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
     usage.add([d.statement for d in derived])
     own = (
         {(owner.instance, m.name) for m in owner.node.body if isinstance(m, ast.FunctionDef)}
+        | ({(owner.instance,)} if lightning else set())
         if owner
         else set()
     )
@@ -1054,6 +1079,7 @@ def analyse(source: str, line: int, divisor_names=(), model_kind: str | None = N
         splits_batch=_splits_batch(target, data),
         label_smoothing=_smoothing(source),
         owner=owner,
+        lightning=lightning,
         derived=derived,
         stages=stages,
     )

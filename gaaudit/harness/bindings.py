@@ -69,6 +69,14 @@ class Objects:
         }
         if plan.owner is not None:
             self._instance(namespace)
+        if plan.lightning:  # what Lightning sets itself (`self.trainer.accumulate_grad_batches`)
+            base = lightning_base(type(self.values[plan.owner.instance]))
+            instance = plan.owner.instance
+            roles = {
+                c: r
+                for c, r in roles.items()
+                if not (len(c) > 1 and c[0] == instance and hasattr(base, c[1]))
+            }
         steps = k if plan.uses_accumulate else 1
         self.accelerator, self.optimizer, text = _accelerator(roles, optimizer, device, steps)
         fabric = Fabric(
@@ -81,7 +89,7 @@ class Objects:
             self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
         samples = sum(_samples(b) for b in batches)
         self.user = factory.current_data() is not None  # batches of the user's own, as they are
-        items = _items(plan, batches, self.user, ignore_index)
+        items = served(plan, batches, self.user, ignore_index)
         if plan.data_tensor and isinstance(model, TinyTokenModel):  # lit-gpt: rows of
             # `block_size + 1` tokens, cut into inputs `[:, :block_size]` and targets `[:, 1:]`
             model.config.block_size = items[0].shape[1] - 1  # a window's rows share a width
@@ -182,18 +190,26 @@ class Objects:
                 namespace[exc.name] = Stub(exc.name)
         cls = namespace[owner.node.name]
         module = issubclass(cls, torch.nn.Module)
-        if module and any(  # `self(**batch)`: the instance is the model
-            isinstance(n, ast.Call) and chain_of(n.func) == (owner.instance,)
-            for n in ast.walk(self.plan.target)
+        if (
+            module
+            and not self.plan.lightning
+            and any(  # `self(**batch)`: the instance is the model
+                isinstance(n, ast.Call) and chain_of(n.func) == (owner.instance,)
+                for n in ast.walk(self.plan.target)
+            )
         ):
             raise TypeError(
                 f"the loop is a method of the torch module `{cls.__name__}`; the "
                 f"harness cannot bind its own model to `{owner.instance}`"
             )
         getter = _module_stub_attribute if module else _stub_attribute
+        if self.plan.lightning:  # stubs only where the class reads them: Lightning probes
+            getter = _read_only(getter, _read_attributes(owner))  # hooks by getattr
         stand_in = type(cls.__name__, (cls,), {"__getattr__": getter})
         instance = object.__new__(stand_in)
-        if module:  # a trainer that is a torch module only to hold its parts: `self.model`
+        if self.plan.lightning:  # the LightningModule's own set-up, not the user's
+            lightning_base(cls).__init__(instance)
+        elif module:  # a trainer that is a torch module only to hold its parts: `self.model`
             torch.nn.Module.__init__(instance)
         self.values[owner.instance] = instance
         self.bindings[owner.instance] = (
@@ -314,12 +330,40 @@ def _samples(batch) -> int:
     return next((_samples(v) for v in nested), 1)
 
 
+def lightning_base(cls: type) -> type:
+    """The LightningModule class that `cls` subclasses."""
+    return next(c for c in cls.__mro__ if c.__name__ == "LightningModule")
+
+
 def _stub_attribute(self, name: str):
     if name.startswith("__"):
         raise AttributeError(name)
     value = world_size(name) or Stub(f"{type(self).__name__}.{name}")
     object.__setattr__(self, name, value)
     return value
+
+
+def _read_attributes(owner) -> set[str]:
+    """The attributes of its instance that the owner class's methods read (`self.tokenizer`)."""
+    return {
+        node.attr
+        for node in ast.walk(owner.node)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == owner.instance
+        and isinstance(node.ctx, ast.Load)
+    }
+
+
+def _read_only(getter, names: set[str]):
+    """`getter` for `names` only; other attributes are missing, as without the stand-in."""
+
+    def get(self, name: str):
+        if name not in names:
+            return torch.nn.Module.__getattr__(self, name)
+        return getter(self, name)
+
+    return get
 
 
 def _module_stub_attribute(self, name: str):
@@ -391,7 +435,7 @@ def _deepspeed(model, optimizer, k: int, device):
     return engine
 
 
-def _items(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
+def served(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
     """What the loop's data yields: the user's batches as they are, tuples by position
     (`batch[3]` read as `labels`), `(input_ids, labels)` pairs, or dict `Batch`es; one
     merged batch for a loop that cuts it into micro-batches."""

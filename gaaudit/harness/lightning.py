@@ -3,17 +3,25 @@ with `accumulate_grad_batches` = K for one optimizer step, and by another over t
 micro-batches as one batch (K = 1); the gradients when each optimizer is about to step are
 compared. The module is the one `--model-factory` returns, else the class built with no
 arguments; the micro-batches are `--data-factory`'s, else the harness's prompt-masked rows of
-varied length (of one length for data of fixed-length blocks), as a collated dict each."""
+varied length (of one length for data of fixed-length blocks), as a collated dict each.
+
+A class whose constructor needs arguments stands in, as the class of a statement replay's loop
+does (harness.bindings): made without its `__init__`, its methods the user's, the tiny model at
+the attributes `training_step` calls as a model, the harness's data shaped as `training_step`
+reads it, and the harness's optimizer (the gradient at the step does not depend on it)."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import logging
 import tempfile
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader
 
+from gaaudit.harness.bindings import lightning_base
 from gaaudit.harness.factory import concatenate, current, current_data
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
 from gaaudit.harness.trainer import (
@@ -34,8 +42,7 @@ def _framework(cls: type):
     `pytorch_lightning`): its Trainer and Callback are the ones that run the module."""
     import importlib
 
-    base = next(c for c in cls.__mro__ if c.__name__ == "LightningModule")
-    return importlib.import_module(base.__module__.rsplit(".core", 1)[0])
+    return importlib.import_module(lightning_base(cls).__module__.rsplit(".core", 1)[0])
 
 
 def _callback(lightning):
@@ -58,19 +65,22 @@ def _callback(lightning):
     return GradientsAtStep()
 
 
-def _module(cls: type):
-    """A fresh module under one seed: the user's factory's, else `cls()`."""
-    torch.manual_seed(0)
+def _built(cls: type) -> tuple[Callable | None, str]:
+    """What builds a fresh module under one seed: the user's factory, else `cls` when it
+    builds with no arguments; else None, and why not."""
     user = current()
-    if user is not None:
-        return user.build()
-    try:
-        return cls()
-    except Exception as exc:  # noqa: BLE001 - the user's constructor: say what would do
-        raise TypeError(
-            f"`{cls.__name__}()` cannot be built here ({type(exc).__name__}: {exc}): pass your "
-            "module with --model-factory"
-        ) from None
+    make = user.build if user is not None else cls
+
+    def build():
+        torch.manual_seed(0)
+        return make()
+
+    if user is None:
+        try:
+            build()
+        except Exception as exc:  # noqa: BLE001 - the user's constructor: a stand-in instead
+            return None, f"{type(exc).__name__}: {exc}"
+    return build, ""
 
 
 def _micro_batches(k: int, seed: int, fixed: bool) -> list:
@@ -82,14 +92,83 @@ def _micro_batches(k: int, seed: int, fixed: bool) -> list:
     return [collate(rows[i * MICRO : (i + 1) * MICRO], width) for i in range(k)]
 
 
-def _step(cls: type, batches: list, k: int, device) -> list[torch.Tensor]:
+def _stand_in(source: str, filename: str, name: str, k: int, seed: int, fixed: bool):
+    """A builder of the class made without its `__init__` (see the module's docstring), its
+    micro-batches, their full batch, and whether they are of one size because the tiny model
+    has one target per sample (where sizes alone vary the count, as verify replays a loop)."""
+    from gaaudit.harness.analysis import NotReplayable, analyse
+    from gaaudit.harness.bindings import Objects, served
+    from gaaudit.harness.data import make_window
+    from gaaudit.harness.models import build_model
+    from gaaudit.harness.nets import SIZED_KINDS
+    from gaaudit.harness.replay import module_namespace
+    from gaaudit.harness.stubs import Stub
+
+    try:
+        plan = analyse(source, _training_step(source, name), lightning=True)
+    except NotReplayable as exc:
+        raise TypeError(str(exc)) from None
+    sized = plan.model_kind in SIZED_KINDS
+    window = make_window(
+        plan.model_kind, k, MICRO, seed, packed=fixed or sized, ignore_index=plan.ignore_index
+    )
+
+    def build():
+        torch.manual_seed(seed)
+        model = build_model(plan.model_kind, seed, window.ignore_index, plan.returns)
+        objects = Objects(
+            plan,
+            window.micro,
+            k,
+            model,
+            torch.optim.SGD(model.parameters()),
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            ignore_index=window.ignore_index,
+            namespace=module_namespace(plan, filename),
+            bindings={},
+            filename=filename,
+        )
+        module = objects.values[plan.owner.instance]
+        if next(module.parameters(), None) is None:
+            raise TypeError(
+                f"`{name}` made without its __init__ holds no model: the harness stands in for a "
+                "model that training_step calls as an attribute (`self.model(...)`), not for "
+                "layers of the module itself"
+            )
+        module._hparams = Stub(f"{plan.owner.instance}.hparams")
+        module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=1e-3)
+        module.log = module.log_dict = _unlogged  # its metrics may be stubs
+        return module
+
+    micro, full = (
+        served(plan, b, False, window.ignore_index) for b in (window.micro, [window.full])
+    )
+    return build, micro, full, sized
+
+
+def _unlogged(*args, **kwargs) -> None:
+    """A stand-in's `self.log`: what it logs does not change the gradient."""
+
+
+def _training_step(source: str, name: str) -> int:
+    """The line of class `name`'s `training_step`."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            for method in node.body:
+                if isinstance(method, ast.FunctionDef) and method.name == "training_step":
+                    return method.lineno
+    raise TypeError(f"`{name}` defines no `training_step` of its own")
+
+
+def _step(build: Callable, batches: list, k: int, device) -> list[torch.Tensor]:
     """The gradient when a Lightning Trainer accumulating `k` batches first steps."""
-    lightning = _framework(cls)
-    module = _module(cls)
+    module = build()
+    lightning = _framework(type(module))
     if not module.automatic_optimization:
         raise TypeError(
-            f"`{cls.__name__}` optimises manually (automatic_optimization = False): its window "
-            "is its own loop's, which the Lightning replay does not read"
+            f"`{type(module).__name__}` optimises manually (automatic_optimization = False): its "
+            "window is its own loop's, which the Lightning replay does not read"
         )
     capture = _callback(lightning)
     with tempfile.TemporaryDirectory() as directory:
@@ -115,17 +194,31 @@ def _step(cls: type, batches: list, k: int, device) -> list[torch.Tensor]:
 
 def compare(source: str, filename: str, name: str, k: int, seed: int, device, fixed: bool) -> dict:
     """The row of one LightningModule class for one K: its error against one full-batch step,
-    with its verdict (`original_verdict`, `verdict`)."""
+    with its verdict (`original_verdict`, `verdict`), and `equal_sizes` where a stand-in
+    replayed micro-batches of one size."""
     row: dict = {"k": k, "original_error": None, "patched_error": None}
+    why = ""
     with quietly(), _quiet():
         try:
             cls = trainer_class(source, filename, name)
-            batches = _micro_batches(k, seed, fixed)
-            want = _step(cls, [concatenate(batches)], 1, device)
-            error = row["original_error"] = relative_error(_step(cls, batches, k, device), want)
+            build, why = _built(cls)
+            if build is None:
+                build, batches, full, row["equal_sizes"] = _stand_in(
+                    source, filename, name, k, seed, fixed
+                )
+            else:
+                batches = _micro_batches(k, seed, fixed)
+                full = [concatenate(batches)]
+            want = _step(build, full, 1, device)
+            error = row["original_error"] = relative_error(_step(build, batches, k, device), want)
             row["original_verdict"] = judged(error, torch.float32)
         except Exception as exc:  # noqa: BLE001 - the user's module, reported as the reason
             row["original_verdict"] = failed(exc)
+            if why:  # the stand-in failed: say what the user can hand in instead
+                row["original_verdict"] += (
+                    f"; `{name}()` cannot be built here ({why}) and a stand-in made without "
+                    "its __init__ did not replay: pass your module with --model-factory"
+                )
     row["verdict"] = row["original_verdict"]
     return row
 

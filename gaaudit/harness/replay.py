@@ -464,7 +464,7 @@ def _execute(
             model = wrap(model)
         optimizer = RecordingOptimizer(model.parameters(), skip=skip)
         try:
-            namespace = _namespace(plan, filename)
+            namespace = module_namespace(plan, filename)
             objects = Objects(
                 plan,
                 batches,
@@ -595,7 +595,7 @@ def _engine_replay(model, data, args: tuple) -> Replay:
     return result
 
 
-def _namespace(plan: Plan, filename: str) -> dict:
+def module_namespace(plan: Plan, filename: str) -> dict:
     """Module globals: `range` that tolerates stub limits, `open` that tolerates stub paths,
     the source's imports (stubs for those that fail, but a batch mover such as `to_device`,
     which moves the batch; trackers and tqdm replaced), then the module-level helpers the

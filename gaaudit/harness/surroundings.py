@@ -110,25 +110,29 @@ def framework_base(tree: ast.Module, owner: Owner) -> tuple[str, str] | None:
     return None
 
 
-def methods_called(owner: Owner, nodes: list[ast.AST]) -> list[ast.FunctionDef]:
+def methods_called(
+    owner: Owner, nodes: list[ast.AST], calls_itself: bool = False
+) -> list[ast.FunctionDef]:
     """The owner's methods that `nodes` call on the instance (`self._forward(batch)`), and
-    those they call in turn."""
+    those they call in turn; with `calls_itself`, `self(...)` calls its `forward`."""
     methods = {m.name: m for m in owner.node.body if isinstance(m, ast.FunctionDef)}
     found: list[ast.FunctionDef] = []
     pending = list(nodes)
     while pending:
         node = pending.pop()
         for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
-            func = call.func
+            func, name = call.func, None
             if (
                 isinstance(func, ast.Attribute)
                 and isinstance(func.value, ast.Name)
                 and func.value.id == owner.instance
-                and func.attr in methods
-                and methods[func.attr] not in found
             ):
-                found.append(methods[func.attr])
-                pending.append(methods[func.attr])
+                name = func.attr
+            elif calls_itself and isinstance(func, ast.Name) and func.id == owner.instance:
+                name = "forward"
+            if name in methods and methods[name] not in found:
+                found.append(methods[name])
+                pending.append(methods[name])
     return found
 
 
