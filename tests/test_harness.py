@@ -304,6 +304,52 @@ def test_a_batch_the_model_is_called_on_is_served_as_token_ids(change, tensor):
     assert analyse(source, line_of(source, "for step")).data_tensor is tensor
 
 
+ONE_TENSOR = """\
+def train(model, loader, optimizer, k):
+    for step, (tokens,) in enumerate(loader):
+        logits, loss = model(tokens[:, :-1], tokens[:, 1:])
+        (loss / k).backward()
+        if (step + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_batch_of_one_tensor_is_served_as_a_one_tuple_of_token_ids():
+    """`(tokens,) = batch` (open_lm's webdataset batches): the one value is the token ids,
+    every position a target here, so mean/K is exact on the window's one width."""
+    from gaaudit.harness.analysis import analyse
+
+    start = line_of(ONE_TENSOR, "for step")
+    assert analyse(ONE_TENSOR, start).data_keys == ("input_ids",)
+    result = check(ONE_TENSOR, start, k=4, divisor_names=["k"], device="cpu")
+    assert result.verdict == "verified", result.replay.reason
+
+
+LAST_LOSS = """\
+raw_model = model.module if ddp else model
+
+
+def train(model, loader, optimizer, k):
+    for step, (X, Y) in enumerate(loader):
+        logits = model(X, Y)
+        loss = raw_model.last_loss / k
+        loss.backward()
+        if (step + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_loss_kept_on_the_model_is_read_from_the_tiny_model():
+    """llama2.c's `logits = model(X, Y)`, then `loss = raw_model.last_loss` of a module-level
+    `raw_model`: the model read for its loss is the tiny model too, which keeps it there."""
+    start = line_of(LAST_LOSS, "for step")
+    result = check(LAST_LOSS, start, k=4, divisor_names=["k"], device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason
+    assert "tiny" in result.replay.bindings["raw_model"], result.replay.bindings
+
+
 def test_an_auxiliary_loss_the_tiny_model_lacks_reads_as_zero():
     """`out.loss + out.aux_loss` (minimind's mixture of experts): the tiny model has no
     auxiliary loss, so the term is zero and the mean/K bug is measured as in HF_BUGGY."""

@@ -315,6 +315,9 @@ def _read(fd: int) -> bytes:
         # llm.c's loader; two optimizers and their schedulers stepped in a `zip`, and a model
         # called with `return_logits=False`
         ("ga001_exact_token_buffer_views", "viewed as B x T blocks of one token buffer"),
+        # llama2.c's `loss = raw_model.last_loss`: a loss whose origin is not visible, on the
+        # file's blocks
+        ("ga001_exact_llama2c_last_loss", "`memmap`"),
     ],
 )
 def test_a_loop_over_fixed_length_data_is_exact_on_that_data(name, sign):

@@ -208,11 +208,13 @@ def targets(
     )
     evidence = scan(text.removeprefix("\ufeff"))
     domains = Domains(tree, auditor.tracer, evidence, text)
+    # the file's sign of fixed-length blocks, where it shows no padded or masked labels
+    blocks = f"{evidence.blocks[1]}, line {evidence.blocks[0]}" if evidence.blocks else ""
     windows = [
         (site.window, site.backward.call or site.node, site.origin.divisions, True, fixed, stops)
         for site in auditor.sites()
         for domain in [domains.of(site.origin)]
-        for fixed in [domain.sign if domain.varies is False else ""]
+        for fixed in [_fixed_length(domain, blocks)]
         for stops in [_launched_window(auditor.structure, site.backward, site.window)]
     ]
     windows += [
@@ -256,8 +258,6 @@ def targets(
         )
     statements = {line for line, t in found.items() if t.flagged}
     audit = TrainerAudit(tree)
-    # the file's sign of fixed-length blocks, where it shows no padded or masked labels
-    blocks = f"{evidence.blocks[1]}, line {evidence.blocks[0]}" if evidence.blocks else ""
     located = _Locator(tree, lines, patched_lines)
     trainers = _trainer_targets(audit, located, statements)
     setup = _trainer_setup(audit, located, trainers, line, path, original)
@@ -395,6 +395,14 @@ def _patched_setup(patched_lines: list[str], line: int) -> tuple[str, bool]:
         return "", False
     audit = TrainerAudit(tree)
     return _built_with(tree, call, audit)[1], audit.opted_out(audit.given(call))
+
+
+def _fixed_length(domain, blocks: str) -> str:
+    """Why a flagged loop is replayed on rows of one length: its loss's count is fixed, or its
+    loss's origin is not visible and the file shows fixed-length `blocks`; "" where neither."""
+    if domain.varies is False:
+        return domain.sign
+    return blocks if domain.kind == "unknown" else ""
 
 
 def _exact_data(path: Path, original: bytes) -> str:

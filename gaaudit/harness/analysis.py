@@ -461,6 +461,9 @@ class _Usage:
                     self.chains.add(chain)
                 if _keyed(node):
                     self.keys.add(node.slice.value)
+                if isinstance(node, ast.Attribute) and node.attr == "last_loss" and chain:
+                    # llama2.c's `loss = raw_model.last_loss`, kept by the model's forward
+                    self.evidence[chain[:-1]].add("model-method")
                 if isinstance(node, ast.Call):
                     self._call(node, parents)
                 elif isinstance(node, ast.For) and _entered(node):
@@ -623,13 +626,17 @@ class _Usage:
 def _positional_keys(usage: _Usage, data: list[Chain]) -> tuple:
     """The keys of a batch the loop indexes by position into a dict of named inputs (one
     name so indexed, with `input_ids` and `labels` among them), or unpacks into names that say
-    them (`for input_ids, attention_mask, labels in loader`); None where unnamed."""
+    them (`for input_ids, attention_mask, labels in loader`), or into one name, the batch's
+    one tensor of token ids (`(texts,) = batch`); None where unnamed."""
     named = [p for p in usage.positions.values() if {"input_ids", "labels"} <= set(p.values())]
     if len(named) == 1:
         (positions,) = named
         return tuple(positions.get(i) for i in range(max(positions) + 1))
     for chain in data:
-        keys = tuple(BATCH_KEYS.get(name or "") for name in usage.unpacked.get(chain, ()))
+        names = usage.unpacked.get(chain, ())
+        if len(names) == 1:
+            return ("input_ids",)
+        keys = tuple(BATCH_KEYS.get(name or "") for name in names)
         if {"input_ids", "labels"} <= set(keys):
             return keys
     return ()

@@ -49,8 +49,9 @@ def ignore_value(kind: str, ignore_index: int | None = None) -> int:
 
 class TinyGPT(nn.Module):
     """A nanoGPT-style causal LM: `forward(idx, targets=None) -> (logits, loss)`; the loss
-    ignores `ignore_index` (-1 as in nanoGPT); other keywords (`return_logits=False`) are
-    taken and ignored."""
+    ignores `ignore_index` (-1 as in nanoGPT) and is also kept as `last_loss` (llama2.c's
+    `loss = raw_model.last_loss`); other keywords (`return_logits=False`) are taken and
+    ignored."""
 
     def __init__(self, width: int = 64, ignore_index: int = -1):
         super().__init__()
@@ -77,7 +78,7 @@ class TinyGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits[:, [-1], :], None
-        loss = F.cross_entropy(
+        loss = self.last_loss = F.cross_entropy(
             logits.flatten(0, 1), targets.flatten(), ignore_index=self.ignore_index
         )
         return logits, loss
