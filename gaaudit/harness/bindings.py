@@ -204,7 +204,7 @@ class Objects:
             )
         getter = _module_stub_attribute if module else _stub_attribute
         if self.plan.lightning:  # stubs only where the class reads them: Lightning probes
-            getter = _read_only(getter, _read_attributes(owner))  # hooks by getattr
+            getter = _stubs_only_for(getter, _read_attributes(owner))  # hooks by getattr
         stand_in = type(cls.__name__, (cls,), {"__getattr__": getter})
         instance = object.__new__(stand_in)
         if self.plan.lightning:  # the LightningModule's own set-up, not the user's
@@ -355,8 +355,9 @@ def _read_attributes(owner) -> set[str]:
     }
 
 
-def _read_only(getter, names: set[str]):
-    """`getter` for `names` only; other attributes are missing, as without the stand-in."""
+def _stubs_only_for(getter, names: set[str]):
+    """A torch module's `getter` for `names` only; other attributes are missing, as without
+    the stand-in."""
 
     def get(self, name: str):
         if name not in names:

@@ -94,8 +94,9 @@ def _micro_batches(k: int, seed: int, fixed: bool) -> list:
 
 def _stand_in(source: str, filename: str, name: str, k: int, seed: int, fixed: bool):
     """A builder of the class made without its `__init__` (see the module's docstring), its
-    micro-batches, their full batch, and whether they are of one size because the tiny model
-    has one target per sample (where sizes alone vary the count, as verify replays a loop)."""
+    micro-batches, their full batch, and whether they are of one size (not of one length
+    already) because the tiny model has one target per sample, where sizes alone vary the
+    count (as verify replays a loop)."""
     from gaaudit.harness.analysis import NotReplayable, analyse
     from gaaudit.harness.bindings import Objects, served
     from gaaudit.harness.data import make_window
@@ -144,7 +145,7 @@ def _stand_in(source: str, filename: str, name: str, k: int, seed: int, fixed: b
     micro, full = (
         served(plan, b, False, window.ignore_index) for b in (window.micro, [window.full])
     )
-    return build, micro, full, sized
+    return build, micro, full, sized and not fixed
 
 
 def _unlogged(*args, **kwargs) -> None:
