@@ -67,7 +67,8 @@ def _callback(lightning):
 
 def _built(cls: type) -> tuple[Callable | None, str]:
     """What builds a fresh module under one seed: the user's factory, else `cls` when it
-    builds with no arguments; else None, and why not."""
+    builds with no arguments (the module that tried it is the first one built); else None,
+    and why not."""
     user = current()
     make = user.build if user is not None else cls
 
@@ -75,12 +76,13 @@ def _built(cls: type) -> tuple[Callable | None, str]:
         torch.manual_seed(0)
         return make()
 
-    if user is None:
-        try:
-            build()
-        except Exception as exc:  # noqa: BLE001 - the user's constructor: a stand-in instead
-            return None, f"{type(exc).__name__}: {exc}"
-    return build, ""
+    if user is not None:
+        return build, ""
+    try:
+        ready = [build()]
+    except Exception as exc:  # noqa: BLE001 - the user's constructor: a stand-in instead
+        return None, f"{type(exc).__name__}: {exc}"
+    return (lambda: ready.pop() if ready else build()), ""
 
 
 def _micro_batches(k: int, seed: int, fixed: bool) -> list:
@@ -137,7 +139,7 @@ def _stand_in(source: str, filename: str, name: str, k: int, seed: int, fixed: b
                 "model that training_step calls as an attribute (`self.model(...)`), not for "
                 "layers of the module itself"
             )
-        module._hparams = Stub(f"{plan.owner.instance}.hparams")
+        module._hparams = Stub(f"{plan.owner.instance}.hparams")  # what `self.hparams` reads
         module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=1e-3)
         module.log = module.log_dict = _unlogged  # its metrics may be stubs
         return module
