@@ -15,7 +15,12 @@ TORCH_SCHEDULES = frozenset({
     "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
     "PipelineScheduleSingle", "PipelineScheduleMulti",
 })
-PIPELINE_CLASSES = TORCH_SCHEDULES | {"PipelineModule"}  # DeepSpeed's takes a loss_fn too
+# Functions that run the training loop around a forward-step function of the file: Megatron's
+# `pretrain` (its schedule divides each micro-batch's loss by their number) and
+# SwissArmyTransformer's `training_main` (DeepSpeed's `engine.backward` divides it by K).
+LOOP_RUNNERS = frozenset({"pretrain", "training_main"})
+# DeepSpeed's PipelineModule takes a loss_fn too
+PIPELINE_CLASSES = TORCH_SCHEDULES | {"PipelineModule"} | LOOP_RUNNERS
 
 TRAINER_MODULES = ("transformers.", "trl.")  # a `...Trainer` qualified under these is one
 

@@ -25,6 +25,7 @@ from gaaudit.analysis.tree import (
     last_name,
     positional,
     string_value,
+    target_names,
     walk,
 )
 from gaaudit.findings import Confidence
@@ -62,6 +63,8 @@ DENSE_MODEL = re.compile(r"(?i)vae|autoencoder|unet|diffusion|discr|gan$|soundst
 # Keywords of a model call that hand it the micro-batch's lengths or masks (`lens=`,
 # `target_mask=`): its loss then covers a varying number of positions.
 LENGTHS = re.compile(r"(?i)(?:^|_)(?:lens?|lengths?|mask)$|^num_\w*tokens$")
+# Megatron's loss mask: ones, but for end-of-document tokens under `--eod-mask-loss`.
+EOD_MASK = "get_ltor_masks_and_position_ids"
 ONES = {"ones", "ones_like"}  # `attention_mask=torch.ones_like(ids)`: a mask that hides nothing
 # A pairwise preference loss: a log-sigmoid of margins, or a loss of the chosen and the
 # rejected answers' log-probabilities (DPO and kin): one element per pair.
@@ -141,6 +144,29 @@ class Domains:
         self.tracer = tracer
         self.evidence = evidence
 
+    def _eod_mask(self, count: cst.BaseExpression) -> bool:
+        """Whether a count (`loss_mask.sum()`) sums a mask that every assignment of the file
+        takes from Megatron's `get_ltor_masks_and_position_ids`, reshapes, or passes on from a
+        function of the file (`get_batch`)."""
+        root = count
+        while isinstance(root, (cst.Call, cst.Attribute, cst.Subscript)):
+            root = root.func if isinstance(root, cst.Call) else root.value
+        if not isinstance(root, cst.Name):
+            return False
+        values = [
+            node.value
+            for node in self.tree.assignments
+            if isinstance(node, cst.Assign)
+            and any(root.value in target_names(t.target) for t in node.targets)
+        ]
+        calls = [v for v in values if isinstance(v, cst.Call)]
+        made = [v for v in calls if last_name(v.func) == EOD_MASK]
+        passed = [v for v in calls if code(v.func) in self.tree.functions]
+        return bool(made) and all(
+            v in made or v in passed or code(v).startswith((f"{root.value}.", f"{root.value}["))
+            for v in values
+        )
+
     def of(self, origin: Origin, returned: bool = False) -> Domain:
         """The domain of a traced loss; `returned`: a model's loss handed back to a framework
         (`compute_loss`), see `model_loss`."""
@@ -178,6 +204,13 @@ class Domains:
             if found is not None:
                 return found
         if MASKED_MEAN in origin.what:
+            if origin.count is not None and self._eod_mask(origin.count):
+                return Domain(
+                    "tokens",
+                    False,
+                    "its mask is Megatron's `get_ltor_masks_and_position_ids` loss mask, all ones "
+                    "over full blocks unless `--eod-mask-loss` hides end-of-document tokens",
+                )
             return Domain("tokens", True, "a mask or count taken per micro-batch")
         if tasks(self.text) == {"classification"}:
             return Domain(

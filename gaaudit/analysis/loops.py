@@ -25,6 +25,7 @@ from gaaudit.discover.modules import Dependency, configured_accumulation, shown
 from gaaudit.vocabulary import (
     ACCUMULATION_NAMES,
     BACKWARDS,
+    LOOP_RUNNERS,
     OPTIMIZER,
     TORCH_SCHEDULES,
     steps_optimizer,
@@ -548,10 +549,45 @@ class _Frameworks:
                         if steps
                         else "gradient_accumulation_steps"
                     )
+                elif last in LOOP_RUNNERS and _runs_loop(home, last):
+                    loss_fn, micro, divides = self._forward_step_loss(call, last), None, True
+                    framework = (
+                        "Megatron's schedule divides each micro-batch's loss by the number of "
+                        "micro-batches"
+                        if last == "pretrain"
+                        else "SwissArmyTransformer hands each micro-batch's loss to DeepSpeed's "
+                        "`engine.backward`, which divides it by gradient_accumulation_steps"
+                    )
                 else:
                     continue
                 if loss_fn is not None and code(loss_fn) != "None":
                     yield Pipeline(call, loss_fn, micro, framework, divides)
+
+    def _forward_step_loss(self, call: cst.Call, runner: str) -> cst.BaseExpression | None:
+        """The loss function of the forward step a loop runner is handed (a function of the
+        file, by keyword or among its arguments): Megatron's forward step returns the output
+        and the loss function (`return output, partial(loss_func, loss_mask)`);
+        SwissArmyTransformer's returns the loss itself (`return loss, {"loss": loss}`)."""
+        given = keyword(call, "forward_step_func") or keyword(call, "forward_step_function")
+        names = [given] if given is not None else [a.value for a in call.args]
+        for name in names:
+            function = self.tree.functions.get(code(name)) if isinstance(name, cst.Name) else None
+            if function is None or len(function.params.params) < 2:
+                continue
+            returned = [
+                node.value
+                for node in self.tree.in_scope(function)
+                if isinstance(node, cst.Return) and isinstance(node.value, cst.Tuple)
+            ]
+            if runner == "training_main":
+                return name if returned else None
+            for value in returned:
+                loss_fn = value.elements[-1].value
+                if isinstance(loss_fn, cst.Call) and last_name(loss_fn.func) == "partial":
+                    loss_fn = _argument(loss_fn, 0)
+                if isinstance(loss_fn, cst.Name):
+                    return loss_fn
+        return None
 
     @cached_property
     def lightning_accumulation(self) -> tuple[cst.BaseExpression, str, bool] | None:
@@ -726,6 +762,14 @@ def _argument(call: cst.Call, index: int) -> cst.BaseExpression | None:
         if arg.star or arg.keyword is not None:
             return None
     return call.args[index].value if index < len(call.args) else None
+
+
+def _runs_loop(home: str, runner: str) -> bool:
+    """`pretrain` of a Megatron `training` module (`megatron.training`, a vendored
+    `codegeex.megatron.training`), `training_main` of SwissArmyTransformer (`sat`)."""
+    if runner == "pretrain":
+        return "megatron" in home.split(".") and "training" in home.split(".")
+    return home.split(".")[0] == "sat"
 
 
 def accumulates(factor: cst.BaseExpression) -> bool:

@@ -135,13 +135,13 @@ def unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
     `max(n, 1)`, `n.float()`."""
     while isinstance(count, cst.Call):
         func, args = count.func, positional(count)
-        if isinstance(func, cst.Attribute) and func.attr.value in GUARDS:
-            count = func.value
-        elif dotted(func) in ("max", "torch.clamp", "torch.clamp_min") and args:
+        if dotted(func) in ("max", "torch.clamp", "torch.clamp_min") and args:
             bounds = [a for a in args if not isinstance(a, (cst.Integer, cst.Float))]
             if len(bounds) != 1:
                 return count
             count = bounds[0]
+        elif isinstance(func, cst.Attribute) and func.attr.value in GUARDS:
+            count = func.value
         else:
             return count
     return count

@@ -18,6 +18,7 @@ from gaaudit.analysis.provenance import Division, Origin, Tracer, argument_for
 from gaaudit.analysis.repository import Imports
 from gaaudit.analysis.tree import Tree, code, depends_on, dotted, keyword, last_name, string_value
 from gaaudit.findings import Confidence, Finding
+from gaaudit.vocabulary import LOOP_RUNNERS
 
 SiteKind = Literal["loss-division", "gradient-division", "no-division", "framework-division"]
 CODES = {
@@ -120,9 +121,17 @@ class _Frameworks:
         for pipeline in self.structure.pipelines():
             window = Window("pipeline", None, pipeline.micro_batches, pipeline.call, ())
             for returned, origin in self.tracer.called(pipeline.loss_fn):
+                tupled = isinstance(returned, cst.Tuple)  # `return loss, {"lm loss": reported}`
+                if tupled:
+                    if len(returned.elements) != 2:  # megatron-core's (sum, count, report)
+                        continue
+                    returned = returned.elements[0].value
+                    origin = self.tracer.origin(returned)
                 if origin.kind == "mean":
                     node = returned if returned is not None else pipeline.loss_fn
                     yield from self._pipeline_site(pipeline, window, node, origin)
+                    if tupled:  # one finding for a loss function's several returns
+                        break
 
     def _pipeline_site(
         self, pipeline: Pipeline, window: Window, node: cst.CSTNode, origin: Origin
@@ -143,8 +152,12 @@ class _Frameworks:
         elif origin.divisions or pipeline.divides is None:
             return
         elif pipeline.divides:
+            runner = last_name(pipeline.call.func)
             message = (
-                "Mean loss returned to a pipeline schedule that divides by the number of "
+                f"Mean loss returned to the training loop of `{runner}(...)`: "
+                f"{pipeline.framework}, so micro-batches with fewer valid tokens are over-weighted"
+                if runner in LOOP_RUNNERS
+                else "Mean loss returned to a pipeline schedule that divides by the number of "
                 f"micro-batches ({pipeline.framework}): micro-batches with fewer valid tokens are "
                 "over-weighted"
             )
@@ -343,6 +356,18 @@ class Auditor(_Frameworks, _Divisors):
                 confidence, why = (
                     Confidence.MEDIUM,
                     f"{why}; DeepSpeed's K is set in a config given at run time and may be 1",
+                )
+            if (
+                site.window.kind == "pipeline"
+                and last_name(site.window.anchor.func) in LOOP_RUNNERS
+                and confidence > Confidence.MEDIUM
+            ):
+                confidence, why = (
+                    Confidence.MEDIUM,
+                    (
+                        f"{why}; K is chosen at run time (the batch sizes or the DeepSpeed "
+                        "config given to the launch) and may be 1"
+                    ),
                 )
             lightning = self.structure.lightning_accumulation
             if (

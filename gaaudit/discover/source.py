@@ -31,6 +31,8 @@ TRIGGERS = (
     b"/// script",
     b"pipelining",
     b"PipelineModule",
+    b"pretrain(",  # Megatron's loop, around a forward step of the file
+    b"training_main(",  # SwissArmyTransformer's
     b"accumulative_counts",  # mmengine's optimizer wrapper
 )
 # Substrings several triggers share: a file without one lacks them all, found in one scan.
