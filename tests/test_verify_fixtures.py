@@ -269,6 +269,23 @@ def test_the_table_says_what_it_measures_and_what_was_not_fixed(tmp_path):
     assert result.stdout.count("the patched loop's first window") == 0
 
 
+@pytest.mark.parametrize(
+    ("name", "runner"),
+    [
+        ("ga003_megatron_pretrain_sft_loss_mask", "`pretrain(...)`'s (line 57)"),
+        ("ga003_sat_training_main_ignore_index", "`training_main(...)`'s (line 53)"),
+    ],
+)
+def test_a_loop_a_framework_runs_is_named_not_run(name, runner):
+    """Megatron's `pretrain` and SwissArmyTransformer's `training_main` run the loop around
+    the file's forward step: verify says so, and runs none of the file's code."""
+    result = gaaudit("verify", str(FIXTURES / f"{name}.py"), "-k", "4", "--format", "json")
+    assert result.returncode == 2, result.stdout + result.stderr
+    (loop,) = json.loads(result.stdout)["loops"]
+    assert loop["flagged"] and loop["rows"][0]["original_error"] is None, loop
+    assert loop["verdict"].startswith(f"not replayable: the loop is {runner}"), loop
+
+
 def test_correct_trainer_subclasses_match_the_full_batch(loops):
     """Trainer subclasses without a finding (issue 18, items 1 and 5) are trained by a real
     Trainer, as they are, and match one full-batch step."""

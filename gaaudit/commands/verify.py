@@ -484,13 +484,24 @@ def _built_with(tree, call: cst.Call, audit) -> tuple[str, str]:
 
 
 def _launched_window(structure, backward, window) -> str:
-    """Why a window that DeepSpeed forms behind accelerate, with K in the configuration given
-    at launch, is not replayed (the loop itself steps every micro-batch); else ""."""
+    """Why a window the file does not write is not replayed: DeepSpeed's, formed behind
+    accelerate with K in the configuration given at launch (the loop itself steps every
+    micro-batch), or the loop of Megatron's `pretrain` or SwissArmyTransformer's
+    `training_main`; else ""."""
+    from gaaudit.analysis.tree import code, last_name
+    from gaaudit.vocabulary import LOOP_RUNNERS
+
     if window.kind == "framework" and structure.accelerate_deepspeed(backward):
         return (
             "the window is DeepSpeed's, set up through accelerate at launch (its K is in the "
             "configuration given there), which the replay does not build; the loop itself "
             "steps every micro-batch"
+        )
+    if window.kind == "pipeline" and last_name(window.anchor.func) in LOOP_RUNNERS:
+        return (
+            f"the loop is `{code(window.anchor.func)}(...)`'s (line "
+            f"{structure.tree.line(window.anchor)}), inside a framework the replay does not "
+            "build: it replays loops the file writes"
         )
     return ""
 
