@@ -180,6 +180,16 @@ def test_window_across_calls_is_refused_with_what_to_do(tmp_path, cli):
     assert (tmp_path / script.name).read_bytes() == script.read_bytes()
 
 
+def test_a_loss_megatron_accumulates_is_refused_with_megatron_cores_switch(tmp_path, cli):
+    script = FIXTURES / "ga003_megatron_pretrain_sft_loss_mask.py"
+    (tmp_path / script.name).write_bytes(script.read_bytes())
+    result = cli("fix", ".", cwd=tmp_path)
+    assert result.exit_code == 1
+    assert f"{script.name}:42:12: GA003 not fixed: Megatron's schedule divides" in result.output
+    assert "`--calculate-per-token-loss`" in result.output
+    assert (tmp_path / script.name).read_bytes() == script.read_bytes()
+
+
 LIGHTNING = textwrap.dedent(
     """\
     import lightning as L

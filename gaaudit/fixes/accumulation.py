@@ -85,6 +85,12 @@ FRAMEWORK_ONLY = {  # why a framework's own division has no mechanical rewrite, 
     "their valid tokens N over the P data-parallel processes, and return `loss_sum * k * P / N` "
     "(see `gaaudit explain GA003`)",
 }
+MEGATRON = (  # Megatron's schedule divides by the micro-batches; megatron-core can count tokens
+    "Megatron's schedule divides the loss by the number of micro-batches; with megatron-core, "
+    "return the micro-batch's loss sum and its valid-token count (`return loss_sum, num_tokens, "
+    "{...}`) and train with `--calculate-per-token-loss`, which divides the window's gradients "
+    "once by the tokens of all its micro-batches (see `gaaudit explain GA003`)"
+)
 ACROSS_CALLS = (
     "the window spans calls of `{function}` (as in Lightning manual optimisation), so its token "
     "count must outlive each call: keep the window's valid-token count on `self` (add each "
@@ -203,6 +209,8 @@ class _Counting:
         """(count expression, caveat) and whether the fix is safe."""
         origin = site.origin
         source = origin.source
+        if site.window.kind == "pipeline" and last_name(site.window.anchor.func) == "pretrain":
+            raise Unfixable(MEGATRON)
         if (
             site.kind == "framework-division"
             and (self._accelerator(site) is None or site.window.kind == "framework")
