@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, clipping_unfixed, devices, expected, gaaudit
 
+from gaaudit.commands.verify import REPRODUCED, VERIFIED
+
 ORIGINALS = sorted(
     p.with_name(p.name.removesuffix(".fixed.py") + ".py") for p in FIXTURES.glob("*.fixed.py")
 )
@@ -269,21 +271,40 @@ def test_the_table_says_what_it_measures_and_what_was_not_fixed(tmp_path):
     assert result.stdout.count("the patched loop's first window") == 0
 
 
-@pytest.mark.parametrize(
-    ("name", "runner"),
-    [
-        ("ga003_megatron_pretrain_sft_loss_mask", "`pretrain(...)`'s (line 57)"),
-        ("ga003_sat_training_main_ignore_index", "`training_main(...)`'s (line 53)"),
-    ],
-)
-def test_a_loop_a_framework_runs_is_named_not_run(name, runner):
-    """Megatron's `pretrain` and SwissArmyTransformer's `training_main` run the loop around
-    the file's forward step: verify says so, and runs none of the file's code."""
-    result = gaaudit("verify", str(FIXTURES / f"{name}.py"), "-k", "4", "--format", "json")
+def test_a_loop_a_framework_runs_is_named_not_run():
+    """SwissArmyTransformer's `training_main` runs the loop around the file's forward step:
+    verify says so, and runs none of the file's code."""
+    script = FIXTURES / "ga003_sat_training_main_ignore_index.py"
+    result = gaaudit("verify", str(script), "-k", "4", "--format", "json")
     assert result.returncode == 2, result.stdout + result.stderr
     (loop,) = json.loads(result.stdout)["loops"]
     assert loop["flagged"] and loop["rows"][0]["original_error"] is None, loop
-    assert loop["verdict"].startswith(f"not replayable: the loop is {runner}"), loop
+    assert loop["verdict"].startswith(
+        "not replayable: the loop is `training_main(...)`'s (line 53)"
+    ), loop
+
+
+@pytest.mark.parametrize(
+    ("name", "verdict", "exit_code"),
+    [
+        # a loss mask of the labels: mean/K over-weights short answers
+        ("ga003_megatron_pretrain_sft_loss_mask", REPRODUCED, 1),
+        # Megatron's end-of-document mask over full blocks: every micro-batch counts alike
+        ("ga003_exact_megatron_pretrain_eod_mask", VERIFIED, 0),
+        # megatron-core's (sum, count) return under --calculate-per-token-loss: no finding
+        ("ok_megatron_core_per_token_loss", VERIFIED, 0),
+    ],
+)
+def test_a_loss_function_megatron_runs_is_replayed_by_its_rule(name, verdict, exit_code):
+    """The loss function Megatron's `pretrain` is handed is replayed by its schedule's rule
+    (each micro-batch's loss over K) on the tiny model's per-token losses (issue 18, item 5)."""
+    result = gaaudit("verify", str(FIXTURES / f"{name}.py"), "-k", "4", "--format", "json")
+    assert result.returncode == exit_code, result.stdout + result.stderr
+    (loop,) = json.loads(result.stdout)["loops"]
+    assert loop["header"].startswith("def loss_func(") and loop["replayed"], loop
+    assert loop["rows"][0]["verdict"].startswith(verdict), loop
+    error = loop["rows"][0]["original_error"]
+    assert error > 0.05 if verdict != VERIFIED else error < 1e-5, loop
 
 
 def test_correct_trainer_subclasses_match_the_full_batch(loops):

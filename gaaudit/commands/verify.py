@@ -74,6 +74,10 @@ class Target:
     stops: str = ""  # why the harness cannot stand for what the statement trains: not replayed
     loss_func: str = ""  # the file's function a Trainer is given as `compute_loss_func`
     lightning: bool = False  # `trainer` names a LightningModule: a Lightning Trainer runs it
+    # `trainer` names the loss function Megatron's `pretrain` is handed, replayed by its rule;
+    # what the forward step binds ahead of the output (`partial(loss_func, loss_mask)`)
+    megatron: bool = False
+    bound: tuple[str, ...] = ()
     # the literal defaults of the options the project adds to a Trainer's arguments
     options: tuple[tuple[str, object], ...] = ()
     head: str = ""  # the harness's stand-in for the transformers head a Trainer is given
@@ -83,6 +87,12 @@ class Target:
     opts_out: tuple[bool, bool] = (False, False)
 
 
+# How a loss function Megatron's `pretrain` is handed is replayed (harness.megatron).
+MEGATRON_RULE = (
+    "replayed by Megatron's rule, not by Megatron: each micro-batch's loss over K, as its "
+    "schedule divides it (a (sum, count) return: the sums over the window's count, as "
+    "--calculate-per-token-loss does)"
+)
 # What a pin's Trainer does, as replayed (`harness.trainer.as_pinned`): the releases before
 # 4.46, or those that regressed.
 BEFORE_FIX = (
@@ -107,6 +117,7 @@ class Outcome:
     pinned: str = ""  # see Target
     pin_kind: str = ""  # see Target
     equal_sizes: str = ""  # see Target, or LAST_BATCH_LEFT_OUT: the samples have one target each
+    replayed: str = ""  # how a framework's loop was replayed, when not by the framework itself
 
     @property
     def verdict(self) -> str:
@@ -210,6 +221,12 @@ def targets(
     domains = Domains(tree, auditor.tracer, evidence, text)
     # the file's sign of fixed-length blocks, where it shows no padded or masked labels
     blocks = f"{evidence.blocks[1]}, line {evidence.blocks[0]}" if evidence.blocks else ""
+    # the fixed-length sign of each loop a framework runs, by its call (`pretrain(...)`)
+    runners = {
+        site.window.anchor: _fixed_length(domains.of(site.origin), blocks)
+        for site in auditor.sites()
+        if site.window.kind == "pipeline"
+    }
     windows = [
         (site.window, site.backward.call or site.node, site.origin.divisions, True, fixed, stops)
         for site in auditor.sites()
@@ -277,6 +294,7 @@ def targets(
             )
             trainers[start] = (changed, end)
     trainers.update(_lightning_targets(located, statements, line, blocks))
+    trainers.update(_megatron_targets(auditor, located, statements, line, runners))
     for start, (target, end) in trainers.items():  # its methods' statements: the Trainer runs them
         found = {line: t for line, t in found.items() if not start <= line <= end}
         found[start] = target
@@ -318,6 +336,44 @@ def _lightning_targets(
         flagged = any(start <= s <= end for s in statements)
         target = Target(
             start, patched, header, (), flagged, cls.name.value, fixed_length=blocks, lightning=True
+        )
+        found[start] = (target, end)
+    return found
+
+
+def _megatron_targets(
+    auditor, located: _Locator, statements: set[int], line: int | None, fixed: dict
+) -> dict[int, tuple[Target, int]]:
+    """The loss functions the file's forward step hands Megatron's `pretrain`, by the line of
+    their `def`, with their last line: replayed by Megatron's rule (harness.megatron). Flagged
+    when a finding lies in the function; on fixed-length rows where its finding says so."""
+    from gaaudit.analysis.tree import code, last_name
+
+    found = {}
+    for pipeline in auditor.structure.pipelines():
+        function = located.tree.functions.get(code(pipeline.loss_fn))
+        if last_name(pipeline.call.func) != "pretrain" or function is None:
+            continue
+        start, end, header, patched = located(function)
+        if line is not None and not start <= line <= end:
+            continue
+        holder = located.tree.parents.get(located.tree.parents.get(pipeline.loss_fn))
+        bound = (
+            tuple(code(arg.value) for arg in holder.args[1:])
+            if isinstance(holder, cst.Call) and last_name(holder.func) == "partial"
+            else ()
+        )
+        flagged = any(start <= s <= end for s in statements)
+        target = Target(
+            start,
+            patched,
+            header,
+            (),
+            flagged,
+            function.name.value,
+            fixed_length=fixed.get(pipeline.call, ""),
+            megatron=True,
+            bound=bound,
         )
         found[start] = (target, end)
     return found
@@ -486,10 +542,8 @@ def _built_with(tree, call: cst.Call, audit) -> tuple[str, str]:
 def _launched_window(structure, backward, window) -> str:
     """Why a window the file does not write is not replayed: DeepSpeed's, formed behind
     accelerate with K in the configuration given at launch (the loop itself steps every
-    micro-batch), or the loop of Megatron's `pretrain` or SwissArmyTransformer's
-    `training_main`; else ""."""
+    micro-batch), or the loop of SwissArmyTransformer's `training_main`; else ""."""
     from gaaudit.analysis.tree import code, last_name
-    from gaaudit.vocabulary import LOOP_RUNNERS
 
     if window.kind == "framework" and structure.accelerate_deepspeed(backward):
         return (
@@ -497,7 +551,7 @@ def _launched_window(structure, backward, window) -> str:
             "configuration given there), which the replay does not build; the loop itself "
             "steps every micro-batch"
         )
-    if window.kind == "pipeline" and last_name(window.anchor.func) in LOOP_RUNNERS:
+    if window.kind == "pipeline" and last_name(window.anchor.func) == "training_main":
         return (
             f"the loop is `{code(window.anchor.func)}(...)`'s (line "
             f"{structure.tree.line(window.anchor)}), inside a framework the replay does not "
@@ -854,6 +908,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                 **raw,
                 "divisors": tuple(raw["divisors"]),
                 "options": tuple(map(tuple, raw["options"])),
+                "bound": tuple(raw["bound"]),
             }
         )
         outcome = Outcome(
@@ -869,7 +924,13 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
         if target.stops and not (target.trainer and options.model_factory):
             refused = target.stops
         elif target.trainer and options.distributed:
-            framework = "a LightningModule" if target.lightning else "a Trainer"
+            framework = (
+                "a LightningModule"
+                if target.lightning
+                else "a Megatron loss function"
+                if target.megatron
+                else "a Trainer"
+            )
             refused = f"{framework} is replayed in one process; leave out --distributed"
         if refused:
             outcome.rows = [
@@ -887,8 +948,11 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             trains, row = (
                 ("a Lightning Trainer", _lightning_row)
                 if target.lightning
+                else ("Megatron's rule", _megatron_row)
+                if target.megatron
                 else ("a real Trainer", _trainer_row)
             )
+            outcome.replayed = MEGATRON_RULE if target.megatron else ""
             if job.get("progress"):
                 _progress(f"training {job['filename']}:{target.line} with {trains}")
             outcome.rows = [row(job, target, options, k, patched) for k in options.ks]
@@ -1020,6 +1084,27 @@ def _trainer_row(job: dict, target: Target, options: Options, k: int, patched: b
     return {**row, "dtype": "float32", "processes": 1}
 
 
+def _megatron_row(job: dict, target: Target, options: Options, k: int, patched: bool) -> dict:
+    """One K of a loss function Megatron's `pretrain` is handed, replayed by Megatron's rule
+    (harness.megatron); `fix` rewrites none, so it is replayed as it is."""
+    from gaaudit.harness import megatron
+    from gaaudit.harness.gradcheck import resolve_device
+
+    row = megatron.compare(
+        job["original"],
+        job["filename"],
+        target.trainer,
+        target.bound,
+        k,
+        options.seed,
+        resolve_device(options.device),
+        bool(target.fixed_length),
+    )
+    if _needs_patch(target, row["original_verdict"], patched):
+        row["verdict"] = f"{row['verdict']}; {NOTHING_FIXED}"
+    return {**row, "dtype": "float32", "processes": 1}
+
+
 def _lightning_row(job: dict, target: Target, options: Options, k: int, patched: bool) -> dict:
     """One K of a LightningModule, trained by a real Lightning Trainer (harness.lightning);
     the patched module too when `gaaudit fix` changed the file."""
@@ -1116,6 +1201,8 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
                 if outcome.pinned:
                     replayed = REGRESSION if outcome.pin_kind == "regressed" else BEFORE_FIX
                     print(f"{'':>5}  {'':>3}  {replayed.format(outcome.pinned)}")
+                if outcome.replayed:
+                    print(f"{'':>5}  {'':>3}  {outcome.replayed}")
                 if outcome.equal_sizes:
                     why = (
                         "an epoch's last, short batch left out, as no loader of the project "

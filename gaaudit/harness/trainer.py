@@ -31,6 +31,7 @@ from transformers import (
 from gaaudit.harness.factory import concatenate, current, current_data, to_device
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
 from gaaudit.harness.models import LABELS, head
+from gaaudit.harness.stubs import Stub
 
 MICRO = 2  # examples per micro-batch
 FIXED = 24  # the length of every example of fixed-length data
@@ -46,12 +47,15 @@ class GradientsAtStep(TrainerCallback):
         self.grads = snapshot(model.parameters())
 
 
-def trainer_class(source: str, filename: str, name: str, loss_func: str = "") -> type:
+def trainer_class(
+    source: str, filename: str, name: str, loss_func: str = "", stand_ins: bool = False
+) -> type:
     """Class (or function) `name` of `source`, defined with the file's imports that this
     environment has and its module-level classes, functions and literal constants; a trainer
     class that cannot be imported (trl's `SFTTrainer`, say) stands for the Trainer, and one
     the file does not define is transformers' class of that name. With `loss_func`, the
-    class is built with that function of the file as its `compute_loss_func`."""
+    class is built with that function of the file as its `compute_loss_func`; with
+    `stand_ins`, the other names of imports that fail are stubs."""
     namespace: dict = {"__name__": "__gaaudit_trainer__"}
     for node in ast.parse(source).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -62,6 +66,8 @@ def trainer_class(source: str, filename: str, name: str, loss_func: str = "") ->
                     bound = alias.asname or alias.name.split(".")[0]
                     if bound.endswith("Trainer"):
                         namespace[bound] = Trainer
+                    elif stand_ins:
+                        namespace[bound] = Stub(bound)
         elif isinstance(node, (ast.ClassDef, ast.FunctionDef)) or _constant(node):
             with contextlib.suppress(Exception):
                 exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
