@@ -314,8 +314,8 @@ def test_verify_offers_only_the_formats_it_writes(tmp_path):
     assert result.returncode == 2 and "sarif" in result.stderr
 
 
-# Options README names but gaaudit does not own: flake8's and pre-commit's.
-FOREIGN_FLAGS = {"--extend-ignore", "--all-files"}
+# Options README names but gaaudit does not own: flake8's, pre-commit's and Megatron's.
+FOREIGN_FLAGS = {"--extend-ignore", "--all-files", "--calculate-per-token-loss", "--eod-mask-loss"}
 
 
 def test_every_option_the_readme_and_docs_name_exists():
