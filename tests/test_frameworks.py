@@ -955,3 +955,26 @@ def test_inline_script_metadata_is_checked_per_file(tmp_path):
     assert found(tmp_path, rule.good) == []
     single_step = rule.bad.replace("gradient_accumulation_steps=8", "gradient_accumulation_steps=1")
     assert found(tmp_path, single_step) == []
+
+
+# Loops a framework runs around the file's forward step -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("iterations", "confidence"), [("0", "low"), ("800", "medium"), (None, "medium")]
+)
+def test_a_run_of_no_training_iterations_is_low(tmp_path, iterations, confidence):
+    """SwissArmyTransformer's `training_main` (and Megatron's `pretrain`) also evaluate: a
+    file that every launch script of the project runs with `--train-iters 0` trains nothing."""
+    if iterations is not None:
+        (tmp_path / "evaluate.sh").write_text(
+            f"deepspeed evaluate_vlm.py --mode finetune --train-iters {iterations} --strict-eval\n"
+        )
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'vlm'\n")
+    source = (FIXTURES / "ga003_sat_training_main_ignore_index.py").read_text()
+    path = tmp_path / "evaluate_vlm.py"
+    path.write_text(source)
+    (finding,) = check_file(path, ALL).findings
+    assert (finding.span.line, finding.code, str(finding.confidence)) == (39, "GA003", confidence)
+    if iterations == "0":
+        assert "evaluate.sh (line 1) runs this file with `--train-iters 0`" in finding.evidence[-1]

@@ -17,6 +17,7 @@ from gaaudit.analysis.loops import Backward, Pipeline, Structure, Window, accumu
 from gaaudit.analysis.provenance import Division, Origin, Tracer, argument_for
 from gaaudit.analysis.repository import Imports
 from gaaudit.analysis.tree import Tree, code, depends_on, dotted, keyword, last_name, string_value
+from gaaudit.discover.modules import evaluation_only, shown
 from gaaudit.findings import Confidence, Finding
 from gaaudit.vocabulary import LOOP_RUNNERS
 
@@ -357,11 +358,22 @@ class Auditor(_Frameworks, _Divisors):
                     Confidence.MEDIUM,
                     f"{why}; DeepSpeed's K is set in a config given at run time and may be 1",
                 )
-            if (
-                site.window.kind == "pipeline"
-                and last_name(site.window.anchor.func) in LOOP_RUNNERS
-                and confidence > Confidence.MEDIUM
-            ):
+            runner = site.window.kind == "pipeline" and (
+                last_name(site.window.anchor.func) in LOOP_RUNNERS
+            )
+            evaluating = runner and evaluation_only(
+                self.structure.directory, self.imports.name, self.structure.seen
+            )
+            if evaluating:
+                script, line = evaluating
+                confidence, why = (
+                    Confidence.LOW,
+                    (
+                        f"the project's launch script {shown(script)} (line {line}) runs this "
+                        "file with `--train-iters 0`: it evaluates and trains nothing"
+                    ),
+                )
+            elif runner and confidence > Confidence.MEDIUM:
                 confidence, why = (
                     Confidence.MEDIUM,
                     (

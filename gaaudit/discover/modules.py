@@ -32,6 +32,8 @@ MAX_LEVELS = 6  # folders climbed at most from a file to its project's configs
 ACCUMULATE = re.compile(rb"(?m)^[ \t]*accumulate_grad_batches[ \t]*:[ \t]*([^\s#]+)")
 # ... and as a launch script hands it to `Trainer.from_argparse_args` (Lightning 1.x).
 ACCUMULATE_FLAG = re.compile(rb"--accumulate_grad_batches(?:[ \t]*=[ \t]*|[ \t]+)['\"]?(\d+)")
+# A Megatron or SwissArmyTransformer run that trains for no iteration: it only evaluates.
+NO_TRAINING = re.compile(rb"--train[-_]iters(?:[ \t]*=[ \t]*|[ \t]+)['\"]?0(?![\w.])")
 
 
 @dataclass(frozen=True, order=True)
@@ -181,6 +183,22 @@ def configured_accumulation(directory: Path, seen: set[Dependency]) -> tuple[Pat
             if value.startswith("${") or (value.isdigit() and int(value) > 1):
                 return path, data.count(b"\n", 0, match.start()) + 1, value
     return None
+
+
+def evaluation_only(directory: Path, name: str, seen: set[Dependency]) -> tuple[Path, int] | None:
+    """The first launch script of the project (`project_scripts`) that runs the file `name`,
+    and the line where it passes `--train-iters 0`, when every script that runs the file does
+    (Megatron's and SwissArmyTransformer's evaluation runs)."""
+    runs = re.compile(rb"(?<![\w-])" + re.escape(name.encode()) + rb"(?![\w.])")
+    found = [
+        (path, data, NO_TRAINING.search(data))
+        for path, data in project_scripts(directory, seen)
+        if name and runs.search(data)
+    ]
+    if not found or not all(match for _, _, match in found):
+        return None
+    path, data, match = found[0]
+    return path, data.count(b"\n", 0, match.start()) + 1
 
 
 def project_scripts(directory: Path, seen: set[Dependency]) -> list[tuple[Path, bytes]]:
