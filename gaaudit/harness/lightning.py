@@ -22,17 +22,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from gaaudit.harness.bindings import lightning_base
-from gaaudit.harness.factory import concatenate, current, current_data
+from gaaudit.harness.factory import concatenate, current
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
-from gaaudit.harness.trainer import (
-    MICRO,
-    collate,
-    examples,
-    failed,
-    quietly,
-    trainer_class,
-    widest,
-)
+from gaaudit.harness.trainer import MICRO, failed, micro_batches, quietly, trainer_class
 
 LOGGERS = ("lightning", "lightning.pytorch", "pytorch_lightning", "lightning.fabric")
 
@@ -83,15 +75,6 @@ def _built(cls: type) -> tuple[Callable | None, str]:
     except Exception as exc:  # noqa: BLE001 - the user's constructor: a stand-in instead
         return None, f"{type(exc).__name__}: {exc}"
     return (lambda: ready.pop() if ready else build()), ""
-
-
-def _micro_batches(k: int, seed: int, fixed: bool) -> list:
-    data = current_data()
-    if data is not None:
-        return data.window(k, seed)
-    rows = examples(k * MICRO, seed, fixed=fixed)
-    width = widest(rows)  # one width: the full batch joins them
-    return [collate(rows[i * MICRO : (i + 1) * MICRO], width) for i in range(k)]
 
 
 def _stand_in(source: str, filename: str, name: str, k: int, seed: int, fixed: bool):
@@ -210,7 +193,7 @@ def compare(source: str, filename: str, name: str, k: int, seed: int, device, fi
                     source, filename, name, k, seed, fixed
                 )
             else:
-                batches = _micro_batches(k, seed, fixed)
+                batches = micro_batches(k, seed, fixed)
                 full = [concatenate(batches)]
             want = _step(build, full, 1, device)
             error = row["original_error"] = relative_error(_step(build, batches, k, device), want)

@@ -16,10 +16,9 @@ import torch.nn.functional as F
 
 from gaaudit.harness.factory import concatenate, to_device
 from gaaudit.harness.gradcheck import deterministic, judged, relative_error, snapshot
-from gaaudit.harness.lightning import _micro_batches
 from gaaudit.harness.models import TinyTokenModel
 from gaaudit.harness.stubs import Stub
-from gaaudit.harness.trainer import failed, quietly, trainer_class
+from gaaudit.harness.trainer import failed, micro_batches, quietly, trainer_class
 
 
 def _losses(model: torch.nn.Module, batch: dict, bound: tuple[str, ...]) -> tuple[list, object]:
@@ -32,9 +31,8 @@ def _losses(model: torch.nn.Module, batch: dict, bound: tuple[str, ...]) -> tupl
         logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100
     ).view(labels.shape)
     mask = (labels != -100).float()
-    return [mask if "mask" in name else torch.zeros((), device=mask.device) for name in bound], (
-        output
-    )
+    zero = torch.zeros((), device=mask.device)
+    return [mask if "mask" in name else zero for name in bound], output
 
 
 def _gradient(loss_func, model, batches: list[dict], bound: tuple[str, ...]) -> list:
@@ -67,7 +65,7 @@ def compare(
             loss_func = trainer_class(source, filename, name, stand_ins=True)
             if "get_args" in loss_func.__globals__:  # set up by `pretrain`, which does not run
                 loss_func.__globals__["get_args"] = Stub("get_args")
-            batches = [to_device(batch, device) for batch in _micro_batches(k, seed, fixed)]
+            batches = [to_device(batch, device) for batch in micro_batches(k, seed, fixed)]
             model = TinyTokenModel().to(device)
             want = _gradient(loss_func, model, [concatenate(batches)], bound)
             error = relative_error(_gradient(loss_func, model, batches, bound), want)

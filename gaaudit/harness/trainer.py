@@ -201,6 +201,17 @@ def examples(
     return rows
 
 
+def micro_batches(k: int, seed: int, fixed: bool) -> list:
+    """One window of `k` collated micro-batches of `MICRO` rows (`examples`), padded to one
+    width so that the full batch joins them; `--data-factory`'s window when one is given."""
+    data = current_data()
+    if data is not None:
+        return data.window(k, seed)
+    rows = examples(k * MICRO, seed, fixed=fixed)
+    width = widest(rows)
+    return [collate(rows[i * MICRO : (i + 1) * MICRO], width) for i in range(k)]
+
+
 def collate(rows: list[dict[str, torch.Tensor]], width: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded to the longest row (or to `width`): pad id 0, attention mask 0, label -100;
     each family of keys alike (`input_ids_chosen`, `attention_mask_chosen`, ...)."""
