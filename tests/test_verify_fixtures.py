@@ -371,3 +371,60 @@ def test_a_loop_over_fixed_length_data_is_exact_on_that_data(name, sign):
     row = next(line.split() for line in result.stdout.splitlines() if line.endswith("verified"))
     patched = (FIXTURES / f"{name}.fixed.py").exists()  # the other is not fixed (two optimizers)
     assert float(row[1]) < 1e-5 and (float(row[2]) < 1e-5 if patched else row[2] == "-"), row
+
+
+MOE_LOSS_FUNC = """\
+from functools import partial
+
+import torch
+from megatron import get_args
+from megatron.training import pretrain
+
+
+def loss_func(loss_mask, moe_loss, output_tensor):
+    args = get_args()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(output_tensor.view(-1) * loss_mask) / loss_mask.sum()
+    if args.mos:
+        return loss + moe_loss, {"lm loss": loss}
+    if max(args.num_experts) <= 1:
+        return loss, {"lm loss": loss}
+    return loss + moe_loss, {"lm loss": loss}
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, loss_mask = next(data_iterator)
+    output_tensor, moe_loss = model(tokens, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask, moe_loss)
+
+
+if __name__ == "__main__":
+    pretrain(None, None, forward_step)
+"""
+
+ARGUMENTS = """\
+def _add_moe_args(parser):
+    group = parser.add_argument_group(title="moe")
+    group.add_argument("--num-experts", type=int, nargs="+", default=[1,])
+    group.add_argument("--mos", action="store_true")
+    return parser
+"""
+
+
+@pytest.mark.parametrize("arguments", [True, False])
+def test_megatrons_arguments_are_the_projects_defaults(tmp_path, arguments):
+    """`get_args()` gives the defaults of the project's `megatron/arguments.py` (a list of
+    experts, flags that `store_true`), so a loss function that reads them replays; without
+    them, `max()` of a stand-in stops the replay and the verdict says so."""
+    (tmp_path / "pretrain_sft.py").write_text(MOE_LOSS_FUNC)
+    if arguments:
+        (tmp_path / "megatron").mkdir()
+        (tmp_path / "megatron" / "arguments.py").write_text(ARGUMENTS)
+    result = gaaudit("verify", "pretrain_sft.py", "-k", "4", "--format", "json", cwd=tmp_path)
+    (loop,) = json.loads(result.stdout)["loops"]
+    verdict = loop["rows"][0]["verdict"]
+    if arguments:
+        assert result.returncode == 1 and verdict.startswith(REPRODUCED), loop
+    else:
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert verdict.startswith("not replayable: ValueError: max()"), loop

@@ -131,10 +131,11 @@ class Plan:
     rebound: frozenset[str] = frozenset()  # imported names assigned again before the statement
 
 
-def _option_defaults(tree: ast.Module) -> dict[str, object]:
+def argument_defaults(tree: ast.Module, every: bool = False) -> dict[str, object]:
     """The file's command-line options with a numeric or boolean literal default
     (`parser.add_argument("--ignore_index", default=-100)`), by destination: the values a
-    user who runs the script without arguments gets."""
+    user who runs the script without arguments gets; `every`: any literal default, and the
+    flags that `store_true` (False) or `store_false` (True)."""
     defaults = {}
     for node in ast.walk(tree):
         if not (
@@ -149,7 +150,11 @@ def _option_defaults(tree: ast.Module) -> dict[str, object]:
         dest = keywords.get("dest")
         name = dest.value if isinstance(dest, ast.Constant) else flags[0] if flags else None
         ok, value = literal(keywords["default"]) if "default" in keywords else (False, None)
-        if ok and isinstance(name, str) and isinstance(value, (bool, int, float)):
+        action = keywords.get("action")
+        stored = action.value if isinstance(action, ast.Constant) else None
+        if every and not ok and stored in ("store_true", "store_false"):
+            ok, value = True, stored == "store_false"
+        if ok and isinstance(name, str) and (every or isinstance(value, (bool, int, float))):
             defaults[name.lstrip("-").replace("-", "_")] = value
     return defaults
 
@@ -1056,7 +1061,7 @@ def analyse(
     arities = {usage.arity[c] for c in data if c in usage.arity}
     arity = max(arities) if arities else (2 if kind == "nanogpt" else 0)
     fillers = max((usage.fillers.get(c, 0) for c in data if usage.arity.get(c) == arity), default=0)
-    settings = _option_defaults(tree)
+    settings = argument_defaults(tree)
     return Plan(
         target=target,
         imports=_imports(tree, target),

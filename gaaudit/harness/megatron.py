@@ -5,20 +5,38 @@ the number of micro-batches before its backward (megatron/schedules.py), or, for
 function returning megatron-core's (sum, count, report), the sums divided once by the window's
 count (`--calculate-per-token-loss`); compared with one step over the K micro-batches as one
 batch. Megatron itself is not built: the file's imports that this environment lacks are
-stand-ins (harness.stubs), as is `get_args()` (Megatron's global arguments, which `pretrain`
-sets up), and what the forward step binds ahead of the output is the micro-batch's loss mask
-(a name holding `mask`) or zero (an auxiliary loss that the tiny model does not have)."""
+stand-ins (harness.stubs), `get_args()` gives the defaults of the project's
+`megatron/arguments.py` (Megatron's global arguments, which `pretrain` sets up), and what the
+forward step binds ahead of the output is the micro-batch's loss mask (a name holding `mask`)
+or zero (an auxiliary loss that the tiny model does not have)."""
 
 from __future__ import annotations
+
+import ast
+import contextlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from gaaudit.harness.analysis import argument_defaults
 from gaaudit.harness.factory import concatenate, to_device
 from gaaudit.harness.gradcheck import deterministic, judged, relative_error, snapshot
 from gaaudit.harness.models import TinyTokenModel
 from gaaudit.harness.stubs import Stub
 from gaaudit.harness.trainer import failed, micro_batches, quietly, trainer_class
+
+
+def _arguments(path: Path) -> dict[str, object]:
+    """The defaults of the command-line arguments of the Megatron the file's project holds
+    (`megatron/arguments.py` beside the file or above it): what `get_args()` gives a run that
+    passes none of them (`args.num_experts == [1]`)."""
+    for folder in path.parents:
+        for candidate in (folder / "megatron" / "arguments.py", folder / "arguments.py"):
+            if candidate.parent.name == "megatron" and candidate.is_file():
+                with contextlib.suppress(OSError, SyntaxError, ValueError):
+                    return argument_defaults(ast.parse(candidate.read_bytes()), every=True)
+    return {}
 
 
 def _losses(model: torch.nn.Module, batch: dict, bound: tuple[str, ...]) -> tuple[list, object]:
@@ -64,7 +82,8 @@ def compare(
         try:
             loss_func = trainer_class(source, filename, name, stand_ins=True)
             if "get_args" in loss_func.__globals__:  # set up by `pretrain`, which does not run
-                loss_func.__globals__["get_args"] = Stub("get_args")
+                arguments = Stub("get_args()", _arguments(Path(filename)))
+                loss_func.__globals__["get_args"] = lambda: arguments
             batches = [to_device(batch, device) for batch in micro_batches(k, seed, fixed)]
             model = TinyTokenModel().to(device)
             want = _gradient(loss_func, model, [concatenate(batches)], bound)
