@@ -764,6 +764,14 @@ def _argument(call: cst.Call, index: int) -> cst.BaseExpression | None:
     return call.args[index].value if index < len(call.args) else None
 
 
+def runner(window: Window) -> str:
+    """The loop runner that forms a pipeline window (`pretrain`, `training_main`), else ""."""
+    if window.kind != "pipeline":
+        return ""
+    name = last_name(window.anchor.func) or ""
+    return name if name in LOOP_RUNNERS else ""
+
+
 def _runs_loop(home: str, runner: str) -> bool:
     """`pretrain` of a Megatron `training` module (`megatron.training`, a vendored
     `codegeex.megatron.training`), `training_main` of SwissArmyTransformer (`sat`)."""

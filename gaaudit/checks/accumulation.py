@@ -13,13 +13,12 @@ import libcst as cst
 from gaaudit import catalogue
 from gaaudit.analysis.domain import Domains
 from gaaudit.analysis.evidence import Evidence
-from gaaudit.analysis.loops import Backward, Pipeline, Structure, Window, accumulates
+from gaaudit.analysis.loops import Backward, Pipeline, Structure, Window, accumulates, runner
 from gaaudit.analysis.provenance import Division, Origin, Tracer, argument_for
 from gaaudit.analysis.repository import Imports
 from gaaudit.analysis.tree import Tree, code, depends_on, dotted, keyword, last_name, string_value
 from gaaudit.discover.modules import evaluation_only, shown
 from gaaudit.findings import Confidence, Finding
-from gaaudit.vocabulary import LOOP_RUNNERS
 
 SiteKind = Literal["loss-division", "gradient-division", "no-division", "framework-division"]
 CODES = {
@@ -153,11 +152,10 @@ class _Frameworks:
         elif origin.divisions or pipeline.divides is None:
             return
         elif pipeline.divides:
-            runner = last_name(pipeline.call.func)
             message = (
-                f"Mean loss returned to the training loop of `{runner}(...)`: "
+                f"Mean loss returned to the training loop of `{runner(window)}(...)`: "
                 f"{pipeline.framework}, so micro-batches with fewer valid tokens are over-weighted"
-                if runner in LOOP_RUNNERS
+                if runner(window)
                 else "Mean loss returned to a pipeline schedule that divides by the number of "
                 f"micro-batches ({pipeline.framework}): micro-batches with fewer valid tokens are "
                 "over-weighted"
@@ -358,10 +356,8 @@ class Auditor(_Frameworks, _Divisors):
                     Confidence.MEDIUM,
                     f"{why}; DeepSpeed's K is set in a config given at run time and may be 1",
                 )
-            runner = site.window.kind == "pipeline" and (
-                last_name(site.window.anchor.func) in LOOP_RUNNERS
-            )
-            evaluating = runner and evaluation_only(
+            runs = runner(site.window)
+            evaluating = runs and evaluation_only(
                 self.structure.directory, self.imports.name, self.structure.seen
             )
             if evaluating:
@@ -373,7 +369,7 @@ class Auditor(_Frameworks, _Divisors):
                         "file with `--train-iters 0`: it evaluates and trains nothing"
                     ),
                 )
-            elif runner and confidence > Confidence.MEDIUM:
+            elif runs and confidence > Confidence.MEDIUM:
                 confidence, why = (
                     Confidence.MEDIUM,
                     (

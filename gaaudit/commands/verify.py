@@ -543,7 +543,8 @@ def _launched_window(structure, backward, window) -> str:
     """Why a window the file does not write is not replayed: DeepSpeed's, formed behind
     accelerate with K in the configuration given at launch (the loop itself steps every
     micro-batch), or the loop of SwissArmyTransformer's `training_main`; else ""."""
-    from gaaudit.analysis.tree import code, last_name
+    from gaaudit.analysis.loops import runner
+    from gaaudit.analysis.tree import code
 
     if window.kind == "framework" and structure.accelerate_deepspeed(backward):
         return (
@@ -551,7 +552,7 @@ def _launched_window(structure, backward, window) -> str:
             "configuration given there), which the replay does not build; the loop itself "
             "steps every micro-batch"
         )
-    if window.kind == "pipeline" and last_name(window.anchor.func) == "training_main":
+    if runner(window) == "training_main":
         return (
             f"the loop is `{code(window.anchor.func)}(...)`'s (line "
             f"{structure.tree.line(window.anchor)}), inside a framework the replay does not "

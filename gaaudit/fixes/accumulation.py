@@ -9,7 +9,7 @@ from pathlib import Path
 import libcst as cst
 
 from gaaudit.analysis.domain import Domains, shifts_labels
-from gaaudit.analysis.loops import Window, is_step
+from gaaudit.analysis.loops import Window, is_step, runner
 from gaaudit.analysis.provenance import (
     TOKEN_LOSSES,
     Origin,
@@ -209,7 +209,7 @@ class _Counting:
         """(count expression, caveat) and whether the fix is safe."""
         origin = site.origin
         source = origin.source
-        if site.window.kind == "pipeline" and last_name(site.window.anchor.func) == "pretrain":
+        if runner(site.window) == "pretrain":
             raise Unfixable(MEGATRON)
         if (
             site.kind == "framework-division"
