@@ -131,7 +131,7 @@ def _is_root(folder: Path) -> bool:
     return any((folder / marker).exists() for marker in PROJECT_MARKERS)
 
 
-def _project_folders(directory: Path) -> Iterator[Path]:
+def project_folders(directory: Path) -> Iterator[Path]:
     """`directory` and the folders above it up to the project's root, at most MAX_LEVELS;
     never an installed package's folder nor the filesystem's root."""
     for folder in (directory, *directory.parents)[:MAX_LEVELS]:
@@ -146,7 +146,7 @@ def project_configs(directory: Path, seen: set[Dependency]) -> list[tuple[Path, 
     """The YAML files of the project holding `directory` (its `configs/`, `config/` or
     `conf/` folder, as Hydra and OmegaConf projects keep them), each with its bytes; every
     file read is recorded in `seen`."""
-    for folder in _project_folders(Path(os.path.abspath(directory))):
+    for folder in project_folders(Path(os.path.abspath(directory))):
         for name in CONFIG_FOLDERS:
             if (folder / name).is_dir():
                 return _read_configs(folder / name, seen)
@@ -208,7 +208,7 @@ def project_scripts(directory: Path, seen: set[Dependency]) -> list[tuple[Path, 
     is recorded in `seen`."""
     directory = Path(os.path.abspath(directory))
     paths = sorted(directory.glob("*.sh"))
-    for folder in _project_folders(directory):
+    for folder in project_folders(directory):
         if (folder / "scripts").is_dir():
             paths += sorted((folder / "scripts").rglob("*.sh"))
         if folder != directory and _is_root(folder):

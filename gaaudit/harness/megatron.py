@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gaaudit.discover.modules import project_folders
 from gaaudit.harness.analysis import argument_defaults
 from gaaudit.harness.factory import concatenate, to_device
 from gaaudit.harness.gradcheck import deterministic, judged, relative_error, snapshot
@@ -29,9 +30,9 @@ from gaaudit.harness.trainer import failed, micro_batches, quietly, trainer_clas
 
 def _arguments(path: Path) -> dict[str, object]:
     """The defaults of the command-line arguments of the Megatron the file's project holds
-    (`megatron/arguments.py` beside the file or above it): what `get_args()` gives a run that
-    passes none of them (`args.num_experts == [1]`)."""
-    for folder in path.parents:
+    (`megatron/arguments.py` in the folders from the file's up to the project's root): what
+    `get_args()` gives a run that passes none of them (`args.num_experts == [1]`)."""
+    for folder in project_folders(path.resolve().parent):
         for candidate in (folder / "megatron" / "arguments.py", folder / "arguments.py"):
             if candidate.parent.name == "megatron" and candidate.is_file():
                 with contextlib.suppress(OSError, SyntaxError, ValueError):
