@@ -77,10 +77,16 @@ class Row:
     path: str
     label: str
     framework: str
+    lines: str = ""  # where the label's reader saw it: "940 (micro-step loop), 949 (...)"
 
     @property
     def positive(self) -> bool:
         return self.label in POSITIVE
+
+    @property
+    def first_line(self) -> int | None:
+        found = re.search(r"\d+", self.lines)
+        return int(found.group()) if found else None
 
 
 def load_manifest(path: Path = MANIFEST) -> list[Row]:
@@ -102,6 +108,7 @@ def load_manifest(path: Path = MANIFEST) -> list[Row]:
                 data["path"],
                 data["label"],
                 data.get("framework", "other"),
+                str(data.get("lines", "")),
             )
         )
     return rows
@@ -562,7 +569,8 @@ def verdicts(trees: Path, only: list[str], each: bool = False) -> int:
 
 def _original_verdict(trees: Path, row: Row) -> tuple[str | None, str]:
     """("bug reproduced" or "matches", "") for a file whose original loops replayed, else
-    (None, why not)."""
+    (None, why not). Of several loops, the one the label names: the last one that opens at or
+    before the label's first line (all of them where none does)."""
     try:
         result = _verify(trees, row)
         loops = json.loads(result.stdout)["loops"]
@@ -570,11 +578,16 @@ def _original_verdict(trees: Path, row: Row) -> tuple[str | None, str]:
         return None, "timed out after 600 s"
     except (ValueError, KeyError):
         return None, f"error: {(result.stderr.strip().splitlines() or ['no output'])[-1]}"
-    found = [  # after a short first window (GA007, not the labels' question), the next one's
-        r.get("window_verdict") or r.get("original_verdict", r["verdict"])
+    verdicts = {  # after a short first window (GA007, not the labels' question), the next one's
+        loop["line"]: [
+            r.get("window_verdict") or r.get("original_verdict", r["verdict"]) for r in loop["rows"]
+        ]
         for loop in loops
-        for r in loop["rows"]
-    ]
+    }
+    found = [v for each in verdicts.values() for v in each]
+    labelled = max((line for line in verdicts if line <= (row.first_line or 0)), default=None)
+    if len(verdicts) > 1 and labelled is not None:
+        found = verdicts[labelled]
     if "bug reproduced" in found:
         return "bug reproduced", ""
     if "verified" in found:

@@ -1342,14 +1342,32 @@ SELF_SCORED = source("""
 """)
 
 
+# DialoGPT's loop: no `return_loss`, but what the loop backpropagates is the first value the
+# model returns, handed the batch's tensors by position.
+RETURNED_LOSS = source("""
+    def train(model, train_dataloader, optimizer, accum):
+        for i, batch in enumerate(train_dataloader):
+            input_ids, position_ids, token_ids, label_ids, *_ = batch
+            loss, ppl = model(input_ids, position_ids, token_ids, label_ids)
+            loss = loss / accum
+            loss.backward()
+            print(ppl.item())
+            if (i + 1) % accum == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+""")
+
+
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_model_that_scores_its_own_sequences_is_replayed(packed):
+@pytest.mark.parametrize("loop", [SELF_SCORED, RETURNED_LOSS], ids=["return_loss", "returned"])
+def test_a_model_that_scores_its_own_sequences_is_replayed(loop, packed):
     """lucidrains' models take the token sequence and return their loss
-    (`model(seq, return_loss=True)`), here unpacked with a breakdown: the harness serves bare
-    sequences to a tiny model of that shape. On sequences of varied length mean/K is off; on
-    fixed-length ones it is exact."""
-    line = line_of(SELF_SCORED, "for i in")
-    result = check(SELF_SCORED, line, k=4, divisor_names=["accum"], device="cpu", packed=packed)
+    (`model(seq, return_loss=True)`), here unpacked with a breakdown; so does a model whose
+    returned value (or its first) the loop backpropagates, whatever else it is handed: the
+    harness serves bare sequences to a tiny model of that shape. On sequences of varied
+    length mean/K is off; on fixed-length ones it is exact."""
+    line = line_of(loop, "for i")
+    result = check(loop, line, k=4, divisor_names=["accum"], device="cpu", packed=packed)
     assert result.replay.bindings["model"] == "tiny sequence model", result.replay
     if packed:
         assert result.verdict == "verified" and result.error < 1e-5, result.verdict

@@ -12,7 +12,7 @@ import pytest
 import tomllib
 from conftest import FIXTURES, ROOT, devices, gaaudit, verify_projects
 
-from gaaudit.commands.verify import Outcome, report, targets
+from gaaudit.commands.verify import PREDATES, Outcome, report, targets
 
 GA006 = tomllib.loads((ROOT / "rules" / "GA006.toml").read_text())
 
@@ -121,6 +121,22 @@ args = TrainingArguments(output_dir="out", gradient_accumulation_steps=8)
 Trainer(model=model, args=args, train_dataset=dataset).train()
 """
 
+# A subclass written for transformers before 4.46: its overrides take neither the count nor
+# the dataset that later releases hand them
+WRITTEN_BEFORE = """\
+from torch.utils.data import SequentialSampler
+from transformers import Trainer
+
+
+class OldTrainer(Trainer):
+    def _get_train_sampler(self):
+        return SequentialSampler(self.train_dataset)
+
+    def compute_loss(self, model, inputs, return_outputs=False):
+        outputs = model(**inputs)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+"""
+
 # One project per test below: its script, then every file it holds.
 PROJECTS = {
     "pinned": ("train.py", {"train.py": GA006["bad"]}),
@@ -161,6 +177,7 @@ PROJECTS = {
             ("tagger_count", "ok_library_token_classifier_window_count"),
         )
     },
+    "written_before": ("old.py", {"old.py": WRITTEN_BEFORE}),
     "own_labels": (
         "sft.py",
         {
@@ -214,6 +231,16 @@ def test_a_pin_to_4_48_0_is_replayed_with_its_regression(replayed, capsys):
         assert row["verdict"].endswith(": verified: require transformers>=4.48.1"), row
     assert report([(Path("train.py"), [loop])], "text") == 1
     assert "replayed as transformers 4.47.0 and 4.48.0 train" in capsys.readouterr().out
+
+
+def test_overrides_written_before_4_46_are_called_as_those_releases_called_them(replayed):
+    """The installed Trainer passes `num_items_in_batch` to `compute_loss` and the dataset to
+    `_get_train_sampler`, which this class's overrides do not take: it trains as the
+    releases it was written for did, each micro-batch's mean over K, and says so."""
+    loop = replayed["written_before"]
+    assert loop.flagged and loop.replayed == PREDATES, loop
+    for row in loop.rows:
+        assert row["original_verdict"] == "bug reproduced" and row["original_error"] > 1e-2, row
 
 
 def test_the_stock_trainer_without_a_pin_matches_the_full_batch(replayed):

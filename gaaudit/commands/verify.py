@@ -88,6 +88,10 @@ class Target:
 
 
 # How a loss function Megatron's `pretrain` is handed is replayed (harness.megatron).
+PREDATES = (
+    "replayed as transformers before 4.46 trains: its `compute_loss` takes no "
+    "`num_items_in_batch`, which later releases pass"
+)
 MEGATRON_RULE = (
     "replayed by Megatron's rule, not by Megatron: each micro-batch's loss over K, as its "
     "schedule divides it (a (sum, count) return: the sums over the window's count, as "
@@ -733,10 +737,14 @@ def verify_files(requests: list[tuple[Path, int | None]], options: Options) -> l
         pairs.append((path, original, original if fixed.companions else fixed.after, line))
     results = verify_pairs(pairs, options)
     for outcomes, changed in zip(results, companions):
+        why = (
+            f"the fix also changes {', '.join(changed)}, which the replay does not patch: "
+            "apply it with `gaaudit fix`, then verify the fixed file"
+        )
         for row in (row for o in outcomes if o.flagged and changed for row in o.rows):
+            text = row["verdict"]
             row["verdict"] = (
-                f"not replayable: the fix also changes {', '.join(changed)}, which the replay "
-                "does not patch; apply it with `gaaudit fix`, then verify the fixed file"
+                text.replace(NOTHING_FIXED, why) if NOTHING_FIXED in text else f"{text}; {why}"
             )
     return results
 
@@ -957,6 +965,8 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             if job.get("progress"):
                 _progress(f"training {job['filename']}:{target.line} with {trains}")
             outcome.rows = [row(job, target, options, k, patched) for k in options.ks]
+            if any(r.pop("predates", False) for r in outcome.rows):
+                outcome.replayed = PREDATES
             if any(r.pop("equal_sizes", False) for r in outcome.rows):
                 outcome.equal_sizes = target.equal_sizes or LAST_BATCH_LEFT_OUT
             outcomes.append(asdict(outcome))

@@ -445,6 +445,7 @@ class _Usage:
     generators: list = field(default_factory=list)
     positions: dict = field(default_factory=lambda: defaultdict(dict))  # `{"labels": batch[3]}`
     tensor_backward: bool = False  # `loss.backward()`: a backward not handed to an engine
+    backwarded: set = field(default_factory=set)  # `loss` of `(loss / K).backward()`
     unpacked: dict = field(default_factory=dict)  # the names each batch unpacks into
     keys: set = field(default_factory=set)  # string keys read: `batch_data["input_mask"]`
     items: dict = field(default_factory=dict)  # the one name each iterated chain's item is bound to
@@ -521,8 +522,11 @@ class _Usage:
         ):
             self.evidence[args[-1]].add("width")  # `logits.view(-1, V)`: V is the output width
         handed = args or any(k.arg in ("loss", "tensor") for k in call.keywords)
-        if isinstance(call.func, ast.Attribute) and call.func.attr == "backward" and not handed:
-            self.tensor_backward = True
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "backward":
+            self.tensor_backward |= not handed
+            self.backwarded.add(
+                _scaled_name(call.args[0] if handed and call.args else call.func.value)
+            )
         if func is None:
             return
         parent = parents.get(call)
@@ -739,6 +743,13 @@ def _reads_output(node) -> bool:
     )
 
 
+def _scaled_name(node: ast.expr) -> str | None:
+    """`loss` of `loss`, `loss / K` or `-loss * w`: the name a backward pass starts from."""
+    while isinstance(node, (ast.BinOp, ast.UnaryOp)):
+        node = node.left if isinstance(node, ast.BinOp) else node.operand
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def _keyed(node: ast.expr) -> bool:
     """`batch["input_ids"]`: a field of a dict batch."""
     return (
@@ -765,6 +776,8 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
             shapes.add("sequence")  # `model(seq, return_loss=True)`: a sequence, not a field
         elif len(call.args) == 2 or "targets" in keywords:
             shapes.add("nanogpt")
+        elif _backwarded_result(usage, parent) and not (call.args and _keyed(call.args[0])):
+            shapes.add("sequence")  # `loss, parts = model(wave, ...)`: it scores itself
         elif _reads_output(parent) or (
             isinstance(parent, ast.Assign)
             and len(parent.targets) == 1
@@ -777,6 +790,17 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
         if shape in shapes:
             return shape
     return None
+
+
+def _backwarded_result(usage: _Usage, parent) -> bool:
+    """The call's value, or the first it unpacks into, is what the loop's backward starts
+    from: the model computes its loss itself."""
+    if not isinstance(parent, ast.Assign) or len(parent.targets) != 1:
+        return False
+    target = parent.targets[0]
+    if isinstance(target, (ast.Tuple, ast.List)) and target.elts:
+        target = target.elts[0]
+    return isinstance(target, ast.Name) and target.id in usage.backwarded
 
 
 def _returns(usage: _Usage, models: list[Chain]) -> tuple | None:

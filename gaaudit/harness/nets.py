@@ -137,7 +137,7 @@ class TinySequenceModel(nn.Module):
         self.out = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, vocab))
         self.returns = returns
 
-    def forward(self, seq, return_loss: bool = False, **options):
+    def forward(self, seq, *others, return_loss: bool = True, **options):
         logits = self.out(self.embed(seq[:, :-1]))
         if not return_loss:
             return logits

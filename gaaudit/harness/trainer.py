@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import inspect
 import io
 import tempfile
 import warnings
@@ -71,8 +72,43 @@ def trainer_class(
         elif isinstance(node, (ast.ClassDef, ast.FunctionDef)) or _constant(node):
             with contextlib.suppress(Exception):
                 exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
-    cls = _named(namespace, name)
+    cls = _as_called_before(_named(namespace, name))
     return _given(cls, _named(namespace, loss_func)) if loss_func else cls
+
+
+def _as_called_before(cls):
+    """A Trainer subclass whose overrides of the Trainer's methods take only the arguments
+    they name, as the release they were written for called them (`_get_train_sampler(self)`,
+    which later releases hand the dataset); `compute_loss` aside (`_predates_the_count`)."""
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        return cls
+    overrides = {
+        name: _taking_what_it_names(method)
+        for owner in reversed(cls.__mro__[: cls.__mro__.index(Trainer)])
+        if not owner.__module__.startswith("transformers")
+        for name, method in vars(owner).items()
+        if inspect.isfunction(method) and name != "compute_loss" and hasattr(Trainer, name)
+    }
+    return type(cls.__name__, (cls,), overrides) if overrides else cls
+
+
+def _taking_what_it_names(method):
+    signature = inspect.signature(method)
+    names = set(signature.parameters)
+
+    @functools.wraps(method)
+    def called(self, *args, **kwargs):
+        try:
+            signature.bind(self, *args, **kwargs)
+        except TypeError:
+            positional = [
+                p for p in signature.parameters.values() if p.kind <= p.POSITIONAL_OR_KEYWORD
+            ]
+            args = args[: len(positional) - 1]
+            kwargs = {key: value for key, value in kwargs.items() if key in names}
+        return method(self, *args, **kwargs)
+
+    return called
 
 
 def _named(namespace: dict, name: str):
@@ -115,6 +151,16 @@ def as_pinned(cls: type, kind: str = "old", head: bool = False) -> type:
     made = Regressed if kind == "regressed" else Pinned
     made.__name__ = made.__qualname__ = cls.__name__
     return made
+
+
+def _predates_the_count(cls: type) -> bool:
+    """Whether the class's own `compute_loss` takes no `num_items_in_batch` (nor `**kwargs`):
+    written for a release before 4.46, the installed Trainer cannot call it, and it trains as
+    those releases do (`as_pinned`)."""
+    if cls.compute_loss is Trainer.compute_loss:
+        return False
+    parameters = inspect.signature(cls.compute_loss).parameters.values()
+    return not any(p.name == "num_items_in_batch" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def _given(cls: type, loss_func) -> type:
@@ -453,8 +499,9 @@ def compare(
     defaults; `head`: the tiny transformers head standing for the one the Trainer is given
     (`models.head`); `patched_loss_func`: the patched version's (a fix may give one);
     `opts_out`: whether the model is set `accepts_loss_kwargs = False`, as written and as
-    patched."""
-    row: dict = {"k": k, "original_error": None, "patched_error": None}
+    patched. A version whose `compute_loss` predates the count (`_predates_the_count`) trains
+    as the releases before 4.46 did (`predates`: the original does)."""
+    row: dict = {"k": k, "original_error": None, "patched_error": None, "predates": False}
     with quietly():
         try:
             reference = trainer_class(original, filename, name, loss_func)
@@ -471,6 +518,9 @@ def compare(
         for version, source, old, given, opted in versions:
             try:
                 cls = trainer_class(source, filename, name, given)
+                if not old and _predates_the_count(cls):
+                    old = "old"
+                    row["predates"] |= version == "original"
                 if old:
                     cls = as_pinned(cls, old, bool(head))
                 error = row[f"{version}_error"] = _error(
