@@ -194,7 +194,7 @@ def _held_back(path: Path, result) -> str:
         return "--verify replays Python files only"
     if result.companions:
         changed = ", ".join(c.path for c in result.companions)
-        return f"the fix also changes {changed}, which the replay does not patch"
+        return f"the fix also changes {changed}, which the replay imports as it is on disk"
     try:
         outcomes = verify_pair(path, result.before, result.after, None, options_for(path, ks=(4,)))
     except (ConfigError, VerifyError) as exc:
