@@ -1,6 +1,7 @@
 """Loops that `gaaudit fix` rewrote, run on real torch against one full-batch step of the same
 data: a batch cut into slices (in a file that imports torch as `th`), a next batch fetched
-between the forward and the backward, and a backward on two branches (`model.no_sync()` on
+between the forward and the backward, a loss scaler that steps out of sight (its windows read
+ahead), and a backward on two branches (`model.no_sync()` on
 all but the last micro-batch, real DDP on a gloo process group); then generated loops of every
 division form (a GradScaler's included), window shape and loss source, with and without a
 log after the backward, at K = 4 and K = 1, and in a file that imports torch.distributed (run
@@ -166,6 +167,28 @@ def test_patched_prefetching_loop_counts_the_batch_its_loss_read():
     original = "ga002_prefetch_between_forward_and_backward.py"
     assert error(prefetch_step(original), reference) > 0.1
     assert error(prefetch_step(original.replace(".py", ".fixed.py")), reference) < 1e-6
+
+
+def loss_scaler_step(name: str) -> tuple[list[float], list[torch.Tensor]]:
+    """What MAE's engine logged, and the gradient its scaler stepped with."""
+    model, logged = CausalLM(), []
+    optimizer = Recording(model.parameters(), lr=0.0)
+    namespace = loaded(name)
+    scaler = namespace["NativeScaler"]()
+    namespace["train_one_epoch"](model, token_batches(K, -100), optimizer, scaler, K, logged)
+    return logged, optimizer.seen
+
+
+def test_patched_loss_scaler_window_is_read_ahead():
+    """The scaler backpropagates and steps out of sight: each micro-batch's mean weighted by
+    its share of the window's tokens, counted ahead, steps like the full batch, and the loop
+    logs what it logged."""
+    reference = full_batch(token_batches(K, -100), -100)
+    original = "ga001_loss_scaler_read_ahead.py"
+    logged, grads = loss_scaler_step(original)
+    assert error(grads, reference) > 0.1
+    patched_logged, patched = loss_scaler_step(original.replace(".py", ".fixed.py"))
+    assert error(patched, reference) < 1e-6 and patched_logged == logged
 
 
 def no_sync_step(name: str) -> list[torch.Tensor]:

@@ -705,17 +705,22 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
             elif self.stepping_callable(node) is not None:
                 yield Backward(node, positional(node)[0])
 
-    def stepping_callable(self, call: cst.Call) -> cst.BinaryOperation | None:
+    def stepping_flag(self, call: cst.Call) -> cst.BaseExpression | None:
         """For a call handed the loss first, an optimizer, and a flag computed from `a % k`
         (MAE's and timm's `loss_scaler(loss, optimizer, update_grad=(i + 1) % k == 0)`, an
-        `amp_step(loss, opt, update=...)` of another module): the `a % k`. Such a callable
-        backpropagates the loss and steps the optimizer when the flag holds."""
+        `amp_step(loss, opt, update=...)` of another module): the flag it is handed. Such a
+        callable backpropagates the loss and steps the optimizer when the flag holds."""
         values = [a.value for a in call.args]
         if not positional(call) or backward_of(call) is not None:
             return None
         if not any(OPTIMIZER.search(last_name(v) or "") for v in values[1:]):
             return None
-        return next((m for v in values[1:] if (m := self._modulo(v)) is not None), None)
+        return next((v for v in values[1:] if self._modulo(v) is not None), None)
+
+    def stepping_callable(self, call: cst.Call) -> cst.BinaryOperation | None:
+        """The `a % k` of a stepping callable's flag (`stepping_flag`)."""
+        flag = self.stepping_flag(call)
+        return None if flag is None else self._modulo(flag)
 
     def _inside(self, node: cst.CSTNode, outer: cst.CSTNode) -> bool:
         return self.tree.contains(outer, node)

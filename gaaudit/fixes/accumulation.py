@@ -224,13 +224,6 @@ class _Counting:
             raise Unfixable(
                 ACROSS_CALLS.format(function=function, optimizer=optimizer, code=site.code)
             )
-        if site.window.kind == "callable":
-            raise Unfixable(
-                f"`{code(site.window.anchor.func)}(...)` backpropagates the loss and steps the "
-                "optimizer out of sight; weight each micro-batch's loss by its valid-token count "
-                "here and divide the gradients by the window's count before that step "
-                f"(see `gaaudit explain {site.code}`)"
-            )
         if self._passes_gradients(site.window):
             raise Unfixable(
                 "a pipeline stage: the other stages get their gradients through "
@@ -294,6 +287,11 @@ class _Counting:
         count must then be read ahead, before the backward."""
         if self._engine(site) is not None:
             return FRAMEWORK_ONLY[False]
+        if site.window.kind == "callable":
+            return (
+                f"`{code(site.window.anchor.func)}(...)` backpropagates the loss and steps the "
+                "optimizer out of sight, so the gradients cannot be divided once before that step"
+            )
         if site.origin.added:
             return (
                 f"the loss adds `{site.origin.added}` to its mean: weighting the sum by the "

@@ -49,7 +49,8 @@ class _ReadAhead:
     def _plan_read_ahead(self, site: Site, count: str) -> None:
         window, engine = site.window, self._engine(site)
         loop, last = self._engine_loop(site, engine) if engine else (window.loop, None)
-        if not engine and not (
+        stepping = window.kind == "callable"  # `loss_scaler(loss, opt, update_grad=i % k == 0)`
+        if not (engine or stepping) and not (
             window.kind == "modulo" and isinstance(window.anchor, cst.If) and not window.skips
         ):
             raise Unfixable("the step is not guarded by a test of the loop's own counter")
@@ -66,11 +67,16 @@ class _ReadAhead:
         targets = target_names(loop.target)
         if engine:  # DeepSpeed's own boundary test, written by the reader
             guard = None
-        elif not self._every_item_reaches(window.anchor, loop):
+        elif not self._every_item_reaches(statement_line(self.tree, window.anchor), loop):
             raise Unfixable("not every micro-batch reaches the step's guard")
         else:
-            guard = self._ahead_of(window.anchor.test, loop, targets, False, window.anchor)
-            if isinstance(window.anchor.test, cst.Name):  # `if boundary:`, its value inlined
+            test = (
+                self.auditor.structure.stepping_flag(window.anchor)
+                if stepping
+                else window.anchor.test
+            )
+            guard = self._ahead_of(test, loop, targets, False, window.anchor)
+            if isinstance(test, cst.Name):  # `if boundary:`, its value inlined
                 guard = guard.with_changes(lpar=[], rpar=[])
         counted = self._ahead_of(
             cst.parse_expression(count), loop, targets, True, site.backward.call
@@ -115,6 +121,8 @@ class _ReadAhead:
                 f"({engine}.micro_steps + len({pending})) "
                 f"% {engine}.gradient_accumulation_steps() == 0"
             )
+        elif site.window.kind == "callable":  # the optimizer it is handed
+            device = self._device(code(site.window.anchor.args[1].value))
         else:
             device = self._device(self._optimizer(site.window))
         gather, world = self._gathering(site, device, [total])
