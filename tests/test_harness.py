@@ -1343,15 +1343,17 @@ SELF_SCORED = source("""
 
 
 # DialoGPT's loop: no `return_loss`, but what the loop backpropagates is the first value the
-# model returns, handed the batch's tensors by position.
+# model returns, handed the batch's tensors by position; its breakdown unpacked later, as
+# SoundStorm's trainer does.
 RETURNED_LOSS = source("""
     def train(model, train_dataloader, optimizer, accum):
         for i, batch in enumerate(train_dataloader):
             input_ids, position_ids, token_ids, label_ids, *_ = batch
-            loss, ppl = model(input_ids, position_ids, token_ids, label_ids)
+            loss, breakdown = model(input_ids, position_ids, token_ids, label_ids)
+            ppl, aux = breakdown
             loss = loss / accum
             loss.backward()
-            print(ppl.item())
+            print(ppl.item(), aux.item())
             if (i + 1) % accum == 0:
                 optimizer.step()
                 optimizer.zero_grad()

@@ -804,10 +804,13 @@ def _backwarded_result(usage: _Usage, parent) -> bool:
 
 
 def _returns(usage: _Usage, models: list[Chain]) -> tuple | None:
-    """How the loop unpacks what a model call returns (`loss, (ce, aux) = model(...)`), as
-    nested tuples of None; None where it does not."""
+    """How the loop unpacks what a model call returns (`loss, (ce, aux) = model(...)`, also
+    later: `loss, parts = model(...); ce, aux = parts`), as nested tuples of None; None where
+    it does not."""
 
     def shape(node: ast.expr):
+        if isinstance(node, ast.Name) and node.id in usage.named_unpacks:
+            return tuple(map(shape, usage.named_unpacks[node.id]))
         return tuple(map(shape, node.elts)) if isinstance(node, (ast.Tuple, ast.List)) else None
 
     unpacked = (
