@@ -524,9 +524,8 @@ class _Usage:
         handed = args or any(k.arg in ("loss", "tensor") for k in call.keywords)
         if isinstance(call.func, ast.Attribute) and call.func.attr == "backward":
             self.tensor_backward |= not handed
-            self.backwarded.add(
-                _scaled_name(call.args[0] if handed and call.args else call.func.value)
-            )
+            started = _scaled_name(call.args[0] if handed and call.args else call.func.value)
+            self.backwarded |= {started} if started else set()
         if func is None:
             return
         parent = parents.get(call)

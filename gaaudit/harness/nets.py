@@ -125,8 +125,8 @@ class TinyKeyedSeq2Seq(nn.Module):
 class TinySequenceModel(nn.Module):
     """A model that takes the token sequence and scores it itself, as lucidrains' models do:
     `forward(seq (B, T + 1), return_loss=True) -> loss`, the mean cross-entropy of each next
-    token over the positions that are not padding (PAD_ID); logits (B, T, vocab) without
-    `return_loss`. Position-wise, so padding does not change the other positions. `returns`:
+    token over the positions that are not padding (PAD_ID), whatever else it is handed
+    (DialoGPT's position and type ids); logits (B, T, vocab) with `return_loss=False`. Position-wise, so padding does not change the other positions. `returns`:
     how the loop unpacks the loss (`loss, (ce, aux) = model(...)`, as nested tuples of None):
     the loss first, zeros in the other places. With `return_count=True` (what `gaaudit fix`
     asks of a project's model it also rewrites), the loss and its count of targets."""

@@ -93,6 +93,8 @@ def _as_called_before(cls):
 
 
 def _taking_what_it_names(method):
+    """`method`, dropping the arguments it cannot bind: trailing positionals and unnamed
+    keywords."""
     signature = inspect.signature(method)
     names = set(signature.parameters)
 
