@@ -118,7 +118,19 @@ def fixed(token, previous) -> str | None:
             return "random fixed-length windows drawn with `randint` over the data's length"
     if token.string == ")" and _viewed_blocks(previous):
         return "inputs and targets viewed as B x T blocks of one token buffer"
+    if token.string in ('"input_ids"', "'input_ids'") and _stacked_rows(strings):
+        return "a collator's `torch.stack` of its rows' `input_ids`, as they are"
     return None
+
+
+def _stacked_rows(strings: list[str]) -> bool:
+    """Whether the tokens end with `torch.stack([row[` or `torch.stack([torch.T(row[`."""
+    if strings[-1:] != ["["] or not strings[-2:-1] or not strings[-2].isidentifier():
+        return False
+    before = strings[:-2]
+    if before[-4:-2] == ["torch", "."] and before[-2].isidentifier() and before[-1] == "(":
+        before = before[:-4]
+    return before[-5:] == ["torch", ".", "stack", "(", "["]
 
 
 def _viewed_blocks(previous) -> bool:
@@ -154,6 +166,9 @@ SNIPPETS = {
     "random crops over a size": "s = torch.randint(0, self.data.size(0) - n, (1,))\n",
     "random crops over a shape": "s = randint(0, data.shape[0] - n)\n",
     "token buffer views": "x = (buf[:-1]).view(B, T)\ny = buf[1:].view(B, T)\n",
+    "stacked rows": 'ids = torch.stack(\n    [torch.LongTensor(f["input_ids"]) for f in rows]\n)\n',
+    "stacked rows as they are": "ids = torch.stack([row['input_ids'] for row in rows])\n",
+    "other stacks": 'a = torch.stack([pad(f["input_ids"]) for f in rows])\nb = torch.stack(x["input_ids"])\n',
     "other views": "a = buf[:-1].view(-1)\nb = x[:, :-1].view(B, T)\nc = buf[: -1 ].view(n, m)\n",
     "random tokens are no crop": "x = torch.randint(0, vocab.size, (4, 8))\ny = randint(0, n.size)\n",
     "tokenizer padding only": "tok(t, padding='max_length')\nnn.Conv2d(3, 8, 3, padding=1)\n",

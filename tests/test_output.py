@@ -312,6 +312,8 @@ UNSAFE_PAIRS = (
     "ga001_loss_fn_parameter_default",  # assumes the parameter's default loss function
     # GA004 opt-outs: the Trainer then divides each micro-batch's mean by K
     "ga004_class_attribute_opt_out",
+    "ga004_collator_pads_rows",
+    "ga004_exact_collator_stacks_rows",
     "ga004_exact_contrastive_embedder_compute_loss",
     "ga004_exact_pairwise_reward_old_signature",
     "ga004_forward_kwargs_ignored_regression",

@@ -73,6 +73,12 @@ FIXED_SIGNS = (
         re.compile(rb"\b(?P<sign>randint)\(\s*(?:0\s*,\s*)?(?:len\(|[\w.]+\.(?:size\(|shape\[))"),
         lambda match: "random fixed-length windows drawn with `randint` over the data's length",
     ),
+    (  # a collator that stacks its rows' ids as they are: rows of one length
+        re.compile(
+            rb"\btorch\.stack\(\s*\[\s*(?:torch\.\w+\(\s*)?\w+\[\s*(?P<sign>[\"']input_ids[\"'])"
+        ),
+        lambda match: "a collator's `torch.stack` of its rows' `input_ids`, as they are",
+    ),
     (  # llm.c's loaders: `x = (buf[:-1]).view(B, T)`, `y = (buf[1:]).view(B, T)`
         re.compile(rb"\[\s*(?P<sign>:\s*-\s*1)\s*\]\s*\)?\.view\(\s*\w+\s*,\s*\w+\s*\)"),
         lambda match: "inputs and targets viewed as B x T blocks of one token buffer",
