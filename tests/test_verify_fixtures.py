@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, clipping_unfixed, devices, expected, gaaudit
 
-from gaaudit.commands.verify import REPRODUCED, VERIFIED
+from gaaudit.commands.verify import REPRODUCED, SCORED_BY_STAND_IN, VERIFIED
 
 ORIGINALS = sorted(
     p.with_name(p.name.removesuffix(".fixed.py") + ".py") for p in FIXTURES.glob("*.fixed.py")
@@ -433,3 +433,17 @@ def test_megatrons_arguments_are_the_projects_defaults(tmp_path, arguments):
     else:
         assert result.returncode == 2, result.stdout + result.stderr
         assert verdict.startswith("not replayable: ValueError: max()"), loop
+
+
+def test_a_verdict_on_the_tiny_sequence_model_says_what_that_model_averages():
+    """lucidrains' `model(seq, return_loss=True)` is replayed with a tiny model that scores its
+    own sequences: the verdict says over what, and that the user's model may average
+    otherwise; a transformers model replayed as itself has no such note."""
+    names = ("ga002_return_loss_micro_loop_undivided", "ga001_hf_mlm_bert")
+    paths = [str(FIXTURES / f"{name}.py") for name in names]
+    result = gaaudit("verify", *paths, "-k", "2", "--device", "cpu", "--format", "json")
+    stood_in, bert = ([loop["replayed"] for loop in f["loops"]] for f in json.loads(result.stdout))
+    assert stood_in == [SCORED_BY_STAND_IN], result.stdout
+    assert bert and SCORED_BY_STAND_IN not in bert, result.stdout
+    text = gaaudit("verify", paths[0], "-k", "2", "--device", "cpu").stdout
+    assert SCORED_BY_STAND_IN in text, text

@@ -87,11 +87,18 @@ class Target:
     opts_out: tuple[bool, bool] = (False, False)
 
 
-# How a loss function Megatron's `pretrain` is handed is replayed (harness.megatron).
+# What a verdict on the tiny model that scores its own sequences (nets.TinySequenceModel) is
+SCORED_BY_STAND_IN = (
+    "replayed with a tiny model that scores its own token sequences (their mean loss over the "
+    "tokens that are not padding): a model of yours that averages otherwise (per sequence, per "
+    "frame) may differ; pass it with --model-factory"
+)
+# How a Trainer subclass written before transformers 4.46 is replayed (harness.trainer)
 PREDATES = (
     "replayed as transformers before 4.46 trains: its `compute_loss` takes no "
     "`num_items_in_batch`, which later releases pass"
 )
+# How a loss function Megatron's `pretrain` is handed is replayed (harness.megatron).
 MEGATRON_RULE = (
     "replayed by Megatron's rule, not by Megatron: each micro-batch's loss over K, as its "
     "schedule divides it (a (sum, count) return: the sums over the window's count, as "
@@ -1031,6 +1038,8 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     "process_group": _grouped(result.original, result.patched),
                 }
             )
+            if result.original.replay.ok and result.original.replay.model_kind == "sequence":
+                outcome.replayed = "" if options.model_factory else SCORED_BY_STAND_IN
         outcomes.append(asdict(outcome))
     return outcomes
 
