@@ -43,7 +43,8 @@ def tokens(text: str):
 def reference(text: str) -> Evidence:
     found = Evidence()
     previous: list = []
-    for token in tokens(text):
+    stream = list(tokens(text))
+    for index, token in enumerate(stream):
         line, string = token.start[0], token.string
         if token.type == tokenize.COMMENT:
             match = SUPPRESSION.search(string)
@@ -55,7 +56,11 @@ def reference(text: str) -> Evidence:
         else:
             if found.padded is None and (what := padded(token, previous)):
                 found.padded = (line, what)
-            if found.masked is None and (what := named(token, MASKED)):
+            if (
+                found.masked is None
+                and (what := named(token, MASKED))
+                and not _set_to_ones(stream[index + 1 :])
+            ):
                 found.masked = (line, what)
         if (
             token.type != tokenize.COMMENT
@@ -66,6 +71,16 @@ def reference(text: str) -> Evidence:
         if token.type not in SKIPPED:
             previous = [*previous[-15:], token]
     return found
+
+
+def _set_to_ones(following) -> bool:
+    """Whether the tokens go on with `= ones(` or `= torch.ones_like(`: a mask of ones."""
+    strings = [t.string for t in following if t.type not in SKIPPED][:5]
+    if strings[:2] == ["=", "torch"] and strings[2:3] == ["."]:
+        strings = ["=", *strings[3:]]
+    return (
+        strings[:1] == ["="] and strings[1:2] in (["ones"], ["ones_like"]) and strings[2:3] == ["("]
+    )
 
 
 def padded(token, previous) -> str | None:
@@ -217,4 +232,6 @@ def test_lightnings_demo_dataset_is_fixed_length_blocks():
 )
 def test_a_mask_of_ones_is_no_sign_of_padding(call, masked):
     """A mask of ones hides no position (minimal-llama's `compute_loss`): no padding shown."""
-    assert (scan(f"out = {call}\n").masked is not None) is masked
+    text = f"out = {call}\n"
+    assert (scan(text).masked is not None) is masked
+    assert scan(text) == reference(text)
