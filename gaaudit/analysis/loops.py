@@ -710,12 +710,17 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
         (MAE's and timm's `loss_scaler(loss, optimizer, update_grad=(i + 1) % k == 0)`, an
         `amp_step(loss, opt, update=...)` of another module): the flag it is handed. Such a
         callable backpropagates the loss and steps the optimizer when the flag holds."""
-        values = [a.value for a in call.args]
+        if self.stepping_optimizer(call) is None:
+            return None
+        return next((a.value for a in call.args[1:] if self._modulo(a.value) is not None), None)
+
+    def stepping_optimizer(self, call: cst.Call) -> cst.BaseExpression | None:
+        """The optimizer a call handed the loss first also hands (`stepping_flag`), else None."""
         if not positional(call) or backward_of(call) is not None:
             return None
-        if not any(OPTIMIZER.search(last_name(v) or "") for v in values[1:]):
-            return None
-        return next((v for v in values[1:] if self._modulo(v) is not None), None)
+        return next(
+            (a.value for a in call.args[1:] if OPTIMIZER.search(last_name(a.value) or "")), None
+        )
 
     def stepping_callable(self, call: cst.Call) -> cst.BinaryOperation | None:
         """The `a % k` of a stepping callable's flag (`stepping_flag`)."""

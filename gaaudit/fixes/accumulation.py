@@ -1264,6 +1264,8 @@ class _Window:
         return None
 
     def _optimizer(self, window: Window) -> str:
+        if window.kind == "callable":  # `loss_scaler(loss, optimizer, ...)`: the one it is handed
+            return code(self.auditor.structure.stepping_optimizer(window.anchor))
         regions = window.step_region if window.kind != "accumulate" else (window.anchor,)
         helpers = []
         for region in regions:

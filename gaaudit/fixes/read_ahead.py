@@ -17,7 +17,6 @@ from gaaudit.analysis.tree import (
     assigned_value,
     code,
     dotted,
-    last_name,
     positional,
     substituted,
     target_names,
@@ -25,7 +24,7 @@ from gaaudit.analysis.tree import (
 )
 from gaaudit.checks.accumulation import Site
 from gaaudit.fixes.edits import Unfixable, atom, parsed_statements, statement_line
-from gaaudit.vocabulary import MOVERS, OPTIMIZER
+from gaaudit.vocabulary import MOVERS
 
 AHEAD_NOTE = "# read ahead: each micro-batch's share of its window's valid targets, before backward"
 SAME_ELEMENTS = {  # a rebinding that keeps each element where it was, so the count
@@ -121,11 +120,6 @@ class _ReadAhead:
             guard = cst.parse_expression(
                 f"({engine}.micro_steps + len({pending})) "
                 f"% {engine}.gradient_accumulation_steps() == 0"
-            )
-        elif site.window.kind == "callable":  # the optimizer it is handed
-            handed = [a.value for a in site.window.anchor.args[1:]]
-            device = self._device(
-                next(code(v) for v in handed if OPTIMIZER.search(last_name(v) or ""))
             )
         else:
             device = self._device(self._optimizer(site.window))
