@@ -447,3 +447,23 @@ def test_a_verdict_on_the_tiny_sequence_model_says_what_that_model_averages():
     assert bert and SCORED_BY_STAND_IN not in bert, result.stdout
     text = gaaudit("verify", paths[0], "-k", "2", "--device", "cpu").stdout
     assert SCORED_BY_STAND_IN in text, text
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["ga003_accelerate_update_function_per_batch", "ga003_deepspeed_engine_method_per_batch"],
+)
+def test_a_function_that_trains_on_one_batch_a_call_is_called_once_for_each(name):
+    """lerobot's `update_policy(policy, batch, ...)` and PandaGPT's `train_model(self, batch)`
+    train on the one batch their caller's loop hands them, and accelerate or DeepSpeed counts
+    the window across calls: the replay calls the function once for each micro-batch up to
+    the step, where each mean divided by K reproduces the bug."""
+    result = gaaudit("verify", str(FIXTURES / f"{name}.py"), "-k", "4", "--format", "json")
+    (loop,) = json.loads(result.stdout)["loops"]
+    assert loop["header"].startswith("def ") and loop["flagged"], loop
+    if "deepspeed" in name and find_spec("deepspeed") is None:  # the test extra lacking
+        assert loop["verdict"].endswith("install deepspeed to replay it"), loop
+        return
+    assert result.returncode == 1, result.stdout + result.stderr
+    (row,) = loop["rows"]
+    assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-2, row

@@ -52,6 +52,9 @@ OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
 SCHEDULER_RE = re.compile(r"sched|profil", re.IGNORECASE)
 # a function that makes something (`get_sft_collate_fn(**kwargs)`): not a model called on a batch
 FACTORY_RE = re.compile(r"(get|make|build|create|load)_", re.IGNORECASE)
+# what a function that trains on one micro-batch a call names it: `def train_step(batch)`
+BATCH_PARAM = re.compile(r"batch|^(inputs?|samples?|data|examples?)$", re.IGNORECASE)
+DATA_ROLES = ("data", "data-call", "micro-batch")
 DATA_RE = re.compile(r"batch|loader|data|(^|_)iter(ator)?($|_)", re.IGNORECASE)
 DIVISOR_RE = re.compile(r"accum", re.IGNORECASE)
 COUNT_RE = re.compile(r"(steps|iters?)$", re.IGNORECASE)
@@ -1059,6 +1062,11 @@ def analyse(
         else set()
     )
     roles = _roles(usage, free, params or [], own, divisor_names, helper_names)
+    if params and not lightning and (batch := _micro_batch(params, optional, roles)):
+        # data of a parameter left at its default (`sample_weighter=None`) is not bound
+        roles = {c: r for c, r in roles.items() if c[0] not in optional or r not in DATA_ROLES}
+        roles[(batch,)] = "micro-batch"
+        usage.items[(batch,)] = batch
     for item in derived:  # `bar = tqdm(range(steps)); for step in bar:` counts turns
         if roles.get(item.chain) == "data" and _counts_turns(item.value):
             roles[item.chain] = "turns"
@@ -1071,11 +1079,9 @@ def analyse(
     for item in derived:
         roles.pop(item.chain, None)
     data = [
-        c
-        for c, r in roles.items()
-        if r in ("data", "data-call") and (c[0] not in imported or c[0] in rebound)
+        c for c, r in roles.items() if r in DATA_ROLES and (c[0] not in imported or c[0] in rebound)
     ]
-    models = [c for c, r in roles.items() if r == "model"]
+    models = [c for c, r in roles.items() if r in ("model", "engine")]
     stages = _stages(usage, models)
     shapes = {_call_shape(usage, c) for c in models}
     kind = model_kind or ("pair" if stages else _kind(source, shapes))
@@ -1151,6 +1157,20 @@ def _roles(
         if chain in models and calls and all(_hands_on(call, models) for call, _ in calls):
             del roles[chain]
     return roles
+
+
+def _micro_batch(params: list[str], optional: set, roles: dict) -> str | None:
+    """The parameter of a function that takes one micro-batch a call and trains on it
+    (`def train_step(model, batch, optimizer)`, a DeepSpeed engine's or accelerate's window
+    counted across calls): its caller's loop hands it each batch. None when the function
+    draws its own data, or trains nothing."""
+    held = {r for c, r in roles.items() if c[0] not in optional}  # `sample_weighter=None`
+    if held & {"data", "data-call"} or not held & {"model", "engine"}:
+        return None
+    return next(
+        (p for p in params if (p,) not in roles and p not in optional and BATCH_PARAM.search(p)),
+        None,
+    )
 
 
 def _hands_on(call: ast.Call, models: set) -> bool:

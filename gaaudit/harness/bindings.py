@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from gaaudit.harness import factory
-from gaaudit.harness.analysis import Plan, chain_of
+from gaaudit.harness.analysis import DATA_ROLES, Plan, chain_of
 from gaaudit.harness.data import merge_batches
 from gaaudit.harness.models import TinyTokenModel, ignore_value, vocab_size
 from gaaudit.harness.nets import PAD_ID, output_width
@@ -60,6 +60,7 @@ class Objects:
     ):
         self.plan, self.bindings, self.values, self.filename = plan, bindings, {}, filename
         self.sources: list[DataSource] = []  # the data the loop reads, to count what it drew
+        self.caller: tuple[str, DataSource] | None = None  # see `_bind_data`
         roles = {  # not a module's attributes (`torch.optim`), but its K (`config.accum_steps`)
             c: r
             for c, r in plan.roles.items()
@@ -124,7 +125,7 @@ class Objects:
             described["engine"] = (engine, f"DeepSpeed engine (gradient_accumulation_steps={k})")
         stages = self._stages(model)
         for chain, role in roles.items():
-            if role in ("data", "data-call"):
+            if role in DATA_ROLES:
                 self._bind_data(chain, role, items, namespace)
             elif role == "criterion":
                 ignored = ignore_value(plan.model_kind, ignore_index)
@@ -258,7 +259,11 @@ class Objects:
         text = f"{len(items)} micro-batches as {shape}"
         if self.plan.splits_batch:
             text = f"the whole window as one batch of {shape[:-1]} (the loop splits it)"
-        if role == "data-call":
+        if role == "micro-batch":  # the function is called once for each, as its caller would
+            self.caller = (chain[0], source)
+            self.values[chain[0]] = items[0]
+            self.bindings[chain[0]] = f"each of {text}, one a call (the caller's loop)"
+        elif role == "data-call":
             self._bind(
                 chain, lambda *args, **kwargs: source, f"a function returning {text}", namespace
             )

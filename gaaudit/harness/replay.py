@@ -19,6 +19,7 @@ import traceback
 import types
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -50,6 +51,7 @@ from gaaudit.harness.stubs import (
     Stub,
     progress_module,
     stub_range,
+    tensor_round,
     trange,
 )
 from gaaudit.vocabulary import BACKWARDS, CLIPPERS, MOVERS
@@ -486,10 +488,11 @@ def _execute(
                 precision,
                 _time_limit(timeout),
             ):
-                result = function(**kwargs)
-                if inspect.isgenerator(result):
-                    for _ in result:
-                        pass
+                for call in _calls(kwargs, objects.caller):
+                    result = function(**call)
+                    if inspect.isgenerator(result):
+                        for _ in result:
+                            pass
         except StepReached as stop:
             grads, where, drawn = optimizer.grads, stop.where, optimizer.drawn()
         except Exhausted as exc:
@@ -535,6 +538,17 @@ def _execute(
         output.getvalue()[-4000:],
         drawn,
     )
+
+
+def _calls(kwargs: dict, caller: tuple | None) -> Iterator[dict]:
+    """The arguments of each call of the statement: once, or, for a function that takes one
+    micro-batch a call (`Objects.caller`), once for each micro-batch its caller's loop draws."""
+    if caller is None:
+        yield kwargs
+        return
+    name, source = caller
+    for batch in source:
+        yield {**kwargs, name: batch}
 
 
 def _in_own_process(args: tuple, timeout: float) -> Replay:
@@ -596,14 +610,15 @@ def _engine_replay(model, data, args: tuple) -> Replay:
 
 
 def module_namespace(plan: Plan, filename: str) -> dict:
-    """Module globals: `range` that tolerates stub limits, `open` that tolerates stub paths,
-    the source's imports (stubs for those that fail, but a batch mover such as `to_device`,
+    """Module globals: `range` that tolerates stub limits, `round` that takes tensors, `open`
+    that tolerates stub paths, the source's imports (stubs for those that fail, but a batch mover such as `to_device`,
     which moves the batch; trackers and tqdm replaced), then the module-level helpers the
     statement uses (a stub unpacks in them too: `_StubsUnpack`)."""
     namespace = {
         "__name__": "__gaaudit_replay__",
         "__builtins__": builtins,
         "range": stub_range,
+        "round": tensor_round,
         "open": _open,
         _UNPACK: _unpacked,
     }

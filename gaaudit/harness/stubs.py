@@ -170,6 +170,14 @@ def stub_range(*args):
     return _bounded(range(start, start + RANGE_LIMIT * step if stop is None else stop, step))
 
 
+def tensor_round(number, ndigits=None):
+    """`round`, also of a one-element tensor: what the harness's model returns where the
+    user's returns a float (`round(accuracy * 100, 2)` in a log line)."""
+    if isinstance(number, torch.Tensor):
+        number = number.item()
+    return round(number, ndigits)
+
+
 def _bounded(turns: range):
     yield from turns
     if len(turns) == RANGE_LIMIT:
