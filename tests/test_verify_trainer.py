@@ -121,20 +121,48 @@ args = TrainingArguments(output_dir="out", gradient_accumulation_steps=8)
 Trainer(model=model, args=args, train_dataset=dataset).train()
 """
 
-# A subclass written for transformers before 4.46: its overrides take neither the count nor
-# the dataset that later releases hand them
+# A subclass written for transformers before 4.46: its overrides take no count, which later
+# releases hand them
 WRITTEN_BEFORE = """\
-from torch.utils.data import SequentialSampler
 from transformers import Trainer
 
 
 class OldTrainer(Trainer):
-    def _get_train_sampler(self):
-        return SequentialSampler(self.train_dataset)
+    def training_step(self, model, inputs):
+        return super().training_step(model, inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False):
         outputs = model(**inputs)
         return (outputs.loss, outputs) if return_outputs else outputs.loss
+"""
+
+# A subclass that loads its data for several processes and makes its optimizer from names an
+# old release exported (mPLUG-Owl's, VILA's), and keeps the stock loss
+OWN_LOADING = """\
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+from transformers import Trainer
+from transformers.trainer import ALL_LAYERNORM_LAYERS, get_parameter_names
+
+
+class ProjectTrainer(Trainer):
+    def get_train_dataloader(self):
+        sampler = DistributedSampler(self.train_dataset)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self._train_batch_size,
+            sampler=sampler,
+            collate_fn=self.data_collator,
+        )
+
+    def create_optimizer(self):
+        decay = set(get_parameter_names(self.model, ALL_LAYERNORM_LAYERS))
+        groups = [
+            {"params": [p for n, p in self.model.named_parameters() if n in decay]},
+            {"params": [p for n, p in self.model.named_parameters() if n not in decay]},
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=self.args.learning_rate)
+        return self.optimizer
 """
 
 # One project per test below: its script, then every file it holds.
@@ -178,6 +206,7 @@ PROJECTS = {
         )
     },
     "written_before": ("old.py", {"old.py": WRITTEN_BEFORE}),
+    "own_loading": ("trainer.py", {"trainer.py": OWN_LOADING}),
     "own_labels": (
         "sft.py",
         {
@@ -234,13 +263,24 @@ def test_a_pin_to_4_48_0_is_replayed_with_its_regression(replayed, capsys):
 
 
 def test_overrides_written_before_4_46_are_called_as_those_releases_called_them(replayed):
-    """The installed Trainer passes `num_items_in_batch` to `compute_loss` and the dataset to
-    `_get_train_sampler`, which this class's overrides do not take: it trains as the
-    releases it was written for did, each micro-batch's mean over K, and says so."""
+    """The installed Trainer passes `num_items_in_batch` to `compute_loss` and
+    `training_step`, which this class's overrides do not take: it trains as the releases it
+    was written for did, each micro-batch's mean over K, and says so."""
     loop = replayed["written_before"]
     assert loop.flagged and loop.replayed == PREDATES, loop
     for row in loop.rows:
         assert row["original_verdict"] == "bug reproduced" and row["original_error"] > 1e-2, row
+
+
+def test_a_subclass_loading_its_own_data_trains_on_the_harness_window(replayed):
+    """Its data loading (a DistributedSampler, which wants a process group) and its optimizer
+    (parameter groups of a name transformers 5 no longer exports) are the Trainer's own in the
+    replay: the window is the harness's, in order, and the gradients are read before the
+    optimizer steps. Its stock loss then matches the full batch."""
+    loop = replayed["own_loading"]
+    assert loop.header.startswith("class ProjectTrainer(") and not loop.flagged, loop
+    assert loop.verdict == "verified", loop
+    assert all(row["original_error"] < 1e-5 for row in loop.rows), loop
 
 
 def test_the_stock_trainer_without_a_pin_matches_the_full_batch(replayed):

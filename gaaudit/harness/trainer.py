@@ -35,6 +35,22 @@ from gaaudit.harness.models import LABELS, head
 from gaaudit.harness.stubs import Stub
 
 MICRO = 2  # examples per micro-batch
+# The Trainer's methods whose own versions the replay keeps: data loading hands it the
+# harness's window in order, where a subclass's (a DistributedSampler, batches grouped by
+# length or modality) would serve other micro-batches than the full batch it is compared
+# with; the optimizer a subclass makes (parameter groups of layer types an old release
+# exported) cannot change the gradients, which are read before it steps.
+TRAINERS_OWN = frozenset(
+    {
+        "get_train_dataloader",
+        "_get_train_sampler",
+        "get_eval_dataloader",
+        "_get_eval_sampler",
+        "create_optimizer",
+        "create_scheduler",
+        "create_optimizer_and_scheduler",
+    }
+)
 FIXED = 24  # the length of every example of fixed-length data
 
 
@@ -79,11 +95,12 @@ def trainer_class(
 def _as_called_before(cls):
     """A Trainer subclass whose overrides of the Trainer's methods take only the arguments
     they name, as the release they were written for called them (`_get_train_sampler(self)`,
-    which later releases hand the dataset); `compute_loss` aside (`_predates_the_count`)."""
+    which later releases hand the dataset); `compute_loss` aside (`_predates_the_count`).
+    Its data loading and optimizer are the Trainer's own (`TRAINERS_OWN`)."""
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
         return cls
     overrides = {
-        name: _taking_what_it_names(method)
+        name: getattr(Trainer, name) if name in TRAINERS_OWN else _taking_what_it_names(method)
         for owner in reversed(cls.__mro__[: cls.__mro__.index(Trainer)])
         if not owner.__module__.startswith("transformers")
         for name, method in vars(owner).items()
