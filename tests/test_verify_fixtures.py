@@ -106,7 +106,7 @@ NOT_REPLAYABLE = {
     # A double-heads model's multiple-choice inputs, which the harness's batches do not hold.
     "ga001_weighted_sum_of_means": (
         "not replayable: KeyError: 'mc_token_ids'",
-        ("KeyError: 'lm_labels'",),
+        ("KeyError: 'mc_token_ids'",),
     ),
     # Loops that build their own batches from text files (issue "verify on real scripts": replay
     # with the file's own data): the harness's stand-ins do not reach the backward.
@@ -451,13 +451,18 @@ def test_a_verdict_on_the_tiny_sequence_model_says_what_that_model_averages():
 
 @pytest.mark.parametrize(
     "name",
-    ["ga003_accelerate_update_function_per_batch", "ga003_deepspeed_engine_method_per_batch"],
+    [
+        "ga003_accelerate_update_function_per_batch",
+        "ga003_deepspeed_engine_method_per_batch",
+        "ga001_ignite_update_per_batch",
+    ],
 )
 def test_a_function_that_trains_on_one_batch_a_call_is_called_once_for_each(name):
-    """lerobot's `update_policy(policy, batch, ...)` and PandaGPT's `train_model(self, batch)`
-    train on the one batch their caller's loop hands them, and accelerate or DeepSpeed counts
-    the window across calls: the replay calls the function once for each micro-batch up to
-    the step, where each mean divided by K reproduces the bug."""
+    """lerobot's `update_policy(policy, batch, ...)`, PandaGPT's `train_model(self, batch)` and
+    CDial-GPT's ignite `update(engine, batch)` train on the one batch their caller's loop hands
+    them, and accelerate, DeepSpeed or the engine's count of calls closes the window: the
+    replay calls the function once for each micro-batch up to the step, where each mean
+    divided by K reproduces the bug."""
     result = gaaudit("verify", str(FIXTURES / f"{name}.py"), "-k", "4", "--format", "json")
     (loop,) = json.loads(result.stdout)["loops"]
     assert loop["header"].startswith("def ") and loop["flagged"], loop

@@ -40,7 +40,9 @@ BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness
     **dict.fromkeys(
         ("attention_mask", "attn_mask", "input_mask", "mask", "source_mask"), "attention_mask"
     ),
-    **dict.fromkeys(("labels", "label_ids", "targets", "target", "target_ids", "y"), "labels"),
+    **dict.fromkeys(
+        ("labels", "label_ids", "lm_labels", "targets", "target", "target_ids", "y"), "labels"
+    ),
     # made from the labels: 1 where the loss counts a target, 0 where it ignores one
     **dict.fromkeys(
         ("loss_mask", "label_mask", "labels_mask", "target_mask", "completion_mask"), "loss_mask"
@@ -463,6 +465,12 @@ class _Usage:
             for child in ast.iter_child_nodes(parent)
         }
         self.generators = []
+        moved = {  # `tuple(t.to(device) for t in batch)` unpacks `batch`: not iterated data
+            loop
+            for root in nodes
+            for node in ast.walk(root)
+            if isinstance(node, ast.Assign) and (loop := _moved_each(node.value))
+        }
         for root in nodes:
             for node in ast.walk(root):
                 chain = chain_of(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
@@ -477,7 +485,7 @@ class _Usage:
                     self._call(node, parents)
                 elif isinstance(node, ast.For) and _entered(node):
                     self._contexts(node.iter)
-                elif isinstance(node, (ast.For, ast.comprehension)):
+                elif isinstance(node, (ast.For, ast.comprehension)) and node not in moved:
                     self._iterated(node.iter, node.target)
                 elif isinstance(node, ast.Dict):
                     self._positions(node)
@@ -485,10 +493,10 @@ class _Usage:
                     self.result_attrs.add(chain_of(node.value))
                 elif (
                     isinstance(node, ast.Assign)
-                    and isinstance(node.value, ast.Name)
                     and isinstance(node.targets[0], (ast.Tuple, ast.List))
+                    and (unpacked := _unpacked_name(node.value))
                 ):
-                    self.named_unpacks.setdefault(node.value.id, node.targets[0].elts)
+                    self.named_unpacks.setdefault(unpacked, node.targets[0].elts)
                 elif (
                     isinstance(node, ast.Assign)
                     and chain_of(node.value)
@@ -508,7 +516,7 @@ class _Usage:
                     self.arity.setdefault(func, arity)
         for chain, name in [*self.items.items(), *self.drawn.items()]:
             if name in self.named_unpacks:  # `for batch in loader: ...; ids, labels = batch`
-                self._unpacks(chain, self.named_unpacks[name])
+                self.unpacks(chain, self.named_unpacks[name])
         for alias, chain in self.aliases:  # `active = train_loader; for batch in active:`
             self.evidence[chain] |= self.evidence.get((alias,), set()) & {"iterated", "next"}
             if (alias,) in self.arity:
@@ -567,7 +575,7 @@ class _Usage:
     def _unpacked(self, source: Chain, parent) -> None:
         if isinstance(parent, ast.Assign) and isinstance(parent.targets[0], (ast.Tuple, ast.List)):
             names = [chain_of(e) for e in parent.targets[0].elts]
-            self._unpacks(source, parent.targets[0].elts)
+            self.unpacks(source, parent.targets[0].elts)
             self.assigned[source] = [n for n in names if n]
 
     def _positions(self, node: ast.Dict) -> None:
@@ -619,11 +627,11 @@ class _Usage:
             if chain:
                 self.evidence[chain].add("iterated")
                 if isinstance(target, (ast.Tuple, ast.List)):
-                    self._unpacks(chain, target.elts)
+                    self.unpacks(chain, target.elts)
                 elif isinstance(target, ast.Name):
                     self.items.setdefault(chain, target.id)
 
-    def _unpacks(self, chain: Chain, names: list[ast.expr]) -> None:
+    def unpacks(self, chain: Chain, names: list[ast.expr]) -> None:
         """Each batch of `chain` unpacks into `names`; values after the first two that go to
         `_` names are not used (VideoMAE's `samples, targets, _, _`)."""
         self.arity.setdefault(chain, len(names))
@@ -632,6 +640,31 @@ class _Usage:
             isinstance(n, ast.Name) and n.id.startswith("_") for n in names[2:]
         ):
             self.fillers.setdefault(chain, len(names) - 2)
+
+
+def _unpacked_name(value: ast.expr) -> str | None:
+    """The name whose values an assignment unpacks: `batch` of `ids, labels = batch`, also
+    moved one by one (`_moved_each`)."""
+    moved = _moved_each(value)
+    value = moved.iter if moved else value
+    return value.id if isinstance(value, ast.Name) else None
+
+
+def _moved_each(value: ast.expr) -> ast.comprehension | None:
+    """The loop of `tuple(t.to(device) for t in batch)` (or a list of them): each value of
+    `batch` moved, which unpacks it rather than iterating data."""
+    if isinstance(value, ast.Call) and chain_of(value.func) in (("tuple",), ("list",)):
+        value = value.args[0] if len(value.args) == 1 else value
+    if not isinstance(value, (ast.GeneratorExp, ast.ListComp)) or len(value.generators) != 1:
+        return None
+    (loop,) = value.generators
+    element = value.elt
+    while isinstance(element, ast.Call) and isinstance(element.func, ast.Attribute):
+        if element.func.attr not in SAME_TENSOR:
+            return None
+        element = element.func.value
+    moved = isinstance(element, ast.Name) and chain_of(loop.target) == (element.id,)
+    return loop if moved and not loop.ifs and isinstance(loop.iter, ast.Name) else None
 
 
 def _positional_keys(usage: _Usage, data: list[Chain]) -> tuple:
@@ -1067,6 +1100,8 @@ def analyse(
         roles = {c: r for c, r in roles.items() if c[0] not in optional or r not in DATA_ROLES}
         roles[(batch,)] = "micro-batch"
         usage.items[(batch,)] = batch
+        if batch in usage.named_unpacks:  # `input_ids, labels = batch`
+            usage.unpacks((batch,), usage.named_unpacks[batch])
     for item in derived:  # `bar = tqdm(range(steps)); for step in bar:` counts turns
         if roles.get(item.chain) == "data" and _counts_turns(item.value):
             roles[item.chain] = "turns"

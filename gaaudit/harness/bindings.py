@@ -263,6 +263,10 @@ class Objects:
             self.caller = (chain[0], source)
             self.values[chain[0]] = items[0]
             self.bindings[chain[0]] = f"each of {text}, one a call (the caller's loop)"
+            if "engine" in self.plan.params and ("engine",) not in self.plan.roles:
+                # ignite's `update(engine, batch)`: `engine.state.iteration` counts the calls
+                self.values["engine"] = Stub("engine", {"state": Stub("engine.state")})
+                self.bindings["engine"] = "ignite's engine, whose state counts the calls from 1"
         elif role == "data-call":
             self._bind(
                 chain, lambda *args, **kwargs: source, f"a function returning {text}", namespace

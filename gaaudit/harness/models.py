@@ -169,7 +169,7 @@ def build_model(
 ) -> nn.Module:
     """A fresh tiny model of `kind` (see KINDS) with weights fixed by `seed`, in eval mode:
     GPT-2 (causal; a sequence classifier for classify), T5 (seq2seq), BERT (mlm), TinyGPT (nanogpt), TinyTokenModel (logits), a
-    model of nets.py (`returns`: how a loop unpacks a sequence model's loss); the user's
+    model of nets.py (`returns`: how a loop unpacks a model's result); the user's
     model instead while factory.user_model() is active."""
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
@@ -185,7 +185,7 @@ def build_model(
     else:
         model = _hf_model(kind)
         model.register_forward_pre_hook(_batch_as_keywords, with_kwargs=True)
-        model.register_forward_hook(_lenient_output)
+        model.register_forward_hook(_as_tuple if returns else _lenient_output)
     return model.eval()
 
 
@@ -205,6 +205,12 @@ def _lenient_output(module: nn.Module, inputs, output):
     if isinstance(output, dict):  # a ModelOutput, not the tuple of `return_dict=False`
         output.__class__ = _lenient(type(output))
     return output
+
+
+def _as_tuple(module: nn.Module, inputs, output):
+    """The tuple of a transformers output, for a loop that unpacks it (`lm_loss, *_ =
+    model(...)`), as releases before `return_dict` returned it."""
+    return output.to_tuple() if isinstance(output, dict) else output
 
 
 @functools.cache

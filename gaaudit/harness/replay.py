@@ -547,7 +547,9 @@ def _calls(kwargs: dict, caller: tuple | None) -> Iterator[dict]:
         yield kwargs
         return
     name, source = caller
-    for batch in source:
+    for call, batch in enumerate(source, 1):
+        if "engine" in kwargs and isinstance(kwargs["engine"], Stub):  # ignite's (`Objects`)
+            kwargs["engine"].state.iteration = call
         yield {**kwargs, name: batch}
 
 
