@@ -128,11 +128,11 @@ NOT_REPLAYABLE = {
         "not replayable: KeyError: 'prompt'",
         ("KeyError: 'prompt'",),
     ),
-    # A model that returns its loss beside a token count: the harness's tiny language model
-    # returns its output object, which does not unpack into two values.
+    # A model that returns its loss beside a token count: the harness's tiny language model,
+    # unpacked, returns its loss beside its logits, which are no count.
     "ga001_mean_loss_returned_beside_count": (
-        "not replayable: ValueError: too many values to unpack",
-        ("too many values to unpack",),
+        "not replayable: ValueError: only one element tensors",
+        ("only one element tensors can be converted to Python scalars",),
     ),
     # Policy-gradient rollouts: old log-probabilities and advantages the harness's batches do
     # not hold.

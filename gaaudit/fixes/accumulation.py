@@ -516,16 +516,23 @@ class _CompanionCounts:
                     labels = f'{code(spread)}["labels"]'
         if labels is None:
             raise Unfixable("the labels passed to the model are not visible at the loss")
+        causal = self._causal(call)
+        if causal is None:
+            raise Unfixable("cannot tell whether the model shifts its labels (causal LM) or not")
+        shifted = f"{labels}[..., 1:]" if causal else labels
+        return f"({shifted} != -100).sum()", ""
+
+    def _causal(self, call: cst.Call | None) -> bool | None:
+        """Whether the transformers model `call` calls shifts its labels (a causal LM), as the
+        file's model class, one built in another module, or labels that copy its inputs say;
+        None when gaaudit cannot tell, or the model is no transformers one."""
         causal = shifts_labels(self.text)
         tracer = self.auditor.tracer
         if causal is None and call is not None and tracer.imports is not None:
             causal = shifts_labels(tracer.imports.class_of(tracer, call.func))  # built elsewhere
         if causal is None and call is not None and self._copies_inputs(call):
             causal = True
-        if causal is None:
-            raise Unfixable("cannot tell whether the model shifts its labels (causal LM) or not")
-        shifted = f"{labels}[..., 1:]" if causal else labels
-        return f"({shifted} != -100).sum()", ""
+        return causal
 
     def _copies_inputs(self, call: cst.Call) -> bool:
         """Whether the `labels=` a model is handed copy the token ids the same call hands it
@@ -594,6 +601,10 @@ class _CompanionCounts:
         ignore = re.search(r"ignore_index\s*=\s*(-?\d+)", self.text) or re.search(
             r"(-100)\b", self.text
         )
+        causal = self._causal(call) if target is keyword(call, "labels") else None
+        if causal is not None:  # a transformers model's `labels=`: -100 unless set otherwise
+            shifted = f"{atom(target)}[..., 1:]" if causal else atom(target)
+            return (f"({shifted} != {ignore.group(1) if ignore else -100}).sum()", ""), True
         if ignore:
             return (f"({atom(target)} != {ignore.group(1)}).sum()", ""), True
         return (

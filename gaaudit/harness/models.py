@@ -185,7 +185,9 @@ def build_model(
     else:
         model = _hf_model(kind)
         model.register_forward_pre_hook(_batch_as_keywords, with_kwargs=True)
-        model.register_forward_hook(_as_tuple if returns else _lenient_output)
+        model.register_forward_hook(
+            functools.partial(_as_tuple, len(returns)) if returns else _lenient_output
+        )
     return model.eval()
 
 
@@ -207,10 +209,11 @@ def _lenient_output(module: nn.Module, inputs, output):
     return output
 
 
-def _as_tuple(module: nn.Module, inputs, output):
-    """The tuple of a transformers output, for a loop that unpacks it (`lm_loss, *_ =
-    model(...)`), as releases before `return_dict` returned it."""
-    return output.to_tuple() if isinstance(output, dict) else output
+def _as_tuple(size: int, module: nn.Module, inputs, output):
+    """The tuple of a transformers output, for a loop that unpacks it into `size` names
+    (`loss, logits = model(...)`, `lm_loss, *_ = model(...)`), as releases before
+    `return_dict` returned it, without what the loop does not name (the cache)."""
+    return output.to_tuple()[:size] if isinstance(output, dict) else output
 
 
 @functools.cache
