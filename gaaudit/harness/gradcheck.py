@@ -148,6 +148,8 @@ class RecordingOptimizer(torch.optim.SGD):
     """A real SGD whose `step()` records the gradients in `grads` and raises StepReached; the
     first `skip` steps change nothing and go on."""
 
+    _global_grad_norm = 0.0  # DeepSpeed's optimizers' last norm, which loops log
+
     def __init__(self, params, lr: float = 1e-3, skip: int = 0):
         super().__init__(params, lr=lr)
         self.param_groups = [_Group(group) for group in self.param_groups]
