@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -222,6 +223,19 @@ def test_verify_replays_the_engine_loop_apart_and_proves_its_fix():
     assert row["verdict"] == VERIFIED and row["patched_error"] < 1e-5, row
     assert [loop["verdict"] for loop in trainer_file["loops"]] == [REPRODUCED]
     assert result.returncode == 1  # the Trainer's loop, whose fix is not verified
+
+
+def test_a_loop_that_logs_the_engines_gradient_norm_replays(tmp_path):
+    """InternImage logs `optimizer._global_grad_norm`, which DeepSpeed's optimizers keep,
+    after each `engine.step()`: the replay's optimizer has it, so the loop reaches its step."""
+    script = tmp_path / ENGINE.name
+    logged = "model_engine.step()\n            print(optimizer._global_grad_norm)"
+    script.write_text(ENGINE.read_text().replace("model_engine.step()", logged))
+    shutil.copy(ENGINE.with_name("ds_config_zero2.json"), tmp_path)
+    result = gaaudit("verify", "-k", "4", "--format", "json", str(script))
+    (loop,) = json.loads(result.stdout)["loops"]
+    (row,) = loop["rows"]
+    assert row["original_verdict"] == REPRODUCED and row["original_error"] > 0.1, row
 
 
 def test_verify_replays_the_engine_loop_on_the_ranks():
