@@ -11,6 +11,7 @@ import os
 import re
 import types
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +39,15 @@ TOKENIZER = re.compile(r"tokeni[sz]er", re.IGNORECASE)
 MISSING_NAMES = 8  # module names the owner class's definition reads that become stubs
 
 
+class Caller(NamedTuple):
+    """The loop that calls a function taking one micro-batch a call: the parameter each
+    batch goes to, the batches, and ignite's engine whose state counts the calls (or None)."""
+
+    batch: str
+    source: DataSource
+    engine: Stub | None
+
+
 class Objects:
     """`values` maps the statement's free names to what they are bound to; `bindings`
     receives a description of each. Raises (for replay to report) where the code around the
@@ -60,7 +70,7 @@ class Objects:
     ):
         self.plan, self.bindings, self.values, self.filename = plan, bindings, {}, filename
         self.sources: list[DataSource] = []  # the data the loop reads, to count what it drew
-        self.caller: tuple[str, DataSource] | None = None  # see `_bind_data`
+        self.caller: Caller | None = None  # see `_bind_data`
         roles = {  # not a module's attributes (`torch.optim`), but its K (`config.accum_steps`)
             c: r
             for c, r in plan.roles.items()
@@ -260,13 +270,14 @@ class Objects:
         if self.plan.splits_batch:
             text = f"the whole window as one batch of {shape[:-1]} (the loop splits it)"
         if role == "micro-batch":  # the function is called once for each, as its caller would
-            self.caller = (chain[0], source)
-            self.values[chain[0]] = items[0]
-            self.bindings[chain[0]] = f"each of {text}, one a call (the caller's loop)"
+            engine = None
             if "engine" in self.plan.params and ("engine",) not in self.plan.roles:
                 # ignite's `update(engine, batch)`: `engine.state.iteration` counts the calls
-                self.values["engine"] = Stub("engine", {"state": Stub("engine.state")})
+                engine = self.values["engine"] = Stub("engine", {"state": Stub("engine.state")})
                 self.bindings["engine"] = "ignite's engine, whose state counts the calls from 1"
+            self.caller = Caller(chain[0], source, engine)
+            self.values[chain[0]] = items[0]
+            self.bindings[chain[0]] = f"each of {text}, one a call (the caller's loop)"
         elif role == "data-call":
             self._bind(
                 chain, lambda *args, **kwargs: source, f"a function returning {text}", namespace

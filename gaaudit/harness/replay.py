@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gaaudit.harness import factory
 from gaaudit.harness.analysis import NotReplayable, Plan, analyse, disables_grad
-from gaaudit.harness.bindings import Objects
+from gaaudit.harness.bindings import Caller, Objects
 from gaaudit.harness.data import Window, make_window, merge_batches
 from gaaudit.harness.gradcheck import (
     AGREEMENT,
@@ -540,17 +540,16 @@ def _execute(
     )
 
 
-def _calls(kwargs: dict, caller: tuple | None) -> Iterator[dict]:
+def _calls(kwargs: dict, caller: Caller | None) -> Iterator[dict]:
     """The arguments of each call of the statement: once, or, for a function that takes one
-    micro-batch a call (`Objects.caller`), once for each micro-batch its caller's loop draws."""
+    micro-batch a call, once for each micro-batch its caller's loop draws."""
     if caller is None:
         yield kwargs
         return
-    name, source = caller
-    for call, batch in enumerate(source, 1):
-        if "engine" in kwargs and isinstance(kwargs["engine"], Stub):  # ignite's (`Objects`)
-            kwargs["engine"].state.iteration = call
-        yield {**kwargs, name: batch}
+    for call, batch in enumerate(caller.source, 1):
+        if caller.engine is not None:
+            caller.engine.state.iteration = call
+        yield {**kwargs, caller.batch: batch}
 
 
 def _in_own_process(args: tuple, timeout: float) -> Replay:
@@ -613,9 +612,9 @@ def _engine_replay(model, data, args: tuple) -> Replay:
 
 def module_namespace(plan: Plan, filename: str) -> dict:
     """Module globals: `range` that tolerates stub limits, `round` that takes tensors, `open`
-    that tolerates stub paths, the source's imports (stubs for those that fail, but a batch mover such as `to_device`,
-    which moves the batch; trackers and tqdm replaced), then the module-level helpers the
-    statement uses (a stub unpacks in them too: `_StubsUnpack`)."""
+    that tolerates stub paths, the source's imports (stubs for those that fail, but a batch
+    mover such as `to_device`, which moves the batch; trackers and tqdm replaced), then the
+    module-level helpers the statement uses (a stub unpacks in them too: `_StubsUnpack`)."""
     namespace = {
         "__name__": "__gaaudit_replay__",
         "__builtins__": builtins,
