@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, clipping_unfixed, devices, expected, gaaudit
 
-from gaaudit.commands.verify import REPRODUCED, SCORED_BY_STAND_IN, VERIFIED
+from gaaudit.commands.verify import CALLED_PER_BATCH, REPRODUCED, SCORED_BY_STAND_IN, VERIFIED
 
 ORIGINALS = sorted(
     p.with_name(p.name.removesuffix(".fixed.py") + ".py") for p in FIXTURES.glob("*.fixed.py")
@@ -466,6 +466,7 @@ def test_a_function_that_trains_on_one_batch_a_call_is_called_once_for_each(name
     result = gaaudit("verify", str(FIXTURES / f"{name}.py"), "-k", "4", "--format", "json")
     (loop,) = json.loads(result.stdout)["loops"]
     assert loop["header"].startswith("def ") and loop["flagged"], loop
+    assert loop["replayed"].startswith(CALLED_PER_BATCH), loop
     if "deepspeed" in name and find_spec("deepspeed") is None:  # the test extra lacking
         assert loop["verdict"].endswith("install deepspeed to replay it"), loop
         return

@@ -93,6 +93,10 @@ SCORED_BY_STAND_IN = (
     "tokens that are not padding): a model of yours that averages otherwise (per sequence, per "
     "frame) may differ; pass it with --model-factory"
 )
+# How a function that trains on the one batch its caller hands it is replayed
+CALLED_PER_BATCH = (
+    "called once for each micro-batch, as the loop that calls it would, until the optimizer steps"
+)
 # How a Trainer subclass written before transformers 4.46 is replayed (harness.trainer)
 PREDATES = (
     "replayed as transformers before 4.46 trains: its `compute_loss` takes no "
@@ -910,6 +914,7 @@ def _ranks(options: Options, factory):
 
 
 def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
+    from gaaudit.harness.nets import SIZED_KINDS
     from gaaudit.harness.replay import compare
 
     outcomes = []
@@ -974,8 +979,11 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                 outcome.equal_sizes = target.equal_sizes or LAST_BATCH_LEFT_OUT
             outcomes.append(asdict(outcome))
             continue
-        if _one_target_per_sample(job["original"], target):  # GA-GUIDE section 3
+        plan = _planned(job["original"], target)
+        # a model of one target per sample, whose counts vary with sizes alone: GA-GUIDE 3
+        if plan is not None and plan.model_kind in SIZED_KINDS:
             outcome.equal_sizes = target.equal_sizes or LAST_BATCH_LEFT_OUT
+        per_call = plan is not None and "micro-batch" in plan.roles.values()
         # micro-batches of one fixed length, no padding; of one size, where sizes count
         packed = bool(target.fixed_length or outcome.equal_sizes)
         for k in options.ks:
@@ -1038,23 +1046,24 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     "process_group": _grouped(result.original, result.patched),
                 }
             )
-            if result.original.replay.ok and result.original.replay.model_kind == "sequence":
-                outcome.replayed = "" if options.model_factory else SCORED_BY_STAND_IN
+            stand_in = result.original.replay.ok and result.original.replay.model_kind == "sequence"
+            notes = (
+                CALLED_PER_BATCH if per_call else "",
+                SCORED_BY_STAND_IN if stand_in and not options.model_factory else "",
+            )
+            outcome.replayed = "; ".join(note for note in notes if note)
         outcomes.append(asdict(outcome))
     return outcomes
 
 
-def _one_target_per_sample(source: str, target: Target) -> bool:
-    """Whether the harness replays the statement with a model of one target per sample
-    (SIZED_KINDS: an image or sequence classifier, a regressor), whose counts vary with
-    sizes alone."""
+def _planned(source: str, target: Target):
+    """The harness's plan of the statement's replay (analysis.Plan), None where it has none."""
     from gaaudit.harness.analysis import NotReplayable, analyse
-    from gaaudit.harness.nets import SIZED_KINDS
 
     try:
-        return analyse(source, target.line, target.divisors).model_kind in SIZED_KINDS
+        return analyse(source, target.line, target.divisors)
     except NotReplayable:
-        return False
+        return None
 
 
 def _progress(text: str) -> None:
