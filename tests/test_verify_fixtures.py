@@ -18,7 +18,13 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, clipping_unfixed, devices, expected, gaaudit
 
-from gaaudit.commands.verify import CALLED_PER_BATCH, REPRODUCED, SCORED_BY_STAND_IN, VERIFIED
+from gaaudit.commands.verify import (
+    CALLED_PER_BATCH,
+    REPRODUCED,
+    SCORED_BY_FRAMES,
+    SCORED_BY_STAND_IN,
+    VERIFIED,
+)
 
 ORIGINALS = sorted(
     p.with_name(p.name.removesuffix(".fixed.py") + ".py") for p in FIXTURES.glob("*.fixed.py")
@@ -471,5 +477,19 @@ def test_a_function_that_trains_on_one_batch_a_call_is_called_once_for_each(name
         assert loop["verdict"].endswith("install deepspeed to replay it"), loop
         return
     assert result.returncode == 1, result.stdout + result.stderr
+    (row,) = loop["rows"]
+    assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-2, row
+
+
+def test_a_model_that_scores_its_spectrogram_is_replayed_on_spectrograms():
+    """E2-TTS's and F5-TTS's trainers hand their model `batch["mel"]` and its lengths and
+    backpropagate the loss it returns: the replay serves spectrograms of varied length (channels
+    first, padded with silence) to a tiny model that scores its frames within each length, and
+    says so; accelerate's mean/K over those frames reproduces the bug."""
+    fixture = FIXTURES / "ga003_accelerate_tts_frames_mean.py"
+    result = gaaudit("verify", str(fixture), "-k", "4", "--device", "cpu", "--format", "json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    (loop,) = json.loads(result.stdout)["loops"]
+    assert loop["replayed"] == SCORED_BY_FRAMES, loop
     (row,) = loop["rows"]
     assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-2, row

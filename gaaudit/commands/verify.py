@@ -97,6 +97,13 @@ SCORED_BY_STAND_IN = (
 CALLED_PER_BATCH = (
     "called once for each micro-batch, as the loop that calls it would, until the optimizer steps"
 )
+# ... and on the tiny model that scores its own spectrogram frames (nets.TinyFrameModel)
+SCORED_BY_FRAMES = (
+    "replayed with a tiny model that scores its own spectrogram frames (their mean squared "
+    "error over the frames within each length): a model of yours that averages otherwise "
+    "(over a masked span, per utterance) may differ; pass it with --model-factory"
+)
+STAND_IN_NOTES = {"sequence": SCORED_BY_STAND_IN, "frames": SCORED_BY_FRAMES}
 # How a Trainer subclass written before transformers 4.46 is replayed (harness.trainer)
 PREDATES = (
     "replayed as transformers before 4.46 trains: its `compute_loss` takes no "
@@ -1046,10 +1053,10 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     "process_group": _grouped(result.original, result.patched),
                 }
             )
-            stand_in = result.original.replay.ok and result.original.replay.model_kind == "sequence"
+            stand_in = result.original.replay.ok and not options.model_factory
             notes = (
                 CALLED_PER_BATCH if per_call else "",
-                SCORED_BY_STAND_IN if stand_in and not options.model_factory else "",
+                STAND_IN_NOTES.get(result.original.replay.model_kind, "") if stand_in else "",
             )
             outcome.replayed = "; ".join(note for note in notes if note)
         outcomes.append(asdict(outcome))

@@ -73,6 +73,17 @@ def collate(
 ) -> dict[str, torch.Tensor]:
     """Right-pad `records` into one batch (each key to its `widths` entry at least): PAD_ID,
     labels padded with the ignored value; fixed-shape samples (images, features) are stacked."""
+    if kind == "frames":  # spectrograms padded with silence to one length; a transcript apiece
+        width = max(
+            (widths or {}).get("input_ids", 0), *(r["input_ids"].shape[-1] for r in records)
+        )
+        return {
+            "input_ids": torch.stack(
+                [F.pad(r["input_ids"], (0, width - r["input_ids"].shape[-1])) for r in records]
+            ),
+            "labels": torch.stack([r["labels"] for r in records]),
+            "text": torch.full((len(records), 1), 2),  # which the stand-in does not read
+        }
     if kind in NET_KINDS and kind not in PADDED_KINDS:
         return {key: torch.stack([r[key] for r in records]) for key in ("input_ids", "labels")}
 
@@ -103,7 +114,7 @@ def split_window(kind: str, records: list, k: int, ignore_index: int | None = No
         raise ValueError(f"cannot split {len(records)} samples into {k} micro-batches")
     bounds = [round(i * len(records) / k) for i in range(k + 1)]
     widths = {
-        key: max(r[key].shape[0] if r[key].dim() else 0 for r in records)
+        key: max(r[key].shape[-1] if r[key].dim() else 0 for r in records)
         for key in ("input_ids", "labels")
     }
     micro = [

@@ -1,7 +1,8 @@
 """Tiny plain-torch models, samples and reference losses for the kinds that are not language
 models: image classification (`image`), per-pixel segmentation (`segment`), regression
 (`regression`), an encoder-decoder called as two models (`pair`) or by keywords (`keyed`),
-and a model that scores its token sequence itself (`sequence`)."""
+a model that scores its token sequence itself (`sequence`), and one that scores its
+spectrogram frames itself (`frames`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-NET_KINDS = ("image", "segment", "regression", "pair", "keyed", "sequence")
+NET_KINDS = ("image", "segment", "regression", "pair", "keyed", "sequence", "frames")
 PAD_ID = 0  # the padding of the harness's token sequences (their tokens start at 2)
 # Kinds whose samples are token sequences of varied length, padded with PAD_ID in a batch.
 PADDED_KINDS = ("pair", "keyed", "sequence")
@@ -21,6 +22,7 @@ CLASSES = 10
 IMAGE_SHAPE = (3, 8, 8)
 FEATURES, TARGETS = 6, 3
 WIDTH = 16
+CHANNELS = 8  # of a spectrogram frame
 
 
 class TinyImageClassifier(nn.Module):
@@ -144,14 +146,51 @@ class TinySequenceModel(nn.Module):
         targets = seq[:, 1:].flatten()
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=PAD_ID)
         if options.get("return_count"):
-            return loss, (targets != PAD_ID).sum()
+            return _counted(loss, (targets != PAD_ID).sum(), self.returns)
+        return _shaped(loss, self.returns)
 
-        def shaped(part, first: bool):
-            if part is None:
-                return loss if first else loss.new_zeros(())
-            return tuple(shaped(p, first and not i) for i, p in enumerate(part))
 
-        return shaped(self.returns, True)
+class TinyFrameModel(nn.Module):
+    """A model that takes a spectrogram and scores it itself, as text-to-speech models (E2,
+    F5) do: `forward(frames (B, N, CHANNELS), *others, lens=(B,)) -> loss`, the mean squared
+    error of each frame's prediction of the next channel's over the frames within `lens`,
+    whatever else it is handed. Frame-wise, so padding does not change the other frames.
+    `returns` and `return_count` as TinySequenceModel's."""
+
+    def __init__(self, returns: tuple | None = None):
+        super().__init__()
+        self.proj = nn.Sequential(nn.Linear(CHANNELS, WIDTH), nn.Tanh(), nn.Linear(WIDTH, CHANNELS))
+        self.returns = returns
+
+    def forward(self, frames, *others, lens=None, **options):
+        errors = ((self.proj(frames) - frames.roll(1, -1)) ** 2).mean(-1).float()
+        if lens is None:
+            lens = torch.full(frames.shape[:1], frames.shape[1], device=frames.device)
+        valid = torch.arange(frames.shape[1], device=frames.device) < lens[:, None]
+        loss = errors[valid].mean()
+        if options.get("return_count"):
+            return _counted(loss, valid.sum(), self.returns)
+        return _shaped(loss, self.returns)
+
+
+def _shaped(loss: torch.Tensor, returns: tuple | None):
+    """`loss` in the shape the loop unpacks (nested tuples of None): the loss first, zeros in
+    the other places."""
+
+    def shaped(part, first: bool):
+        if part is None:
+            return loss if first else loss.new_zeros(())
+        return tuple(shaped(p, first and not i) for i, p in enumerate(part))
+
+    return shaped(returns, True)
+
+
+def _counted(loss: torch.Tensor, count: torch.Tensor, returns: tuple | None) -> tuple:
+    """What a model asked for its count returns: what it returned, then the count (`loss,
+    cond, pred, count = model(..., return_count=True)`, as `gaaudit fix` rewrites the call)."""
+    if returns is None or len(returns) < 2:
+        return loss, count
+    return (*_shaped(loss, returns[:-1]), count)
 
 
 def build_net(kind: str, vocab: int, returns: tuple | None = None) -> nn.Module:
@@ -165,6 +204,8 @@ def build_net(kind: str, vocab: int, returns: tuple | None = None) -> nn.Module:
         return TinyRegressor()
     if kind == "sequence":
         return TinySequenceModel(vocab, returns)
+    if kind == "frames":
+        return TinyFrameModel(returns)
     if kind == "keyed":
         return TinyKeyedSeq2Seq(vocab)
     return TinyPair(vocab)
@@ -184,6 +225,8 @@ def net_loss(
         return F.mse_loss(model(inputs).float(), labels)
     if kind == "sequence":
         return model(inputs, return_loss=True)
+    if kind == "frames":  # channels first, as a spectrogram batch holds them
+        return model(inputs.transpose(1, 2), lens=labels, return_count=True)[0]
     if kind == "keyed":
         mask = (labels != ignore_index).long()
         return model(source_ids=inputs, target_ids=labels, target_mask=mask)[0]
@@ -203,6 +246,8 @@ def net_count(kind: str, batch: dict, ignore_index: int) -> torch.Tensor:
     labels = batch["labels"]
     if kind == "regression":
         return torch.tensor(labels.numel())
+    if kind == "frames":  # each spectrogram's length
+        return labels.sum()
     return ((labels[:, 1:] if kind in PADDED_KINDS else labels) != ignore_index).sum()
 
 
@@ -218,6 +263,12 @@ def net_record(kind: str, gen: torch.Generator, length, tokens, ignore_index: in
     if kind == "sequence":  # the model shifts the sequence itself
         seq = tokens(length() + 1)
         return {"input_ids": seq, "labels": seq.clone()}
+    if kind == "frames":  # a spectrogram, channels first, and its length
+        frames = length()
+        return {
+            "input_ids": torch.randn(CHANNELS, frames, generator=gen),
+            "labels": torch.tensor(frames),
+        }
     image = torch.randn(IMAGE_SHAPE, generator=gen)
     if kind == "image":
         return {"input_ids": image, "labels": torch.randint(CLASSES, (), generator=gen)}
