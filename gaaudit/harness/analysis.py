@@ -33,6 +33,7 @@ DEFS = (ast.FunctionDef,)
 ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip", "log_every"}
 HF_KWARGS = {"input_ids", "labels", "attention_mask", "decoder_input_ids", "inputs_embeds"}
 MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
+MELS = ("mel", "mels", "mel_spec")  # batch keys of spectrograms: the `frames` kind's inputs
 BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness's batches
     **dict.fromkeys(
         ("input_ids", "ids", "tokens", "input_tokens", "source_ids", "inputs", "x"), "input_ids"
@@ -44,7 +45,7 @@ BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness
         ("labels", "label_ids", "lm_labels", "targets", "target", "target_ids", "y"), "labels"
     ),
     # a spectrogram (the `frames` kind's inputs, channels first) and its length (its labels)
-    **dict.fromkeys(("mel", "mels", "mel_spec"), "input_ids"),
+    **dict.fromkeys(MELS, "input_ids"),
     **dict.fromkeys(("mel_lengths", "mel_lens"), "labels"),
     # made from the labels: 1 where the loss counts a target, 0 where it ignores one
     **dict.fromkeys(
@@ -60,7 +61,6 @@ FACTORY_RE = re.compile(r"(get|make|build|create|load)_", re.IGNORECASE)
 # what a function that trains on one micro-batch a call names it: `def train_step(batch)`
 BATCH_PARAM = re.compile(r"batch|^(inputs?|samples?|data|examples?)$", re.IGNORECASE)
 DATA_ROLES = ("data", "data-call", "micro-batch")
-MELS = frozenset({"mel", "mels", "mel_spec"})  # batch keys of spectrograms
 DATA_RE = re.compile(r"batch|loader|data|(^|_)iter(ator)?($|_)", re.IGNORECASE)
 DIVISOR_RE = re.compile(r"accum", re.IGNORECASE)
 COUNT_RE = re.compile(r"(steps|iters?)$", re.IGNORECASE)
@@ -1124,7 +1124,7 @@ def analyse(
     stages = _stages(usage, models)
     shapes = {_call_shape(usage, c) for c in models}
     kind = model_kind or ("pair" if stages else _kind(source, shapes))
-    if kind == "sequence" and usage.keys & MELS:
+    if kind == "sequence" and usage.keys & set(MELS):
         kind = "frames"  # a model that scores the spectrogram it is handed: TTS trainers
     prefetch = {
         c: usage.assigned[c]

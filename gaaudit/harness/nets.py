@@ -153,8 +153,8 @@ class TinySequenceModel(nn.Module):
 class TinyFrameModel(nn.Module):
     """A model that takes a spectrogram and scores it itself, as text-to-speech models (E2,
     F5) do: `forward(frames (B, N, CHANNELS), *others, lens=(B,)) -> loss`, the mean squared
-    error of each frame's prediction of the next channel's over the frames within `lens`,
-    whatever else it is handed. Frame-wise, so padding does not change the other frames.
+    error of each frame's prediction of its own channels shifted by one, over the frames
+    within `lens`, whatever else it is handed. Frame-wise, so padding does not change the other frames.
     `returns` and `return_count` as TinySequenceModel's."""
 
     def __init__(self, returns: tuple | None = None):
@@ -241,8 +241,9 @@ def net_loss(
 
 
 def net_count(kind: str, batch: dict, ignore_index: int) -> torch.Tensor:
-    """The number of counted targets: every regression target, the targets of the pair after
-    the first position, else the labels that are not `ignore_index`."""
+    """The number of counted targets: every regression target, every frame within a
+    spectrogram's length, the targets of the pair after the first position, else the labels
+    that are not `ignore_index`."""
     labels = batch["labels"]
     if kind == "regression":
         return torch.tensor(labels.numel())
