@@ -35,6 +35,7 @@ from gaaudit.harness.models import LABELS, head
 from gaaudit.harness.stubs import Stub
 
 MICRO = 2  # examples per micro-batch
+FIXED = 24  # the length of every example of fixed-length data
 # The Trainer's methods whose own versions the replay keeps: data loading hands it the
 # harness's window in order, where a subclass's (a DistributedSampler, batches grouped by
 # length or modality) would serve other micro-batches than the full batch it is compared
@@ -51,7 +52,6 @@ TRAINERS_OWN = frozenset(
         "create_optimizer_and_scheduler",
     }
 )
-FIXED = 24  # the length of every example of fixed-length data
 
 
 class GradientsAtStep(TrainerCallback):
@@ -94,8 +94,8 @@ def trainer_class(
 
 def _as_called_before(cls):
     """A Trainer subclass whose overrides of the Trainer's methods take only the arguments
-    they name, as the release they were written for called them (`_get_train_sampler(self)`,
-    which later releases hand the dataset); `compute_loss` aside (`_predates_the_count`).
+    they name, as the release they were written for called them (`training_step(self, model,
+    inputs)`, which later releases hand the count); `compute_loss` aside (`_predates_the_count`).
     Its data loading and optimizer are the Trainer's own (`TRAINERS_OWN`)."""
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
         return cls
