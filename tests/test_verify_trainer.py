@@ -165,6 +165,34 @@ class ProjectTrainer(Trainer):
         return self.optimizer
 """
 
+# A multimodal model's calling convention (the batch as one keyword) and a `training_step`
+# copied from a 4.3x Trainer, which reads `self.use_apex` (MiniCPM-V's `CPMTrainer`).
+COPIED_STEP = """\
+from transformers import Trainer
+
+
+class MultimodalTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False):
+        outputs = self.model(data=inputs, use_cache=False)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    def training_step(self, model, inputs):
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        if self.args.gradient_accumulation_steps > 1:
+            loss = loss / self.args.gradient_accumulation_steps
+        if self.use_apex:
+            from apex import amp
+
+            with amp.scale_loss(loss, self.optimizer) as scaled_loss:
+                scaled_loss.backward()
+        else:
+            self.accelerator.backward(loss)
+        return loss.detach()
+"""
+
 # One project per test below: its script, then every file it holds.
 PROJECTS = {
     "pinned": ("train.py", {"train.py": GA006["bad"]}),
@@ -207,6 +235,7 @@ PROJECTS = {
     },
     "written_before": ("old.py", {"old.py": WRITTEN_BEFORE}),
     "own_loading": ("trainer.py", {"trainer.py": OWN_LOADING}),
+    "copied_step": ("trainer.py", {"trainer.py": COPIED_STEP}),
     "own_labels": (
         "sft.py",
         {
@@ -281,6 +310,17 @@ def test_a_subclass_loading_its_own_data_trains_on_the_harness_window(replayed):
     assert loop.header.startswith("class ProjectTrainer(") and not loop.flagged, loop
     assert loop.verdict == "verified", loop
     assert all(row["original_error"] < 1e-5 for row in loop.rows), loop
+
+
+def test_a_step_copied_from_an_older_trainer_runs_with_its_flags_off(replayed):
+    """`self.use_apex`, which transformers 5 no longer sets, reads False, and the batch handed
+    as `data=inputs` reaches the tiny model as its keywords: the copy's mean over K is
+    replayed, a bug on rows of varied length, not the K-fold sum of a step that skipped it."""
+    loop = replayed["copied_step"]
+    assert loop.header.startswith("class MultimodalTrainer(") and loop.flagged, loop
+    for row in loop.rows:
+        assert row["original_verdict"] == "bug reproduced", row
+        assert 1e-2 < row["original_error"] < 1, row
 
 
 def test_the_stock_trainer_without_a_pin_matches_the_full_batch(replayed):

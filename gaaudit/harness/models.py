@@ -184,21 +184,29 @@ def build_model(
         model = build_net(kind, VOCAB, returns)
     else:
         model = _hf_model(kind)
-        model.register_forward_pre_hook(_batch_as_keywords, with_kwargs=True)
+        model.register_forward_pre_hook(batch_as_keywords, with_kwargs=True)
         model.register_forward_hook(
             functools.partial(_as_tuple, len(returns)) if returns else _lenient_output
         )
     return model.eval()
 
 
-def _batch_as_keywords(module: nn.Module, args: tuple, kwargs: dict):
-    """`model(samples)`, the whole batch dict handed to a project's model (LAVIS's BLIP-2):
-    the transformers model takes the entries its `forward` names as keywords (the loop's
-    own, `samples["epoch"]`, left out)."""
+def batch_as_keywords(module: nn.Module, args: tuple, kwargs: dict):
+    """A forward pre-hook: the whole batch dict handed to a project's model as one argument
+    (`model(samples)`, LAVIS's BLIP-2; `model(data=inputs, use_cache=False)`, MiniCPM-V's
+    Trainer) becomes the keywords the transformers model's `forward` names (the loop's own
+    entries, `samples["epoch"]`, left out)."""
     if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
-        named = inspect.signature(module.forward).parameters
-        return (), {key: value for key, value in args[0].items() if key in named}
-    return None
+        batch, rest = args[0], {}
+    elif not args and "input_ids" not in kwargs:
+        key = next((k for k, v in kwargs.items() if isinstance(v, dict) and "input_ids" in v), None)
+        if key is None:
+            return None
+        batch, rest = kwargs[key], {k: v for k, v in kwargs.items() if k != key}
+    else:
+        return None
+    named = inspect.signature(module.forward).parameters
+    return (), {key: value for key, value in {**batch, **rest}.items() if key in named}
 
 
 def _lenient_output(module: nn.Module, inputs, output):

@@ -31,7 +31,7 @@ from transformers import (
 
 from gaaudit.harness.factory import concatenate, current, current_data, to_device
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
-from gaaudit.harness.models import LABELS, head
+from gaaudit.harness.models import LABELS, batch_as_keywords, head
 from gaaudit.harness.stubs import Stub
 
 MICRO = 2  # examples per micro-batch
@@ -52,6 +52,16 @@ TRAINERS_OWN = frozenset(
         "create_optimizer_and_scheduler",
     }
 )
+# What an older Trainer's `__init__` set and methods copied from it read (`if self.use_apex:`
+# in a `training_step` of 4.3x): apex, AMP and sharded DDP, all off, as in the replay.
+LEGACY_FLAGS = {
+    "use_apex": False,
+    "use_amp": False,
+    "use_cuda_amp": False,
+    "use_cpu_amp": False,
+    "do_grad_scaling": False,
+    "sharded_ddp": None,
+}
 
 
 class GradientsAtStep(TrainerCallback):
@@ -96,7 +106,8 @@ def _as_called_before(cls):
     """A Trainer subclass whose overrides of the Trainer's methods take only the arguments
     they name, as the release they were written for called them (`training_step(self, model,
     inputs)`, which later releases hand the count); `compute_loss` aside (`_predates_the_count`).
-    Its data loading and optimizer are the Trainer's own (`TRAINERS_OWN`)."""
+    Its data loading and optimizer are the Trainer's own (`TRAINERS_OWN`); the flags of older
+    releases that it reads are off (`LEGACY_FLAGS`)."""
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
         return cls
     overrides = {
@@ -106,7 +117,8 @@ def _as_called_before(cls):
         for name, method in vars(owner).items()
         if inspect.isfunction(method) and name != "compute_loss" and hasattr(Trainer, name)
     }
-    return type(cls.__name__, (cls,), overrides) if overrides else cls
+    overrides |= {name: value for name, value in LEGACY_FLAGS.items() if not hasattr(cls, name)}
+    return type(cls.__name__, (cls,), overrides)
 
 
 def _taking_what_it_names(method):
@@ -225,6 +237,7 @@ def tiny_model(classifier: bool = False) -> torch.nn.Module:
     if classifier:
         return GPT2ForSequenceClassification(config)
     model = GPT2LMHeadModel(config)
+    model.register_forward_pre_hook(batch_as_keywords, with_kwargs=True)
     # as for a `...ForCausalLM` class: the Trainer counts the shifted labels, which the loss
     # averages over (GPT-2's class name leaves the loss type unknown, and the count one too
     # high per row whose first label is not ignored)
