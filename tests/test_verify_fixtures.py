@@ -493,3 +493,21 @@ def test_a_model_that_scores_its_spectrogram_is_replayed_on_spectrograms():
     assert loop["replayed"] == SCORED_BY_FRAMES, loop
     (row,) = loop["rows"]
     assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-2, row
+
+
+def test_a_language_model_read_at_its_last_token_is_replayed_as_a_classifier(tmp_path):
+    """A GPT whose last position's logits score one label per sequence (a spam classifier of
+    LLMs-from-scratch): replayed with one label per sequence on micro-batches of one size, where
+    mean/K is exact; the table says whether the loader drops an epoch's last, short batch."""
+    fixture = FIXTURES / "ga001_exact_gpt_classifier_last_token.py"
+    kept = tmp_path / "train.py"
+    kept.write_text(fixture.read_text().replace("drop_last=True", "drop_last=False"))
+    result = gaaudit("verify", str(fixture), str(kept), "-k", "4", "--format", "json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    ((dropped,), (kept,)) = (found["loops"] for found in json.loads(result.stdout))
+    assert dropped["equal_sizes"].startswith("`drop_last=True`"), dropped
+    assert kept["equal_sizes"].startswith("no `drop_last=True` found"), kept
+    for loop in (dropped, kept):
+        (row,) = loop["rows"]
+        assert loop["verdict"] == VERIFIED and row["original_error"] < 1e-5, loop
+        assert row["patched_error"] < 1e-5, row

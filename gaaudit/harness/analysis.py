@@ -460,6 +460,7 @@ class _Usage:
     items: dict = field(default_factory=dict)  # the one name each iterated chain's item is bound to
     drawn: dict = field(default_factory=dict)  # the name each `next(chain)` is bound to
     named_unpacks: dict = field(default_factory=dict)  # `ids, labels = batch`: names by batch
+    subscripts: list = field(default_factory=list)  # every `x[...]` read
 
     def add(self, nodes: list[ast.stmt]) -> None:
         parents = {
@@ -480,6 +481,8 @@ class _Usage:
                 chain = chain_of(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
                 if chain:
                     self.chains.add(chain)
+                if isinstance(node, ast.Subscript):
+                    self.subscripts.append(node)
                 if _keyed(node):
                     self.keys.add(node.slice.value)
                 if isinstance(node, ast.Attribute) and node.attr == "last_loss" and chain:
@@ -1124,6 +1127,8 @@ def analyse(
     stages = _stages(usage, models)
     shapes = {_call_shape(usage, c) for c in models}
     kind = model_kind or ("pair" if stages else _kind(source, shapes))
+    if kind == "logits" and not model_kind and _reads_one_position(usage, models):
+        kind = "pooled"  # `model(x)[:, -1, :]` scored against one label per sequence
     if kind == "sequence" and usage.keys & set(MELS):
         kind = "frames"  # a model that scores the spectrogram it is handed: TTS trainers
     prefetch = {
@@ -1333,3 +1338,31 @@ def _kind(source: str, shapes: set) -> str:
     if shapes & {"keyed", "nanogpt", "sequence"}:
         return next(s for s in ("keyed", "nanogpt", "sequence") if s in shapes)
     return next((kind for kind, hint in NET_HINTS if hint.search(source)), "logits")
+
+
+def _reads_one_position(usage: _Usage, models: list[Chain]) -> bool:
+    """A model's per-token output read at one position of each sequence (`model(x)[:, -1, :]`,
+    or `out[:, pos]` of the name it is bound to): a language model used as a sequence
+    classifier, one label per sequence."""
+    calls = [(call, parent) for model in models for call, parent in usage.calls.get(model, [])]
+    made = {id(call) for call, _ in calls}
+    bound = {
+        parent.targets[0].id
+        for _, parent in calls
+        if isinstance(parent, ast.Assign) and isinstance(parent.targets[0], ast.Name)
+    }
+
+    def one_position(node: ast.Subscript) -> bool:
+        parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else []
+        of_model = id(node.value) in made or (
+            isinstance(node.value, ast.Name) and node.value.id in bound
+        )
+        return (
+            of_model
+            and len(parts) >= 2
+            and isinstance(parts[0], ast.Slice)
+            and parts[0].lower is parts[0].upper is None
+            and not isinstance(parts[1], ast.Slice)
+        )
+
+    return any(one_position(node) for node in usage.subscripts)

@@ -53,7 +53,7 @@ def make_records(
             records.append({"input_ids": seq[:-1], "labels": seq[1:]})
         elif kind == "seq2seq":
             records.append({"input_ids": tokens(length()), "labels": tokens(length())})
-        elif kind == "classify":
+        elif kind in ("classify", "pooled"):
             label = torch.randint(0, LABELS, (), generator=gen)
             records.append({"input_ids": tokens(length()), "labels": label})
         elif kind == "mlm":
@@ -99,7 +99,7 @@ def collate(
         batch["attention_mask"] = (
             torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
         ).long()
-    if kind == "classify":  # one label per sequence
+    if kind in ("classify", "pooled"):  # one label per sequence
         batch["labels"] = torch.stack([r["labels"] for r in records])
     else:
         batch["labels"] = pad("labels", ignore_value(kind, ignore_index))

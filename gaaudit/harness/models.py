@@ -16,7 +16,7 @@ from gaaudit.harness.nets import NET_KINDS, PAD_ID, build_net, net_count, net_lo
 
 VOCAB = 256
 MAX_POSITIONS = 128
-KINDS = ("causal", "seq2seq", "mlm", "classify", "nanogpt", "logits", *NET_KINDS)
+KINDS = ("causal", "seq2seq", "mlm", "classify", "nanogpt", "logits", "pooled", *NET_KINDS)
 LABELS = 3  # the classes of the `classify` kind: one label per sequence
 
 # The default value each kind's loss ignores in `labels`; HF models always use -100, the
@@ -28,6 +28,7 @@ IGNORE_INDEX = {
     "classify": -100,
     "nanogpt": -1,
     "logits": -100,
+    "pooled": -100,
     **dict.fromkeys(NET_KINDS, -100),
     "sequence": 0,  # the padding, which the model's own loss ignores
 }
@@ -178,7 +179,7 @@ def build_model(
         return factory.current().build()
     if kind == "nanogpt":
         model = TinyGPT(ignore_index=ignore_value(kind, ignore_index))
-    elif kind == "logits":
+    elif kind in ("logits", "pooled"):  # pooled: its logits read at the last position
         model = TinyTokenModel()
     elif kind in NET_KINDS:
         model = build_net(kind, VOCAB, returns)
@@ -246,6 +247,8 @@ def mean_token_loss(
         return net_loss(kind, model, batch, ignore_value(kind, ignore_index), label_smoothing)
     if kind == "nanogpt":
         return model(batch["input_ids"], batch["labels"])[1]
+    if kind == "pooled":  # the class read at the last position
+        return F.cross_entropy(model(batch["input_ids"])[:, -1].float(), batch["labels"])
     if kind == "logits":
         logits = model(batch["input_ids"])
         return F.cross_entropy(

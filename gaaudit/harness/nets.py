@@ -17,7 +17,7 @@ PADDED_KINDS = ("pair", "keyed", "sequence")
 # Kinds with one target per sample and no ignored value (and models.py's sequence
 # classifier): the valid count of a micro-batch is its number of samples, so the harness
 # makes the micro-batches differ in size.
-SIZED_KINDS = ("image", "regression", "classify")
+SIZED_KINDS = ("image", "regression", "classify", "pooled")
 CLASSES = 10
 IMAGE_SHAPE = (3, 8, 8)
 FEATURES, TARGETS = 6, 3
