@@ -17,7 +17,7 @@ from gaaudit.harness.nets import NET_KINDS, PAD_ID, build_net, net_count, net_lo
 VOCAB = 256
 MAX_POSITIONS = 128
 KINDS = ("causal", "seq2seq", "mlm", "classify", "nanogpt", "logits", "pooled", *NET_KINDS)
-LABELS = 3  # the classes of the `classify` kind: one label per sequence
+LABELS = 3  # the classes of the `classify` and `pooled` kinds: one label per sequence
 
 # The default value each kind's loss ignores in `labels`; HF models always use -100, the
 # plain-torch kinds take another value (`ignore_index`) where the loop under test uses one.

@@ -15,7 +15,7 @@ PAD_ID = 0  # the padding of the harness's token sequences (their tokens start a
 # Kinds whose samples are token sequences of varied length, padded with PAD_ID in a batch.
 PADDED_KINDS = ("pair", "keyed", "sequence")
 # Kinds with one target per sample and no ignored value (and models.py's sequence
-# classifier): the valid count of a micro-batch is its number of samples, so the harness
+# classifiers): the valid count of a micro-batch is its number of samples, so the harness
 # makes the micro-batches differ in size.
 SIZED_KINDS = ("image", "regression", "classify", "pooled")
 CLASSES = 10
