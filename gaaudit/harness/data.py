@@ -13,6 +13,7 @@ from gaaudit.harness.models import LABELS, ignore_value, vocab_size
 from gaaudit.harness.nets import NET_KINDS, PAD_ID, PADDED_KINDS, SIZED_KINDS, net_record
 
 MASK_ID = 1  # the [MASK] token of the tiny MLM; real tokens are drawn from 2..vocab_size()-1
+PER_SEQUENCE = ("classify", "pooled")  # kinds with one label per sequence
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def make_records(
             records.append({"input_ids": seq[:-1], "labels": seq[1:]})
         elif kind == "seq2seq":
             records.append({"input_ids": tokens(length()), "labels": tokens(length())})
-        elif kind in ("classify", "pooled"):
+        elif kind in PER_SEQUENCE:
             label = torch.randint(0, LABELS, (), generator=gen)
             records.append({"input_ids": tokens(length()), "labels": label})
         elif kind == "mlm":
@@ -99,7 +100,7 @@ def collate(
         batch["attention_mask"] = (
             torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
         ).long()
-    if kind in ("classify", "pooled"):  # one label per sequence
+    if kind in PER_SEQUENCE:
         batch["labels"] = torch.stack([r["labels"] for r in records])
     else:
         batch["labels"] = pad("labels", ignore_value(kind, ignore_index))
