@@ -459,6 +459,7 @@ def test_a_verdict_on_the_tiny_sequence_model_says_what_that_model_averages():
     "name",
     [
         "ga003_accelerate_update_function_per_batch",
+        "ga003_accelerate_caller_enters_accumulate",
         "ga003_deepspeed_engine_method_per_batch",
         "ga001_ignite_update_per_batch",
     ],
@@ -468,7 +469,9 @@ def test_a_function_that_trains_on_one_batch_a_call_is_called_once_for_each(name
     CDial-GPT's ignite `update(engine, batch)` train on the one batch their caller's loop hands
     them, and accelerate, DeepSpeed or the engine's count of calls closes the window: the
     replay calls the function once for each micro-batch up to the step, where each mean
-    divided by K reproduces the bug."""
+    divided by K reproduces the bug. A function that steps through accelerate without entering
+    `accumulate` (smollm's `_do_batch`) is called inside it, as its caller does: without it,
+    accelerate would step after the first call, on one micro-batch, and match it."""
     result = gaaudit("verify", str(FIXTURES / f"{name}.py"), "-k", "4", "--format", "json")
     (loop,) = json.loads(result.stdout)["loops"]
     assert loop["header"].startswith("def ") and loop["flagged"], loop

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
+import functools
 import math
 import os
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -41,11 +43,15 @@ MISSING_NAMES = 8  # module names the owner class's definition reads that become
 
 class Caller(NamedTuple):
     """The loop that calls a function taking one micro-batch a call: the parameter each
-    batch goes to, the batches, and ignite's engine whose state counts the calls (or None)."""
+    batch goes to, the batches, ignite's engine whose state counts the calls (or None), and
+    what the loop enters around each call: accelerate's `accumulate(model)` where the
+    function backpropagates through an accelerator without entering it itself (smollm's
+    `_do_batch`, whose caller does), else nothing."""
 
     batch: str
     source: DataSource
     engine: Stub | None
+    turn: Callable[[], contextlib.AbstractContextManager]
 
 
 class Objects:
@@ -88,8 +94,12 @@ class Objects:
                 for c, r in roles.items()
                 if not (len(c) > 1 and c[0] == instance and hasattr(base, c[1]))
             }
-        steps = k if plan.uses_accumulate else 1
+        # a function trained one micro-batch a call counts K across its calls, in `accumulate`
+        # (its own, or its caller's: see Caller)
+        per_call = "micro-batch" in plan.roles.values()
+        steps = k if plan.uses_accumulate or per_call else 1
         self.accelerator, self.optimizer, text = _accelerator(roles, optimizer, device, steps)
+        self.model = model
         fabric = Fabric(
             "fabric",
             {"clip_gradients": lambda *args, **kwargs: optimizer.clip("fabric.clip_gradients")},
@@ -275,7 +285,11 @@ class Objects:
                 # ignite's `update(engine, batch)`: `engine.state.iteration` counts the calls
                 engine = self.values["engine"] = Stub("engine", {"state": Stub("engine.state")})
                 self.bindings["engine"] = "ignite's engine, whose state counts the calls from 1"
-            self.caller = Caller(chain[0], source, engine)
+            turn = contextlib.nullcontext
+            if self.accelerator is not None and not self.plan.uses_accumulate:
+                turn = functools.partial(self.accelerator.accumulate, self.model)
+                self.bindings["accelerator.accumulate"] = "entered around each call"
+            self.caller = Caller(chain[0], source, engine, turn)
             self.values[chain[0]] = items[0]
             self.bindings[chain[0]] = f"each of {text}, one a call (the caller's loop)"
         elif role == "data-call":

@@ -19,7 +19,7 @@ import traceback
 import types
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -488,11 +488,12 @@ def _execute(
                 precision,
                 _time_limit(timeout),
             ):
-                for call in _calls(kwargs, objects.caller):
-                    result = function(**call)
-                    if inspect.isgenerator(result):
-                        for _ in result:
-                            pass
+                for call, turn in _calls(kwargs, objects.caller):
+                    with turn():
+                        result = function(**call)
+                        if inspect.isgenerator(result):
+                            for _ in result:
+                                pass
         except StepReached as stop:
             grads, where, drawn = optimizer.grads, stop.where, optimizer.drawn()
         except Exhausted as exc:
@@ -540,16 +541,17 @@ def _execute(
     )
 
 
-def _calls(kwargs: dict, caller: Caller | None) -> Iterator[dict]:
-    """The arguments of each call of the statement: once, or, for a function that takes one
-    micro-batch a call, once for each micro-batch its caller's loop draws."""
+def _calls(kwargs: dict, caller: Caller | None) -> Iterator[tuple[dict, Callable]]:
+    """The arguments of each call of the statement, with what the call is made in: once, or,
+    for a function that takes one micro-batch a call, once for each micro-batch its caller's
+    loop draws."""
     if caller is None:
-        yield kwargs
+        yield kwargs, contextlib.nullcontext
         return
     for call, batch in enumerate(caller.source, 1):
         if caller.engine is not None:
             caller.engine.state.iteration = call
-        yield {**kwargs, caller.batch: batch}
+        yield {**kwargs, caller.batch: batch}, caller.turn
 
 
 def _in_own_process(args: tuple, timeout: float) -> Replay:
