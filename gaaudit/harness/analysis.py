@@ -138,6 +138,8 @@ class Plan:
     stages: tuple[Chain, Chain] | None = None
     settings: dict[str, object] = field(default_factory=dict)  # argparse defaults, by dest
     rebound: frozenset[str] = frozenset()  # imported names assigned again before the statement
+    # data bound before the statement to an enumeration of itself: `it = enumerate(loader)`
+    enumerated: frozenset[Chain] = frozenset()
 
 
 def argument_defaults(tree: ast.Module, every: bool = False) -> dict[str, object]:
@@ -461,6 +463,7 @@ class _Usage:
     drawn: dict = field(default_factory=dict)  # the name each `next(chain)` is bound to
     named_unpacks: dict = field(default_factory=dict)  # `ids, labels = batch`: names by batch
     subscripts: list = field(default_factory=list)  # every `x[...]` read
+    enumerations: set = field(default_factory=set)  # names bound to `enumerate(...)` before
 
     def add(self, nodes: list[ast.stmt]) -> None:
         parents = {
@@ -607,8 +610,13 @@ class _Usage:
             self.evidence[chain_of(iterable.func)].add("contexts")
 
     def _iterated(self, iterable: ast.expr, target: ast.expr) -> None:
-        """`for ... in enumerate(tqdm(loader))` and the like: `loader` is iterated."""
+        """`for ... in enumerate(tqdm(loader))` and the like: `loader` is iterated; so is a
+        name bound to such an enumeration before (`for i, batch in iterable`)."""
         sources = [iterable]
+        pair = isinstance(target, ast.Tuple) and len(target.elts) == 2
+        if pair and isinstance(iterable, ast.Name) and iterable.id in self.enumerations:
+            self.evidence[(iterable.id,)].add("enumerated")
+            target = target.elts[1]
         while (
             sources
             and isinstance(sources[0], ast.Call)
@@ -816,6 +824,8 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
             shapes.add("hf")
         elif "return_loss" in keywords and call.args and not _keyed(call.args[0]):
             shapes.add("sequence")  # `model(seq, return_loss=True)`: a sequence, not a field
+        elif len(call.args) == 2 and not keywords and _scored_against(usage, call, parent):
+            shapes.add("teacher")  # `out = model(x, y); F.nll_loss(out, y.view(-1))`
         elif len(call.args) == 2 or "targets" in keywords:
             shapes.add("nanogpt")
         elif _backwarded_result(usage, parent) and not (call.args and _keyed(call.args[0])):
@@ -828,10 +838,29 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
             shapes.add("hf")
         else:
             shapes.add("logits")
-    for shape in ("keyed", "hf", "nanogpt", "sequence", "logits"):
+    for shape in ("keyed", "hf", "nanogpt", "teacher", "sequence", "logits"):
         if shape in shapes:
             return shape
     return None
+
+
+def _scored_against(usage: _Usage, call: ast.Call, parent) -> bool:
+    """`model(x, y)` whose output (or the name it is bound to) the loop scores against the
+    targets it handed the model (`F.nll_loss(out, y.view(-1))`): a model taking its targets
+    for teacher forcing and returning per-token scores (Lightning's demo `Transformer`),
+    not nanoGPT's `(logits, loss)`."""
+    bound = parent.targets[0] if isinstance(parent, ast.Assign) else None
+    output = {bound.id} if isinstance(bound, ast.Name) else set()
+    targets = {n.id for n in ast.walk(call.args[1]) if isinstance(n, ast.Name)}
+
+    def holds(node: ast.expr, names: set) -> bool:
+        return any(n is call or isinstance(n, ast.Name) and n.id in names for n in ast.walk(node))
+
+    return any(
+        len(other.args) >= 2 and holds(other.args[0], output) and holds(other.args[1], targets)
+        for calls in usage.calls.values()
+        for other, _ in calls
+    )
 
 
 def _backwarded_result(usage: _Usage, parent) -> bool:
@@ -862,6 +891,39 @@ def _returns(usage: _Usage, models: list[Chain]) -> tuple | None:
         if isinstance(parent, ast.Assign) and isinstance(parent.targets[0], (ast.Tuple, ast.List))
     )
     return next(map(shape, unpacked), None)
+
+
+def _enumerations(tree: ast.Module, target: ast.stmt) -> set[str]:
+    """The names the functions around `target` last bind before it to an enumeration of
+    their data, wrapped or not, on either side of a condition (Lightning's Fabric examples:
+    `iterable = tqdm(enumerate(loader)) if fabric.is_global_zero else enumerate(loader)`):
+    their items are pairs of a count and a batch."""
+
+    def enumerates(value: ast.expr) -> bool:
+        if isinstance(value, ast.IfExp):
+            return enumerates(value.body) and enumerates(value.orelse)
+        while isinstance(value, ast.Call) and value.args:
+            name = (chain_of(value.func) or ("",))[-1]
+            if name == "enumerate":
+                return True
+            if name not in ITER_WRAPPERS:
+                return False
+            value = value.args[0]
+        return False
+
+    last = {}
+    for statement in sorted(
+        (s for f in functions_around(tree, target) for s in ast.walk(f)),
+        key=lambda s: getattr(s, "lineno", 0),
+    ):
+        if (
+            isinstance(statement, ast.Assign)
+            and statement.lineno < target.lineno
+            and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Name)
+        ):
+            last[statement.targets[0].id] = enumerates(statement.value)
+    return {name for name, enumerated in last.items() if enumerated}
 
 
 def _counts_turns(value: ast.expr) -> bool:
@@ -1060,7 +1122,7 @@ def analyse(
             f"{base[1]}: the loss, the accumulation and the optimizer step run inside {base[1]}, "
             "which statement replay does not reproduce"
         )
-    usage, helpers = _Usage(), []
+    usage, helpers = _Usage(enumerations=_enumerations(tree, target)), []
     if lightning and params and len(params) > 1:
         # `training_step(self, batch, ...)`: the Trainer hands it each batch, as a loop's
         # `for batch in loader` does
@@ -1153,6 +1215,7 @@ def analyse(
         items=_items(target, free, divisor_names),
         settings=settings,
         rebound=frozenset(rebound),
+        enumerated=frozenset(c for c in data if "enumerated" in usage.evidence.get(c, ())),
         model_kind=kind,
         ignore_index=_ignore_index(source, module_constants, kind),
         data_arity=arity,
@@ -1335,8 +1398,8 @@ def _kind(source: str, shapes: set) -> str:
     """The tiny model to bind: from how the model is called, then from the source's hints."""
     if "hf" in shapes or not shapes - {None}:
         return next((kind for kind, hint in KIND_HINTS if hint.search(source)), "causal")
-    if shapes & {"keyed", "nanogpt", "sequence"}:
-        return next(s for s in ("keyed", "nanogpt", "sequence") if s in shapes)
+    if shapes & {"keyed", "nanogpt", "teacher", "sequence"}:
+        return next(s for s in ("keyed", "nanogpt", "teacher", "sequence") if s in shapes)
     return next((kind for kind, hint in NET_HINTS if hint.search(source)), "logits")
 
 

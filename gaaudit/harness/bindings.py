@@ -296,6 +296,8 @@ class Objects:
             self._bind(
                 chain, lambda *args, **kwargs: source, f"a function returning {text}", namespace
             )
+        elif chain in self.plan.enumerated:
+            self._bind(chain, enumerate(source), f"{text}, enumerated", namespace)
         else:
             self._bind(chain, source, text, namespace)
         for index, (name,) in enumerate(prefetched):

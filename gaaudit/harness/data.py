@@ -49,7 +49,7 @@ def make_records(
     for _ in range(n):
         if kind in NET_KINDS:
             records.append(net_record(kind, gen, length, tokens, ignore_value(kind, ignore_index)))
-        elif kind in ("nanogpt", "logits"):
+        elif kind in ("nanogpt", "logits", "teacher"):
             seq = tokens(length() + 1)
             records.append({"input_ids": seq[:-1], "labels": seq[1:]})
         elif kind == "seq2seq":

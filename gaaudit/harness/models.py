@@ -16,7 +16,17 @@ from gaaudit.harness.nets import NET_KINDS, PAD_ID, build_net, net_count, net_lo
 
 VOCAB = 256
 MAX_POSITIONS = 128
-KINDS = ("causal", "seq2seq", "mlm", "classify", "nanogpt", "logits", "pooled", *NET_KINDS)
+KINDS = (
+    "causal",
+    "seq2seq",
+    "mlm",
+    "classify",
+    "nanogpt",
+    "logits",
+    "pooled",
+    "teacher",
+    *NET_KINDS,
+)
 LABELS = 3  # the classes of the `classify` and `pooled` kinds: one label per sequence
 
 # The default value each kind's loss ignores in `labels`; HF models always use -100, the
@@ -29,6 +39,7 @@ IGNORE_INDEX = {
     "nanogpt": -1,
     "logits": -100,
     "pooled": -100,
+    "teacher": -100,
     **dict.fromkeys(NET_KINDS, -100),
     "sequence": 0,  # the padding, which the model's own loss ignores
 }
@@ -101,6 +112,16 @@ class TinyTokenModel(nn.Module):
         return self.mlp(self.embed(input_ids))
 
 
+class TinyTeacherForced(TinyTokenModel):
+    """A model handed its targets too, as Lightning's demo `Transformer` is
+    (`model(inputs, target)`), returning per-token log-probabilities flattened to
+    `(B * T, VOCAB)`, which the loop scores (`F.nll_loss(out, target.view(-1))`); this stand-in
+    predicts from the inputs alone."""
+
+    def forward(self, inputs, target=None):
+        return F.log_softmax(super().forward(inputs), dim=-1).flatten(0, 1)
+
+
 def _hf_model(kind: str) -> nn.Module:
     import transformers as tf
 
@@ -169,7 +190,8 @@ def build_model(
     kind: str = "causal", seed: int = 0, ignore_index: int | None = None, returns=None
 ) -> nn.Module:
     """A fresh tiny model of `kind` (see KINDS) with weights fixed by `seed`, in eval mode:
-    GPT-2 (causal; a sequence classifier for classify), T5 (seq2seq), BERT (mlm), TinyGPT (nanogpt), TinyTokenModel (logits), a
+    GPT-2 (causal; a sequence classifier for classify), T5 (seq2seq), BERT (mlm), TinyGPT
+    (nanogpt), TinyTokenModel (logits), TinyTeacherForced (teacher), a
     model of nets.py (`returns`: how a loop unpacks a model's result); the user's
     model instead while factory.user_model() is active."""
     if kind not in KINDS:
@@ -181,6 +203,8 @@ def build_model(
         model = TinyGPT(ignore_index=ignore_value(kind, ignore_index))
     elif kind in ("logits", "pooled"):  # pooled: its logits read at the last position
         model = TinyTokenModel()
+    elif kind == "teacher":
+        model = TinyTeacherForced()
     elif kind in NET_KINDS:
         model = build_net(kind, VOCAB, returns)
     else:
@@ -249,6 +273,11 @@ def mean_token_loss(
         return model(batch["input_ids"], batch["labels"])[1]
     if kind == "pooled":  # the class read at the last position
         return F.cross_entropy(model(batch["input_ids"])[:, -1].float(), batch["labels"])
+    if kind == "teacher":
+        scores = model(batch["input_ids"], batch["labels"]).float()
+        return F.nll_loss(
+            scores, batch["labels"].flatten(), ignore_index=ignore_value(kind, ignore_index)
+        )
     if kind == "logits":
         logits = model(batch["input_ids"])
         return F.cross_entropy(
