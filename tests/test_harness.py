@@ -69,7 +69,18 @@ def test_window_has_unequal_token_counts_and_a_matching_full_batch():
     )
 
 
-@pytest.mark.parametrize("kind", ["causal", "mlm", "nanogpt", "logits"])
+def test_a_ragged_window_pads_each_micro_batch_to_its_own_longest():
+    """`ragged`: the same samples, each micro-batch as wide as its longest sample (a collator
+    padding to the longest), where the plain window pads all to the window's widest."""
+    plain = make_window("causal", 4, micro_batch_size=2, seed=0)
+    ragged = make_window("causal", 4, micro_batch_size=2, seed=0, ragged=True)
+    widths = [b["input_ids"].shape[1] for b in ragged.micro]
+    assert len(set(widths)) > 1 and {b["input_ids"].shape[1] for b in plain.micro} == {max(widths)}
+    assert all(int(b["attention_mask"].sum(1).max()) == w for b, w in zip(ragged.micro, widths))
+    assert all(torch.equal(a, b) for a, b in zip(plain.full.values(), ragged.full.values()))
+
+
+@pytest.mark.parametrize("kind", ["causal", "mlm", "nanogpt", "logits", "teacher"])
 def test_full_batch_gradient_is_deterministic(kind):
     window = make_window(kind, 2, seed=1)
     first = full_batch_grads(build_model(kind, seed=1), window)

@@ -107,10 +107,13 @@ def collate(
     return batch
 
 
-def split_window(kind: str, records: list, k: int, ignore_index: int | None = None) -> Window:
+def split_window(
+    kind: str, records: list, k: int, ignore_index: int | None = None, ragged: bool = False
+) -> Window:
     """`records` cut into `k` contiguous micro-batches whose sizes differ by at most one, all
     padded to the window's width: the full batch is exactly their concatenation, also for a
-    model that reads the padding (no attention mask)."""
+    model that reads the padding (no attention mask). `ragged`: each micro-batch padded to its
+    own longest sample instead, as a collator padding to the longest does."""
     if not 1 <= k <= len(records):
         raise ValueError(f"cannot split {len(records)} samples into {k} micro-batches")
     bounds = [round(i * len(records) / k) for i in range(k + 1)]
@@ -119,7 +122,8 @@ def split_window(kind: str, records: list, k: int, ignore_index: int | None = No
         for key in ("input_ids", "labels")
     }
     micro = [
-        collate(kind, records[a:b], ignore_index, widths) for a, b in itertools.pairwise(bounds)
+        collate(kind, records[a:b], ignore_index, None if ragged else widths)
+        for a, b in itertools.pairwise(bounds)
     ]
     return Window(
         kind, micro, collate(kind, records, ignore_index), ignore_value(kind, ignore_index)
@@ -150,9 +154,11 @@ def make_window(
     ignore_index: int | None = None,
     packed: bool = False,
     label_smoothing: float = 0.0,
+    ragged: bool = False,
 ) -> Window:
     """A window of `k` micro-batches of `micro_batch_size` random-length samples each; with
-    `packed`, every sample is `max_len` long (fixed-length blocks: nothing is padded). For
+    `packed`, every sample is `max_len` long (fixed-length blocks: nothing is padded);
+    `ragged`: see split_window. For
     SIZED_KINDS the window is one sample short unless `packed`, so that its micro-batches (and
     any K chunks of the whole window) differ in size, as the last batch of an epoch does."""
     short = kind in SIZED_KINDS and not packed and k > 1 and micro_batch_size > 1
@@ -164,5 +170,5 @@ def make_window(
         max_len,
         ignore_index,
     )
-    window = split_window(kind, records, k, ignore_index)
+    window = split_window(kind, records, k, ignore_index, ragged)
     return dataclasses.replace(window, label_smoothing=label_smoothing)

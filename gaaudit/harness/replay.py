@@ -129,6 +129,13 @@ class Comparison:
         return self.patched.verdict
 
 
+# Kinds whose tiny model's outputs at the valid positions do not change with how far a batch is
+# padded (causal attention, position-wise layers, or an attention mask that hides the padding)
+PADDING_FREE = ("causal", "nanogpt", "logits", "teacher", "classify", "sequence", "pair", "keyed")
+# The harness's fields that tell a loop the padding apart
+MASKS = {"attention_mask", "loss_mask"}
+
+
 class _TimedOut(BaseException):
     """The replay ran past its time limit."""
 
@@ -148,12 +155,12 @@ class _Session:
         if self.user:
             ignore_index = ignore_value(self.kind, getattr(plan, "ignore_index", None))
 
-            def fresh(n: int) -> Window:
+            def fresh(n: int, ragged: bool = False) -> Window:
                 micro = [factory.to_device(b, self.device) for b in data.window(n, seed)]
                 return Window("user", micro, factory.concatenate(micro), ignore_index)
         else:
 
-            def fresh(n: int) -> Window:
+            def fresh(n: int, ragged: bool = False) -> Window:
                 return make_window(
                     self.kind,
                     n,
@@ -162,6 +169,7 @@ class _Session:
                     packed=packed,
                     ignore_index=getattr(plan, "ignore_index", None),
                     label_smoothing=getattr(plan, "label_smoothing", 0.0),
+                    ragged=ragged,
                 ).to(self.device)
 
         self.window = fresh(k)
@@ -177,9 +185,12 @@ class _Session:
             model = build_model(self.kind, self.seed, self.window.ignore_index).to(self.device)
             return full_batch_grads(model, window)
 
-    def drawn_from(self, after: int) -> Window:
+    def drawn_from(self, after: int, ragged: bool = False) -> Window:
         """The micro-batches a replay draws: the window, or (`after`) a first window of `after`
-        micro-batches followed by K more."""
+        micro-batches followed by K more; `ragged`: the same samples, each micro-batch padded
+        to its own longest."""
+        if ragged:
+            return self.fresh(after + self.k, ragged=True)
         if not after:
             return self.window
         if after not in self.longer:
@@ -205,14 +216,17 @@ class _Session:
             self.references[n, after] = self._reference(self.first(n, after))
         return self.references[n, after]
 
-    def replay(self, plan: Plan, filename: str, whole: int = 0, after: int = 0) -> Replay:
+    def replay(
+        self, plan: Plan, filename: str, whole: int = 0, after: int = 0, ragged: bool = False
+    ) -> Replay:
         """Replay `plan` on the window; with `whole` = n, on the first n micro-batches (after the
         first `after`) as one; with `after` alone, through the step of a first window of `after`
-        micro-batches to the next step (see check)."""
+        micro-batches to the next step (see check); with `ragged`, on micro-batches each
+        padded to its own longest sample."""
         if whole:
             batches, k = [self.first(whole, after).full], 1
         else:
-            batches, k = self.drawn_from(after).micro, self.k
+            batches, k = self.drawn_from(after, ragged).micro, self.k
         return _execute(
             plan,
             filename,
@@ -295,7 +309,28 @@ class _Session:
             # the loop's own full batch (its model reads the padding, say): the micro-batches
             # are exact slices of it, so only the splitting is measured
             error = relative_error(result.grads, whole.grads)
+            if exact and error < self.tolerance and self._tells_padding(plan):
+                error = max(error, self._ragged_error(plan, filename, result, whole, after))
         return check(judged(error, self.dtype), error, k1_error)
+
+    def _tells_padding(self, plan: Plan) -> bool:
+        """Whether the loop reads which positions are padding (an attention or loss mask) of
+        a model whose outputs there do not depend on how far its batch is padded."""
+        fields = {*plan.data_keys, *plan.data_aliases.values()}
+        return self.kind in PADDING_FREE and bool(MASKS & fields)
+
+    def _ragged_error(
+        self, plan: Plan, filename: str, result: Replay, whole: Replay, after: int
+    ) -> float:
+        """The error of the loop on micro-batches each padded to its own longest sample, as a
+        collator padding to the longest pads them, against its run on the whole window: a loss
+        that averages over the padded width (`(loss * mask).mean(1)`) weights the micro-batches
+        by their widths, which one padded width for the window hides. 0 where that replay does
+        not reach the same step."""
+        ragged = self.replay(plan, filename, after=after, ragged=True)
+        if not ragged.ok or ragged.drawn != result.drawn:
+            return 0.0
+        return relative_error(ragged.grads, whole.grads)
 
 
 def _plan(source: str, line: int, divisor_names, model_kind, ignore_index) -> Plan | str:
