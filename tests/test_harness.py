@@ -1648,3 +1648,24 @@ def test_a_loop_that_wants_a_process_group_is_replayed_through_its_short_first_w
     assert result.window_verdict == "bug reproduced" and 1e-3 < result.error < 0.75, result
     assert result.replay.bindings["bar"] == "stub", result.replay.bindings
     assert result.replay.bindings["profiler"] == "None, as assigned before the statement"
+
+
+PICKED_STREAM = """\
+def train(model, streams, weights, optimizer, k, steps):
+    for step in range(steps):
+        stream = pick_batches(streams, weights)
+        batch = next(stream)
+        loss = model(**batch).loss / k
+        loss.backward()
+        if (step + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_call_whose_result_the_loop_draws_from_with_next_serves_the_data():
+    """`stream = pick_batches(streams, weights); batch = next(stream)`: the call returns an
+    iterator the loop draws each batch from, as an iterated call does."""
+    text = PICKED_STREAM
+    result = check(text, line_of(text, "for step"), k=4, divisor_names=["k"], device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason

@@ -479,6 +479,7 @@ class _Usage:
             for node in ast.walk(root)
             if isinstance(node, ast.Assign) and (loop := _moved_each(node.value))
         }
+        made = {}  # `it = pick(iterators)`: the call each name is bound to
         for root in nodes:
             for node in ast.walk(root):
                 chain = chain_of(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
@@ -513,6 +514,16 @@ class _Usage:
                     and isinstance(node.targets[0], ast.Name)
                 ):
                     self.aliases.append((node.targets[0].id, chain_of(node.value)))
+                elif (
+                    isinstance(node, ast.Assign)
+                    and isinstance(node.targets[0], ast.Name)
+                    and isinstance(node.value, ast.Call)
+                    and chain_of(node.value.func)
+                ):
+                    made[node.targets[0].id] = node.value
+        for name, call in made.items():  # `it = pick(iterators); batch = next(it)`
+            if "next" in self.evidence.get((name,), ()):
+                self.generators.append((chain_of(call.func), call, 0))
         bound = {
             n.id
             for root in nodes
