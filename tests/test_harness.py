@@ -1669,3 +1669,28 @@ def test_a_call_whose_result_the_loop_draws_from_with_next_serves_the_data():
     text = PICKED_STREAM
     result = check(text, line_of(text, "for step"), k=4, divisor_names=["k"], device="cpu")
     assert result.verdict == "bug reproduced", result.replay.reason
+
+
+IMPORTED_DATA_NAME = """\
+from project.reporting import batch_stats
+
+
+def train_on(model, batch, optimizer, accelerator):
+    out = model(**batch)
+    accelerator.backward(out.loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return batch_stats(out.loss)
+"""
+
+
+def test_an_imported_function_named_like_data_leaves_the_parameter_the_micro_batch():
+    """`batch_stats(...)`, imported: it does not draw the function's data, so `batch` is still
+    the micro-batch its caller hands it each call."""
+    from gaaudit.harness.analysis import analyse
+
+    text = IMPORTED_DATA_NAME
+    line = line_of(text, "def train_on")
+    assert analyse(text, line).roles[("batch",)] == "micro-batch"
+    result = check(text, line, k=4, device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason

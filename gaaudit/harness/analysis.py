@@ -1175,7 +1175,12 @@ def analyse(
         else set()
     )
     roles = _roles(usage, free, params or [], own, divisor_names, helper_names)
-    if params and not lightning and (batch := _micro_batch(params, optional, roles)):
+    imported = {
+        (a.asname or a.name).split(".")[0] for node in _imports(tree, target) for a in node.names
+    }
+    rebound = imported & _assigned_before(tree, target)  # `optim = torch.optim.Adam(...)`
+    unbound = imported - rebound
+    if params and not lightning and (batch := _micro_batch(params, optional, roles, unbound)):
         # data of a parameter left at its default (`sample_weighter=None`) is not bound
         roles = {c: r for c, r in roles.items() if c[0] not in optional or r not in DATA_ROLES}
         roles[(batch,)] = "micro-batch"
@@ -1186,11 +1191,7 @@ def analyse(
         if roles.get(item.chain) == "data" and _counts_turns(item.value):
             roles[item.chain] = "turns"
     module_constants = constants(list(_module_level(tree.body)))
-    imported = {
-        (a.asname or a.name).split(".")[0] for node in _imports(tree, target) for a in node.names
-    }
-    rebound = imported & _assigned_before(tree, target)  # `optim = torch.optim.Adam(...)`
-    derived = _evaluable(derived, roles, imported - rebound, module_constants, owner)
+    derived = _evaluable(derived, roles, unbound, module_constants, owner)
     for item in derived:
         roles.pop(item.chain, None)
     data = [
@@ -1279,12 +1280,17 @@ def _roles(
     return roles
 
 
-def _micro_batch(params: list[str], optional: set, roles: dict) -> str | None:
+def _micro_batch(params: list[str], optional: set, roles: dict, unbound: set) -> str | None:
     """The parameter of a function that takes one micro-batch a call and trains on it
     (`def train_step(model, batch, optimizer)`, a DeepSpeed engine's or accelerate's window
     counted across calls): its caller's loop hands it each batch. None when the function
-    draws its own data, or trains nothing."""
-    held = {r for c, r in roles.items() if c[0] not in optional}  # `sample_weighter=None`
+    draws its own data (an imported name not assigned again, smollm's `get_stats_format`,
+    draws none), or trains nothing."""
+    held = {  # `sample_weighter=None`
+        r
+        for c, r in roles.items()
+        if c[0] not in optional and not (c[0] in unbound and r in DATA_ROLES)
+    }
     if held & {"data", "data-call"} or not held & {"model", "engine"}:
         return None
     return next(
