@@ -1694,3 +1694,36 @@ def test_an_imported_function_named_like_data_leaves_the_parameter_the_micro_bat
     assert analyse(text, line).roles[("batch",)] == "micro-batch"
     result = check(text, line, k=4, device="cpu")
     assert result.verdict == "bug reproduced", result.replay.reason
+
+
+RESOLVED_OPTION = source("""
+    import argparse
+
+
+    def train(args, model, loader, optimizer):
+        if args.total_steps < 0:
+            args.total_steps = args.epochs * len(loader)
+        done = 0
+        for step, batch in enumerate(loader):
+            if done >= args.total_steps:
+                break
+            (model(**batch).loss / args.accum_steps).backward()
+            if (step + 1) % args.accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+                done += 1
+
+
+    if __name__ == "__main__":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--total_steps", default=-1, type=int)
+        parser.add_argument("--accum_steps", default=8, type=int)
+""")
+
+
+def test_an_option_the_script_sets_before_the_loop_does_not_hold_its_default():
+    """`args.total_steps = ...` before the loop resolves the -1 default: the loop reads a stub
+    there, not -1, which would end it at once."""
+    text = RESOLVED_OPTION
+    result = check(text, line_of(text, "for step"), k=4, device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason

@@ -330,6 +330,22 @@ def _assigned_before(tree: ast.Module, target: ast.stmt) -> set[str]:
     }
 
 
+def _attributes_set_before(tree: ast.Module, target: ast.stmt) -> set[str]:
+    """Attributes an assignment sets before `target` (`args.num_training_steps = ...`), at
+    the module's top level or in the functions around it: an option of that name does not
+    hold its default there."""
+    around = functions_around(tree, target)
+    statements = [*_module_level(tree.body), *(s for f in around for s in ast.walk(f))]
+    return {
+        bound.attr
+        for statement in statements
+        if isinstance(statement, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        and statement.lineno < target.lineno
+        for bound in getattr(statement, "targets", [getattr(statement, "target", None)])
+        if isinstance(bound, ast.Attribute)
+    }
+
+
 def _initial_values(
     tree: ast.Module, target: ast.stmt, free: list[str], settings: dict[str, object]
 ) -> dict[str, object]:
@@ -1214,6 +1230,8 @@ def analyse(
     arity = max(arities) if arities else (2 if kind == "nanogpt" else 0)
     fillers = max((usage.fillers.get(c, 0) for c in data if usage.arity.get(c) == arity), default=0)
     settings = argument_defaults(tree)
+    for option in _attributes_set_before(tree, target):  # `args.steps = ...` resolving a -1
+        settings.pop(option, None)
     return Plan(
         target=target,
         imports=_imports(tree, target),
