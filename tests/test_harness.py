@@ -1727,3 +1727,25 @@ def test_an_option_the_script_sets_before_the_loop_does_not_hold_its_default():
     text = RESOLVED_OPTION
     result = check(text, line_of(text, "for step"), k=4, device="cpu")
     assert result.verdict == "bug reproduced", result.replay.reason
+
+
+SOMETIMES_WEIGHTED = """\
+def train(model, loader, optimizer, k):
+    weight = 1.0
+    for step, batch in enumerate(loader):
+        if "weight" in batch:
+            weight = batch.pop("weight")
+        (weight * model(**batch).loss / k).backward()
+        if (step + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_name_the_loop_binds_only_under_a_condition_holds_its_value_from_before():
+    """`weight = 1.0` before the loop, bound again only for batches that hold a weight: on the
+    harness's batches it is still 1.0 (not an unbound local)."""
+    text = SOMETIMES_WEIGHTED
+    result = check(text, line_of(text, "for step"), k=4, divisor_names=["k"], device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason
+    assert result.replay.bindings["weight"] == "1.0, as assigned before the statement"

@@ -408,6 +408,21 @@ def _initial_values(
     return {**dict.fromkeys(augmented & set(free), 0), **found}
 
 
+def _bound_under_a_condition(target: ast.stmt) -> list[str]:
+    """Names the statement binds only under an `if` or a `try` (`if ...: batch, ds = batch`):
+    where that does not run, they hold what they held before it."""
+    always, conditional = set(), set()
+
+    def visit(node: ast.AST, under: bool) -> None:
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            (conditional if under else always).add(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child, under or isinstance(node, (ast.If, ast.Try)))
+
+    visit(target, False)
+    return sorted(conditional - always)
+
+
 def _items(target: ast.stmt, free: list[str], divisor_names) -> dict[str, dict[str, str]]:
     """Free names of mappings whose string items the statement counts with (lit-gpt's
     `state["iter_num"] += 1`: "counter") or divides by (`cfg["gradient_accumulation_steps"]`:
@@ -1241,7 +1256,7 @@ def analyse(
         optional=optional,
         roles=roles,
         prefetch=prefetch,
-        initial=_initial_values(tree, target, free, settings),
+        initial=_initial_values(tree, target, free + _bound_under_a_condition(target), settings),
         items=_items(target, free, divisor_names),
         settings=settings,
         rebound=frozenset(rebound),
