@@ -1749,3 +1749,25 @@ def test_a_name_the_loop_binds_only_under_a_condition_holds_its_value_from_befor
     result = check(text, line_of(text, "for step"), k=4, divisor_names=["k"], device="cpu")
     assert result.verdict == "bug reproduced", result.replay.reason
     assert result.replay.bindings["weight"] == "1.0, as assigned before the statement"
+
+
+MODEL_PARALLEL_BRANCH = """\
+def train(args, model, loader, optimizer):
+    for step, batch in enumerate(loader):
+        if args.tensor_model_parallel_size > 1:
+            loss = sharded_forward(model, batch)
+        else:
+            loss = model(**batch).loss
+        (loss / args.grad_accum).backward()
+        if (step + 1) % args.grad_accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_degree_of_model_parallelism_is_one_in_the_replay():
+    """`args.tensor_model_parallel_size > 1` is false on one process, as `args.world_size > 1`
+    is: the loop takes its branch without model parallelism."""
+    text = MODEL_PARALLEL_BRANCH
+    result = check(text, line_of(text, "for step"), k=4, device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason

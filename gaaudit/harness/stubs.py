@@ -104,7 +104,10 @@ WORLD_SIZE = {"world_size", "num_processes"}  # `args.world_size`, accelerate's 
 
 def world_size(name: str) -> int | None:
     """The processes the replay runs on, for a name that counts them (`args.world_size > 1`
-    guards a collective): 1 unless it is a rank of `--distributed`; None for other names."""
+    guards a collective): 1 unless it is a rank of `--distributed`; 1 for a degree of model
+    parallelism (`args.pipeline_model_parallel_size`); None for other names."""
+    if name.endswith("parallel_size"):
+        return 1
     if name not in WORLD_SIZE:
         return None
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
