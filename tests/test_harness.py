@@ -1703,11 +1703,12 @@ RESOLVED_OPTION = source("""
     def train(args, model, loader, optimizer):
         if args.total_steps < 0:
             args.total_steps = args.epochs * len(loader)
+        args.scale = args.scale / args.accum_steps
         done = 0
         for step, batch in enumerate(loader):
             if done >= args.total_steps:
                 break
-            (model(**batch).loss / args.accum_steps).backward()
+            (model(**batch).loss * args.scale).backward()
             if (step + 1) % args.accum_steps == 0:
                 optimizer.step()
                 optimizer.zero_grad()
@@ -1718,15 +1719,19 @@ RESOLVED_OPTION = source("""
         parser = argparse.ArgumentParser()
         parser.add_argument("--total_steps", default=-1, type=int)
         parser.add_argument("--accum_steps", default=8, type=int)
+        parser.add_argument("--scale", default=1.0, type=float)
 """)
 
 
 def test_an_option_the_script_sets_before_the_loop_does_not_hold_its_default():
     """`args.total_steps = ...` before the loop resolves the -1 default: the loop reads a stub
-    there, not -1, which would end it at once."""
+    there, not -1, which would end it at once. An option of another default the code sets
+    again from itself (DialoGPT's `args.train_batch_size = args.train_batch_size // K`) keeps
+    its default, which a stub would not scale the loss by."""
     text = RESOLVED_OPTION
     result = check(text, line_of(text, "for step"), k=4, device="cpu")
     assert result.verdict == "bug reproduced", result.replay.reason
+    assert result.error > 1e-2, result.error
 
 
 SOMETIMES_WEIGHTED = """\

@@ -332,8 +332,7 @@ def _assigned_before(tree: ast.Module, target: ast.stmt) -> set[str]:
 
 def _attributes_set_before(tree: ast.Module, target: ast.stmt) -> set[str]:
     """Attributes an assignment sets before `target` (`args.num_training_steps = ...`), at
-    the module's top level or in the functions around it: an option of that name does not
-    hold its default there."""
+    the module's top level or in the functions around it."""
     around = functions_around(tree, target)
     statements = [*_module_level(tree.body), *(s for f in around for s in ast.walk(f))]
     return {
@@ -1245,8 +1244,9 @@ def analyse(
     arity = max(arities) if arities else (2 if kind == "nanogpt" else 0)
     fillers = max((usage.fillers.get(c, 0) for c in data if usage.arity.get(c) == arity), default=0)
     settings = argument_defaults(tree)
-    for option in _attributes_set_before(tree, target):  # `args.steps = ...` resolving a -1
-        settings.pop(option, None)
+    for option in _attributes_set_before(tree, target) & settings.keys():
+        if settings[option] < 0:  # a sentinel the code resolves before: `args.steps = ...` for -1
+            del settings[option]
     return Plan(
         target=target,
         imports=_imports(tree, target),
