@@ -157,10 +157,10 @@ def make_window(
     ragged: bool = False,
 ) -> Window:
     """A window of `k` micro-batches of `micro_batch_size` random-length samples each; with
-    `packed`, every sample is `max_len` long (fixed-length blocks: nothing is padded);
-    `ragged`: see split_window. For
-    SIZED_KINDS the window is one sample short unless `packed`, so that its micro-batches (and
-    any K chunks of the whole window) differ in size, as the last batch of an epoch does."""
+    `packed`, every sample is `max_len` long (fixed-length blocks: nothing is padded); for
+    `ragged`, see split_window. For SIZED_KINDS the window is one sample short unless `packed`,
+    so that its micro-batches (and any K chunks of the whole window) differ in size, as the
+    last batch of an epoch does."""
     short = kind in SIZED_KINDS and not packed and k > 1 and micro_batch_size > 1
     records = make_records(
         kind,
