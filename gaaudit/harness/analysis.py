@@ -315,32 +315,35 @@ def _module_level(body: list[ast.stmt]):
                 yield from _module_level(getattr(node, field_name, []))
 
 
-def _assigned_before(tree: ast.Module, target: ast.stmt) -> set[str]:
-    """Names an assignment binds before `target`, at the module's top level or in the
-    functions around it."""
+def _targets_before(tree: ast.Module, target: ast.stmt, augmented: bool) -> list[ast.expr]:
+    """What the assignments before `target` bind (`x += ...` too, with `augmented`), at the
+    module's top level or in the functions around it."""
     around = functions_around(tree, target)
     statements = [*_module_level(tree.body), *(s for f in around for s in ast.walk(f))]
+    kinds = (ast.Assign, ast.AnnAssign, ast.AugAssign) if augmented else (ast.Assign, ast.AnnAssign)
+    return [
+        bound
+        for statement in statements
+        if isinstance(statement, kinds) and statement.lineno < target.lineno
+        for bound in getattr(statement, "targets", [getattr(statement, "target", None)])
+    ]
+
+
+def _assigned_before(tree: ast.Module, target: ast.stmt) -> set[str]:
+    """Names an assignment binds before `target` (see _targets_before)."""
     return {
         name.id
-        for statement in statements
-        if isinstance(statement, (ast.Assign, ast.AnnAssign)) and statement.lineno < target.lineno
-        for bound in getattr(statement, "targets", [getattr(statement, "target", None)])
+        for bound in _targets_before(tree, target, augmented=False)
         for name in ast.walk(bound)
         if isinstance(name, ast.Name)
     }
 
 
 def _attributes_set_before(tree: ast.Module, target: ast.stmt) -> set[str]:
-    """Attributes an assignment sets before `target` (`args.num_training_steps = ...`), at
-    the module's top level or in the functions around it."""
-    around = functions_around(tree, target)
-    statements = [*_module_level(tree.body), *(s for f in around for s in ast.walk(f))]
+    """Attributes an assignment sets before `target` (`args.num_training_steps = ...`)."""
     return {
         bound.attr
-        for statement in statements
-        if isinstance(statement, (ast.Assign, ast.AugAssign, ast.AnnAssign))
-        and statement.lineno < target.lineno
-        for bound in getattr(statement, "targets", [getattr(statement, "target", None)])
+        for bound in _targets_before(tree, target, augmented=True)
         if isinstance(bound, ast.Attribute)
     }
 
@@ -934,8 +937,8 @@ def _returns(usage: _Usage, models: list[Chain]) -> tuple | None:
     return next(map(shape, unpacked), None)
 
 
-def _enumerations(tree: ast.Module, target: ast.stmt) -> set[str]:
-    """The names the functions around `target` last bind before it to an enumeration of
+def _enumerations(tree: ast.Module, target: ast.stmt, free: list[str]) -> set[str]:
+    """The free names the functions around `target` last bind before it to an enumeration of
     their data, wrapped or not, on either side of a condition (Lightning's Fabric examples:
     `iterable = tqdm(enumerate(loader)) if fabric.is_global_zero else enumerate(loader)`):
     their items are pairs of a count and a batch."""
@@ -952,19 +955,7 @@ def _enumerations(tree: ast.Module, target: ast.stmt) -> set[str]:
             value = value.args[0]
         return False
 
-    last = {}
-    for statement in sorted(
-        (s for f in functions_around(tree, target) for s in ast.walk(f)),
-        key=lambda s: getattr(s, "lineno", 0),
-    ):
-        if (
-            isinstance(statement, ast.Assign)
-            and statement.lineno < target.lineno
-            and len(statement.targets) == 1
-            and isinstance(statement.targets[0], ast.Name)
-        ):
-            last[statement.targets[0].id] = enumerates(statement.value)
-    return {name for name, enumerated in last.items() if enumerated}
+    return {d.chain[0] for d in assignments_before(tree, target, free, None) if enumerates(d.value)}
 
 
 def _counts_turns(value: ast.expr) -> bool:
@@ -1163,7 +1154,7 @@ def analyse(
             f"{base[1]}: the loss, the accumulation and the optimizer step run inside {base[1]}, "
             "which statement replay does not reproduce"
         )
-    usage, helpers = _Usage(enumerations=_enumerations(tree, target)), []
+    usage, helpers = _Usage(enumerations=_enumerations(tree, target, free)), []
     if lightning and params and len(params) > 1:
         # `training_step(self, batch, ...)`: the Trainer hands it each batch, as a loop's
         # `for batch in loader` does

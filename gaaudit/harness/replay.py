@@ -155,7 +155,7 @@ class _Session:
         if self.user:
             ignore_index = ignore_value(self.kind, getattr(plan, "ignore_index", None))
 
-            def fresh(n: int, ragged: bool = False) -> Window:
+            def fresh(n: int) -> Window:
                 micro = [factory.to_device(b, self.device) for b in data.window(n, seed)]
                 return Window("user", micro, factory.concatenate(micro), ignore_index)
         else:
@@ -187,8 +187,8 @@ class _Session:
 
     def drawn_from(self, after: int, ragged: bool = False) -> Window:
         """The micro-batches a replay draws: the window, or (`after`) a first window of `after`
-        micro-batches followed by K more; `ragged`: the same samples, each micro-batch padded
-        to its own longest."""
+        micro-batches followed by K more; `ragged` (the harness's data only): the same samples,
+        each micro-batch padded to its own longest."""
         if ragged:
             return self.fresh(after + self.k, ragged=True)
         if not after:
