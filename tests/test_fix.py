@@ -645,6 +645,20 @@ def test_a_helper_with_two_returns_is_refused_with_what_to_do():
     assert "`compute_loss` has more than one `return`" in outcome.reason
 
 
+def test_a_mean_of_means_along_a_dimension_is_refused_with_the_inner_mean():
+    """`helper(...).mean()` whose helper returns `losses.mean(1)`: its elements are means over
+    each micro-batch's padded width, so weighting the rows (`.numel()`) would be a safe fix
+    that fixes nothing."""
+    script = FIXTURES / "ga001_masked_mean_over_padded_width.py"
+    report = fix_source(script.read_bytes(), script, ALL, True)
+    assert report.after == report.before
+    (outcome,) = report.outcomes
+    assert not outcome.applied
+    assert outcome.reason.startswith(
+        "the loss averages means along a dimension (`losses.mean(1)`, line 14)"
+    )
+
+
 def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_stages():
     """Weighting the last stage's loss scales the gradients it sends to the other stages,
     which never see the window's count: the fix says what to do instead."""

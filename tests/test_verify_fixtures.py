@@ -88,11 +88,6 @@ EVERY_POSITION = {
 # The harness has no sequence-classification model yet (issue "verify on real scripts"): it
 # replays a causal LM, whose shifted labels the classification patch does not count.
 MISMODELLED = {"ga001_exact_seq_classifier_attention_mask"}
-# A masked loss averaged over each micro-batch's padded width (`(losses * mask).mean(1)`),
-# which the replay pads to each micro-batch's longest, as a collator padding to the longest
-# does: the fix weights each micro-batch by its rows, and no count of the loop undoes the
-# division by the width.
-WIDTH_WEIGHTED = {"ga001_masked_mean_over_padded_width"}
 
 # Loops this replay cannot verify: the original's verdict (None: not run) and what the patched
 # verdict must say. (The patched DDP loop all-reduces its token count only under a process
@@ -260,7 +255,7 @@ def test_original_reproduces_the_bug_and_patched_is_verified(loops, name):
             assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop
             continue
         assert row["original_verdict"] == "bug reproduced" and row["original_error"] > 1e-3, row
-        if name in MISMODELLED | WIDTH_WEIGHTED:
+        if name in MISMODELLED:
             assert loop["verdict"] == "bug reproduced" and row["patched_error"] > 1e-3, loop
         else:
             assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop
@@ -285,6 +280,19 @@ def test_the_table_says_what_it_measures_and_what_was_not_fixed(tmp_path):
     assert "bug reproduced; nothing was fixed, so there is no patched loop" in unfixed
     assert result.stdout.count("the original loop's first window holds 1 micro-batch") == 1
     assert result.stdout.count("the patched loop's first window") == 0
+
+
+def test_a_mean_over_each_micro_batchs_padded_width_is_reproduced_and_left_unfixed():
+    """`(losses * mask).mean(1)` divides each row by its micro-batch's padded width: replayed
+    on micro-batches padded each to its own longest (as a collator pads them), the bug shows;
+    weighting the rows cannot undo that division, so `fix` leaves the loop as it was."""
+    script = FIXTURES / "ga001_masked_mean_over_padded_width.py"
+    result = gaaudit("verify", str(script), "-k", "4", "--device", "cpu", "--format", "json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    (loop,) = json.loads(result.stdout)["loops"]
+    (row,) = loop["rows"]
+    assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop
+    assert row["original_error"] > 1e-3 and row["patched_error"] is None, row
 
 
 def test_a_loop_a_framework_runs_is_named_not_run():

@@ -235,6 +235,17 @@ def averaged_mean(call: cst.Call, tree: Tree) -> cst.BaseExpression | None:
     return None
 
 
+def _along_a_dimension(call: cst.Call, tree: Tree) -> bool:
+    """Whether `call` is a mean along a dimension: `x.mean(1)`, `torch.mean(x, dim=-1)`."""
+    if tree.qualified(call.func) in ("torch.mean", "torch.nanmean"):
+        return len(positional(call)) > 1 or keyword(call, "dim") is not None
+    return (
+        isinstance(call.func, cst.Attribute)
+        and call.func.attr.value in ("mean", "nanmean")
+        and (bool(positional(call)) or keyword(call, "dim") is not None)
+    )
+
+
 class _Foreign(Exception):
     """An expression reads something its function's caller cannot name."""
 
@@ -588,7 +599,9 @@ class _Counts:
         if not isinstance(call, cst.Call):
             return None
         averaged = averaged_mean(call, self.tree)
-        if averaged is not None:  # `x.mean()`: every element counts
+        if averaged is not None:  # `x.mean()`: every element counts, unless each is a mean
+            if self.mean_along(averaged) is not None:
+                return None
             return cst.Call(cst.Attribute(averaged, cst.Name("numel")))
         configured = origin.configured or self.loss_instance(call.func) or call
         name = (self.tree.qualified(configured.func) or "").rsplit(".", 1)[-1]
@@ -597,6 +610,25 @@ class _Counts:
         if name not in TOKEN_LOSSES or target is None or weighted is not None:
             return None
         return valid_targets(target, configured)
+
+    def mean_along(self, expr: cst.BaseExpression, depth: int = 0) -> cst.Call | None:
+        """The mean along a dimension that `expr` is, or a same-file helper it calls returns
+        (`losses.mean(1)`): the elements of `expr` are then means, each over its own count."""
+        if depth > MAX_DEPTH:
+            return None
+        if isinstance(expr, cst.Name) and expr in self.tree.order:
+            stmt = self.binding(expr.value, expr)
+            value = stmt.value if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 else None
+            return self.mean_along(value, depth + 1) if value is not None else None
+        if not isinstance(expr, cst.Call):
+            return None
+        if _along_a_dimension(expr, self.tree):
+            return expr
+        helper = self.helper(expr.func)
+        if helper is None:
+            return None
+        found = (self.mean_along(r, depth + 1) for r in self.returns(helper))
+        return next((f for f in found if f is not None), None)
 
     def inlined(
         self, expr: cst.BaseExpression, function: cst.FunctionDef, depth: int = 0

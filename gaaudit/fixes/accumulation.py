@@ -15,6 +15,7 @@ from gaaudit.analysis.provenance import (
     Origin,
     Tracer,
     argument_for,
+    averaged_mean,
     loss_target,
     valid_targets,
 )
@@ -556,6 +557,17 @@ class _CompanionCounts:
 
     def _call_count(self, call: cst.Call, origin: Origin) -> tuple[tuple[str, str], bool]:
         func = call.func
+        averaged = averaged_mean(call, self.tree)
+        if averaged is not None:
+            along = self.auditor.tracer.mean_along(averaged)
+            if along is not None:
+                raise Unfixable(
+                    f"the loss averages means along a dimension (`{code(along)}`, line "
+                    f"{self.tree.line(along)}), each over a count of its own, which weighting "
+                    "the loss by its elements would keep: make that mean a sum, and count "
+                    "what it sums"
+                )
+            return (f"{atom(averaged)}.numel()", ""), True
         qualified = self.tree.qualified(func) or ""
         if qualified in ("torch.mean", "torch.nanmean"):
             return (f"{atom(positional(call)[0])}.numel()", ""), True
