@@ -1114,7 +1114,10 @@ def test_a_global_model_built_by_a_factory_of_the_repository_says_whether_it_shi
     alone = write(tmp_path / "alone", {"train.py": (GLOBAL_MODEL / "train.py").read_text()})
     (outcome,) = _global_model_fix(alone).outcomes
     assert not outcome.applied
-    assert "cannot tell whether the model shifts its labels" in outcome.reason
+    assert outcome.reason.startswith(
+        "cannot tell whether `model` (line 14) shifts its labels before its loss (a causal LM)"
+    )
+    assert "`(labels[..., 1:] != -100).sum()` if it does" in outcome.reason
 
 
 def test_the_global_models_read_ahead_fix_matches_the_full_batch(tmp_path):

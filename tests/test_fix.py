@@ -162,7 +162,8 @@ def test_unfixable_finding_says_why_with_its_position(tmp_path, cli):
     result = cli("fix", ".", cwd=tmp_path)
     assert result.exit_code == 1
     assert (
-        f"{script.name}:31:24: GA001 not fixed: the loss is computed in another function"
+        f"{script.name}:31:24: GA001 not fixed: the loss is made in `_calculate_loss()` "
+        "(line 18) and reaches the loop other than as `loss = _calculate_loss(...)`"
         in result.output
     )
     assert "Fixed 0 findings in 0 files; 1 not fixed." in result.output
@@ -657,6 +658,71 @@ def test_a_mean_of_means_along_a_dimension_is_refused_with_the_inner_mean():
     assert outcome.reason.startswith(
         "the loss averages means along a dimension (`losses.mean(1)`, line 14)"
     )
+
+
+REFUSED_LOOP = """
+def train(model, loader, optimizer, accum):
+    for step, batch in enumerate(loader):
+{body}
+        (loss / accum).backward()
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (  # a mask in one branch, none in the other
+            """        x, y, mask = batch
+        losses = F.mse_loss(model(x), y, reduction="none")
+        if mask is not None:
+            loss = (losses * mask).sum() / mask.sum()
+        else:
+            loss = losses.mean()""",
+            (
+                "the loss is defined in both branches of the `if` on line 8, over different "
+                "counts, which one count expression cannot cover: bind each branch's "
+                "valid-target count beside its loss"
+            ),
+        ),
+        (
+            """        ids, labels = batch
+        loss = model(ids, labels).loss""",
+            (
+                "`model(ids, labels).loss` is the loss of `model(...)` (line 7), which is handed "
+                "no `labels=` that gaaudit can count: pass them by that name"
+            ),
+        ),
+        (
+            """        ids, mask, segments = batch
+        logits, loss = model(ids, mask, segments)""",
+            (
+                "`model(...)` (line 7) computes its own loss, and none of its arguments is named "
+                "as its targets: pass them as `labels=` or `targets=`"
+            ),
+        ),
+        (
+            """        loss = token_loss(model, batch)""",
+            (
+                "gaaudit could not tell what the loss averages over: it is `token_loss(...)`, a "
+                "call gaaudit cannot see into; backpropagate each micro-batch's loss sum and "
+                "divide the gradients once by the window's count (see `gaaudit explain GA001`)"
+            ),
+        ),
+    ],
+)
+def test_a_refusal_says_what_is_missing_where_and_what_to_do(body, reason):
+    """Issue 17, item 4: each refusal names the statement that stops the fix, by its line, and
+    says what would let it through."""
+    source = "import torch.nn.functional as F\nfrom losses import token_loss\n" + (
+        REFUSED_LOOP.format(body=body)
+    )
+    report = fix_source(source.encode(), Path("train.py"), ALL, True)
+    assert report.after == report.before
+    (outcome,) = report.outcomes
+    assert not outcome.applied and outcome.reason.startswith(reason), outcome.reason
 
 
 def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_stages():

@@ -240,10 +240,11 @@ class _Counting:
             )
         if origin.module and origin.count is None and not self.reach:
             raise Unfixable(
-                f"the loss is computed in {origin.module}; its targets are not visible here"
+                f"the loss is computed in {origin.module}, which a fix of standard input or of "
+                "a notebook leaves as it is: run `gaaudit fix` on the files of the repository"
             )
         if origin.kind != "mean" or (source is None and origin.count is None and not origin.module):
-            raise Unfixable("gaaudit could not tell what the loss averages over")
+            raise Unfixable(self._untraced(site))
         if origin.beside:
             raise Unfixable(
                 f"`{code(source.func)}(...)` returns the count `{origin.beside}` beside the loss, "
@@ -252,9 +253,12 @@ class _Counting:
                 f"of `{origin.beside}`"
             )
         if origin.branch:
+            branches = next((a for a in self.tree.ancestors(source) if isinstance(a, cst.If)), None)
+            where = f" on line {self.tree.line(branches)}" if branches is not None else ""
             raise Unfixable(
-                "the loss is defined in both branches of an `if`, over different counts; "
-                "one count expression cannot cover both"
+                f"the loss is defined in both branches of the `if`{where}, over different "
+                "counts, which one count expression cannot cover: bind each branch's "
+                "valid-target count beside its loss, then backpropagate the loss times that count"
             )
         kept = [
             d for d in origin.divisions if site.division is None or d.node is not site.division.node
@@ -276,12 +280,20 @@ class _Counting:
         elif isinstance(source, cst.Call):
             counted = self._call_count(source, origin)
         else:
-            raise Unfixable("gaaudit could not tell what the loss averages over")
+            raise Unfixable(self._untraced(site))
         if helper is None:
             return counted
         (count, caveat), safe = counted
         self._return_count(helper, count)
         return (self.micro, caveat), safe
+
+    @staticmethod
+    def _untraced(site: Site) -> str:
+        return (
+            f"gaaudit could not tell what the loss averages over: it is "
+            f"{site.origin.description}; backpropagate each micro-batch's loss sum and divide "
+            f"the gradients once by the window's count (see `gaaudit explain {site.code}`)"
+        )
 
     def _window_blocker(self, site: Site) -> str:
         """Why one division at the step cannot fix the window ("" when it can): the window's
@@ -357,8 +369,16 @@ class _Counting:
         call = found[0] if found is not None else None
         returns = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
         if not isinstance(helper, cst.FunctionDef) or call is None:
+            if not isinstance(helper, cst.FunctionDef):
+                raise Unfixable(
+                    "the loss is made at the module's top level, outside the function of its "
+                    "window; make it in that function"
+                )
+            name = helper.name.value
             raise Unfixable(
-                "the loss is computed in another function; its targets are not visible here"
+                f"the loss is made in `{name}()` (line {self.tree.line(helper)}) and reaches "
+                f"the loop other than as `loss = {name}(...)` or `loss, ... = {name}(...)`, "
+                "so the loop cannot ask it for its count; call it so"
             )
         if len(returns) != 1 or returns[0].value is None:
             raise Unfixable(
@@ -516,10 +536,21 @@ class _CompanionCounts:
                 if spread is not None:
                     labels = f'{code(spread)}["labels"]'
         if labels is None:
-            raise Unfixable("the labels passed to the model are not visible at the loss")
+            made = (
+                f"`{code(call.func)}(...)` (line {self.tree.line(call)})" if call else "the model"
+            )
+            raise Unfixable(
+                f"`{code(source)}` is the loss of {made}, which is handed no `labels=` that "
+                "gaaudit can count: pass them by that name"
+            )
         causal = self._causal(call)
         if causal is None:
-            raise Unfixable("cannot tell whether the model shifts its labels (causal LM) or not")
+            raise Unfixable(
+                f"cannot tell whether `{code(call.func)}` (line {self.tree.line(call)}) shifts "
+                "its labels before its loss (a causal LM) or not; its count is "
+                f"`({labels}[..., 1:] != -100).sum()` if it does, `({labels} != -100).sum()` "
+                "if not"
+            )
         shifted = f"{labels}[..., 1:]" if causal else labels
         return f"({shifted} != -100).sum()", ""
 
@@ -582,7 +613,10 @@ class _CompanionCounts:
         name = (self.tree.qualified(named) or "").rsplit(".", 1)[-1]
         target = loss_target(call)
         if target is None:
-            raise Unfixable("the target tensor of the loss is not visible")
+            raise Unfixable(
+                f"`{code(func)}(...)` (line {self.tree.line(call)}) is handed no target gaaudit "
+                "can count: pass it as the second argument or as `target=`"
+            )
         if name not in TOKEN_LOSSES:
             caveat = (
                 f"assumes `{code(func)}` is its default" if named is not configured.func else ""
@@ -609,7 +643,11 @@ class _CompanionCounts:
             or (args[1] if len(args) == 2 else None)  # `model(x, y)`
         )
         if target is None:
-            raise Unfixable("the targets passed to the model are not visible")
+            raise Unfixable(
+                f"`{code(call.func)}(...)` (line {self.tree.line(call)}) computes its own loss, "
+                "and none of its arguments is named as its targets: pass them as `labels=` or "
+                "`targets=`"
+            )
         ignore = re.search(r"ignore_index\s*=\s*(-?\d+)", self.text) or re.search(
             r"(-100)\b", self.text
         )
@@ -1147,8 +1185,13 @@ class _Window:
             if outer is None or self._accelerator(site) is None:
                 raise Unfixable("the accumulate() window has no accelerator.backward in a loop")
         elif window.kind not in ("modulo", "micro-loop"):
+            function = self.tree.scope_of(window.anchor)
+            name = f"`{function.name.value}()`" if isinstance(function, cst.FunctionDef) else "it"
             raise Unfixable(
-                "the optimizer step is not in this function; gaaudit cannot place the one division"
+                f"the optimizer step is not in {name}, where the window's loss is "
+                "backpropagated, so gaaudit cannot place the one division after the window: "
+                "sum the window's valid-target count where it steps and divide the gradients "
+                "there"
             )
         call = site.backward.call
         if (
