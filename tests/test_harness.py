@@ -17,6 +17,7 @@ from gaaudit.harness.data import make_window, merge_batches
 from gaaudit.harness.demo import DemoRow, plot, run_demo
 from gaaudit.harness.gradcheck import (
     RecordingOptimizer,
+    SeededRows,
     StepReached,
     full_batch_grads,
     relative_error,
@@ -34,6 +35,45 @@ def source(text: str) -> str:
 def line_of(text: str, start: str) -> int:
     """1-based line of the first line that starts (after indentation) with `start`."""
     return next(i for i, line in enumerate(text.splitlines(), 1) if line.strip().startswith(start))
+
+
+DRAWS = """
+def draw(x):
+    noise = torch.randn_like(x)
+    keep = torch.rand(x.shape) > 0.5
+    steps = torch.randint(0, 1000, (x.shape[0],))
+    x.uniform_(-1, 1)
+    return noise, keep, steps, x
+"""
+
+
+def test_random_draws_of_the_replayed_code_are_made_row_by_row():
+    """Noise that a loop draws for each of its micro-batches is, row for row, what it draws
+    for one batch of the whole window (which plain draws from one generator are not: normal
+    samples come in blocks), counted anew from each window; a draw of other code, or with a
+    generator of its own, is left to the generator."""
+    namespace = {"torch": torch}
+    exec(compile(DRAWS, "train.py", "exec"), namespace)  # noqa: S102 - the test's own code
+    draw = namespace["draw"]
+    with SeededRows(0, "train.py"):
+        parts = [draw(torch.zeros(3, 20)), draw(torch.zeros(2, 20))]
+    with SeededRows(0, "train.py") as rows:
+        whole = draw(torch.zeros(5, 20))
+        rows.restart()
+        again = draw(torch.zeros(5, 20))
+    for i, drawn in enumerate(whole):
+        assert torch.equal(torch.cat([part[i] for part in parts]), drawn)
+        assert torch.equal(again[i], drawn)
+    torch.manual_seed(0)
+    plain = torch.cat([torch.randn(3, 20), torch.randn(2, 20)])
+    torch.manual_seed(0)
+    assert not torch.equal(plain, torch.randn(5, 20))  # what the rows' seeds are for
+    torch.manual_seed(1)
+    expected = torch.randn(4), torch.randn(4, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(1)
+    with SeededRows(0, "train.py"):
+        elsewhere = torch.randn(4), torch.randn(4, generator=torch.Generator().manual_seed(2))
+    assert all(torch.equal(a, b) for a, b in zip(elsewhere, expected))
 
 
 def test_demo_mean_over_k_error_grows_with_k_and_sum_and_count_matches():

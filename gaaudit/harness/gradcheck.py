@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from gaaudit.harness.data import Window
 from gaaudit.harness.models import mean_token_loss
@@ -27,6 +29,13 @@ DTYPES = {
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 AGREEMENT = {torch.float32: 1e-5, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 BUG_THRESHOLD = 1e-3
+# torch's random draws: functions, and Tensor methods that fill their tensor in place
+RANDOM = {
+    *("rand", "randn", "randint", "rand_like", "randn_like", "randint_like"),
+    *("normal", "bernoulli", "multinomial", "poisson"),
+    *("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_"),
+    *("log_normal_", "cauchy_"),
+}
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -144,6 +153,92 @@ class _Group(dict):
         return 1.0
 
 
+class SeededRows(TorchFunctionMode):
+    """While it is on, a random draw that the code of `filename` makes (`torch.randn_like(x)`,
+    `torch.rand(ids.shape)`, `t.uniform_()`) is made row by row along its first dimension,
+    each row from a seed of the place in that code that drew it and of the row's index among
+    that place's draws since the window began. K micro-batches then draw for their rows what
+    one batch of the whole window draws for its: noise added to the data does not keep their
+    gradients from matching the full batch's. A draw given a generator of its own is left
+    as it is; `restart` begins a window."""
+
+    def __init__(self, seed: int, filename: str) -> None:
+        super().__init__()
+        self.seed, self.filename = seed, filename
+        self.rows: dict[tuple[int, int], int] = {}
+
+    def restart(self) -> None:
+        self.rows.clear()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        site = self._site() if name in RANDOM and "generator" not in kwargs else None
+        drawn = func(*args, **kwargs)
+        if site is None or not isinstance(drawn, torch.Tensor):
+            return drawn
+        if name in ("rand", "randn") and args and all(isinstance(a, int) for a in args):
+            args = (tuple(args),)  # `torch.randn(b, d)`: the size as one argument
+        n = drawn.shape[0] if drawn.dim() else 1
+        start = self.rows.get(site, 0)
+        self.rows[site] = start + n
+        rows = [_row_arguments(args, kwargs, n, r) for r in range(n)] if drawn.dim() else []
+        if not rows or None in rows:  # no argument holds the rows: one seed for the draw
+            return self._seeded(self._key(site, start), drawn.device, func, args, kwargs)
+        pieces = [
+            self._seeded(self._key(site, start + r), drawn.device, func, *row)
+            for r, row in enumerate(rows)
+        ]
+        if name.endswith("_"):  # each row filled in place, through its view
+            return drawn
+        if any(p.shape != (1, *drawn.shape[1:]) for p in pieces):
+            return self._seeded(self._key(site, start), drawn.device, func, args, kwargs)
+        return torch.cat(pieces)
+
+    def _site(self) -> tuple[int, int] | None:
+        """Where in the replayed file's code the draw is made: its function's first line and
+        the instruction that called on."""
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename != self.filename:
+            frame = frame.f_back
+        return (frame.f_code.co_firstlineno, frame.f_lasti) if frame is not None else None
+
+    def _key(self, site: tuple[int, int], row: int) -> int:
+        first_line, instruction = site
+        return ((self.seed * 1_000_003 + first_line) * 10_007 + instruction) * 100_003 + row
+
+    @staticmethod
+    def _seeded(key: int, device: torch.device, func, args, kwargs):
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(key % 2**63)
+            return func(*args, **kwargs)
+
+
+def _row_arguments(args: tuple, kwargs: dict, n: int, r: int) -> tuple[tuple, dict] | None:
+    """`args` and `kwargs` of a draw of `n` rows, for its row `r` alone: a tensor of `n` rows
+    sliced to that row, a size of `n` rows made one; None when none of them holds the rows."""
+    sliced = False
+
+    def row(value):
+        nonlocal sliced
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
+            sliced = True
+            return value[r : r + 1]
+        if (
+            isinstance(value, (tuple, list))
+            and value
+            and all(isinstance(v, int) for v in value)
+            and value[0] == n
+        ):
+            sliced = True
+            return (1, *value[1:])
+        return value
+
+    arguments = (tuple(row(a) for a in args), {k: row(v) for k, v in kwargs.items()})
+    return arguments if sliced else None
+
+
 class RecordingOptimizer(torch.optim.SGD):
     """A real SGD whose `step()` records the gradients in `grads` and raises StepReached; the
     first `skip` steps change nothing and go on."""
@@ -160,6 +255,7 @@ class RecordingOptimizer(torch.optim.SGD):
         self.clipped: tuple[list[torch.Tensor], str, int] | None = None
         self.last_clipped: tuple[list[torch.Tensor], str, int] | None = None
         self.drawn: Callable[[], int] = lambda: 0  # micro-batches drawn since the last step
+        self.window_begun: Callable[[], None] = lambda: None  # after a step it skips
 
     def count(self, drawn: Callable[[], int]) -> None:
         """Count the micro-batches drawn (the replay's counter) from here on."""
@@ -173,6 +269,7 @@ class RecordingOptimizer(torch.optim.SGD):
             self.skip -= 1
             self.count(self.drawn)
             self.clipped = self.last_clipped = None
+            self.window_begun()
             return
         self.grads = self._gradients()
         raise StepReached(where)

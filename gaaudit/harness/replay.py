@@ -34,6 +34,7 @@ from gaaudit.harness.gradcheck import (
     AGREEMENT,
     TOLERANCE,
     RecordingOptimizer,
+    SeededRows,
     StepReached,
     autocast,
     deterministic,
@@ -517,7 +518,10 @@ def _execute(
             )
             optimizer.count(objects.drawn)
             function, kwargs = _callable(plan, filename, namespace, objects)
+            rows = SeededRows(seed, filename)
+            optimizer.window_begun = rows.restart
             with (
+                rows,
                 _capturing(optimizer, namespace, model),
                 _staying_on(device),
                 precision,
