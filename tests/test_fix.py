@@ -725,6 +725,38 @@ def test_a_refusal_says_what_is_missing_where_and_what_to_do(body, reason):
     assert not outcome.applied and outcome.reason.startswith(reason), outcome.reason
 
 
+SCALED_ON_ONE_BRANCH = """
+import torch.nn.functional as F
+
+
+def train(model, loader, optimizer, scaler, accum, use_amp):
+    for step, (x, y) in enumerate(loader):
+        loss = F.cross_entropy(model(x), y, ignore_index=-100)
+        if use_amp:
+            scaler.scale(loss / accum).backward()
+        else:
+            (loss / accum).backward()
+        if (step + 1) % accum == 0:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_window_is_fixed_whole_or_not_at_all():
+    """The fp16 branch could be weighted alone, but the one division at the step would then
+    divide the other branch's mean/K too (and read a reference count it never set): neither
+    backward is rewritten, and the one that could be says which stopped it."""
+    report = fix_source(SCALED_ON_ONE_BRANCH.encode(), Path("train.py"), ALL, True)
+    assert report.after == report.before
+    scaled, plain = report.outcomes
+    assert not scaled.applied and not plain.applied
+    assert plain.reason.startswith(
+        "the window backpropagates through the GradScaler on line 9 and without it on line 11"
+    )
+    assert scaled.reason == f"another backward of its window is not fixed (line 11: {plain.reason})"
+
+
 def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_stages():
     """Weighting the last stage's loss scales the gradients it sends to the other stages,
     which never see the window's count: the fix says what to do instead."""

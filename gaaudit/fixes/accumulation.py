@@ -677,7 +677,15 @@ class _LossRewrite:
         scaled = self._scaled(site)
         first = self._prepared.get(site.window.anchor)
         if first is not None and self._scaled(first[0]) != scaled:
-            raise Unfixable("the window mixes backward calls with and without the GradScaler")
+            scaled_line, plain_line = (
+                self.tree.line(s.backward.call or s.backward.loss)
+                for s in ((site, first[0]) if scaled else (first[0], site))
+            )
+            raise Unfixable(
+                f"the window backpropagates through the GradScaler on line {scaled_line} and "
+                f"without it on line {plain_line}; one division at the step would meet "
+                "gradients of two scales: scale both backward passes, or neither"
+            )
         # `sum / (count * k)` or `sum / k / count` rewritten: the divisions make the mean and
         # divide it by K, so the micro-batch's sum is in sight (a kept name is weighted as any
         # mean/K)
@@ -1354,7 +1362,9 @@ class _Window:
                 "in the same function: divide the gradients there by the window's token count"
             )
         raise Unfixable(
-            "no optimizer step is visible for this window; gaaudit cannot tell whose gradients to divide"
+            f"no optimizer step is visible in the window of line {self.tree.line(window.anchor)}, "
+            "so gaaudit cannot tell whose gradients to divide: call the optimizer's `step()` "
+            "there"
         )
 
     def _backward_outside_grads(self, optimizer: str, window: Window) -> None:
@@ -1484,50 +1494,60 @@ class Planner(
         ):  # not tokens: images, examples or elements are counted
             self.micro = self._fresh("micro_count")
             self.window_total = self._fresh("window_count")
-        outcomes = []
-        for site in sites:
+        outcomes: dict[int, Outcome] = {}
+        for window in dict.fromkeys(site.window.anchor for site in sites):
+            group = [site for site in sites if site.window.anchor is window]
             saved = self._snapshot()
-            try:
-                count, safe = self.count(site)
-                if not safe and not self.unsafe:
-                    raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
-                siblings = self._siblings(site, sites)
-                blocker = self._window_blocker(site)
-                if self.lightning_module(site) is not None:
-                    if blocker:  # Lightning draws the batches: nothing can read them ahead
-                        raise Unfixable(blocker)
-                    self._rewrite_returned(site, count[0])
-                elif blocker and siblings:
-                    raise Unfixable(
-                        f"the loss is backpropagated on {len(siblings) + 1} branches of a window "
-                        f"that must be read ahead ({blocker})"
-                    )
-                elif blocker:
-                    self._read_ahead(site, count[0], blocker)
-                else:
-                    for each in (site, *siblings):
-                        self._rewrite(each, count[0])
-                outcomes.append(Outcome(site, *self._position(site), True))
-            except (Unfixable, cst.ParserSyntaxError) as exc:
-                (
-                    self.edits,
-                    self._prepared,
-                    self._weighted,
-                    self.companions,
-                    self._ahead_windows,
-                    self._modules,
-                ) = saved
+            planned = [self._planned(site, sites) for site in group]
+            refused = next((o for o in planned if not o.applied), None)
+            if refused is not None and any(o.applied for o in planned):
+                # one division at the step serves the whole window: all of it, or none
+                self._restore(saved)
                 reason = (
-                    str(exc)
-                    if isinstance(exc, Unfixable)
-                    else "gaaudit could not build a valid rewrite"
+                    "another backward of its window is not fixed (line "
+                    f"{refused.line}: {refused.reason})"
                 )
-                outcomes.append(Outcome(site, *self._position(site), False, reason))
+                planned = [replace(o, applied=False, reason=o.reason or reason) for o in planned]
+            outcomes.update((id(o.site), o) for o in planned)
         for site, optimizer in self._prepared.values():
             self._finish_window(site, optimizer)
         for module, this in self._modules.items():
             self._finish_module(module, this)
-        return outcomes
+        return [outcomes[id(site)] for site in sites]
+
+    def _planned(self, site: Site, sites: list[Site]) -> Outcome:
+        """Plan the rewrite of one site, or restore what was planned before it and say why
+        it cannot be fixed."""
+        saved = self._snapshot()
+        try:
+            count, safe = self.count(site)
+            if not safe and not self.unsafe:
+                raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
+            siblings = self._siblings(site, sites)
+            blocker = self._window_blocker(site)
+            if self.lightning_module(site) is not None:
+                if blocker:  # Lightning draws the batches: nothing can read them ahead
+                    raise Unfixable(blocker)
+                self._rewrite_returned(site, count[0])
+            elif blocker and siblings:
+                raise Unfixable(
+                    f"the loss is backpropagated on {len(siblings) + 1} branches of a window "
+                    f"that must be read ahead ({blocker})"
+                )
+            elif blocker:
+                self._read_ahead(site, count[0], blocker)
+            else:
+                for each in (site, *siblings):
+                    self._rewrite(each, count[0])
+            return Outcome(site, *self._position(site), True)
+        except (Unfixable, cst.ParserSyntaxError) as exc:
+            self._restore(saved)
+            reason = (
+                str(exc)
+                if isinstance(exc, Unfixable)
+                else "gaaudit could not build a valid rewrite"
+            )
+            return Outcome(site, *self._position(site), False, reason)
 
     def _siblings(self, site: Site, sites: list[Site]) -> list[Site]:
         """The site again at each other backward call of its window that backpropagates the
@@ -1563,6 +1583,16 @@ class Planner(
     def _position(self, site: Site) -> tuple[int, int]:
         span = self.tree.span(site.node)
         return span.line, span.column
+
+    def _restore(self, saved: tuple) -> None:
+        (
+            self.edits,
+            self._prepared,
+            self._weighted,
+            self.companions,
+            self._ahead_windows,
+            self._modules,
+        ) = saved
 
     def _snapshot(self) -> tuple:
         """A copy to restore when a site turns out unfixable half-way through planning."""
