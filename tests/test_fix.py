@@ -757,6 +757,37 @@ def test_a_window_is_fixed_whole_or_not_at_all():
     assert scaled.reason == f"another backward of its window is not fixed (line 11: {plain.reason})"
 
 
+def test_two_losses_backpropagated_in_one_micro_step_are_refused_but_branches_are_fixed():
+    """Two means backpropagated on one path through the micro-step each need a window count
+    of their own: one shared count and one division would weight them wrongly (and leave the
+    second optimizer's gradients summed). The same losses on the two branches of an `if` are
+    one loss a micro-step, which one count serves."""
+    script = FIXTURES / "ga001_two_optimizers_one_guard.py"
+    report = fix_source(script.read_bytes(), script, ALL, True)
+    assert report.after == report.before
+    assert [o.applied for o in report.outcomes] == [False, False]
+    assert all(
+        o.reason.startswith(
+            "the window backpropagates 2 losses, `(critic_loss / accum_steps)` (line 13) and "
+            "`(generator_loss / accum_steps)` (line 15), each a mean over a count of its own"
+        )
+        for o in report.outcomes
+    )
+    lines = script.read_text().splitlines()
+    branched = "\n".join(
+        [
+            *lines[:11],
+            "        if step % 2:",
+            *("    " + line for line in lines[11:13]),
+            "        else:",
+            *("    " + line for line in lines[13:15]),
+            *lines[15:],
+        ]
+    )
+    report = fix_source(branched.encode(), script, ALL, True)
+    assert [o.applied for o in report.outcomes] == [True, True]
+
+
 def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_stages():
     """Weighting the last stage's loss scales the gradients it sends to the other stages,
     which never see the window's count: the fix says what to do instead."""

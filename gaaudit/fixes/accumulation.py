@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -1497,6 +1498,14 @@ class Planner(
         outcomes: dict[int, Outcome] = {}
         for window in dict.fromkeys(site.window.anchor for site in sites):
             group = [site for site in sites if site.window.anchor is window]
+            together = _backpropagated_together(self.tree, group)
+            if together:
+                reason = _several_losses(self.tree, together)
+                outcomes.update(
+                    (id(site), Outcome(site, *self._position(site), False, reason))
+                    for site in group
+                )
+                continue
             saved = self._snapshot()
             planned = [self._planned(site, sites) for site in group]
             refused = next((o for o in planned if not o.applied), None)
@@ -1606,3 +1615,46 @@ class Planner(
             set(self._ahead_windows),
             dict(self._modules),
         )
+
+
+def _backpropagated_together(tree: Tree, sites: list[Site]) -> list[Site]:
+    """Two sites of one window that backpropagate different losses (made in different places)
+    on one path through the micro-step, not on the two branches of an `if`; none if there
+    are no such two."""
+    for a, b in itertools.combinations(sites, 2):
+        if _made(a) != _made(b) and not _apart(tree, a.backward.loss, b.backward.loss):
+            return [a, b]
+    return []
+
+
+def _made(site: Site) -> object:
+    """Where a site's loss is made: its node, or the function of another module."""
+    origin = site.origin
+    return origin.source if origin.source is not None else (origin.path, origin.callee)
+
+
+def _apart(tree: Tree, a: cst.CSTNode, b: cst.CSTNode) -> bool:
+    """Whether `a` and `b` lie on the two branches of one `if` (at most one of them runs)."""
+    for node in tree.ancestors(a):
+        if isinstance(node, cst.If) and tree.contains(node, b):
+            body, other = node.body, node.orelse
+            return other is not None and (
+                tree.contains(body, a)
+                and tree.contains(other, b)
+                or tree.contains(other, a)
+                and tree.contains(body, b)
+            )
+    return False
+
+
+def _several_losses(tree: Tree, sites: list[Site]) -> str:
+    """Why a window that backpropagates several losses, each a mean, is not fixed."""
+    named = [
+        f"`{code(site.backward.loss)}` (line {tree.line(site.backward.call or site.backward.loss)})"
+        for site in sites
+    ]
+    return (
+        f"the window backpropagates {len(sites)} losses, {', '.join(named[:-1])} and "
+        f"{named[-1]}, each a mean over a count of its own: one division at the step cannot "
+        "weight them apart; backpropagate each loss's sum divided by its own window's count"
+    )
