@@ -759,9 +759,9 @@ def test_a_window_is_fixed_whole_or_not_at_all():
 
 def test_two_losses_backpropagated_in_one_micro_step_are_refused_but_branches_are_fixed():
     """Two means backpropagated on one path through the micro-step each need a window count
-    of their own: one shared count and one division would weight them wrongly (and leave the
-    second optimizer's gradients summed). The same losses on the two branches of an `if` are
-    one loss a micro-step, which one count serves."""
+    of their own: one shared count and one division would weight them wrongly. The same
+    losses on the two branches of an `if` (stepped by one optimizer) are one loss a
+    micro-step, which one count serves."""
     script = FIXTURES / "ga001_two_optimizers_one_guard.py"
     report = fix_source(script.read_bytes(), script, ALL, True)
     assert report.after == report.before
@@ -784,8 +784,36 @@ def test_two_losses_backpropagated_in_one_micro_step_are_refused_but_branches_ar
             *lines[15:],
         ]
     )
-    report = fix_source(branched.encode(), script, ALL, True)
+    one_optimizer = branched.replace("            opt_c.step()\n", "").replace(
+        "            opt_c.zero_grad()\n", ""
+    )
+    report = fix_source(one_optimizer.encode(), script, ALL, True)
     assert [o.applied for o in report.outcomes] == [True, True]
+
+
+def test_a_window_that_steps_two_optimizers_is_refused_with_both_named():
+    """Muon for the matrices and AdamW for the rest, stepped under one guard: dividing only
+    the first optimizer's gradients would leave the second stepping on a sum."""
+    source = (
+        SCALED_ON_ONE_BRANCH.replace("scaler, accum, use_amp", "muon_opt, accum")
+        .replace(
+            """        if use_amp:
+            scaler.scale(loss / accum).backward()
+        else:
+            (loss / accum).backward()
+""",
+            "        (loss / accum).backward()\n",
+        )
+        .replace(
+            "            scaler.step(optimizer)\n            scaler.update()\n",
+            "            optimizer.step()\n            muon_opt.step()\n",
+        )
+    )
+    report = fix_source(source.encode(), Path("train.py"), ALL, True)
+    assert report.after == report.before
+    (outcome,) = report.outcomes
+    assert not outcome.applied
+    assert outcome.reason.startswith("the window steps 2 optimizers, `optimizer` and `muon_opt`")
 
 
 def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_stages():

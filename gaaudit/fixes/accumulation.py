@@ -1195,12 +1195,21 @@ class _Window:
                 raise Unfixable("the accumulate() window has no accelerator.backward in a loop")
         elif window.kind not in ("modulo", "micro-loop"):
             function = self.tree.scope_of(window.anchor)
+            steps = [c for c in self.auditor.structure.steps_in(function.body) if is_step(c)]
+            if steps:
+                raise Unfixable(
+                    f"gaaudit does not tell which micro-batches the step of line "
+                    f"{self.tree.line(steps[0])} closes (the loss is divided by "
+                    f"`{code(window.size)}`, but no window of that size leads to the step), so "
+                    "it cannot place the one division there"
+                )
             name = f"`{function.name.value}()`" if isinstance(function, cst.FunctionDef) else "it"
             raise Unfixable(
-                f"the optimizer step is not in {name}, where the window's loss is "
-                "backpropagated, so gaaudit cannot place the one division after the window: "
-                "sum the window's valid-target count where it steps and divide the gradients "
-                "there"
+                f"gaaudit sees no optimizer step in {name}, where the window's loss is "
+                "backpropagated (it knows `optimizer.step()`, `opt.step()` and "
+                "`scaler.step(optimizer)`), so it cannot place the one division after the "
+                "window: sum the window's valid-target count where it steps and divide the "
+                "gradients there"
             )
         call = site.backward.call
         if (
@@ -1342,16 +1351,25 @@ class _Window:
         if window.kind == "callable":  # `loss_scaler(loss, optimizer, ...)`: the one it is handed
             return code(self.auditor.structure.stepping_optimizer(window.anchor))
         regions = window.step_region if window.kind != "accumulate" else (window.anchor,)
-        helpers = []
+        helpers, stepped = [], {}
         for region in regions:
             for call in self.auditor.structure.steps_in(region):
                 if is_step(call):
                     args = positional(call)
                     optimizer = args[0] if args else call.func.value
-                    self._bound_before(optimizer, call, region)
-                    self._backward_outside_grads(code(optimizer), window)
-                    return code(optimizer)
-                helpers.append(call)
+                    stepped.setdefault(code(optimizer), (optimizer, call, region))
+                else:
+                    helpers.append(call)
+        if len(stepped) > 1:
+            names = " and ".join(f"`{name}`" for name in stepped)
+            raise Unfixable(
+                f"the window steps {len(stepped)} optimizers, {names}: divide the gradients "
+                "of each once, before their steps, by the window's count"
+            )
+        for name, (optimizer, call, region) in stepped.items():
+            self._bound_before(optimizer, call, region)
+            self._backward_outside_grads(name, window)
+            return name
         for call in helpers:
             optimizer = self._stepped_by(call)
             if optimizer is not None:
