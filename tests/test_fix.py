@@ -816,6 +816,46 @@ def test_a_window_that_steps_two_optimizers_is_refused_with_both_named():
     assert outcome.reason.startswith("the window steps 2 optimizers, `optimizer` and `muon_opt`")
 
 
+UNREAD_STEP = """
+import torch.nn.functional as F
+from setup import accum, loader, model, {optimizer}
+
+for step, (x, y) in enumerate(loader):
+    loss = F.cross_entropy(model(x), y, ignore_index=-100)
+    (loss / accum).backward()
+    if {guard}:
+        {optimizer}.step()
+        {optimizer}.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "guard", "reason"),
+    [
+        (
+            "optimizer",
+            "should_step(step)",
+            (
+                "gaaudit cannot tell which micro-batches the step of line 9 closes: the loss is "
+                "divided by `accum`, but no guard it reads (`(step + 1) % accum == 0`, say) leads"
+            ),
+        ),
+        (  # a name gaaudit does not take for an optimizer's
+            "adam",
+            "(step + 1) % accum == 0",
+            (
+                "gaaudit sees no optimizer step in the module's top level, where the window's "
+                "loss is backpropagated (it knows `optimizer.step()`"
+            ),
+        ),
+    ],
+)
+def test_a_step_gaaudit_cannot_place_the_window_of_is_named(optimizer, guard, reason):
+    source = UNREAD_STEP.format(optimizer=optimizer, guard=guard)
+    (outcome,) = fix_source(source.encode(), Path("train.py"), ALL, True).outcomes
+    assert not outcome.applied and outcome.reason.startswith(reason), outcome.reason
+
+
 def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_stages():
     """Weighting the last stage's loss scales the gradients it sends to the other stages,
     which never see the window's count: the fix says what to do instead."""

@@ -1195,15 +1195,21 @@ class _Window:
                 raise Unfixable("the accumulate() window has no accelerator.backward in a loop")
         elif window.kind not in ("modulo", "micro-loop"):
             function = self.tree.scope_of(window.anchor)
-            steps = [c for c in self.auditor.structure.steps_in(function.body) if is_step(c)]
+            region = function.body if isinstance(function, cst.FunctionDef) else function
+            steps = [c for c in self.auditor.structure.steps_in(region) if is_step(c)]
             if steps:
                 raise Unfixable(
-                    f"gaaudit does not tell which micro-batches the step of line "
-                    f"{self.tree.line(steps[0])} closes (the loss is divided by "
-                    f"`{code(window.size)}`, but no window of that size leads to the step), so "
-                    "it cannot place the one division there"
+                    "gaaudit cannot tell which micro-batches the step of line "
+                    f"{self.tree.line(steps[0])} closes: the loss is divided by "
+                    f"`{code(window.size)}`, but no guard it reads (`(step + 1) % "
+                    f"{code(window.size)} == 0`, say) leads to that step, so it cannot place "
+                    "the one division there"
                 )
-            name = f"`{function.name.value}()`" if isinstance(function, cst.FunctionDef) else "it"
+            name = (
+                f"`{function.name.value}()`"
+                if isinstance(function, cst.FunctionDef)
+                else "the module's top level"
+            )
             raise Unfixable(
                 f"gaaudit sees no optimizer step in {name}, where the window's loss is "
                 "backpropagated (it knows `optimizer.step()`, `opt.step()` and "
