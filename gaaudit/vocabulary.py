@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import re
 
-OPTIMIZER = re.compile(r"(^|_)opt|optim")
+# An optimizer's name: `optimizer`, `opt_g`, or its algorithm's (`adam`, `muon_opt`, `sgd`).
+OPTIMIZER = re.compile(
+    r"(^|_)opt|optim|(^|_)(adam|adamw|sgd|muon|lion|lamb|adafactor|sophia|shampoo|soap|rmsprop)"
+    r"($|_|\d)"
+)
 BACKWARDS = ("backward", "manual_backward")
 CLIPPERS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")  # torch.nn.utils
 # torch.distributed.pipelining schedules: after the last backward of a step they divide the

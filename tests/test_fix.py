@@ -841,11 +841,11 @@ for step, (x, y) in enumerate(loader):
             ),
         ),
         (  # a name gaaudit does not take for an optimizer's
-            "adam",
+            "updater",
             "(step + 1) % accum == 0",
             (
                 "gaaudit sees no optimizer step in the module's top level, where the window's "
-                "loss is backpropagated (it knows `optimizer.step()`"
+                "loss is backpropagated (it knows a step by its optimizer's name"
             ),
         ),
     ],
@@ -854,6 +854,15 @@ def test_a_step_gaaudit_cannot_place_the_window_of_is_named(optimizer, guard, re
     source = UNREAD_STEP.format(optimizer=optimizer, guard=guard)
     (outcome,) = fix_source(source.encode(), Path("train.py"), ALL, True).outcomes
     assert not outcome.applied and outcome.reason.startswith(reason), outcome.reason
+
+
+def test_an_optimizer_named_for_its_algorithm_is_stepped_and_divided():
+    """`adam.step()` closes the window as `optimizer.step()` does: the fix divides the
+    gradients `adam` holds."""
+    source = UNREAD_STEP.format(optimizer="adam", guard="(step + 1) % accum == 0")
+    report = fix_source(source.encode(), Path("train.py"), ALL, True)
+    assert [o.applied for o in report.outcomes] == [True]
+    assert "for group in adam.param_groups:" in report.after.decode()
 
 
 def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_stages():

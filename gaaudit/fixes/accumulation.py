@@ -1212,10 +1212,10 @@ class _Window:
             )
             raise Unfixable(
                 f"gaaudit sees no optimizer step in {name}, where the window's loss is "
-                "backpropagated (it knows `optimizer.step()`, `opt.step()` and "
-                "`scaler.step(optimizer)`), so it cannot place the one division after the "
-                "window: sum the window's valid-target count where it steps and divide the "
-                "gradients there"
+                "backpropagated (it knows a step by its optimizer's name: `optimizer.step()`, "
+                "`opt_g.step()`, `adam.step()`, `scaler.step(optimizer)`), so it cannot place "
+                "the one division after the window: sum the window's valid-target count where "
+                "it steps and divide the gradients there"
             )
         call = site.backward.call
         if (
