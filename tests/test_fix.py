@@ -791,6 +791,64 @@ def test_two_losses_backpropagated_in_one_micro_step_are_refused_but_branches_ar
     assert [o.applied for o in report.outcomes] == [True, True]
 
 
+EXCLUSIVE_LOSSES = {
+    "train.py": """
+import torch.nn.functional as F
+
+
+def train(model, loader, optimizer, accum, aux):
+    for step, (x, y) in enumerate(loader):
+        if aux(step):
+            loss_a = F.cross_entropy(model(x), y, ignore_index=-100)
+            (loss_a / accum).backward()
+            continue
+        loss_b = F.nll_loss(model(x).log_softmax(-1), y, ignore_index=-100)
+        (loss_b / accum).backward()
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+""",
+    "lit.py": """
+import lightning as L
+import torch.nn.functional as F
+
+
+class Module(L.LightningModule):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.hparams.get("nll"):
+            return F.nll_loss(self.net(x).log_softmax(-1), y, ignore_index=-100)
+        return F.cross_entropy(self.net(x), y, ignore_index=-100)
+
+
+trainer = L.Trainer(accumulate_grad_batches=4)
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXCLUSIVE_LOSSES))
+def test_losses_of_which_one_a_micro_step_runs_are_fixed_together(name):
+    """A branch that leaves the micro-step (`continue`, a `return` of `training_step`) before
+    the other loss is reached: one loss a micro-step, which one count serves."""
+    source = EXCLUSIVE_LOSSES[name]
+    report = fix_source(source.encode(), Path(name), ALL, True)
+    assert [o.applied for o in report.outcomes] == [True, True]
+    second = (
+        "        loss_b = F.nll_loss(model(x).log_softmax(-1), y, ignore_index=-100)\n"
+        "        (loss_b / accum).backward()\n"
+    )
+    moved = source.replace(second, "").replace(
+        "        if aux(step):", second + "        if aux(step):"
+    )
+    if moved != source:  # the second loss first: both run when the branch is taken
+        report = fix_source(moved.encode(), Path(name), ALL, True)
+        assert [o.applied for o in report.outcomes] == [False, False]
+
+
 def test_a_window_that_steps_two_optimizers_is_refused_with_both_named():
     """Muon for the matrices and AdamW for the rest, stepped under one guard: dividing only
     the first optimizer's gradients would leave the second stepping on a sum."""

@@ -1658,16 +1658,25 @@ def _made(site: Site) -> object:
 
 
 def _apart(tree: Tree, a: cst.CSTNode, b: cst.CSTNode) -> bool:
-    """Whether `a` and `b` lie on the two branches of one `if` (at most one of them runs)."""
+    """Whether at most one of `a` and `b` runs in a micro-step: they lie on the two branches
+    of one `if`, or one lies in a branch that leaves the step (`return`, `continue`, ...)
+    before the other is reached."""
+    return _leaves_before(tree, a, b) or _leaves_before(tree, b, a)
+
+
+def _leaves_before(tree: Tree, a: cst.CSTNode, b: cst.CSTNode) -> bool:
     for node in tree.ancestors(a):
-        if isinstance(node, cst.If) and tree.contains(node, b):
-            body, other = node.body, node.orelse
-            return other is not None and (
-                tree.contains(body, a)
-                and tree.contains(other, b)
-                or tree.contains(other, a)
-                and tree.contains(body, b)
-            )
+        if not isinstance(node, cst.If):
+            continue
+        body, other = node.body, node.orelse
+        if tree.contains(node, b):  # the two branches of this `if`
+            return other is not None and tree.contains(body, a) and tree.contains(other, b)
+        branch = body if tree.contains(body, a) else other
+        statements = branch.body.body if isinstance(branch, cst.Else) else branch.body
+        last = statements[-1] if isinstance(statements, (list, tuple)) and statements else None
+        leaves = isinstance(last, cst.SimpleStatementLine) and isinstance(last.body[-1], EXITS)
+        if leaves and tree.order[b] > tree.order[node]:
+            return True
     return False
 
 
