@@ -1372,7 +1372,8 @@ class _Window:
                 f"the window steps {len(stepped)} optimizers, {names}: divide the gradients "
                 "of each once, before their steps, by the window's count"
             )
-        for name, (optimizer, call, region) in stepped.items():
+        if stepped:
+            name, (optimizer, call, region) = next(iter(stepped.items()))
             self._bound_before(optimizer, call, region)
             self._backward_outside_grads(name, window)
             return name

@@ -205,13 +205,14 @@ class SeededRows(TorchFunctionMode):
 
     def _key(self, site: tuple[int, int], row: int) -> int:
         first_line, instruction = site
-        return ((self.seed * 1_000_003 + first_line) * 10_007 + instruction) * 100_003 + row
+        key = ((self.seed * 1_000_003 + first_line) * 10_007 + instruction) * 100_003 + row
+        return key % 2**63  # what torch.manual_seed takes
 
     @staticmethod
     def _seeded(key: int, device: torch.device, func, args, kwargs):
         cuda = [device.index or 0] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(key % 2**63)
+            torch.manual_seed(key)
             return func(*args, **kwargs)
 
 
