@@ -293,7 +293,10 @@ def verify(
     ] = None,
     timeout: Annotated[
         float | None,
-        typer.Option(metavar="SECONDS", help="Seconds before a replay is stopped [default: 120]."),
+        typer.Option(
+            metavar="SECONDS",
+            help="Seconds a file's replay may run before it is stopped [default: 120].",
+        ),
     ] = None,
     model_factory: Annotated[
         str | None,

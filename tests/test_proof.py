@@ -53,24 +53,25 @@ def test_verify_cli_table_json_and_exit_codes(tmp_path):
     assert skipped["loops"][0]["verdict"].startswith(f"not replayable: {UNREPLAYABLE}")
 
 
-def test_the_loops_own_autocast_runs_in_the_precision_verify_asks(tmp_path):
-    """A loop under its own mixed precision (`torch.autocast(..., dtype=torch.bfloat16)`, as
-    scripts run on a GPU) is replayed in --dtype's precision: float32 by default, where the
-    fixed loop matches the full batch to rounding, and bfloat16 when asked."""
-    script = tmp_path / "train.py"
+def autocast_loop() -> str:
+    """The BERT fixture's forward under its own mixed precision, as scripts run on a GPU."""
     forward = "        outputs = model(**batch)\n"
     source = (FIXTURES / "ga001_hf_mlm_bert.py").read_text()
     assert forward in source
-    script.write_text(
-        source.replace(
-            forward,
-            '        with torch.autocast("cpu", dtype=torch.bfloat16):\n    ' + forward,
-        )
+    return source.replace(
+        forward, '        with torch.autocast("cpu", dtype=torch.bfloat16):\n    ' + forward
     )
-    result = gaaudit("verify", str(script), "-k", "4", "--device", "cpu", "--format", "json")
-    assert result.returncode == 0, result.stdout + result.stderr
-    (row,) = json.loads(result.stdout)["loops"][0]["rows"]
-    assert row["dtype"] == "float32" and row["patched_error"] < 1e-5, row
+
+
+def test_the_loops_own_autocast_runs_in_the_precision_verify_asks(tmp_path, at_one_and_four):
+    """A loop under its own mixed precision (`torch.autocast(..., dtype=torch.bfloat16)`) is
+    replayed in --dtype's precision: float32 by default (the run below), where the fixed loop
+    matches the full batch to rounding, and bfloat16 when asked."""
+    _, loops = at_one_and_four
+    for row in loops["autocast"][0]["rows"]:
+        assert row["dtype"] == "float32" and row["patched_error"] < 1e-5, row
+    script = tmp_path / "train.py"
+    script.write_text(autocast_loop())
     half = gaaudit("verify", str(script), "-k", "4", "--dtype", "bfloat16", "--format", "json")
     (row,) = json.loads(half.stdout)["loops"][0]["rows"]
     assert row["dtype"] == "bfloat16" and row["patched_error"] > 1e-5, row
@@ -92,16 +93,16 @@ def test_a_replay_that_ends_its_process_or_hangs_loses_only_its_own_file(tmp_pat
     crash.write_text(failing_loop("os.abort()"))
     hang.write_text(failing_loop("time.sleep(1000)"))
     script = tmp_path / "train.py"
-    script.write_bytes((FIXTURES / "ga001_hf_mlm_bert.py").read_bytes())
+    script.write_bytes((FIXTURES / "ga001_explicit_cross_entropy_ignore_index.py").read_bytes())
     paths = map(str, (crash, script, hang))
-    # a fresh process (torch imported anew) replays the BERT file in about 8 s here: 30 s
-    # leaves room on a loaded 2-core machine, and the hang waits no longer than that
-    result = gaaudit("verify", *paths, "-k", "2", "--timeout", "30", "--format", "json")
+    # the timeout counts from when the replay process begins a file, not from its start: the
+    # script's replay takes about 2 s here, 10 s leave room on a loaded 2-core machine
+    result = gaaudit("verify", *paths, "-k", "2", "--timeout", "10", "--format", "json")
     crashed, replayed, hung = json.loads(result.stdout)
     reason = "not replayable: the replay process failed (ended by SIGABRT)"
     assert crashed["loops"][0]["verdict"] == reason
     assert replayed["loops"][0]["verdict"] == VERIFIED
-    assert hung["loops"][0]["verdict"] == "not replayable: timed out after 30 s"
+    assert hung["loops"][0]["verdict"] == "not replayable: timed out after 10 s"
     assert result.returncode == 1  # two loops not verified, one verified
 
 
@@ -142,9 +143,12 @@ def test_demo_error_grows_with_k_and_sum_and_count_is_exact(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def at_one_and_four() -> tuple[int, dict[str, list[dict]]]:
+def at_one_and_four(tmp_path_factory) -> tuple[int, dict[str, list[dict]]]:
     """The exit code of one `verify -k 1,4` run over the scripts below, and each one's loops."""
+    autocast = tmp_path_factory.mktemp("autocast") / "autocast.py"
+    autocast.write_text(autocast_loop())
     scripts = [
+        autocast,
         FIXTURES / "ga001_division_guarded_by_k.py",
         FIXTURES / "ok_division_guarded_by_k_window_tokens.py",
         FIXTURES / "ok_clip_once_at_the_step.py",

@@ -195,8 +195,42 @@ NOT_REPLAYABLE = {
 
 # Trainer subclasses with no finding, replayed in the same run (see the test at the end).
 CORRECT_TRAINERS = ["ok_trainer_num_items_used", "ok_trainer_accepts_loss_kwargs_false"]
-# A flagged loop `fix` leaves as it is, replayed in the same run.
-UNFIXED = ["ga001_masked_mean_over_padded_width"]
+# Loss functions Megatron's schedule runs: the rule it applies, the verdict, and the error.
+MEGATRON = {
+    # a loss mask of the labels: mean/K over-weights short answers
+    "ga003_megatron_pretrain_sft_loss_mask": REPRODUCED,
+    # Megatron's end-of-document mask over full blocks: every micro-batch counts alike
+    "ga003_exact_megatron_pretrain_eod_mask": VERIFIED,
+    # megatron-core's (sum, count) return under --calculate-per-token-loss: no finding
+    "ok_megatron_core_per_token_loss": VERIFIED,
+}
+# Functions that train on the one batch each call of their caller's loop hands them.
+CALLED_PER_BATCH_FUNCTIONS = [
+    "ga003_accelerate_update_function_per_batch",
+    "ga003_accelerate_caller_enters_accumulate",
+    "ga003_deepspeed_engine_method_per_batch",
+    "ga001_ignite_update_per_batch",
+]
+# Loops over fixed-length data (one is not fixed: it steps two optimizers) and what says so.
+FIXED_LENGTH = {
+    "ga001_exact_hf_clm_group_texts": "`block_size`",
+    # llm.c's loader; two optimizers and their schedulers stepped in a `zip`, and a model
+    # called with `return_logits=False`
+    "ga001_exact_token_buffer_views": "viewed as B x T blocks of one token buffer",
+    # llama2.c's `loss = raw_model.last_loss`: a loss whose origin is not visible, on the
+    # file's blocks
+    "ga001_exact_llama2c_last_loss": "`memmap`",
+}
+# Flagged loops `fix` leaves as they are, replayed in the same run, and the others its tests
+# below read: one run spares each a replay process of its own (torch imported anew).
+UNFIXED = [
+    "ga001_masked_mean_over_padded_width",
+    "ga002_return_loss_micro_loop_undivided",
+    "ga003_accelerate_tts_frames_mean",
+    *MEGATRON,
+    *CALLED_PER_BATCH_FUNCTIONS,
+    *(name for name in FIXED_LENGTH if name not in NAMES),
+]
 
 
 @pytest.fixture(scope="module", params=devices())
@@ -268,12 +302,21 @@ def test_the_table_says_what_it_measures_and_what_was_not_fixed(tmp_path):
     """Messages (issue 18, item 6): what the error is, a flagged loop `fix` left as it was
     (replayed as it is, no patched column), and an off-by-one first window (GA007) for the
     original only. A loop that clips every micro-batch is measured at its step, over its
-    whole window: its first clip is not a window of one micro-batch."""
+    whole window: its first clip is not a window of one micro-batch. A loop over fixed-length
+    data says it was replayed on such data; one replayed with the tiny model that scores its
+    own sequences says what that model averages."""
     refused = tmp_path / "clip_every_micro_batch.py"
     refused.write_text(clipping_unfixed())
     shifted = FIXTURES / "ga007_enumerate_step_guard_from_zero.py"
-    result = gaaudit("verify", str(refused), str(shifted), "-k", "4", "--device", "cpu")
+    blocks, sign = next(iter(FIXED_LENGTH.items()))
+    stood_in = FIXTURES / "ga002_return_loss_micro_loop_undivided.py"
+    paths = map(str, (refused, shifted, FIXTURES / f"{blocks}.py", stood_in))
+    result = gaaudit("verify", *paths, "-k", "4", "--device", "cpu")
     assert result.returncode == 1, result.stdout + result.stderr
+    assert "replaying" not in result.stderr  # no progress when stderr is no terminal
+    assert "as the file's data is (" in result.stdout and sign in result.stdout
+    assert "mean/K is exact on this data" in result.stdout
+    assert SCORED_BY_STAND_IN in result.stdout
     lines = result.stdout.splitlines()
     assert lines[0].startswith("error: relative L2 distance between the gradient")
     unfixed = next(line for line in lines if "nothing was fixed" in line)
@@ -308,27 +351,15 @@ def test_a_loop_a_framework_runs_is_named_not_run():
     ), loop
 
 
-@pytest.mark.parametrize(
-    ("name", "verdict", "exit_code"),
-    [
-        # a loss mask of the labels: mean/K over-weights short answers
-        ("ga003_megatron_pretrain_sft_loss_mask", REPRODUCED, 1),
-        # Megatron's end-of-document mask over full blocks: every micro-batch counts alike
-        ("ga003_exact_megatron_pretrain_eod_mask", VERIFIED, 0),
-        # megatron-core's (sum, count) return under --calculate-per-token-loss: no finding
-        ("ok_megatron_core_per_token_loss", VERIFIED, 0),
-    ],
-)
-def test_a_loss_function_megatron_runs_is_replayed_by_its_rule(name, verdict, exit_code):
+@pytest.mark.parametrize("name", MEGATRON)
+def test_a_loss_function_megatron_runs_is_replayed_by_its_rule(loops, name):
     """The loss function Megatron's `pretrain` is handed is replayed by its schedule's rule
     (each micro-batch's loss over K) on the tiny model's per-token losses (issue 18, item 5)."""
-    result = gaaudit("verify", str(FIXTURES / f"{name}.py"), "-k", "4", "--format", "json")
-    assert result.returncode == exit_code, result.stdout + result.stderr
-    (loop,) = json.loads(result.stdout)["loops"]
+    (loop,) = loops[name]
     assert loop["header"].startswith("def loss_func(") and loop["replayed"], loop
-    assert loop["rows"][0]["verdict"].startswith(verdict), loop
+    assert loop["rows"][0]["verdict"].startswith(MEGATRON[name]), loop
     error = loop["rows"][0]["original_error"]
-    assert error > 0.05 if verdict != VERIFIED else error < 1e-5, loop
+    assert error > 0.05 if MEGATRON[name] != VERIFIED else error < 1e-5, loop
 
 
 def test_correct_trainer_subclasses_match_the_full_batch(loops):
@@ -370,31 +401,17 @@ def _read(fd: int) -> bytes:
         return b""
 
 
-@pytest.mark.parametrize(
-    ("name", "sign"),
-    [
-        ("ga001_exact_hf_clm_group_texts", "`block_size`"),
-        # llm.c's loader; two optimizers and their schedulers stepped in a `zip`, and a model
-        # called with `return_logits=False`
-        ("ga001_exact_token_buffer_views", "viewed as B x T blocks of one token buffer"),
-        # llama2.c's `loss = raw_model.last_loss`: a loss whose origin is not visible, on the
-        # file's blocks
-        ("ga001_exact_llama2c_last_loss", "`memmap`"),
-    ],
-)
-def test_a_loop_over_fixed_length_data_is_exact_on_that_data(name, sign):
+def test_a_loop_over_fixed_length_data_is_exact_on_that_data(loops):
     """Issue 18, item 1: a loop whose data the check reads as fixed-length blocks is replayed
     on micro-batches of one fixed length, where its mean/K matches the full batch, and the
     table says why."""
-    exact = FIXTURES / f"{name}.py"
-    result = gaaudit("verify", str(exact), "-k", "2", "--device", "cpu")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "replaying" not in result.stderr  # no progress when stderr is no terminal
-    assert "as the file's data is (" in result.stdout and sign in result.stdout
-    assert "mean/K is exact on this data" in result.stdout
-    row = next(line.split() for line in result.stdout.splitlines() if line.endswith("verified"))
-    patched = (FIXTURES / f"{name}.fixed.py").exists()  # the other is not fixed (two optimizers)
-    assert float(row[1]) < 1e-5 and (float(row[2]) < 1e-5 if patched else row[2] == "-"), row
+    for name, sign in FIXED_LENGTH.items():
+        (loop,) = loops[name]
+        (row,) = loop["rows"]
+        assert sign in loop["fixed_length"] and loop["verdict"] == VERIFIED, loop
+        patched = name in NAMES  # the other is not fixed (two optimizers)
+        assert row["original_error"] < 1e-5, row
+        assert row["patched_error"] < 1e-5 if patched else row["patched_error"] is None, row
 
 
 MOE_LOSS_FUNC = """\
@@ -454,30 +471,18 @@ def test_megatrons_arguments_are_the_projects_defaults(tmp_path, arguments):
         assert verdict.startswith("not replayable: ValueError: max()"), loop
 
 
-def test_a_verdict_on_the_tiny_sequence_model_says_what_that_model_averages():
+def test_a_verdict_on_the_tiny_sequence_model_says_what_that_model_averages(loops):
     """lucidrains' `model(seq, return_loss=True)` is replayed with a tiny model that scores its
     own sequences: the verdict says over what, and that the user's model may average
     otherwise; a transformers model replayed as itself has no such note."""
-    names = ("ga002_return_loss_micro_loop_undivided", "ga001_hf_mlm_bert")
-    paths = [str(FIXTURES / f"{name}.py") for name in names]
-    result = gaaudit("verify", *paths, "-k", "2", "--device", "cpu", "--format", "json")
-    stood_in, bert = ([loop["replayed"] for loop in f["loops"]] for f in json.loads(result.stdout))
-    assert stood_in == [SCORED_BY_STAND_IN], result.stdout
-    assert bert and SCORED_BY_STAND_IN not in bert, result.stdout
-    text = gaaudit("verify", paths[0], "-k", "2", "--device", "cpu").stdout
-    assert SCORED_BY_STAND_IN in text, text
+    stood_in = [loop["replayed"] for loop in loops["ga002_return_loss_micro_loop_undivided"]]
+    bert = [loop["replayed"] for loop in loops["ga001_hf_mlm_bert"]]
+    assert stood_in == [SCORED_BY_STAND_IN], stood_in
+    assert bert and SCORED_BY_STAND_IN not in bert, bert
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "ga003_accelerate_update_function_per_batch",
-        "ga003_accelerate_caller_enters_accumulate",
-        "ga003_deepspeed_engine_method_per_batch",
-        "ga001_ignite_update_per_batch",
-    ],
-)
-def test_a_function_that_trains_on_one_batch_a_call_is_called_once_for_each(name):
+@pytest.mark.parametrize("name", CALLED_PER_BATCH_FUNCTIONS)
+def test_a_function_that_trains_on_one_batch_a_call_is_called_once_for_each(loops, name):
     """lerobot's `update_policy(policy, batch, ...)`, PandaGPT's `train_model(self, batch)` and
     CDial-GPT's ignite `update(engine, batch)` train on the one batch their caller's loop hands
     them, and accelerate, DeepSpeed or the engine's count of calls closes the window: the
@@ -485,27 +490,22 @@ def test_a_function_that_trains_on_one_batch_a_call_is_called_once_for_each(name
     divided by K reproduces the bug. A function that steps through accelerate without entering
     `accumulate` (smollm's `_do_batch`) is called inside it, as its caller does: without it,
     accelerate would step after the first call, on one micro-batch, and match it."""
-    result = gaaudit("verify", str(FIXTURES / f"{name}.py"), "-k", "4", "--format", "json")
-    (loop,) = json.loads(result.stdout)["loops"]
+    (loop,) = loops[name]
     assert loop["header"].startswith("def ") and loop["flagged"], loop
     assert loop["replayed"].startswith(CALLED_PER_BATCH), loop
     if "deepspeed" in name and find_spec("deepspeed") is None:  # the test extra lacking
         assert loop["verdict"].endswith("install deepspeed to replay it"), loop
         return
-    assert result.returncode == 1, result.stdout + result.stderr
     (row,) = loop["rows"]
     assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-2, row
 
 
-def test_a_model_that_scores_its_spectrogram_is_replayed_on_spectrograms():
+def test_a_model_that_scores_its_spectrogram_is_replayed_on_spectrograms(loops):
     """E2-TTS's and F5-TTS's trainers hand their model `batch["mel"]` and its lengths and
     backpropagate the loss it returns: the replay serves spectrograms of varied length (channels
     first, padded with silence) to a tiny model that scores its frames within each length, and
     says so; accelerate's mean/K over those frames reproduces the bug."""
-    fixture = FIXTURES / "ga003_accelerate_tts_frames_mean.py"
-    result = gaaudit("verify", str(fixture), "-k", "4", "--device", "cpu", "--format", "json")
-    assert result.returncode == 1, result.stdout + result.stderr
-    (loop,) = json.loads(result.stdout)["loops"]
+    (loop,) = loops["ga003_accelerate_tts_frames_mean"]
     assert loop["replayed"] == SCORED_BY_FRAMES, loop
     (row,) = loop["rows"]
     assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-2, row

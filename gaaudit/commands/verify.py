@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import gc
 import json
 import os
 import queue
@@ -40,6 +41,7 @@ ERROR_MEANS = (
 # libraries whose models are not the project's, nor their `...Trainer` classes a transformers one
 LIBRARIES = ("transformers", "peft", "trl", "torch", "accelerate", "lightning", "pytorch_lightning")
 DROP_LAST = re.compile(r"\bdrop_last\s*=\s*True\b")
+BEGUN = "begun"  # what the replay process says as it begins a file, before its rows
 # the replay downloads nothing: a user's `from_pretrained` fails at once instead
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # one target per sample and no `drop_last=True`: micro-batches of one size all the same, as a
@@ -806,9 +808,10 @@ def verify_pairs(
 
 def _replayed(jobs: list[dict], timeout: float) -> list[list[dict] | str]:
     """Each job's rows, which one child process answers job by job (a line each), waiting at
-    most `timeout` seconds for each; a job's verdict instead where the child timed out or
-    ended on it (a device-side assert on a GPU, a crash in the user's code). The jobs after
-    that one are replayed by a new child: a failure loses only its own file's rows."""
+    most `timeout` seconds for each from the moment the child begins it (and as long for the
+    child to start); a job's verdict instead where the child timed out or ended on it (a
+    device-side assert on a GPU, a crash in the user's code). The jobs after that one are
+    replayed by a new child: a failure loses only its own file's rows."""
     answers: list[list[dict] | str] = []
     with tempfile.TemporaryFile("w+") as given, tempfile.TemporaryFile("w+") as errors:
         json.dump(jobs, given)
@@ -841,6 +844,8 @@ def _replayed(jobs: list[dict], timeout: float) -> list[list[dict] | str]:
                     answers.append(f"not replayable: the replay process failed ({reason})")
                     break
                 answer = json.loads(line)
+                if answer == BEGUN:  # the job's own `timeout` starts now
+                    continue
                 if isinstance(answer, dict):
                     raise VerifyError(answer["error"])
                 answers.append(answer)
@@ -880,10 +885,11 @@ def _failed(target: Target, verdict: str) -> Outcome:
     )
 
 
-def _replay_all(jobs: list[dict]) -> Iterator[list[dict]]:
+def _replay_all(jobs: list[dict], begun=lambda: None) -> Iterator[list[dict]]:
     """The child's side: replay every target of every job for every K with the harness (on
-    `options.distributed` processes when set, with the user's model when given); the jobs
-    share their options, so the model factory and the processes are set up once."""
+    `options.distributed` processes when set, with the user's model when given), calling
+    `begun` as each job starts; the jobs share their options, so the model factory and the
+    processes are set up once."""
     from gaaudit.harness.factory import load_data_factory, load_factory, user_data, user_model
     from gaaudit.harness.replay import engine_process
 
@@ -901,6 +907,12 @@ def _replay_all(jobs: list[dict]) -> Iterator[list[dict]]:
         engine_process(),
     ):
         for job in jobs:
+            # what lives on (torch, transformers, the model factory) is left out of later
+            # collections: a Trainer collects at each `train()`, a third of a second each over
+            # everything imported
+            gc.collect()
+            gc.freeze()
+            begun()
             yield _replay_targets(job, options, ranks)
     if jobs[0].get("progress"):
         _progress("")
@@ -1193,17 +1205,22 @@ def _grouped(*checks) -> bool:
 
 def _child() -> None:
     """`python -m gaaudit.commands.verify`: a list of jobs on stdin; on stdout, each job's
-    outcomes on a line as soon as they are known (or {"error": ...})."""
+    outcomes on a line as soon as they are known (or {"error": ...}), each after a line of
+    its own that says the job has begun."""
     from gaaudit.harness.distributed import DistributedError
     from gaaudit.harness.factory import FactoryError
 
     channel = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # what else is printed cannot mix in
+
+    def say(answer) -> None:
+        print(json.dumps(answer), file=channel, flush=True)
+
     try:
-        for rows in _replay_all(json.loads(sys.stdin.read())):
-            print(json.dumps(rows), file=channel, flush=True)
+        for rows in _replay_all(json.loads(sys.stdin.read()), lambda: say(BEGUN)):
+            say(rows)
     except (FactoryError, DistributedError) as exc:
-        print(json.dumps({"error": str(exc)}), file=channel, flush=True)
+        say({"error": str(exc)})
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import dataclasses
+import functools
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -1121,7 +1123,14 @@ def analyse(
     lightning: bool = False,
 ) -> Plan:
     """Plan the replay of the loop or function at `line` of `source`; with `lightning`, of a
-    method of a LightningModule that a Lightning Trainer runs (see Plan)."""
+    method of a LightningModule that a Lightning Trainer runs (see Plan). A copy each call:
+    verify plans a loop before its replay and each K replays it again, and the replay sets a
+    plan's model kind and ignore value (its syntax trees are only read, or copied first)."""
+    return copy.copy(_analysed(source, line, tuple(divisor_names), model_kind, lightning))
+
+
+@functools.lru_cache(maxsize=8)
+def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> Plan:
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
