@@ -195,7 +195,7 @@ NOT_REPLAYABLE = {
 
 # Trainer subclasses with no finding, replayed in the same run (see the test at the end).
 CORRECT_TRAINERS = ["ok_trainer_num_items_used", "ok_trainer_accepts_loss_kwargs_false"]
-# Loss functions Megatron's schedule runs: the rule it applies, the verdict, and the error.
+# Loss functions Megatron's schedule runs, and the verdict of each under its rule.
 MEGATRON = {
     # a loss mask of the labels: mean/K over-weights short answers
     "ga003_megatron_pretrain_sft_loss_mask": REPRODUCED,
@@ -221,9 +221,10 @@ FIXED_LENGTH = {
     # file's blocks
     "ga001_exact_llama2c_last_loss": "`memmap`",
 }
-# Flagged loops `fix` leaves as they are, replayed in the same run, and the others its tests
-# below read: one run spares each a replay process of its own (torch imported anew).
-UNFIXED = [
+# Files without a fix that the tests below read from the same run (flagged loops `fix` leaves
+# as they are, and loops without a finding): one run spares each a replay process of its own,
+# which would import torch and transformers anew.
+ALSO_REPLAYED = [
     "ga001_masked_mean_over_padded_width",
     "ga002_return_loss_micro_loop_undivided",
     "ga003_accelerate_tts_frames_mean",
@@ -236,7 +237,7 @@ UNFIXED = [
 @pytest.fixture(scope="module", params=devices())
 def loops(request) -> dict[str, list[dict]]:
     """Each fixture's per-loop outcomes from one `gaaudit verify --format json` run."""
-    extra = [str(FIXTURES / f"{name}.py") for name in CORRECT_TRAINERS + UNFIXED]
+    extra = [str(FIXTURES / f"{name}.py") for name in CORRECT_TRAINERS + ALSO_REPLAYED]
     paths = [*map(str, ORIGINALS), *extra]
     result = gaaudit("verify", *paths, "-k", "4", "--device", request.param, "--format", "json")
     assert result.returncode == 1, result.stdout + result.stderr  # the unsafe fixes fail
@@ -245,7 +246,7 @@ def loops(request) -> dict[str, list[dict]]:
 
 
 def test_every_fixed_fixture_is_replayed(loops):
-    assert sorted(loops) == sorted(NAMES + CORRECT_TRAINERS + UNFIXED)
+    assert sorted(loops) == sorted(NAMES + CORRECT_TRAINERS + ALSO_REPLAYED)
     assert not (LOOPLESS | MISMODELLED) & set(NOT_REPLAYABLE)
     assert set(TRAINER_LIMITS) <= TRAINERS and len(TRAINERS - set(TRAINER_LIMITS)) >= 6
     assert len(NAMES) - len(LOOPLESS | MISMODELLED | set(NOT_REPLAYABLE)) >= 21
@@ -403,8 +404,8 @@ def _read(fd: int) -> bytes:
 
 def test_a_loop_over_fixed_length_data_is_exact_on_that_data(loops):
     """Issue 18, item 1: a loop whose data the check reads as fixed-length blocks is replayed
-    on micro-batches of one fixed length, where its mean/K matches the full batch, and the
-    table says why."""
+    on micro-batches of one fixed length, where its mean/K matches the full batch, and says
+    why (the table's words: test_the_table_says_what_it_measures_and_what_was_not_fixed)."""
     for name, sign in FIXED_LENGTH.items():
         (loop,) = loops[name]
         (row,) = loop["rows"]
