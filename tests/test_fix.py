@@ -849,6 +849,31 @@ def test_losses_of_which_one_a_micro_step_runs_are_fixed_together(name):
         assert [o.applied for o in report.outcomes] == [False, False]
 
 
+def test_a_backward_in_an_ifs_test_is_on_the_path_of_a_loss_after_that_if():
+    """`if (loss / k).backward() is None:` with no `else`, and a second loss after the `if`:
+    both run every micro-step (refused as two losses; it raised AttributeError before)."""
+    source = """
+import torch.nn.functional as F
+
+
+def train(model, critic, loader, optimizer, accum):
+    for step, (x, y) in enumerate(loader):
+        out = model(x)
+        loss = F.cross_entropy(out, y, ignore_index=-100)
+        if (loss / accum).backward() is None:
+            print("backpropagated")
+        aux = F.cross_entropy(critic(out), y, ignore_index=-100)
+        (aux / accum).backward()
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+    report = fix_source(source.encode(), Path("train.py"), ALL, True)
+    assert report.after == report.before
+    assert [o.applied for o in report.outcomes] == [False, False]
+    assert all("the window backpropagates 2 losses" in o.reason for o in report.outcomes)
+
+
 def test_a_window_that_steps_two_optimizers_is_refused_with_both_named():
     """Muon for the matrices and AdamW for the rest, stepped under one guard: dividing only
     the first optimizer's gradients would leave the second stepping on a sum."""

@@ -1276,11 +1276,10 @@ class _Window:
             body = window.step_region if window.skips else window.anchor.body.body
             if reads:
                 self.edits.insert_before(body[0], normalize)
-                last = body[-1]
-                if isinstance(last, cst.SimpleStatementLine) and isinstance(last.body[0], EXITS):
-                    self.edits.insert_before(last, start)
+                if _ends_in_exit(body):
+                    self.edits.insert_before(body[-1], start)
                 else:
-                    self.edits.insert_after(last, start)
+                    self.edits.insert_after(body[-1], start)
             else:
                 self.edits.insert_before(body[0], normalize + start)
         elif window.kind == "micro-loop":
@@ -1672,13 +1671,25 @@ def _leaves_before(tree: Tree, a: cst.CSTNode, b: cst.CSTNode) -> bool:
         body, other = node.body, node.orelse
         if tree.contains(node, b):  # the two branches of this `if`
             return other is not None and tree.contains(body, a) and tree.contains(other, b)
-        branch = body if tree.contains(body, a) else other
-        statements = branch.body.body if isinstance(branch, cst.Else) else branch.body
-        last = statements[-1] if isinstance(statements, (list, tuple)) and statements else None
-        leaves = isinstance(last, cst.SimpleStatementLine) and isinstance(last.body[-1], EXITS)
-        if leaves and tree.order[b] > tree.order[node]:
+        branch = body if tree.contains(body, a) else other  # None: `a` is in the test
+        if isinstance(branch, cst.Else):
+            branch = branch.body
+        if (
+            isinstance(branch, cst.IndentedBlock)
+            and _ends_in_exit(branch.body)
+            and tree.order[b] > tree.order[node]
+        ):
             return True
     return False
+
+
+def _ends_in_exit(statements) -> bool:
+    """Whether a block's statements end in `continue`, `break`, `return` or `raise`."""
+    return (
+        bool(statements)
+        and isinstance(statements[-1], cst.SimpleStatementLine)
+        and isinstance(statements[-1].body[-1], EXITS)
+    )
 
 
 def _several_losses(tree: Tree, sites: list[Site]) -> str:
