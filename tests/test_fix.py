@@ -162,9 +162,8 @@ def test_unfixable_finding_says_why_with_its_position(tmp_path, cli):
     result = cli("fix", ".", cwd=tmp_path)
     assert result.exit_code == 1
     assert (
-        f"{script.name}:31:24: GA001 not fixed: the loss is made in `_calculate_loss()` "
-        "(line 18) and reaches the loop other than as `loss = _calculate_loss(...)`"
-        in result.output
+        f"{script.name}:31:24: GA001 not fixed: the loss is defined otherwise on a path of the "
+        "`if` on line 21, over a count of its own" in result.output
     )
     assert "Fixed 0 findings in 0 files; 1 not fixed." in result.output
 
@@ -682,8 +681,8 @@ def train(model, loader, optimizer, accum):
         else:
             loss = losses.mean()""",
             (
-                "the loss is defined in both branches of the `if` on line 8, over different "
-                "counts, which one count expression cannot cover: bind each branch's "
+                "the loss is defined otherwise on a path of the `if` on line 8, over a count "
+                "of its own, which one count expression cannot cover: bind each path's "
                 "valid-target count beside its loss"
             ),
         ),
@@ -1092,3 +1091,59 @@ def test_a_sum_divided_by_k_and_its_count_becomes_the_sum(divided):
     after = fixed(source.replace(b"loss_sum / (n_tokens * grad_accum_steps)", divided.encode()))
     assert b"    loss = loss_sum\n    loss.backward()\n" in after
     assert b"micro_tokens = n_tokens\n" in after and f"loss = {divided}".encode() not in after
+
+
+HELPER_ON_BRANCHES = """
+import torch
+import torch.nn.functional as F
+
+
+def compute(model, batch):
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+def train(model, loader, optimizer, accumulation_steps, fp16):
+    for step, batch in enumerate(loader):
+        if fp16:
+            with torch.autocast("cuda"):
+                loss = compute(model, batch)
+        else:
+            loss = compute(model, batch)
+        loss = loss / accumulation_steps
+        loss.backward()
+        if (step + 1) % accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_helper_loss_bound_on_both_branches_asks_both_for_its_count():
+    """The fix asked only the last binding for the count (`else:`), so the `if fp16:` path
+    met an unbound `micro_tokens`; now each branch's call returns it."""
+    report = fix_source(HELPER_ON_BRANCHES.encode(), Path("train.py"), ALL, True)
+    after = report.after.decode()
+    assert [o.applied for o in report.outcomes] == [True]
+    assert after.count("loss, micro_tokens = compute(model, batch, return_count=True)") == 2
+    compile(after, "train.py", "exec")
+
+
+BOUND_OTHERWISE = {
+    "if-binds-otherwise": HELPER_ON_BRANCHES.replace(
+        "                loss = compute(model, batch)", "                loss = model(**batch).loss"
+    ),
+    "bound-before-an-if-without-else": HELPER_ON_BRANCHES.replace(
+        "        if fp16:\n", "        loss = model(**batch).loss\n        if fp16:\n"
+    ).replace("        else:\n            loss = compute(model, batch)\n", ""),
+}
+
+
+@pytest.mark.parametrize("source", BOUND_OTHERWISE.values(), ids=BOUND_OTHERWISE)
+def test_a_path_that_binds_the_loss_otherwise_is_refused(source):
+    """Where another path leaves a loss that no call of the helper made, no count exists on
+    it: the fix is refused with the line, instead of a rewrite that fails on that path."""
+    assert source.count("loss = compute(") == 1
+    report = fix_source(source.encode(), Path("train.py"), ALL, True)
+    assert report.after == report.before
+    (outcome,) = report.outcomes
+    assert not outcome.applied and "bind the loss the same way on every path" in outcome.reason

@@ -207,6 +207,36 @@ def test_patched_no_sync_branches_both_weighted(process_group):
     assert error(patched, reference) < 1e-6
 
 
+class TupleTagger(CausalLM):
+    """Logits first in a tuple, as pytorch-transformers' models returned them."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits, logits.detach()
+
+
+def both_branches_step(name: str, fp16: bool) -> tuple[float, list[torch.Tensor]]:
+    model = TupleTagger()
+    optimizer = Recording(model.parameters(), lr=0.0)
+    batches = [{"input_ids": x, "labels": y} for x, y in token_batches(K, -100)]
+    logged = loaded(name)["TaggingModel"]().train(model, batches, optimizer, K, fp16=fp16)
+    return logged, optimizer.seen
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["float32", "autocast"])
+def test_patched_helper_loss_is_counted_on_both_branches(fp16):
+    """The loss comes from a method on both branches of `if fp16:`; the fix asks both for the
+    count, so neither path meets an unbound name, and the patched loop logs what it logged."""
+    reference = full_batch(token_batches(K, -100), -100)
+    original = "ga001_helper_loss_on_both_branches.py"
+    logged, grads = both_branches_step(original, fp16)
+    patched_logged, patched = both_branches_step(original.replace(".py", ".fixed.py"), fp16)
+    tolerance = 1e-2 if fp16 else 1e-6  # bfloat16 matmuls under autocast
+    assert error(grads, reference) > 0.1
+    assert error(patched, reference) < tolerance
+    assert patched_logged == pytest.approx(logged, rel=tolerance)
+
+
 # --- every division form, window shape and loss source, with and without a log --------------
 
 FORMS = {  # how the loop divides by K and backpropagates

@@ -75,7 +75,8 @@ class Origin:
     module: str = ""  # the file of another module that computes it (then `source` is None)
     path: Path | None = None  # that file, to read
     callee: str = ""  # there, the function or `Class.forward` that returns it
-    branch: bool = False  # one of the definitions of an `if`/`else` that reach the use
+    # the `if` on one of whose paths the loss is defined otherwise, over a count of its own
+    branch: cst.If | None = field(default=None, compare=False, repr=False)
     count: cst.BaseExpression | None = field(
         default=None, compare=False, repr=False
     )  # of a masked mean
@@ -817,7 +818,10 @@ class Tracer(_Calls, _Callees, _Counts):
         earlier = self._bypassed(expr.value, binding, expr)
         if found.kind == "unknown" and not found.divisions and earlier is not None:
             untaken = self._from_binding(expr.value, earlier, depth)  # the branch not taken
-            return untaken if untaken.kind != "unknown" else found
+            if untaken.kind == "unknown":
+                return found
+            taken = next(a for a in self.tree.ancestors(binding) if isinstance(a, cst.If))
+            return replace(untaken, branch=taken)  # `if loss_fct: loss = loss_fct(...)`
         rival = self._rival(expr.value, binding) if found.kind == "mean" else None
         if rival is not None:  # `if mask: loss = masked mean / else: loss = x.mean()`
             other = self._from_binding(expr.value, rival, depth)
@@ -825,7 +829,9 @@ class Tracer(_Calls, _Callees, _Counts):
                 (MASKED_MEAN in other.what and MASKED_MEAN not in found.what)
                 or (other.configured is not None and found.configured is None)
             ):  # the one over its own count can vary, or the one whose loss is in sight:
-                return replace(other, branch=True)  # `if labels: ce(...) / else: out.loss`
+                block = next(a for a in self.tree.ancestors(binding) if isinstance(a, cst.Else))
+                branch = self.tree.parents[block]  # `if labels: ce(...) / else: out.loss`
+                return replace(other, branch=branch)
         return found
 
     def _rival(self, name: str, binding: cst.CSTNode) -> cst.CSTNode | None:

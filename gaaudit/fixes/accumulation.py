@@ -135,7 +135,10 @@ def returns_count(
     line = statement_line(tree, returned)
     value = returned.value
     if isinstance(value, cst.Tuple):  # `return loss, aux`: the count goes last
-        elements = ", ".join(code(e.value) for e in value.elements)
+        elements = ", ".join(
+            f"*{code(e.value)}" if isinstance(e, cst.StarredElement) else code(e.value)
+            for e in value.elements
+        )
         edits.insert_before(
             line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {elements}, {count}"
         )
@@ -253,13 +256,12 @@ class _Counting:
                 f"`loss * {origin.beside}` and divide the gradients once by the window's total "
                 f"of `{origin.beside}`"
             )
-        if origin.branch:
-            branches = next((a for a in self.tree.ancestors(source) if isinstance(a, cst.If)), None)
-            where = f" on line {self.tree.line(branches)}" if branches is not None else ""
+        if origin.branch is not None:
             raise Unfixable(
-                f"the loss is defined in both branches of the `if`{where}, over different "
-                "counts, which one count expression cannot cover: bind each branch's "
-                "valid-target count beside its loss, then backpropagate the loss times that count"
+                f"the loss is defined otherwise on a path of the `if` on line "
+                f"{self.tree.line(origin.branch)}, over a count of its own, which one count "
+                "expression cannot cover: bind each path's valid-target count beside its loss, "
+                "then backpropagate the loss times that count"
             )
         kept = [
             d for d in origin.divisions if site.division is None or d.node is not site.division.node
@@ -365,7 +367,9 @@ class _Counting:
         if helper is loop:
             return None
         found = self._binding_call(
-            self._loss_use(site), lambda c, _: self.auditor.tracer.helper(c.func) is helper
+            self._loss_use(site),
+            lambda c, _: self.auditor.tracer.helper(c.func) is helper,
+            unpacked=True,
         )
         call = found[0] if found is not None else None
         returns = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
@@ -433,13 +437,60 @@ class _Counting:
 
     def _ask_count(self, call: cst.Assign) -> None:
         """`loss = f(...)` becomes `loss, micro_tokens = f(..., return_count=True)` (and
-        `loss, aux = f(...)`, `loss, aux, micro_tokens = ...`)."""
+        `loss, aux = f(...)`, `loss, aux, micro_tokens = ...`), also where another branch of
+        an `if` binds the loss instead (`if fp16: loss = f(...)` / `else: loss = f(...)`)."""
+        for each in (call, *self._other_branches(call)):
+            target = each.targets[0].target
+            names = code(target.with_changes(lpar=[], rpar=[]))
+            self.edits.replace[each] = each.with_changes(
+                targets=[cst.AssignTarget(cst.parse_expression(f"{names}, {self.micro}"))],
+                value=with_argument(each.value, RETURN_COUNT, "True"),
+            )
+
+    def _other_branches(self, call: cst.Assign) -> list[cst.Assign]:
+        """The bindings of `call`'s names that the loop may reach instead of it: for each `if`
+        around it, the last one in its body when `call` is in its `else`, or the last one
+        before the `if` when `call` is in its body. Each must be the same call, or the count
+        would be missing on that path."""
         target = call.targets[0].target
-        names = code(target.with_changes(lpar=[], rpar=[]))
-        self.edits.replace[call] = call.with_changes(
-            targets=[cst.AssignTarget(cst.parse_expression(f"{names}, {self.micro}"))],
-            value=with_argument(call.value, RETURN_COUNT, "True"),
-        )
+        names = {n.value for n in self.tree.walk(target) if isinstance(n, cst.Name)}
+        bindings = [
+            node
+            for name in names
+            for node in self.tree.bindings(self.tree.scope_of(call)).get(name, ())
+        ]
+        found = []
+        for branch in self.tree.ancestors(call):
+            if isinstance(branch, cst.FunctionDef):
+                break
+            if not isinstance(branch, cst.If):
+                continue
+            if branch.orelse is not None and self.tree.contains(branch.orelse, call):
+                instead = [n for n in bindings if self.tree.contains(branch.body, n)]
+            elif self.tree.contains(branch.body, call):
+                before = self.tree.order[branch]
+                instead = [n for n in bindings if self.tree.order[n] < before]
+            else:
+                continue
+            if not instead:
+                continue
+            other = max(instead, key=self.tree.order.__getitem__)
+            if not (
+                isinstance(other, cst.Assign)
+                and len(other.targets) == 1
+                and code(other.targets[0].target) == code(target)
+                and isinstance(other.value, cst.Call)
+                and code(other.value.func) == code(call.value.func)
+            ):
+                raise Unfixable(
+                    f"`{code(target)}` is also bound on line {self.tree.line(other)} other "
+                    f"than by `{code(call.value.func)}(...)`, which the `if` on line "
+                    f"{self.tree.line(branch)} may leave in place of line "
+                    f"{self.tree.line(call)}; its count would be missing on that path: bind "
+                    "the loss the same way on every path"
+                )
+            found.append(other)
+        return found
 
 
 class _CompanionCounts:
