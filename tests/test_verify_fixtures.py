@@ -220,6 +220,9 @@ FIXED_LENGTH = {
     # llama2.c's `loss = raw_model.last_loss`: a loss whose origin is not visible, on the
     # file's blocks
     "ga001_exact_llama2c_last_loss": "`memmap`",
+    # preference pairs under keys of their own (`chosen_input_ids`, `rejected_labels`): the
+    # rejected side differs from the chosen one, so the margins (and gradients) are not zero
+    "ga001_exact_dpo_pair_keys": "a pairwise preference loss, one element per pair",
 }
 # Files without a fix that the tests below read from the same run (flagged loops `fix` leaves
 # as they are, and loops without a finding): one run spares each a replay process of its own,
@@ -228,6 +231,7 @@ ALSO_REPLAYED = [
     "ga001_masked_mean_over_padded_width",
     "ga002_return_loss_micro_loop_undivided",
     "ga003_accelerate_tts_frames_mean",
+    "ga001_split_batch_popped_mask",
     *MEGATRON,
     *CALLED_PER_BATCH_FUNCTIONS,
     *(name for name in FIXED_LENGTH if name not in NAMES),
@@ -337,6 +341,17 @@ def test_a_mean_over_each_micro_batchs_padded_width_is_reproduced_and_left_unfix
     (row,) = loop["rows"]
     assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop
     assert row["original_error"] > 1e-3 and row["patched_error"] is None, row
+
+
+def test_fields_popped_off_a_split_batch_are_served_with_its_positions(loops):
+    """verl's SFT step splits its batch, pops each micro-batch's loss mask
+    (`batch.pop("loss_mask")`: a field read, not a call that loads data), feeds the model
+    `position_ids` and divides by `n_micro_batches`: the harness serves those fields and the
+    divisor's name gives K, so the bug shows."""
+    (loop,) = loops["ga001_split_batch_popped_mask"]
+    (row,) = loop["rows"]
+    assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop
+    assert row["k"] == 4 and row["original_error"] > 0.1, row
 
 
 def test_a_loop_a_framework_runs_is_named_not_run():

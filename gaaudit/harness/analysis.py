@@ -49,11 +49,16 @@ BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness
     # a spectrogram (the `frames` kind's inputs, channels first) and its length (its labels)
     **dict.fromkeys(MELS, "input_ids"),
     **dict.fromkeys(("mel_lengths", "mel_lens"), "labels"),
+    "position_ids": "position_ids",  # each row's positions, 0 .. width - 1
     # made from the labels: 1 where the loss counts a target, 0 where it ignores one
     **dict.fromkeys(
         ("loss_mask", "label_mask", "labels_mask", "target_mask", "completion_mask"), "loss_mask"
     ),
 }
+# a key of one side of a preference pair: `chosen_input_ids`, `y_rejected`
+PREFERENCE_SIDE = re.compile(
+    r"^(?P<first>chosen|rejected)_(?P<before>\w+)$|^(?P<after>\w+)_(?P<last>chosen|rejected)$"
+)
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
 # what steps without being an optimizer: a learning-rate schedule, `torch.profiler.profile`
@@ -64,7 +69,12 @@ FACTORY_RE = re.compile(r"(get|make|build|create|load)_", re.IGNORECASE)
 BATCH_PARAM = re.compile(r"batch|^(inputs?|samples?|data|examples?)$", re.IGNORECASE)
 DATA_ROLES = ("data", "data-call", "micro-batch")
 DATA_RE = re.compile(r"batch|loader|data|(^|_)iter(ator)?($|_)", re.IGNORECASE)
-DIVISOR_RE = re.compile(r"accum", re.IGNORECASE)
+DIVISOR_RE = re.compile(r"accum|^n(um)?_micro_?batch(es)?$", re.IGNORECASE)
+# the methods of a dict batch that read one of its fields: `batch.pop("loss_mask")`
+FIELD_METHODS = ("pop", "get")
+# methods called with a string that read a field, a size or a piece of what they are called
+# on (`mesh.size("dp")`, `name.split("/")`): never a call that loads data
+READING_METHODS = (*FIELD_METHODS, "setdefault", "size", "split")
 COUNT_RE = re.compile(r"(steps|iters?)$", re.IGNORECASE)
 NOT_DIVISOR_RE = re.compile(r"loss|token|count|item|sum|total", re.IGNORECASE)
 MICRO_SIZE_RE = re.compile(r"micro_?(batch_?)?(size|bs)$|^mbs$", re.IGNORECASE)
@@ -522,8 +532,8 @@ class _Usage:
                     self.chains.add(chain)
                 if isinstance(node, ast.Subscript):
                     self.subscripts.append(node)
-                if _keyed(node):
-                    self.keys.add(node.slice.value)
+                if (key := _field(node)) is not None:
+                    self.keys.add(key)
                 if isinstance(node, ast.Attribute) and node.attr == "last_loss" and chain:
                     # llama2.c's `loss = raw_model.last_loss`, kept by the model's forward
                     self.evidence[chain[:-1]].add("model-method")
@@ -855,6 +865,36 @@ def _keyed(node: ast.expr) -> bool:
     )
 
 
+def _batch_field(key: str) -> str | None:
+    """The harness's field a key of a dict batch names: `input_mask` the attention mask; of a
+    preference pair (`x_chosen`, `rejected_input_ids`), the chosen side is the field itself and
+    the rejected side `rejected_` and the field (see bindings._fields)."""
+    if key in BATCH_KEYS:
+        return BATCH_KEYS[key]
+    side = PREFERENCE_SIDE.match(key)
+    if side is None or (name := side["before"] or side["after"]) not in BATCH_KEYS:
+        return None
+    chosen = (side["first"] or side["last"]) == "chosen"
+    return BATCH_KEYS[name] if chosen else f"rejected_{BATCH_KEYS[name]}"
+
+
+def _field(node: ast.expr) -> str | None:
+    """The field a dict batch is read by: `batch["input_ids"]`, `batch.pop("loss_mask")`,
+    `batch.get("labels")`."""
+    if _keyed(node):
+        return node.slice.value
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in FIELD_METHODS
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
+        return node.args[0].value
+    return None
+
+
 def _call_shape(usage: _Usage, chain: Chain) -> str | None:
     """'keyed', 'hf', 'nanogpt', 'sequence' or 'logits' from how `chain` is called; None if
     it is not. A call whose value is dropped (`metric_logger.update(**loss_dict)`) is not a
@@ -1009,6 +1049,8 @@ def _string_call(usage: _Usage, chain: Chain) -> bool:
     result is dropped (`logger.info("...")`, `writer.add_scalar("loss", ...)`) or has a method
     called (`timers("forward").start()`) serves no data, nor one whose string follows what it
     transforms (einops' `rearrange(logits, "b n c -> b c n")`)."""
+    if len(chain) > 1 and chain[-1] in READING_METHODS:
+        return False
     return any(
         call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)
         for call, parent in usage.calls.get(chain, [])
@@ -1266,7 +1308,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         data_arity=arity,
         data_fillers=fillers,
         data_keys=_positional_keys(usage, data),
-        data_aliases={k: BATCH_KEYS[k] for k in usage.keys if k in BATCH_KEYS},
+        data_aliases={k: field for k in usage.keys if (field := _batch_field(k)) is not None},
         data_tensor=_tensor_batch(target, usage, models, data),
         returns=_returns(usage, models),
         uses_accumulate=any(

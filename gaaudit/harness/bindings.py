@@ -501,7 +501,26 @@ def served(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
 
 def _fields(batch: dict, ignore_index: int) -> dict:
     """A harness batch's fields, with the loss mask made from its labels (1 where the loss
-    counts a target) where it has labels."""
+    counts a target) where it has labels; where it has token rows, also each row's positions
+    and the rejected side of a preference pair (`rejected_input_ids`, ...): each token moved
+    to the next id of the vocabulary, padding and ignored targets kept, so that each row's
+    two sides differ the same way in every micro-batch and in the full batch."""
     if "labels" not in batch:
         return batch
-    return {**batch, "loss_mask": (batch["labels"] != ignore_index).long()}
+    fields = {**batch, "loss_mask": (batch["labels"] != ignore_index).long()}
+    ids = batch["input_ids"]
+    if ids.dim() != 2 or ids.is_floating_point():
+        return fields
+    rejected = {
+        "rejected_input_ids": _next_token(ids),
+        "rejected_labels": _next_token(batch["labels"]),
+        **{f"rejected_{k}": fields[k] for k in ("attention_mask", "loss_mask") if k in fields},
+    }
+    positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    return {**fields, "position_ids": positions, **rejected}
+
+
+def _next_token(ids: torch.Tensor) -> torch.Tensor:
+    """Each token id (2 .. vocab_size() - 1) moved to the next, the last to the first; padding
+    and ignored targets (below 2) kept."""
+    return torch.where(ids >= 2, 2 + (ids - 1) % (vocab_size() - 2), ids)
