@@ -1147,3 +1147,24 @@ def test_a_path_that_binds_the_loss_otherwise_is_refused(source):
     assert report.after == report.before
     (outcome,) = report.outcomes
     assert not outcome.applied and "bind the loss the same way on every path" in outcome.reason
+
+
+def test_a_binding_on_another_branch_that_does_not_reach_the_backward_is_left_alone():
+    """Each branch backpropagates a loss of its own: the other branch's binding never reaches
+    this backward, so it does not block the fix of either."""
+    source = HELPER_ON_BRANCHES.replace(
+        "                loss = compute(model, batch)\n",
+        '                logits = model(batch["input_ids"])\n'
+        '                loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), '
+        "ignore_index=-100)\n"
+        "                (loss / accumulation_steps).backward()\n",
+    ).replace(
+        "            loss = compute(model, batch)\n        loss = loss / accumulation_steps\n"
+        "        loss.backward()\n",
+        "            loss = compute(model, batch)\n            (loss / accumulation_steps).backward()\n",
+    )
+    report = fix_source(source.encode(), Path("train.py"), ALL, True)
+    after = report.after.decode()
+    assert [o.applied for o in report.outcomes] == [True, True], report.outcomes
+    assert after.count("return_count=True") == 1
+    compile(after, "train.py", "exec")

@@ -287,7 +287,7 @@ class _Counting:
         if helper is None:
             return counted
         (count, caveat), safe = counted
-        self._return_count(helper, count)
+        self._return_count(helper, count, self._loss_use(site))
         return (self.micro, caveat), safe
 
     @staticmethod
@@ -428,18 +428,19 @@ class _Counting:
                     return found
         return None
 
-    def _return_count(self, call: cst.Assign, count: str) -> None:
+    def _return_count(self, call: cst.Assign, count: str, use: cst.CSTNode) -> None:
         """`helper` also returns the micro-batch's count when the loop asks for it."""
         helper = self.auditor.tracer.helper(call.value.func)
         (returned,) = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
         returns_count(self.tree, self.edits, helper, returned, count)
-        self._ask_count(call)
+        self._ask_count(call, use)
 
-    def _ask_count(self, call: cst.Assign) -> None:
+    def _ask_count(self, call: cst.Assign, use: cst.CSTNode) -> None:
         """`loss = f(...)` becomes `loss, micro_tokens = f(..., return_count=True)` (and
         `loss, aux = f(...)`, `loss, aux, micro_tokens = ...`), also where another branch of
-        an `if` binds the loss instead (`if fp16: loss = f(...)` / `else: loss = f(...)`)."""
-        for each in (call, *self._other_branches(call)):
+        an `if` binds the loss that reaches `use` instead (`if fp16: loss = f(...)` /
+        `else: loss = f(...)`)."""
+        for each in (call, *self._other_branches(call, use)):
             target = each.targets[0].target
             names = code(target.with_changes(lpar=[], rpar=[]))
             self.edits.replace[each] = each.with_changes(
@@ -447,11 +448,11 @@ class _Counting:
                 value=with_argument(each.value, RETURN_COUNT, "True"),
             )
 
-    def _other_branches(self, call: cst.Assign) -> list[cst.Assign]:
-        """The bindings of `call`'s names that the loop may reach instead of it: for each `if`
-        around it, the last one in its body when `call` is in its `else`, or the last one
-        before the `if` when `call` is in its body. Each must be the same call, or the count
-        would be missing on that path."""
+    def _other_branches(self, call: cst.Assign, use: cst.CSTNode) -> list[cst.Assign]:
+        """The bindings of `call`'s names that may reach `use` instead of it: for each `if`
+        around `call` but not `use`, the last one in its body when `call` is in its `else`, or
+        the last one before the `if` when `call` is in its body. Each must be the same call,
+        or the count would be missing on that path."""
         target = call.targets[0].target
         names = {n.value for n in self.tree.walk(target) if isinstance(n, cst.Name)}
         bindings = [
@@ -463,7 +464,7 @@ class _Counting:
         for branch in self.tree.ancestors(call):
             if isinstance(branch, cst.FunctionDef):
                 break
-            if not isinstance(branch, cst.If):
+            if not isinstance(branch, cst.If) or self.tree.contains(branch, use):
                 continue
             if branch.orelse is not None and self.tree.contains(branch.orelse, call):
                 instead = [n for n in bindings if self.tree.contains(branch.body, n)]
@@ -501,9 +502,9 @@ class _CompanionCounts:
         """The loss comes from a function (or a model's `forward`) of another module of the
         repository: that function also returns the count its mean divides by when the loop
         asks for it (`return_count=True`, planned in `companions`); the loop binds it."""
-        origin = site.origin
+        origin, use = site.origin, self._loss_use(site)
         bound = self._binding_call(
-            self._loss_use(site),
+            use,
             lambda _, name: (
                 (found := self.auditor.tracer.origin(name)).path == origin.path
                 and found.callee == origin.callee
@@ -529,7 +530,7 @@ class _CompanionCounts:
         if _takes_return_count(tree, function):
             if f"if {RETURN_COUNT}:" not in tree.module.code_for_node(function):
                 raise Unfixable(f"`{origin.callee}` already takes a `{RETURN_COUNT}` parameter")
-            self._ask_count(call)  # fixed for another caller already
+            self._ask_count(call, use)  # fixed for another caller already
             return
         tracer = Tracer(tree)
         arity = None if index is None else len(call.targets[0].target.elements)
@@ -571,10 +572,10 @@ class _CompanionCounts:
                 "valid-target count beside it"
             )
         if function.params in edits.replace:
-            self._ask_count(call)  # this run already changed it, for an earlier call
+            self._ask_count(call, use)  # this run already changed it, for an earlier call
             return
         returns_count(tree, edits, function, returned, code(count))
-        self._ask_count(call)
+        self._ask_count(call, use)
 
     def _model_count(self, source: cst.CSTNode) -> tuple[str, str]:
         call = self.auditor.tracer.origin_call(source.value)
