@@ -232,6 +232,7 @@ ALSO_REPLAYED = [
     "ga002_return_loss_micro_loop_undivided",
     "ga003_accelerate_tts_frames_mean",
     "ga001_split_batch_popped_mask",
+    "ga001_accelerate_self_scoring_keywords",
     *MEGATRON,
     *CALLED_PER_BATCH_FUNCTIONS,
     *(name for name in FIXED_LENGTH if name not in NAMES),
@@ -352,6 +353,18 @@ def test_fields_popped_off_a_split_batch_are_served_with_its_positions(loops):
     (row,) = loop["rows"]
     assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop
     assert row["k"] == 4 and row["original_error"] > 0.1, row
+
+
+def test_a_model_handed_the_batch_as_keywords_scores_itself(loops):
+    """`loss = self.model(**batch, return_loss=True)` with no transformers keyword is a
+    project's model that scores itself (lucidrains' trainers), not a transformers model whose
+    output the loop would divide: the stand-in that scores its token sequences takes the dict
+    batch's token ids by keyword, and the bug shows."""
+    (loop,) = loops["ga001_accelerate_self_scoring_keywords"]
+    (row,) = loop["rows"]
+    assert loop["replayed"].startswith(SCORED_BY_STAND_IN), loop
+    assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop
+    assert row["original_error"] > 0.05, row
 
 
 def test_a_loop_a_framework_runs_is_named_not_run():

@@ -38,7 +38,8 @@ MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
 MELS = ("mel", "mels", "mel_spec")  # batch keys of spectrograms: the `frames` kind's inputs
 BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness's batches
     **dict.fromkeys(
-        ("input_ids", "ids", "tokens", "input_tokens", "source_ids", "inputs", "x"), "input_ids"
+        ("input_ids", "ids", "tokens", "input_tokens", "source_ids", "inputs", "x", "seq"),
+        "input_ids",
     ),
     **dict.fromkeys(
         ("attention_mask", "attn_mask", "input_mask", "mask", "source_mask"), "attention_mask"
@@ -77,6 +78,8 @@ FIELD_METHODS = ("pop", "get")
 READING_METHODS = (*FIELD_METHODS, "setdefault", "size", "split")
 COUNT_RE = re.compile(r"(steps|iters?)$", re.IGNORECASE)
 NOT_DIVISOR_RE = re.compile(r"loss|token|count|item|sum|total", re.IGNORECASE)
+# a name of each sequence's (or prompt's) length: `lengths`, `prompt_len`, `prompt_len_or_mask`
+LENGTH_RE = re.compile(r"(^|_)(lens?|lengths?)($|_)", re.IGNORECASE)
 MICRO_SIZE_RE = re.compile(r"micro_?(batch_?)?(size|bs)$|^mbs$", re.IGNORECASE)
 BOOSTER_RE = re.compile(r"booster|strategy", re.IGNORECASE)  # ColossalAI's `booster.backward`
 # a loss function handed in (`train_one_epoch(model, criterion, ...)`, `self.loss_fn`)
@@ -140,6 +143,7 @@ class Plan:
     # the fields a dict batch is read by, with the harness's field each names: `batch["input_mask"]`
     data_aliases: dict[str, str] = field(default_factory=dict)
     data_tensor: bool = False  # each batch is a tensor of token ids the model is called on
+    keyword_batch: bool = False  # the model is handed keywords by a splat: `model(**kwargs)`
     returns: tuple | None = None  # how the loop unpacks its model's result: `loss, (a, b) = ...`
     uses_accumulate: bool = False
     splits_batch: bool = False
@@ -751,8 +755,10 @@ def _positional_keys(usage: _Usage, data: list[Chain]) -> tuple:
         names = usage.unpacked.get(chain, ())
         if len(names) == 1:
             return ("input_ids",)
-        keys = tuple(BATCH_KEYS.get(name or "") for name in names)
-        if {"input_ids", "labels"} <= set(keys):
+        keys = tuple(BATCH_KEYS.get(name or "") or _length_key(name or "") for name in names)
+        if {"input_ids", "labels"} <= set(keys) or (
+            "input_ids" in keys and {"lengths", "prompt_lengths"} & set(keys) and None not in keys
+        ):
             return keys
     return ()
 
@@ -906,6 +912,8 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
         keywords = {k.arg for k in call.keywords}
         if {"source_ids", "target_ids"} <= keywords:
             shapes.add("keyed")  # CodeBERT's `Seq2Seq(source_ids=..., target_ids=...)`
+        elif None in keywords and not keywords & HF_KWARGS and _backwarded_bare(usage, parent):
+            shapes.add("sequence")  # `loss = model(**kwargs); backward(loss / K)`: scores itself
         elif None in keywords or keywords & HF_KWARGS:
             shapes.add("hf")
         elif "return_loss" in keywords and call.args and not _keyed(call.args[0]):
@@ -946,6 +954,16 @@ def _scored_against(usage: _Usage, call: ast.Call, parent) -> bool:
         len(other.args) >= 2 and holds(other.args[0], output) and holds(other.args[1], targets)
         for calls in usage.calls.values()
         for other, _ in calls
+    )
+
+
+def _backwarded_bare(usage: _Usage, parent) -> bool:
+    """The call's value, bound to one name, is what the loop's backward starts from."""
+    return (
+        isinstance(parent, ast.Assign)
+        and len(parent.targets) == 1
+        and isinstance(parent.targets[0], ast.Name)
+        and parent.targets[0].id in usage.backwarded
     )
 
 
@@ -1122,7 +1140,10 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
     if any(SCHEDULER_RE.search(part) for part in chain):
         return "schedulers" if iterated else None  # `scheduler.get_last_lr()[0]`: no output
     shape = _call_shape(usage, chain)
-    named = MODEL_RE.search(last) or (shape == "hf" and not FACTORY_RE.match(last))
+    splat = any(_splatted(call) for call, _ in usage.calls.get(chain, []))
+    named = MODEL_RE.search(last) or (
+        (shape == "hf" or shape == "sequence" and splat) and not FACTORY_RE.match(last)
+    )
     model_like = "model-method" in ev or (shape and named)
     if model_like and not (shape == "logits" and DATA_RE.search(last)):
         return "model"
@@ -1310,6 +1331,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         data_keys=_positional_keys(usage, data),
         data_aliases={k: field for k in usage.keys if (field := _batch_field(k)) is not None},
         data_tensor=_tensor_batch(target, usage, models, data),
+        keyword_batch=any(_splatted(call) for c in models for call, _ in usage.calls.get(c, [])),
         returns=_returns(usage, models),
         uses_accumulate=any(
             "accumulate" in usage.evidence.get(c, ())
@@ -1521,3 +1543,16 @@ def _reads_one_position(usage: _Usage, models: list[Chain]) -> bool:
         )
 
     return any(one_position(node) for node in usage.subscripts)
+
+
+def _splatted(call: ast.Call) -> bool:
+    """Whether the call hands keywords by a splat: `model(**kwargs)`."""
+    return any(k.arg is None for k in call.keywords)
+
+
+def _length_key(name: str) -> str | None:
+    """The harness's field a name of lengths stands for: each prompt's length (`prompt_len`,
+    `prompt_len_or_mask`), or each sequence's (`lengths`, `seq_lens`): see bindings._fields."""
+    if not LENGTH_RE.search(name):
+        return None
+    return "prompt_lengths" if "prompt" in name.lower() else "lengths"

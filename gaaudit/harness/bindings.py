@@ -490,7 +490,7 @@ def served(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
         ]
     if plan.data_arity:
         return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
-    if plan.data_tensor or plan.model_kind == "sequence":  # the token sequences alone
+    if plan.data_tensor or (plan.model_kind == "sequence" and not plan.keyword_batch):
         return [b["input_ids"] for b in batches]
     aliased = plan.data_aliases.items()  # `batch["input_mask"]`: the field under that name
     return [
@@ -501,10 +501,14 @@ def served(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
 
 def _fields(batch: dict, ignore_index: int) -> dict:
     """A harness batch's fields, with the loss mask made from its labels (1 where the loss
-    counts a target) where it has labels; where it has token rows, also each row's positions
-    and the rejected side of a preference pair (`rejected_input_ids`, ...): each token moved
-    to the next id of the vocabulary, padding and ignored targets kept, so that each row's
-    two sides differ the same way in every micro-batch and in the full batch."""
+    counts a target) where it has labels, and where it has an attention mask each sequence's
+    length and its prompt's (its first half, at least one token); where it has token rows, also each row's positions and the rejected side of a
+    preference pair (`rejected_input_ids`, ...): each token moved to the next id of the
+    vocabulary, padding and ignored targets kept, so that each row's two sides differ the same
+    way in every micro-batch and in the full batch."""
+    if "attention_mask" in batch:
+        lengths = batch["attention_mask"].sum(-1)
+        batch = {**batch, "lengths": lengths, "prompt_lengths": (lengths + 1) // 2}
     if "labels" not in batch:
         return batch
     fields = {**batch, "loss_mask": (batch["labels"] != ignore_index).long()}

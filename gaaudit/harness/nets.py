@@ -139,7 +139,9 @@ class TinySequenceModel(nn.Module):
         self.out = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, vocab))
         self.returns = returns
 
-    def forward(self, seq, *others, return_loss: bool = True, **options):
+    def forward(self, seq=None, *others, return_loss: bool = True, **options):
+        if seq is None:  # handed by keyword, `model(**batch)`: the batch's token ids
+            seq = options.get("input_ids")
         logits = self.out(self.embed(seq[:, :-1]))
         if not return_loss:
             return logits
