@@ -912,7 +912,12 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
         keywords = {k.arg for k in call.keywords}
         if {"source_ids", "target_ids"} <= keywords:
             shapes.add("keyed")  # CodeBERT's `Seq2Seq(source_ids=..., target_ids=...)`
-        elif None in keywords and not keywords & HF_KWARGS and _backwarded_bare(usage, parent):
+        elif (
+            None in keywords
+            and not keywords & HF_KWARGS
+            and _backwarded_result(usage, parent)
+            and isinstance(parent.targets[0], ast.Name)  # bound to one name, not unpacked
+        ):
             shapes.add("sequence")  # `loss = model(**kwargs); backward(loss / K)`: scores itself
         elif None in keywords or keywords & HF_KWARGS:
             shapes.add("hf")
@@ -954,16 +959,6 @@ def _scored_against(usage: _Usage, call: ast.Call, parent) -> bool:
         len(other.args) >= 2 and holds(other.args[0], output) and holds(other.args[1], targets)
         for calls in usage.calls.values()
         for other, _ in calls
-    )
-
-
-def _backwarded_bare(usage: _Usage, parent) -> bool:
-    """The call's value, bound to one name, is what the loop's backward starts from."""
-    return (
-        isinstance(parent, ast.Assign)
-        and len(parent.targets) == 1
-        and isinstance(parent.targets[0], ast.Name)
-        and parent.targets[0].id in usage.backwarded
     )
 
 

@@ -502,10 +502,11 @@ def served(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
 def _fields(batch: dict, ignore_index: int) -> dict:
     """A harness batch's fields, with the loss mask made from its labels (1 where the loss
     counts a target) where it has labels, and where it has an attention mask each sequence's
-    length and its prompt's (its first half, at least one token); where it has token rows, also each row's positions and the rejected side of a
-    preference pair (`rejected_input_ids`, ...): each token moved to the next id of the
-    vocabulary, padding and ignored targets kept, so that each row's two sides differ the same
-    way in every micro-batch and in the full batch."""
+    length and its prompt's (its first half, at least one token); where it has token rows,
+    also each row's positions and the rejected side of a preference pair
+    (`rejected_input_ids`, ...): each token moved to the next id of the vocabulary, padding
+    and ignored targets kept, so that each row's two sides differ the same way in every
+    micro-batch and in the full batch."""
     if "attention_mask" in batch:
         lengths = batch["attention_mask"].sum(-1)
         batch = {**batch, "lengths": lengths, "prompt_lengths": (lengths + 1) // 2}
