@@ -24,7 +24,7 @@ from gaaudit.harness.gradcheck import (
 )
 from gaaudit.harness.models import build_model, count_tokens
 from gaaudit.harness.replay import check, compare, replay
-from gaaudit.harness.stubs import Batch, Stub
+from gaaudit.harness.stubs import Batch, Stub, Tokenizer
 from gaaudit.harness.stubs import stub_range as range_of
 
 
@@ -172,6 +172,21 @@ def test_stub_is_inert():
     assert isinstance(torch.ones(1) * args.scale, Stub)
     with args.context():
         pass
+
+
+def test_the_tokenizer_stand_in_reads_the_served_captions_back_into_their_tokens():
+    """A latent-diffusion batch's captions are its token ids written as words: the stand-in
+    for a tokenizer reads them back, padded; text of the user's own makes a stub."""
+    window = make_window("latent", 2)
+    tokens = window.full["input_ids"]
+    captions = [" ".join(map(str, row.tolist())) for row in tokens]
+    tokenizer = Tokenizer("tokenizer", children={"pad_token_id": 0})
+    encoded = tokenizer(captions, padding="max_length", return_tensors="pt")
+    assert torch.equal(encoded.input_ids, tokens) and encoded["attention_mask"].all()
+    ragged = tokenizer(["5 6 7", "8 9"])
+    assert ragged.input_ids.tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert ragged.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert isinstance(tokenizer("a photo of sks dog"), Stub)
 
 
 HF_BUGGY = source("""
@@ -999,7 +1014,8 @@ def test_per_sample_windows_differ_in_size_unless_packed(kind):
 
 
 @pytest.mark.parametrize(
-    ("kind", "ignore_index"), [("segment", -100), ("pair", 0), ("causal", None), ("classify", None)]
+    ("kind", "ignore_index"),
+    [("segment", -100), ("pair", 0), ("causal", None), ("classify", None), ("latent", None)],
 )
 def test_merged_micro_batches_are_the_full_batch(kind, ignore_index):
     window = make_window(kind, 3, ignore_index=ignore_index)

@@ -20,6 +20,7 @@ from conftest import FIXTURES, clipping_unfixed, devices, expected, gaaudit
 
 from gaaudit.commands.verify import (
     CALLED_PER_BATCH,
+    DENOISED_BY_STAND_IN,
     REPRODUCED,
     SCORED_BY_FRAMES,
     SCORED_BY_STAND_IN,
@@ -124,15 +125,11 @@ NOT_REPLAYABLE = {
         "not replayable: RuntimeError: random_ expects",
         ("random_ expects 'from' to be less than 'to'",),
     ),
-    # Diffusion loops whose batches hold the captions a tokenizer reads and the images a VAE
-    # encodes, which the harness's token batches do not.
-    "ga003_exact_accelerate_mse_latents": (
-        "not replayable: KeyError: 'caption'",
-        ("KeyError: 'caption'",),
-    ),
+    # A latent consistency distillation: its solver steps a teacher's prediction, which the
+    # latent kind's noise schedule and one denoiser do not stand for.
     "ga003_exact_accelerate_pseudo_huber_torch_mean": (
-        "not replayable: KeyError: 'prompt'",
-        ("KeyError: 'prompt'",),
+        "not replayable: AttributeError",
+        ("'NoiseSchedule' object has no attribute 'step'", "it reads `teacher`"),
     ),
     # A model that returns its loss beside a token count: the harness's tiny language model,
     # unpacked, returns its loss beside its logits, which are no count.
@@ -538,6 +535,20 @@ def test_a_model_that_scores_its_spectrogram_is_replayed_on_spectrograms(loops):
     assert loop["replayed"] == SCORED_BY_FRAMES, loop
     (row,) = loop["rows"]
     assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-2, row
+
+
+def test_a_latent_diffusion_loop_is_replayed_on_images_and_captions(loops):
+    """A diffusers-style loop encodes `batch["pixel_values"]` (or tokenizes `batch["caption"]`)
+    with frozen parts, noises the latents and scores a UNet's prediction of the noise: the
+    replay binds the latent stand-ins and says so. The dense MSE's mean/K is exact on samples
+    of one size; summing the K means undivided is K - 1 times off."""
+    for name in ("ga003_exact_accelerate_mse_latents", "ga002_latent_diffusion_undivided"):
+        (loop,) = loops[name]
+        assert loop["replayed"] == DENOISED_BY_STAND_IN and loop["equal_sizes"], loop
+    (row,) = loops["ga003_exact_accelerate_mse_latents"][0]["rows"]
+    assert row["original_verdict"] == VERIFIED and row["original_error"] < 1e-5, row
+    (row,) = loops["ga002_latent_diffusion_undivided"][0]["rows"]
+    assert row["original_verdict"] == REPRODUCED and abs(row["original_error"] - 3) < 1e-3, row
 
 
 def test_a_language_model_read_at_its_last_token_is_replayed_as_a_classifier(tmp_path):

@@ -44,7 +44,7 @@ DROP_LAST = re.compile(r"\bdrop_last\s*=\s*True\b")
 BEGUN = "begun"  # what the replay process says as it begins a file, before its rows
 # the replay downloads nothing: a user's `from_pretrained` fails at once instead
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-# one target per sample and no `drop_last=True`: micro-batches of one size all the same, as a
+# as many targets in every sample and no `drop_last=True`: micro-batches of one size all the same, as a
 # loader makes them before an epoch's last batch, the one where mean/K is off (GA-GUIDE 3)
 LAST_BATCH_LEFT_OUT = "no `drop_last=True` found: an epoch's last, short batch is left out"
 NOTHING_FIXED = (
@@ -71,7 +71,8 @@ class Target:
     pinned: str = ""
     pin_kind: str = ""
     # where the project's loader drops its last, short batch (`drop_last=True`): a loop of
-    # one target per sample (images, regression) is replayed on micro-batches of one size
+    # as many targets in every sample (images, regression, latents) is replayed on
+    # micro-batches of one size
     equal_sizes: str = ""
     stops: str = ""  # why the harness cannot stand for what the statement trains: not replayed
     loss_func: str = ""  # the file's function a Trainer is given as `compute_loss_func`
@@ -105,7 +106,18 @@ SCORED_BY_FRAMES = (
     "error over the frames within each length): a model of yours that averages otherwise "
     "(over a masked span, per utterance) may differ; pass it with --model-factory"
 )
-STAND_IN_NOTES = {"sequence": SCORED_BY_STAND_IN, "frames": SCORED_BY_FRAMES}
+# ... and on the latent-diffusion stand-ins (nets.TinyDenoiser and its companions)
+DENOISED_BY_STAND_IN = (
+    "replayed with a tiny denoiser (also its text encoder), an autoencoder whose latents are the "
+    "images and DDPM's noise schedule; each sample draws the same noise and timestep in its "
+    "micro-batch as in the whole window, and the loop's own step on the whole window is the "
+    "reference"
+)
+STAND_IN_NOTES = {
+    "sequence": SCORED_BY_STAND_IN,
+    "frames": SCORED_BY_FRAMES,
+    "latent": DENOISED_BY_STAND_IN,
+}
 # How a Trainer subclass written before transformers 4.46 is replayed (harness.trainer)
 PREDATES = (
     "replayed as transformers before 4.46 trains: its `compute_loss` takes no "
@@ -999,7 +1011,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             outcomes.append(asdict(outcome))
             continue
         plan = _planned(job["original"], target)
-        # a model of one target per sample, whose counts vary with sizes alone: GA-GUIDE 3
+        # as many targets in every sample, whose counts vary with sizes alone: GA-GUIDE 3
         if plan is not None and plan.model_kind in SIZED_KINDS:
             outcome.equal_sizes = target.equal_sizes or LAST_BATCH_LEFT_OUT
         per_call = plan is not None and "micro-batch" in plan.roles.values()
@@ -1262,7 +1274,7 @@ def report(results: list[tuple[Path, list[Outcome]]], fmt: str) -> int:
                     )
                     print(
                         f"{'':>5}  {'':>3}  replayed on micro-batches of one size, {why}: "
-                        "with one target per sample, mean/K is exact on this data"
+                        "with as many targets in every sample, mean/K is exact on this data"
                     )
                 if outcome.fixed_length:
                     print(

@@ -51,6 +51,9 @@ BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness
     **dict.fromkeys(MELS, "input_ids"),
     **dict.fromkeys(("mel_lengths", "mel_lens"), "labels"),
     "position_ids": "position_ids",  # each row's positions, 0 .. width - 1
+    # the images a latent-diffusion loop encodes and their captions (the latent kind's)
+    **dict.fromkeys(("pixel_values", "pixels", "images", "image"), "pixel_values"),
+    **dict.fromkeys(("caption", "captions", "prompt", "prompts"), "caption"),
     # made from the labels: 1 where the loss counts a target, 0 where it ignores one
     **dict.fromkeys(
         ("loss_mask", "label_mask", "labels_mask", "target_mask", "completion_mask"), "loss_mask"
@@ -77,6 +80,10 @@ FIELD_METHODS = ("pop", "get")
 # on (`mesh.size("dp")`, `name.split("/")`): never a call that loads data
 READING_METHODS = (*FIELD_METHODS, "setdefault", "size", "split")
 COUNT_RE = re.compile(r"(steps|iters?)$", re.IGNORECASE)
+# what a latent-diffusion loop calls to noise its latents, and what encodes its images
+NOISING = ("add_noise", "get_velocity")
+AUTOENCODER_RE = re.compile(r"vae|autoencoder", re.IGNORECASE)
+DTYPE_RE = re.compile(r"(^|_)dtype$")  # `weight_dtype`: what the frozen parts are cast to
 NOT_DIVISOR_RE = re.compile(r"loss|token|count|item|sum|total", re.IGNORECASE)
 # a name of each sequence's (or prompt's) length: `lengths`, `prompt_len`, `prompt_len_or_mask`
 LENGTH_RE = re.compile(r"(^|_)(lens?|lengths?)($|_)", re.IGNORECASE)
@@ -115,7 +122,7 @@ class Plan:
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
     binds there (model, engine, optimizer, optimizers, schedulers, data, data-call, contexts,
     turns, divisor, divisor-call, micro-size, width, accelerator, fabric, booster, scaler,
-    device).
+    device, dtype, and a latent-diffusion loop's noise-schedule and autoencoder).
     `splits_batch`: the loop cuts each loader batch into micro-batches itself, so it is served
     the whole window at once. `owner`: the class whose method holds the statement;
     `lightning`: it is a LightningModule whose instance the harness builds for a Lightning
@@ -637,6 +644,10 @@ class _Usage:
             for arg in args:
                 if arg:
                     self.evidence[arg].add("model-method")
+        elif method in NOISING:
+            self.evidence[receiver].add("noising")
+        elif method == "encode":
+            self.evidence[receiver].add("encodes")
         elif method in ("scale", "unscale_"):
             self.evidence[receiver].add("scaler")
             if method == "unscale_" and args and args[0]:
@@ -1131,6 +1142,12 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "contexts"
     if "iterated-call" in ev:
         return "data-call"
+    if "noising" in ev:
+        return "noise-schedule"
+    if "encodes" in ev and AUTOENCODER_RE.search(last):
+        return "autoencoder"
+    if not called and len(chain) == 1 and DTYPE_RE.search(last):
+        return "dtype"
     iterated = not called and "iterated" in ev  # `for opt, sched in zip(optimizers, schedulers)`
     if any(SCHEDULER_RE.search(part) for part in chain):
         return "schedulers" if iterated else None  # `scheduler.get_last_lr()[0]`: no output
@@ -1286,9 +1303,15 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         c for c, r in roles.items() if r in DATA_ROLES and (c[0] not in imported or c[0] in rebound)
     ]
     models = [c for c, r in roles.items() if r in ("model", "engine")]
-    stages = _stages(usage, models)
+    # a denoiser trained on latents it noises, conditioned on a text encoder's states: no
+    # encoder-decoder pair, but the latent kind's one model in both roles
+    latent = "noise-schedule" in roles.values()
+    stages = None if latent else _stages(usage, models)
     shapes = {_call_shape(usage, c) for c in models}
-    kind = model_kind or ("pair" if stages else _kind(source, shapes))
+    if model_kind or latent:
+        kind = model_kind or "latent"
+    else:
+        kind = "pair" if stages else _kind(source, shapes)
     if kind == "logits" and not model_kind and _reads_one_position(usage, models):
         kind = "pooled"  # `model(x)[:, -1, :]` scored against one label per sequence
     if kind == "sequence" and usage.keys & set(MELS):

@@ -21,7 +21,7 @@ from gaaudit.harness import factory
 from gaaudit.harness.analysis import DATA_ROLES, Plan, chain_of
 from gaaudit.harness.data import merge_batches
 from gaaudit.harness.models import TinyTokenModel, ignore_value, vocab_size
-from gaaudit.harness.nets import PAD_ID, output_width
+from gaaudit.harness.nets import PAD_ID, IdentityAutoencoder, NoiseSchedule, output_width
 from gaaudit.harness.stubs import (
     Batch,
     Booster,
@@ -30,6 +30,7 @@ from gaaudit.harness.stubs import (
     Fabric,
     LossScaler,
     Stub,
+    Tokenizer,
     Turn,
     Turns,
     world_size,
@@ -139,6 +140,12 @@ class Objects:
             "micro-size": (size, f"{size} samples: a batch of {samples} makes {k} micro-batches"),
             "width": (width, f"{width}, the model's output width"),
             "device": (str(device), str(device)),
+            "dtype": (torch.float32, "torch.float32, the dtype of the tiny model's weights"),
+            "noise-schedule": (
+                NoiseSchedule(),
+                "DDPM's linear noise schedule, predicting the noise",
+            ),
+            "autoencoder": (IdentityAutoencoder(), "an autoencoder whose latents are the images"),
         }
         if "engine" in roles.values():
             engine = _deepspeed(model, self.optimizer, k, device)
@@ -178,9 +185,11 @@ class Objects:
                 name in params or (name not in namespace and name not in vars(builtins))
             ):
                 if TOKENIZER.search(name):  # `labels[labels == tokenizer.pad_token_id] = -100`
-                    self.values[name] = Stub(name, children={"pad_token_id": PAD_ID})
+                    self.values[name] = Tokenizer(name, children={"pad_token_id": PAD_ID})
                     self.bindings.setdefault(
-                        name, f"stub whose pad_token_id is {PAD_ID}, the data's"
+                        name,
+                        f"stub whose pad_token_id is {PAD_ID}, the data's, and that reads the "
+                        "captions it serves back into their tokens",
                     )
                 elif (processes := world_size(name)) is not None:
                     self.values[name] = processes
@@ -506,7 +515,11 @@ def _fields(batch: dict, ignore_index: int) -> dict:
     also each row's positions and the rejected side of a preference pair
     (`rejected_input_ids`, ...): each token moved to the next id of the vocabulary, padding
     and ignored targets kept, so that each row's two sides differ the same way in every
-    micro-batch and in the full batch."""
+    micro-batch and in the full batch; beside a latent-diffusion batch's images, each caption
+    as text, its token ids as words (which the harness's tokenizer reads back)."""
+    if "pixel_values" in batch:
+        captions = [" ".join(map(str, row.tolist())) for row in batch["input_ids"]]
+        return {**batch, "caption": captions}
     if "attention_mask" in batch:
         lengths = batch["attention_mask"].sum(-1)
         batch = {**batch, "lengths": lengths, "prompt_lengths": (lengths + 1) // 2}

@@ -41,7 +41,7 @@ def make_records(
     ignore_index: int | None = None,
 ) -> list:
     """`n` unpadded samples for `kind`: dicts of `input_ids` (token ids, an image or features)
-    and `labels` tensors."""
+    and `labels` tensors (the latent kind: `pixel_values` and the caption's `input_ids`)."""
     gen = torch.Generator().manual_seed(seed)
     length = lambda: int(torch.randint(min_len, max_len + 1, (), generator=gen))
     tokens = lambda m: torch.randint(2, vocab_size(), (m,), generator=gen)
@@ -86,7 +86,7 @@ def collate(
             "text": torch.full((len(records), 1), 2),  # which the stand-in does not read
         }
     if kind in NET_KINDS and kind not in PADDED_KINDS:
-        return {key: torch.stack([r[key] for r in records]) for key in ("input_ids", "labels")}
+        return {key: torch.stack([r[key] for r in records]) for key in records[0]}
 
     def pad(key, value):
         width = max((widths or {}).get(key, 0), *(len(r[key]) for r in records))
@@ -120,6 +120,7 @@ def split_window(
     widths = {
         key: max(r[key].shape[-1] if r[key].dim() else 0 for r in records)
         for key in ("input_ids", "labels")
+        if key in records[0]
     }
     micro = [
         collate(kind, records[a:b], ignore_index, None if ragged else widths)

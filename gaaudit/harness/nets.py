@@ -1,28 +1,37 @@
 """Tiny plain-torch models, samples and reference losses for the kinds that are not language
 models: image classification (`image`), per-pixel segmentation (`segment`), regression
 (`regression`), an encoder-decoder called as two models (`pair`) or by keywords (`keyed`),
-a model that scores its token sequence itself (`sequence`), and one that scores its
-spectrogram frames itself (`frames`)."""
+a model that scores its token sequence itself (`sequence`), one that scores its
+spectrogram frames itself (`frames`), and the parts of a latent-diffusion loop (`latent`): a
+denoiser that is also its text encoder, an autoencoder and a noise schedule."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-NET_KINDS = ("image", "segment", "regression", "pair", "keyed", "sequence", "frames")
+NET_KINDS = ("image", "segment", "regression", "pair", "keyed", "sequence", "frames", "latent")
 PAD_ID = 0  # the padding of the harness's token sequences (their tokens start at 2)
 # Kinds whose samples are token sequences of varied length, padded with PAD_ID in a batch.
 PADDED_KINDS = ("pair", "keyed", "sequence")
-# Kinds with one target per sample and no ignored value (and models.py's sequence
-# classifiers): the valid count of a micro-batch is its number of samples, so the harness
-# makes the micro-batches differ in size.
-SIZED_KINDS = ("image", "regression", "classify", "pooled")
+# Kinds whose samples hold as many targets each, none ignored (one: an image or a sequence
+# classified, a regression; every element of equal latents): the valid count of a
+# micro-batch follows its number of samples, so the harness makes the micro-batches differ in
+# size.
+SIZED_KINDS = ("image", "regression", "classify", "pooled", "latent")
+# Kinds whose loops draw noise of their own: the reference is the loop's own step on the whole
+# window as one micro-batch (see replay._Session), not a loss of the harness's.
+NOISED_KINDS = ("latent",)
 CLASSES = 10
 IMAGE_SHAPE = (3, 8, 8)
 FEATURES, TARGETS = 6, 3
 WIDTH = 16
 CHANNELS = 8  # of a spectrogram frame
+PROMPT = 6  # tokens of a latent-diffusion caption, padded to one length as CLIP's tokenizer does
+TIMESTEPS = 1000  # of the latent kind's noise schedule
 
 
 class TinyImageClassifier(nn.Module):
@@ -175,6 +184,92 @@ class TinyFrameModel(nn.Module):
         return _shaped(loss, self.returns)
 
 
+class Output(tuple):
+    """What diffusers' models return: a tuple (`[0]`, `return_dict=False`) whose first item is
+    also `.sample` (a denoiser's prediction), `.last_hidden_state` (a text encoder's states)
+    and `.latent_dist` (an autoencoder's latents)."""
+
+    sample = last_hidden_state = latent_dist = property(lambda self: self[0])
+
+
+class TinyDenoiser(nn.Module):
+    """A latent-diffusion denoiser and its text encoder in one module, as a loop calls them:
+    `forward(token ids (B, T)) -> Output(states (B, T, WIDTH))` (`text_encoder(ids)[0]`), and
+    `forward(noisy latents (B, C, H, W), timesteps (B,) or (), states, **conditions) ->
+    Output(prediction (B, C, H, W))` (`unet(noisy, t, states).sample`)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        channels = IMAGE_SHAPE[0]
+        self.embed = nn.Embedding(vocab, WIDTH)
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.time = nn.Linear(1, channels)
+        self.text = nn.Linear(WIDTH, channels)
+
+    def forward(self, sample, timestep=None, encoder_hidden_states=None, *args, **conditions):
+        if not sample.is_floating_point():  # token ids: the text encoder
+            return Output((self.embed(sample),))
+        t = torch.as_tensor(timestep, device=sample.device).float().reshape(-1, 1) / TIMESTEPS
+        h = self.conv(sample) + self.time(t)[:, :, None, None]
+        if encoder_hidden_states is not None:
+            h = h + self.text(encoder_hidden_states.mean(1))[:, :, None, None]
+        return Output((h,))
+
+
+class Latents:
+    """The distribution an autoencoder encodes images to: here the images themselves."""
+
+    def __init__(self, images: torch.Tensor):
+        self.mean = images
+
+    def sample(self, generator=None) -> torch.Tensor:
+        return self.mean
+
+    def mode(self) -> torch.Tensor:
+        return self.mean
+
+
+class IdentityAutoencoder(nn.Module):
+    """A frozen stand-in for a latent-diffusion VAE: each image is its own latent
+    (`vae.encode(x).latent_dist.sample()`), with diffusers' `config.scaling_factor` and
+    `dtype`."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(scaling_factor=0.18215, shift_factor=0.0)
+        self.dtype = torch.float32
+
+    def encode(self, images: torch.Tensor, *args, **kwargs) -> Output:
+        return Output((Latents(images),))
+
+    def forward(self, images: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return images
+
+
+class NoiseSchedule:
+    """DDPM's linear noise schedule over TIMESTEPS steps, predicting the noise, as diffusers'
+    `DDPMScheduler()` (`add_noise`, `get_velocity`, `config.num_train_timesteps`,
+    `config.prediction_type`, `alphas_cumprod`)."""
+
+    def __init__(self):
+        self.config = SimpleNamespace(num_train_timesteps=TIMESTEPS, prediction_type="epsilon")
+        self.alphas_cumprod = torch.cumprod(1 - torch.linspace(1e-4, 0.02, TIMESTEPS), 0)
+        self.timesteps = torch.arange(TIMESTEPS).flip(0)
+
+    def _scales(self, like: torch.Tensor, timesteps) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = self.alphas_cumprod.to(like.device)[torch.as_tensor(timesteps).to(like.device)]
+        kept = kept.reshape(-1, *[1] * (like.dim() - 1)).to(like.dtype)
+        return kept.sqrt(), (1 - kept).sqrt()
+
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps) -> torch.Tensor:
+        signal, spread = self._scales(latents, timesteps)
+        return signal * latents + spread * noise
+
+    def get_velocity(self, latents: torch.Tensor, noise: torch.Tensor, timesteps) -> torch.Tensor:
+        signal, spread = self._scales(latents, timesteps)
+        return signal * noise - spread * latents
+
+
 def _shaped(loss: torch.Tensor, returns: tuple | None):
     """`loss` in the shape the loop unpacks (nested tuples of None): the loss first, zeros in
     the other places."""
@@ -210,6 +305,8 @@ def build_net(kind: str, vocab: int, returns: tuple | None = None) -> nn.Module:
         return TinyFrameModel(returns)
     if kind == "keyed":
         return TinyKeyedSeq2Seq(vocab)
+    if kind == "latent":
+        return TinyDenoiser(vocab)
     return TinyPair(vocab)
 
 
@@ -221,7 +318,10 @@ def output_width(kind: str, vocab: int) -> int:
 def net_loss(
     kind: str, model: nn.Module, batch: dict, ignore_index: int, label_smoothing: float = 0.0
 ) -> torch.Tensor:
-    """The mean loss over every counted target of `batch` (see net_count)."""
+    """The mean loss over every counted target of `batch` (see net_count); NOISED_KINDS have
+    none but the loop's."""
+    if kind in NOISED_KINDS:
+        raise ValueError(f"the {kind} kind's loss is the loop's own: it draws the noise")
     inputs, labels = batch["input_ids"], batch["labels"]
     if kind == "regression":
         return F.mse_loss(model(inputs).float(), labels)
@@ -245,7 +345,9 @@ def net_loss(
 def net_count(kind: str, batch: dict, ignore_index: int) -> torch.Tensor:
     """The number of counted targets: every regression target, every frame within a
     spectrogram's length, the targets of the pair after the first position, else the labels
-    that are not `ignore_index`."""
+    that are not `ignore_index`; every element of the latents of a latent-diffusion batch."""
+    if kind == "latent":
+        return torch.tensor(batch["pixel_values"].numel())
     labels = batch["labels"]
     if kind == "regression":
         return torch.tensor(labels.numel())
@@ -256,6 +358,11 @@ def net_count(kind: str, batch: dict, ignore_index: int) -> torch.Tensor:
 
 def net_record(kind: str, gen: torch.Generator, length, tokens, ignore_index: int) -> dict:
     """One sample: `length()` draws a sequence length, `tokens(n)` n token ids."""
+    if kind == "latent":  # an image and its caption's tokens
+        return {
+            "pixel_values": torch.randn(IMAGE_SHAPE, generator=gen),
+            "input_ids": tokens(PROMPT),
+        }
     if kind == "regression":
         return {
             "input_ids": torch.randn(FEATURES, generator=gen),

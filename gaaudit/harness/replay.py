@@ -46,6 +46,7 @@ from gaaudit.harness.gradcheck import (
     snapshot,
 )
 from gaaudit.harness.models import build_model, ignore_value
+from gaaudit.harness.nets import NOISED_KINDS
 from gaaudit.harness.stubs import (
     Exhausted,
     Progress,
@@ -178,7 +179,10 @@ class _Session:
         self.longer: dict[int, Window] = {}  # after a short first window: its micro-batches and K
         self.windows: dict[tuple[int, int], Window] = {(k, 0): self.window}
         self.references: dict[tuple[int, int], list[torch.Tensor]] = {}
-        if not self.user:
+        # the user's batches, or noise the loop draws itself: the loop's own step on the whole
+        # window as one micro-batch is the reference
+        self.own_reference = self.user or self.kind in NOISED_KINDS
+        if not self.own_reference:
             self.reference(k)  # before any replay can touch torch's global state
 
     def _reference(self, window: Window) -> list[torch.Tensor]:
@@ -275,18 +279,19 @@ class _Session:
         the first `after`). fp32: the gradient against their full batch; the one-micro-batch
         replay only runs to explain a mismatch. bf16/fp16: the one-micro-batch replay runs
         first, must agree with the full batch within AGREEMENT, and is the reference, so that
-        only the splitting is measured."""
+        only the splitting is measured. With the user's batches, or a loop that draws its own
+        noise (NOISED_KINDS), that replay is the reference in any precision."""
         check = partial(Check, replay=result)
         exact = self.dtype == torch.float32
         error = (
             relative_error(result.grads, self.reference(n, after))
-            if exact and not self.user
+            if exact and not self.own_reference
             else None
         )
         if error is not None and error < self.tolerance:
             return check("verified", error, None)
         whole = self.replay(plan, filename, whole=n, after=after) if self.k > 1 else result
-        if self.user:
+        if self.own_reference:
             if not whole.ok:
                 return check(
                     "not replayable: with the whole window as one micro-batch the loop "

@@ -99,6 +99,27 @@ class Stub:
         return f"<stub {self._path}>"
 
 
+class Tokenizer(Stub):
+    """A stub for a tokenizer that also reads the captions the harness serves (each word a
+    token id: bindings._fields) back into their ids, as one `Batch` of `input_ids` and
+    `attention_mask` padded with its `pad_token_id`; other text makes a stub, as with Stub."""
+
+    def __call__(self, text=None, *args, **kwargs):
+        texts = [text] if isinstance(text, str) else text
+        if not (
+            isinstance(texts, (list, tuple))
+            and texts
+            and all(
+                isinstance(t, str) and t.split() and t.replace(" ", "").isdigit() for t in texts
+            )
+        ):
+            return super().__call__(text, *args, **kwargs)
+        rows = [[int(word) for word in t.split()] for t in texts]
+        width, pad = max(map(len, rows)), self.pad_token_id
+        ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
+        return Batch({"input_ids": ids, "attention_mask": (ids != pad).long()})
+
+
 WORLD_SIZE = {"world_size", "num_processes"}  # `args.world_size`, accelerate's `num_processes`
 
 
