@@ -230,6 +230,7 @@ ALSO_REPLAYED = [
     "ga003_accelerate_tts_frames_mean",
     "ga001_split_batch_popped_mask",
     "ga001_accelerate_self_scoring_keywords",
+    "ga003_exact_latent_diffusion_script_defaults",
     *MEGATRON,
     *CALLED_PER_BATCH_FUNCTIONS,
     *(name for name in FIXED_LENGTH if name not in NAMES),
@@ -541,12 +542,15 @@ def test_a_latent_diffusion_loop_is_replayed_on_images_and_captions(loops):
     """A diffusers-style loop encodes `batch["pixel_values"]` (or tokenizes `batch["caption"]`)
     with frozen parts, noises the latents and scores a UNet's prediction of the noise: the
     replay binds the latent stand-ins and says so. The dense MSE's mean/K is exact on samples
-    of one size; summing the K means undivided is K - 1 times off."""
-    for name in ("ga003_exact_accelerate_mse_latents", "ga002_latent_diffusion_undivided"):
+    of one size, also in a script whose options left at None (`args.snr_gamma is None`) choose
+    the plain MSE; summing the K means undivided is K - 1 times off."""
+    exact = ("ga003_exact_accelerate_mse_latents", "ga003_exact_latent_diffusion_script_defaults")
+    for name in (*exact, "ga002_latent_diffusion_undivided"):
         (loop,) = loops[name]
         assert loop["replayed"] == DENOISED_BY_STAND_IN and loop["equal_sizes"], loop
-    (row,) = loops["ga003_exact_accelerate_mse_latents"][0]["rows"]
-    assert row["original_verdict"] == VERIFIED and row["original_error"] < 1e-5, row
+    for name in exact:
+        (row,) = loops[name][0]["rows"]
+        assert row["original_verdict"] == VERIFIED and row["original_error"] < 1e-5, row
     (row,) = loops["ga002_latent_diffusion_undivided"][0]["rows"]
     assert row["original_verdict"] == REPRODUCED and abs(row["original_error"] - 3) < 1e-3, row
 

@@ -471,14 +471,16 @@ def _items(target: ast.stmt, free: list[str], divisor_names) -> dict[str, dict[s
     return {name: roles for name, roles in items.items() if roles}
 
 
-def _tested_for_none(target: ast.AST) -> set[str]:
-    """The names `target` compares with None (`if mixup_fn is not None:`): the code itself
-    handles a None value."""
+def _tested_for_none(target: ast.AST, attributes: bool = False) -> set[str]:
+    """The names `target` compares with None (`if mixup_fn is not None:`), or with
+    `attributes` the attributes (`if args.snr_gamma is None:`): the code itself handles a None
+    value."""
+    tested = ast.Attribute if attributes else ast.Name
     return {
-        n.left.id
+        n.left.attr if attributes else n.left.id
         for n in ast.walk(target)
         if isinstance(n, ast.Compare)
-        and isinstance(n.left, ast.Name)
+        and isinstance(n.left, tested)
         and all(isinstance(op, (ast.Is, ast.IsNot)) for op in n.ops)
         and all(isinstance(c, ast.Constant) and c.value is None for c in n.comparators)
     }
@@ -1325,8 +1327,13 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
     arity = max(arities) if arities else (2 if kind == "nanogpt" else 0)
     fillers = max((usage.fillers.get(c, 0) for c in data if usage.arity.get(c) == arity), default=0)
     settings = argument_defaults(tree)
+    every = argument_defaults(tree, every=True)  # and an option left at None that the
+    # statement tests for None (`if args.snr_gamma is None:`)
+    tested = _tested_for_none(target, attributes=True)
+    settings.update({o: None for o in tested if o in every and every[o] is None})
     for option in _attributes_set_before(tree, target) & settings.keys():
-        if settings[option] < 0:  # a sentinel the code resolves before: `args.steps = ...` for -1
+        value = settings[option]  # a sentinel the code resolves before: `args.steps = ...`
+        if value is None or value < 0:  # for None or -1
             del settings[option]
     return Plan(
         target=target,
