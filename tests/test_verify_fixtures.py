@@ -20,6 +20,7 @@ from conftest import FIXTURES, clipping_unfixed, devices, expected, gaaudit
 
 from gaaudit.commands.verify import (
     CALLED_PER_BATCH,
+    CALLED_WITH_WINDOW,
     DENOISED_BY_STAND_IN,
     REPRODUCED,
     SCORED_BY_FRAMES,
@@ -156,13 +157,8 @@ NOT_REPLAYABLE = {
         "not replayable: no backward pass",
         ("no backward pass and no optimizer step was reached",),
     ),
-    # Loops tests/test_fixed_loops_runtime.py runs on real torch instead: a batch cut into
-    # slices by `self.microbatch` for a diffusion's `training_losses`, batches a function
+    # Loops tests/test_fixed_loops_runtime.py runs on real torch instead: batches a function
     # draws from its own arguments, and batches indexed out of a list.
-    "ga002_microbatch_slices_weighted_mean": (
-        "not replayable: TypeError: slice indices",
-        ("slice indices must be integers",),
-    ),
     "ga002_prefetch_between_forward_and_backward": (
         "not replayable: TypeError: embedding()",
         ("it reads `X`, which the harness could not bind",),
@@ -231,6 +227,8 @@ ALSO_REPLAYED = [
     "ga001_split_batch_popped_mask",
     "ga001_accelerate_self_scoring_keywords",
     "ga003_exact_latent_diffusion_script_defaults",
+    "ga002_microbatch_slices_fp16_branch",
+    "ok_microbatch_slices_weighted_share",
     *MEGATRON,
     *CALLED_PER_BATCH_FUNCTIONS,
     *(name for name in FIXED_LENGTH if name not in NAMES),
@@ -545,14 +543,36 @@ def test_a_latent_diffusion_loop_is_replayed_on_images_and_captions(loops):
     of one size, also in a script whose options left at None (`args.snr_gamma is None`) choose
     the plain MSE; summing the K means undivided is K - 1 times off."""
     exact = ("ga003_exact_accelerate_mse_latents", "ga003_exact_latent_diffusion_script_defaults")
-    for name in (*exact, "ga002_latent_diffusion_undivided"):
+    undivided = ("ga002_latent_diffusion_undivided", "ga002_microbatch_slices_weighted_mean")
+    for name in (*exact, *undivided):
         (loop,) = loops[name]
-        assert loop["replayed"] == DENOISED_BY_STAND_IN and loop["equal_sizes"], loop
+        assert loop["replayed"].endswith(DENOISED_BY_STAND_IN) and loop["equal_sizes"], loop
     for name in exact:
         (row,) = loops[name][0]["rows"]
         assert row["original_verdict"] == VERIFIED and row["original_error"] < 1e-5, row
-    (row,) = loops["ga002_latent_diffusion_undivided"][0]["rows"]
-    assert row["original_verdict"] == REPRODUCED and abs(row["original_error"] - 3) < 1e-3, row
+    for name in undivided:
+        (row,) = loops[name][0]["rows"]
+        assert row["original_verdict"] == REPRODUCED and abs(row["original_error"] - 3) < 1e-3, row
+
+
+def test_a_function_that_cuts_the_batch_it_is_handed_is_called_once_with_the_window(loops):
+    """openai's diffusion trainers hand `run_step(batch, cond)` a whole batch, which it cuts
+    into slices of `self.microbatch` samples, each scored by `diffusion.training_losses` at
+    timesteps from `schedule_sampler.sample(n, device)`: the replay calls it once with the
+    window, the slices being its micro-batches, and says so. Their means summed undivided
+    (also on an fp16 branch) are K - 1 times off; weighted by each slice's share, exact."""
+    verdicts = {
+        "ga002_microbatch_slices_weighted_mean": REPRODUCED,
+        "ga002_microbatch_slices_fp16_branch": REPRODUCED,
+        "ok_microbatch_slices_weighted_share": VERIFIED,
+    }
+    for name, verdict in verdicts.items():
+        (loop,) = loops[name]
+        assert loop["replayed"].startswith(CALLED_WITH_WINDOW + "; "), loop
+        (row,) = loop["rows"]
+        assert row["first_window"] is None and row["original_verdict"] == verdict, row
+    (row,) = loops["ga002_microbatch_slices_weighted_mean"][0]["rows"]
+    assert row["patched_error"] < 1e-5, row
 
 
 def test_a_language_model_read_at_its_last_token_is_replayed_as_a_classifier(tmp_path):

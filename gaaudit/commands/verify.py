@@ -96,10 +96,12 @@ SCORED_BY_STAND_IN = (
     "tokens that are not padding): a model of yours that averages otherwise (per sequence, per "
     "frame) may differ; pass it with --model-factory"
 )
-# How a function that trains on the one batch its caller hands it is replayed
+# How a function that trains on the one batch its caller hands it is replayed, and one that
+# cuts the batch it is handed into micro-batches itself
 CALLED_PER_BATCH = (
     "called once for each micro-batch, as the loop that calls it would, until the optimizer steps"
 )
+CALLED_WITH_WINDOW = "called once with the whole window, which it cuts into micro-batches itself"
 # ... and on the tiny model that scores its own spectrogram frames (nets.TinyFrameModel)
 SCORED_BY_FRAMES = (
     "replayed with a tiny model that scores its own spectrogram frames (their mean squared "
@@ -108,9 +110,10 @@ SCORED_BY_FRAMES = (
 )
 # ... and on the latent-diffusion stand-ins (nets.TinyDenoiser and its companions)
 DENOISED_BY_STAND_IN = (
-    "replayed with a tiny denoiser (also its text encoder), an autoencoder whose latents are the "
-    "images and DDPM's noise schedule; each sample draws the same noise and timestep in its "
-    "micro-batch as in the whole window, and the loop's own step on the whole window is the "
+    "replayed with latent-diffusion stand-ins (a tiny denoiser that is also its text encoder, an "
+    "autoencoder whose latents are the images, DDPM's noise schedule, and a diffusion scoring "
+    "each sample's prediction of its noise); each sample draws the same noise and timestep in "
+    "its micro-batch as in the whole window, and the loop's own step on the whole window is the "
     "reference"
 )
 STAND_IN_NOTES = {
@@ -1079,7 +1082,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             )
             stand_in = result.original.replay.ok and not options.model_factory
             notes = (
-                CALLED_PER_BATCH if per_call else "",
+                (CALLED_WITH_WINDOW if plan.splits_batch else CALLED_PER_BATCH) if per_call else "",
                 STAND_IN_NOTES.get(result.original.replay.model_kind, "") if stand_in else "",
             )
             outcome.replayed = "; ".join(note for note in notes if note)

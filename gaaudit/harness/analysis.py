@@ -79,15 +79,23 @@ FIELD_METHODS = ("pop", "get")
 # methods called with a string that read a field, a size or a piece of what they are called
 # on (`mesh.size("dp")`, `name.split("/")`): never a call that loads data
 READING_METHODS = (*FIELD_METHODS, "setdefault", "size", "split")
+# what a mapping's entries are iterated through (`for k, v in cond.items()`): no data source
+DICT_VIEWS = ("items", "keys", "values")
 COUNT_RE = re.compile(r"(steps|iters?)$", re.IGNORECASE)
-# what a latent-diffusion loop calls to noise its latents, and what encodes its images
+# what a latent-diffusion loop calls to noise its latents (or, openai's diffusion trainers, to
+# score its model on noised images: `diffusion.training_losses(model, x, t)`), and what
+# encodes its images, or samples its timesteps (`schedule_sampler.sample(n, device)`)
 NOISING = ("add_noise", "get_velocity")
+SAMPLER_RE = re.compile(r"sampler$", re.IGNORECASE)
 AUTOENCODER_RE = re.compile(r"vae|autoencoder", re.IGNORECASE)
 DTYPE_RE = re.compile(r"(^|_)dtype$")  # `weight_dtype`: what the frozen parts are cast to
 NOT_DIVISOR_RE = re.compile(r"loss|token|count|item|sum|total", re.IGNORECASE)
 # a name of each sequence's (or prompt's) length: `lengths`, `prompt_len`, `prompt_len_or_mask`
 LENGTH_RE = re.compile(r"(^|_)(lens?|lengths?)($|_)", re.IGNORECASE)
 MICRO_SIZE_RE = re.compile(r"micro_?(batch_?)?(size|bs)$|^mbs$", re.IGNORECASE)
+# an attribute that holds the micro-batch size under the data's own name (`self.microbatch`,
+# openai's diffusion trainers); a bare name so called is the micro-batch itself
+MICRO_ATTRIBUTE_RE = re.compile(r"^micro_?batch$", re.IGNORECASE)
 BOOSTER_RE = re.compile(r"booster|strategy", re.IGNORECASE)  # ColossalAI's `booster.backward`
 # a loss function handed in (`train_one_epoch(model, criterion, ...)`, `self.loss_fn`)
 CRITERION_RE = re.compile(r"criterion|loss_?(fn|func|function|fct)", re.IGNORECASE)
@@ -122,7 +130,8 @@ class Plan:
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
     binds there (model, engine, optimizer, optimizers, schedulers, data, data-call, contexts,
     turns, divisor, divisor-call, micro-size, width, accelerator, fabric, booster, scaler,
-    device, dtype, and a latent-diffusion loop's noise-schedule and autoencoder).
+    device, dtype, and a latent-diffusion loop's noise-schedule, autoencoder, diffusion and
+    timestep-sampler).
     `splits_batch`: the loop cuts each loader batch into micro-batches itself, so it is served
     the whole window at once. `owner`: the class whose method holds the statement;
     `lightning`: it is a LightningModule whose instance the harness builds for a Lightning
@@ -603,6 +612,9 @@ class _Usage:
 
     def _call(self, call: ast.Call, parents: dict) -> None:
         func, args = chain_of(call.func), [chain_of(a) for a in call.args]
+        if func and func[-1] == "partial" and args and args[0]:
+            # `functools.partial(diffusion.training_losses, model, x, t)`: a call, deferred
+            self._call(ast.Call(call.args[0], call.args[1:], call.keywords), parents)
         if (
             isinstance(call.func, ast.Attribute)
             and call.func.attr in ("view", "reshape")
@@ -648,6 +660,12 @@ class _Usage:
                     self.evidence[arg].add("model-method")
         elif method in NOISING:
             self.evidence[receiver].add("noising")
+        elif method == "training_losses":
+            self.evidence[receiver].add("diffusion")
+            if args and args[0]:
+                self.evidence[args[0]].add("model-method")  # the model it scores
+        elif method == "sample" and SAMPLER_RE.search(receiver[-1]):
+            self.evidence[receiver].add("timesteps")
         elif method == "encode":
             self.evidence[receiver].add("encodes")
         elif method in ("scale", "unscale_"):
@@ -709,7 +727,11 @@ class _Usage:
             sources[:0] = call.args if wrapper == "zip" else call.args[:1]
         for source in sources:
             chain = chain_of(source)
-            if isinstance(source, ast.Call) and chain_of(source.func):
+            if (
+                isinstance(source, ast.Call)
+                and chain_of(source.func)
+                and chain_of(source.func)[-1] not in DICT_VIEWS
+            ):
                 arity = len(target.elts) if isinstance(target, (ast.Tuple, ast.List)) else 0
                 self.generators.append((chain_of(source.func), source, arity))
             if chain:
@@ -1120,7 +1142,9 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
             return "divisor"
         if COUNT_RE.search(last) and "accumulate" not in ev:
             return "divisor-call"  # lit-gpt's `train.gradient_accumulation_iters(devices)`
-    if not called and MICRO_SIZE_RE.search(last):
+    if not called and (
+        MICRO_SIZE_RE.search(last) or len(chain) > 1 and MICRO_ATTRIBUTE_RE.match(last)
+    ):
         return "micro-size"
     if not called and "width" in ev:
         return "width"
@@ -1146,6 +1170,10 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "data-call"
     if "noising" in ev:
         return "noise-schedule"
+    if "diffusion" in ev:
+        return "diffusion"
+    if "timesteps" in ev:
+        return "timestep-sampler"
     if "encodes" in ev and AUTOENCODER_RE.search(last):
         return "autoencoder"
     if not called and len(chain) == 1 and DTYPE_RE.search(last):
@@ -1307,7 +1335,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
     models = [c for c, r in roles.items() if r in ("model", "engine")]
     # a denoiser trained on latents it noises, conditioned on a text encoder's states: no
     # encoder-decoder pair, but the latent kind's one model in both roles
-    latent = "noise-schedule" in roles.values()
+    latent = bool({"noise-schedule", "diffusion"} & set(roles.values()))
     stages = None if latent else _stages(usage, models)
     shapes = {_call_shape(usage, c) for c in models}
     if model_kind or latent:
@@ -1363,7 +1391,9 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
             for c, r in roles.items()
             if r == "accelerator"
         ),
-        splits_batch=_splits_batch(target, data),
+        splits_batch=_splits_batch(target, [c for c in data if roles[c] == "micro-batch"])
+        if is_def
+        else _splits_batch(target, data),
         label_smoothing=_smoothing(source),
         owner=owner,
         lightning=lightning,
@@ -1512,7 +1542,8 @@ def _stages(usage: _Usage, models: list[Chain]) -> tuple[Chain, Chain] | None:
 
 def _splits_batch(target: ast.stmt, data: list[Chain]) -> bool:
     """A `for` over the data whose backward calls sit in an inner loop that reads no data
-    source: the loop cuts each loader batch into micro-batches itself."""
+    source, or a function whose backward calls sit in a loop over the micro-batch it is
+    handed: the loop cuts each batch into micro-batches itself."""
 
     def reads_data(node: ast.AST) -> bool:
         return any(
@@ -1522,6 +1553,14 @@ def _splits_batch(target: ast.stmt, data: list[Chain]) -> bool:
             for d in data
         )
 
+    if isinstance(target, ast.FunctionDef):  # `def forward_backward(self, batch, cond)`:
+        # a loop over slices of the one batch it is handed (`range(0, batch.shape[0], mb)`)
+        return any(
+            isinstance(inner, ast.For)
+            and reads_data(inner.iter)
+            and any(isinstance(n, ast.Attribute) and n.attr == "backward" for n in ast.walk(inner))
+            for inner in ast.walk(target)
+        )
     if not isinstance(target, ast.For) or not reads_data(target.iter):
         return False
     return any(

@@ -21,7 +21,14 @@ from gaaudit.harness import factory
 from gaaudit.harness.analysis import DATA_ROLES, Plan, chain_of
 from gaaudit.harness.data import merge_batches
 from gaaudit.harness.models import TinyTokenModel, ignore_value, vocab_size
-from gaaudit.harness.nets import PAD_ID, IdentityAutoencoder, NoiseSchedule, output_width
+from gaaudit.harness.nets import (
+    PAD_ID,
+    GaussianDiffusion,
+    IdentityAutoencoder,
+    NoiseSchedule,
+    TimestepSampler,
+    output_width,
+)
 from gaaudit.harness.stubs import (
     Batch,
     Booster,
@@ -146,6 +153,11 @@ class Objects:
                 "DDPM's linear noise schedule, predicting the noise",
             ),
             "autoencoder": (IdentityAutoencoder(), "an autoencoder whose latents are the images"),
+            "diffusion": (
+                GaussianDiffusion(),
+                "a diffusion scoring the model's prediction of the noise, per sample",
+            ),
+            "timestep-sampler": (TimestepSampler(), "uniform timesteps, each of weight 1"),
         }
         if "engine" in roles.values():
             engine = _deepspeed(model, self.optimizer, k, device)
@@ -483,8 +495,9 @@ def _deepspeed(model, optimizer, k: int, device):
 
 def served(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
     """What the loop's data yields: the user's batches as they are, tuples by position
-    (`batch[3]` read as `labels`), `(input_ids, labels)` pairs, or dict `Batch`es; one
-    merged batch for a loop that cuts it into micro-batches."""
+    (`batch[3]` read as `labels`), `(input_ids, labels)` pairs, token tensors, image tensors
+    (a latent-diffusion loop that reads its batches by no key), or dict `Batch`es; one merged
+    batch for a loop that cuts it into micro-batches."""
     if plan.splits_batch:
         batches = [factory.concatenate(batches) if user else merge_batches(batches, ignore_index)]
     if user:
@@ -501,6 +514,8 @@ def served(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
         return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
     if plan.data_tensor or (plan.model_kind == "sequence" and not plan.keyword_batch):
         return [b["input_ids"] for b in batches]
+    if plan.model_kind == "latent" and not plan.data_aliases:  # read by no key: the images
+        return [b["pixel_values"] for b in batches]
     aliased = plan.data_aliases.items()  # `batch["input_mask"]`: the field under that name
     return [
         Batch({**b, **{alias: f[key] for alias, key in aliased if key in f}})

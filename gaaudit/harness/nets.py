@@ -3,7 +3,8 @@ models: image classification (`image`), per-pixel segmentation (`segment`), regr
 (`regression`), an encoder-decoder called as two models (`pair`) or by keywords (`keyed`),
 a model that scores its token sequence itself (`sequence`), one that scores its
 spectrogram frames itself (`frames`), and the parts of a latent-diffusion loop (`latent`): a
-denoiser that is also its text encoder, an autoencoder and a noise schedule."""
+denoiser that is also its text encoder, an autoencoder, a noise schedule, and the diffusion
+and timestep sampler of openai's diffusion trainers."""
 
 from __future__ import annotations
 
@@ -268,6 +269,31 @@ class NoiseSchedule:
     def get_velocity(self, latents: torch.Tensor, noise: torch.Tensor, timesteps) -> torch.Tensor:
         signal, spread = self._scales(latents, timesteps)
         return signal * noise - spread * latents
+
+
+class GaussianDiffusion(NoiseSchedule):
+    """openai's diffusion trainers' `diffusion.training_losses(model, x_start, t,
+    model_kwargs)` on NoiseSchedule's noise: each sample's mean squared error of the model's
+    prediction of the noise added at its timestep, as `{"loss": ..., "mse": ...}`."""
+
+    num_timesteps = TIMESTEPS
+
+    def training_losses(self, model, x_start, t, model_kwargs=None, noise=None) -> dict:
+        noise = torch.randn_like(x_start) if noise is None else noise
+        predicted = model(self.add_noise(x_start, noise, t), t, **(model_kwargs or {}))
+        predicted = predicted[0] if isinstance(predicted, tuple) else predicted
+        errors = ((noise - predicted) ** 2).flatten(1).mean(1)
+        return {"loss": errors, "mse": errors}
+
+
+class TimestepSampler:
+    """openai's diffusion trainers' `schedule_sampler.sample(batch_size, device)`: a uniform
+    timestep for each sample and its weight, 1."""
+
+    def sample(self, batch_size: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        where = device if isinstance(device, (str, torch.device)) else None
+        timesteps = torch.randint(0, TIMESTEPS, (batch_size,), device=where)
+        return timesteps, torch.ones(batch_size, device=where)
 
 
 def _shaped(loss: torch.Tensor, returns: tuple | None):

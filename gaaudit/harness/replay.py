@@ -52,6 +52,7 @@ from gaaudit.harness.stubs import (
     Progress,
     Stub,
     progress_module,
+    stub_isinstance,
     stub_range,
     tensor_round,
     trange,
@@ -657,8 +658,8 @@ def _engine_replay(model, data, args: tuple) -> Replay:
 
 
 def module_namespace(plan: Plan, filename: str) -> dict:
-    """Module globals: `range` that tolerates stub limits, `round` that takes tensors, `open`
-    that tolerates stub paths, the source's imports (stubs for those that fail, but a batch
+    """Module globals: `range` that tolerates stub limits, `round` that takes tensors,
+    `isinstance` that takes a stub for a class, `open` that tolerates stub paths, the source's imports (stubs for those that fail, but a batch
     mover such as `to_device`, which moves the batch; trackers and tqdm replaced), then the
     module-level helpers the statement uses (a stub unpacks in them too: `_StubsUnpack`)."""
     namespace = {
@@ -666,6 +667,7 @@ def module_namespace(plan: Plan, filename: str) -> dict:
         "__builtins__": builtins,
         "range": stub_range,
         "round": tensor_round,
+        "isinstance": stub_isinstance,
         "open": _open,
         _UNPACK: _unpacked,
     }
