@@ -229,6 +229,7 @@ ALSO_REPLAYED = [
     "ga003_exact_latent_diffusion_script_defaults",
     "ga002_microbatch_slices_fp16_branch",
     "ok_microbatch_slices_weighted_share",
+    "ok_denoising_loss_sum_over_window",
     *MEGATRON,
     *CALLED_PER_BATCH_FUNCTIONS,
     *(name for name in FIXED_LENGTH if name not in NAMES),
@@ -573,6 +574,23 @@ def test_a_function_that_cuts_the_batch_it_is_handed_is_called_once_with_the_win
         assert row["first_window"] is None and row["original_verdict"] == verdict, row
     (row,) = loops["ga002_microbatch_slices_weighted_mean"][0]["rows"]
     assert row["patched_error"] < 1e-5, row
+
+
+def test_a_loss_object_handed_the_network_and_the_images_is_a_denoising_loss(loops):
+    """EDM's `loss_fn(net=net, images=images, labels=labels)` returns each element's error of
+    the net's denoising at a noise level drawn per image: the stand-in draws that level and the
+    noise apart (two draws of one call of the file), so the micro-batches draw what the whole
+    window does. Its sum over the window's images is exact; K means undivided are not."""
+    for name, verdict in (
+        ("ok_denoising_loss_sum_over_window", VERIFIED),
+        ("ga002_denoising_loss_mean_undivided", REPRODUCED),
+    ):
+        (loop,) = loops[name]
+        assert loop["replayed"] == DENOISED_BY_STAND_IN and loop["equal_sizes"], loop
+        (row,) = loop["rows"]
+        assert row["original_verdict"] == verdict, row
+    (row,) = loops["ok_denoising_loss_sum_over_window"][0]["rows"]
+    assert row["original_error"] < 1e-5, row
 
 
 def test_a_language_model_read_at_its_last_token_is_replayed_as_a_classifier(tmp_path):

@@ -65,6 +65,7 @@ PREFERENCE_SIDE = re.compile(
 )
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
+OPTIONS_RE = re.compile(r"(kwargs|args|config|cfg)$", re.IGNORECASE)  # what builds one
 # what steps without being an optimizer: a learning-rate schedule, `torch.profiler.profile`
 SCHEDULER_RE = re.compile(r"sched|profil", re.IGNORECASE)
 # a function that makes something (`get_sft_collate_fn(**kwargs)`): not a model called on a batch
@@ -93,6 +94,8 @@ NOT_DIVISOR_RE = re.compile(r"loss|token|count|item|sum|total", re.IGNORECASE)
 # a name of each sequence's (or prompt's) length: `lengths`, `prompt_len`, `prompt_len_or_mask`
 LENGTH_RE = re.compile(r"(^|_)(lens?|lengths?)($|_)", re.IGNORECASE)
 MICRO_SIZE_RE = re.compile(r"micro_?(batch_?)?(size|bs)$|^mbs$", re.IGNORECASE)
+# the samples of the whole window, over its micro-batches (EDM's `batch_gpu_total`)
+WINDOW_SIZE_RE = re.compile(r"^(total|global)_batch(_size)?$|^batch_\w*total$", re.IGNORECASE)
 # an attribute that holds the micro-batch size under the data's own name (`self.microbatch`,
 # openai's diffusion trainers); a bare name so called is the micro-batch itself
 MICRO_ATTRIBUTE_RE = re.compile(r"^micro_?batch$", re.IGNORECASE)
@@ -129,7 +132,8 @@ class Plan:
     """What replay needs to run one statement. `free` holds the names the statement and its
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
     binds there (model, engine, optimizer, optimizers, schedulers, data, data-call, contexts,
-    turns, divisor, divisor-call, micro-size, width, accelerator, fabric, booster, scaler,
+    turns, divisor, divisor-call, micro-size, window-size, width, accelerator, fabric, booster,
+    scaler,
     device, dtype, and a latent-diffusion loop's noise-schedule, autoencoder, diffusion and
     timestep-sampler).
     `splits_batch`: the loop cuts each loader batch into micro-batches itself, so it is served
@@ -387,7 +391,8 @@ def _initial_values(
     level or in the functions enclosing it (`num_items = 0`; `None` reassigned later only
     where the statement tests `is None`), or gives them as parameter
     defaults of those functions (`start_step=0`; `None` only where the statement tests
-    `is None`, which also makes `None` of such a parameter without a default: `mixup_fn`),
+    `is None`, which also makes `None` of such a parameter without a default: `mixup_fn`;
+    not an empty mapping),
     or option defaults it reads into them
     (`ignore_index = args.ignore_index`); 0 for other names the statement only augments
     (`total += n`)."""
@@ -415,7 +420,9 @@ def _initial_values(
     for function in enclosing:
         for name, default in parameter_defaults(function.args):
             ok, value = literal(default)
-            if ok and (value is not None or name in guarded):  # else unknown: a stub
+            # else unknown, a stub; so is an empty mapping, the options a caller hands
+            # (`optimizer_kwargs={}`, read `optimizer_kwargs["lr"]`)
+            if ok and (value is not None or name in guarded) and value != {}:
                 defaults[name] = value
     itself = [target] if isinstance(target, ast.FunctionDef) else []
     for function in enclosing + itself:
@@ -624,6 +631,11 @@ class _Usage:
         ):
             self.evidence[args[-1]].add("width")  # `logits.view(-1, V)`: V is the output width
         handed = args or any(k.arg in ("loss", "tensor") for k in call.keywords)
+        keywords = {k.arg: chain_of(k.value) for k in call.keywords if k.arg}
+        if func and {"net", "images"} <= keywords.keys():  # EDM's `loss_fn(net=ddp, images=x)`
+            self.evidence[func].add("denoising")
+            if keywords["net"]:
+                self.evidence[keywords["net"]].add("model-method")
         if isinstance(call.func, ast.Attribute) and call.func.attr == "backward":
             self.tensor_backward |= not handed
             started = _scaled_name(call.args[0] if handed and call.args else call.func.value)
@@ -1146,6 +1158,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         MICRO_SIZE_RE.search(last) or len(chain) > 1 and MICRO_ATTRIBUTE_RE.match(last)
     ):
         return "micro-size"
+    if not called and WINDOW_SIZE_RE.search(last):
+        return "window-size"
     if not called and "width" in ev:
         return "width"
     if "accumulate" in ev or (not called and "accelerator" in last.lower()):
@@ -1191,7 +1205,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "model"
     if iterated and OPTIMIZER_RE.search(last):
         return "optimizers"
-    if ev & {"zero_grad", "step", "optimizer-arg"} or (not called and OPTIMIZER_RE.search(last)):
+    named = OPTIMIZER_RE.search(last) and not OPTIONS_RE.search(last)  # not `optimizer_kwargs`
+    if ev & {"zero_grad", "step", "optimizer-arg"} or (not called and named):
         return "optimizer"
     if ev & {"iterated", "next"} or (called and DATA_RE.search(last)):
         return "data"
@@ -1335,7 +1350,9 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
     models = [c for c, r in roles.items() if r in ("model", "engine")]
     # a denoiser trained on latents it noises, conditioned on a text encoder's states: no
     # encoder-decoder pair, but the latent kind's one model in both roles
-    latent = bool({"noise-schedule", "diffusion"} & set(roles.values()))
+    latent = bool({"noise-schedule", "diffusion"} & set(roles.values())) or any(
+        "denoising" in usage.evidence.get(c, ()) for c in roles
+    )
     stages = None if latent else _stages(usage, models)
     shapes = {_call_shape(usage, c) for c in models}
     if model_kind or latent:

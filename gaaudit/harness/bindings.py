@@ -145,6 +145,7 @@ class Objects:
             ),
             "divisor-call": (lambda *args, **kwargs: k, f"a function returning K = {k}"),
             "micro-size": (size, f"{size} samples: a batch of {samples} makes {k} micro-batches"),
+            "window-size": (samples, f"{samples} samples, the window's"),
             "width": (width, f"{width}, the model's output width"),
             "device": (str(device), str(device)),
             "dtype": (torch.float32, "torch.float32, the dtype of the tiny model's weights"),
@@ -510,8 +511,13 @@ def served(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
             )
             for f in fields
         ]
-    if plan.data_arity:
-        return [(b["input_ids"], b["labels"], *[None] * plan.data_fillers) for b in batches]
+    if plan.data_arity:  # `(images, labels)` of a latent-diffusion loop: images, tokens
+        pair = (
+            ("pixel_values", "input_ids")
+            if plan.model_kind == "latent"
+            else ("input_ids", "labels")
+        )
+        return [(*(b[key] for key in pair), *[None] * plan.data_fillers) for b in batches]
     if plan.data_tensor or (plan.model_kind == "sequence" and not plan.keyword_batch):
         return [b["input_ids"] for b in batches]
     if plan.model_kind == "latent" and not plan.data_aliases:  # read by no key: the images

@@ -165,7 +165,7 @@ class SeededRows(TorchFunctionMode):
     def __init__(self, seed: int, filename: str) -> None:
         super().__init__()
         self.seed, self.filename = seed, filename
-        self.rows: dict[tuple[int, int], int] = {}
+        self.rows: dict[tuple[int, ...], int] = {}
 
     def restart(self) -> None:
         self.rows.clear()
@@ -195,18 +195,27 @@ class SeededRows(TorchFunctionMode):
             return self._seeded(self._key(site, start), drawn.device, func, args, kwargs)
         return torch.cat(pieces)
 
-    def _site(self) -> tuple[int, int] | None:
-        """Where in the replayed file's code the draw is made: its function's first line and
-        the instruction that called on."""
-        frame = sys._getframe(2)
+    def _site(self) -> tuple[int, ...] | None:
+        """Where in the replayed file's code the draw is made (its function's first line and
+        the instruction that called on), and where the code that drew is (the same, or a
+        function the file calls that draws twice: a loss's noise level and its noise)."""
+        drawing = frame = sys._getframe(2)
         while frame is not None and frame.f_code.co_filename != self.filename:
             frame = frame.f_back
-        return (frame.f_code.co_firstlineno, frame.f_lasti) if frame is not None else None
+        if frame is None:
+            return None
+        return (
+            frame.f_code.co_firstlineno,
+            frame.f_lasti,
+            drawing.f_code.co_firstlineno,
+            drawing.f_lasti,
+        )
 
-    def _key(self, site: tuple[int, int], row: int) -> int:
-        first_line, instruction = site
-        key = ((self.seed * 1_000_003 + first_line) * 10_007 + instruction) * 100_003 + row
-        return key % 2**63  # what torch.manual_seed takes
+    def _key(self, site: tuple[int, ...], row: int) -> int:
+        key = self.seed
+        for part in (*site, row):
+            key = (key * 1_000_003 + part) % 2**61
+        return key  # below 2**63, what torch.manual_seed takes
 
     @staticmethod
     def _seeded(key: int, device: torch.device, func, args, kwargs):

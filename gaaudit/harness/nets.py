@@ -197,7 +197,8 @@ class TinyDenoiser(nn.Module):
     """A latent-diffusion denoiser and its text encoder in one module, as a loop calls them:
     `forward(token ids (B, T)) -> Output(states (B, T, WIDTH))` (`text_encoder(ids)[0]`), and
     `forward(noisy latents (B, C, H, W), timesteps (B,) or (), states, **conditions) ->
-    Output(prediction (B, C, H, W))` (`unet(noisy, t, states).sample`)."""
+    Output(prediction (B, C, H, W))` (`unet(noisy, t, states).sample`), where states may also
+    be token or class ids (EDM's `net(x, sigma, labels)`)."""
 
     def __init__(self, vocab: int):
         super().__init__()
@@ -212,8 +213,12 @@ class TinyDenoiser(nn.Module):
             return Output((self.embed(sample),))
         t = torch.as_tensor(timestep, device=sample.device).float().reshape(-1, 1) / TIMESTEPS
         h = self.conv(sample) + self.time(t)[:, :, None, None]
-        if encoder_hidden_states is not None:
-            h = h + self.text(encoder_hidden_states.mean(1))[:, :, None, None]
+        states = encoder_hidden_states
+        if isinstance(states, torch.Tensor):  # token or class ids: through the text encoder
+            states = (
+                states if states.is_floating_point() else self.embed(states.reshape(len(h), -1))
+            )
+            h = h + self.text(states.mean(1))[:, :, None, None]
         return Output((h,))
 
 

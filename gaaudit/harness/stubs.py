@@ -354,14 +354,17 @@ class Criterion(Stub):
     """A loss function the loop is handed and the harness cannot see (`criterion(outputs,
     targets)`): the loss the harness takes as truth for its model (cross-entropy, mean over
     the targets that are not `ignore_index`; mean squared error for regression), on the
-    outputs and targets the loop passes."""
+    outputs and targets the loop passes; handed the network and the images by keyword, as
+    EDM's losses are (`loss_fn(net=ddp, images=x, labels=y)`), a denoising loss."""
 
     def __init__(self, name: str, kind: str, ignore_index: int):
         super().__init__(name)
         object.__setattr__(self, "_loss", (kind, ignore_index))
 
     def __call__(self, *args, **kwargs):
-        if len(args) < 2:  # EDM's `loss_fn(net=..., images=..., labels=...)`
+        if not args and {"net", "images"} <= kwargs.keys():
+            return _denoising_loss(kwargs["net"], kwargs["images"], kwargs.get("labels"))
+        if len(args) < 2:
             raise TypeError(
                 f"`{self._path}` is not called as `(outputs, targets)`, as the harness's "
                 "stand-in for a loss function it cannot see is"
@@ -373,3 +376,14 @@ class Criterion(Stub):
         if output.dim() == 3 and target.dim() == 2:  # token logits (B, T, V)
             output, target = output.flatten(0, 1), target.flatten()
         return torch.nn.functional.cross_entropy(output, target, ignore_index=ignore_index)
+
+
+def _denoising_loss(net, images: torch.Tensor, labels=None) -> torch.Tensor:
+    """EDM's loss of `net` on `images` (its weighting left out): each element's squared error
+    of the net's denoising of the images plus noise at a log-normal level per image."""
+    sigma = (
+        torch.randn([images.shape[0], *[1] * (images.dim() - 1)], device=images.device) * 1.2 - 1.2
+    ).exp()
+    denoised = net(images + torch.randn_like(images) * sigma, sigma, labels)
+    denoised = denoised[0] if isinstance(denoised, tuple) else denoised
+    return (denoised - images) ** 2
