@@ -44,8 +44,9 @@ DROP_LAST = re.compile(r"\bdrop_last\s*=\s*True\b")
 BEGUN = "begun"  # what the replay process says as it begins a file, before its rows
 # the replay downloads nothing: a user's `from_pretrained` fails at once instead
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-# as many targets in every sample and no `drop_last=True`: micro-batches of one size all the same, as a
-# loader makes them before an epoch's last batch, the one where mean/K is off (GA-GUIDE 3)
+# as many targets in every sample and no `drop_last=True`: micro-batches of one size all the
+# same, as a loader makes them before an epoch's last batch, the one where mean/K is off
+# (GA-GUIDE 3)
 LAST_BATCH_LEFT_OUT = "no `drop_last=True` found: an epoch's last, short batch is left out"
 NOTHING_FIXED = (
     "nothing was fixed, so there is no patched loop "

@@ -133,9 +133,8 @@ class Plan:
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
     binds there (model, engine, optimizer, optimizers, schedulers, data, data-call, contexts,
     turns, divisor, divisor-call, micro-size, window-size, width, accelerator, fabric, booster,
-    scaler,
-    device, dtype, and a latent-diffusion loop's noise-schedule, autoencoder, diffusion and
-    timestep-sampler).
+    scaler, device, dtype, and a latent-diffusion loop's noise-schedule, autoencoder, diffusion
+    and timestep-sampler).
     `splits_batch`: the loop cuts each loader batch into micro-batches itself, so it is served
     the whole window at once. `owner`: the class whose method holds the statement;
     `lightning`: it is a LightningModule whose instance the harness builds for a Lightning

@@ -291,6 +291,16 @@ class GaussianDiffusion(NoiseSchedule):
         return {"loss": errors, "mse": errors}
 
 
+def denoising_loss(net, images: torch.Tensor, labels=None) -> torch.Tensor:
+    """EDM's loss of `net` on `images` (its weighting left out): each element's squared error
+    of the net's denoising of the images plus noise at a log-normal level per image."""
+    level = torch.randn([images.shape[0], *[1] * (images.dim() - 1)], device=images.device)
+    sigma = (level * 1.2 - 1.2).exp()
+    denoised = net(images + torch.randn_like(images) * sigma, sigma, labels)
+    denoised = denoised[0] if isinstance(denoised, tuple) else denoised
+    return (denoised - images) ** 2
+
+
 class TimestepSampler:
     """openai's diffusion trainers' `schedule_sampler.sample(batch_size, device)`: a uniform
     timestep for each sample and its weight, 1."""

@@ -10,6 +10,8 @@ import types
 
 import torch
 
+from gaaudit.harness.nets import denoising_loss
+
 
 class Stub:
     """An inert stand-in: callable (as a decorator, it returns what it decorates; handed the
@@ -363,7 +365,7 @@ class Criterion(Stub):
 
     def __call__(self, *args, **kwargs):
         if not args and {"net", "images"} <= kwargs.keys():
-            return _denoising_loss(kwargs["net"], kwargs["images"], kwargs.get("labels"))
+            return denoising_loss(kwargs["net"], kwargs["images"], kwargs.get("labels"))
         if len(args) < 2:
             raise TypeError(
                 f"`{self._path}` is not called as `(outputs, targets)`, as the harness's "
@@ -376,14 +378,3 @@ class Criterion(Stub):
         if output.dim() == 3 and target.dim() == 2:  # token logits (B, T, V)
             output, target = output.flatten(0, 1), target.flatten()
         return torch.nn.functional.cross_entropy(output, target, ignore_index=ignore_index)
-
-
-def _denoising_loss(net, images: torch.Tensor, labels=None) -> torch.Tensor:
-    """EDM's loss of `net` on `images` (its weighting left out): each element's squared error
-    of the net's denoising of the images plus noise at a log-normal level per image."""
-    sigma = (
-        torch.randn([images.shape[0], *[1] * (images.dim() - 1)], device=images.device) * 1.2 - 1.2
-    ).exp()
-    denoised = net(images + torch.randn_like(images) * sigma, sigma, labels)
-    denoised = denoised[0] if isinstance(denoised, tuple) else denoised
-    return (denoised - images) ** 2
