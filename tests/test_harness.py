@@ -13,6 +13,7 @@ pytest.importorskip("accelerate")
 
 from conftest import FIXTURES
 
+from gaaudit.harness.analysis import analyse
 from gaaudit.harness.data import make_window, merge_batches
 from gaaudit.harness.demo import DemoRow, plot, run_demo
 from gaaudit.harness.gradcheck import (
@@ -1131,6 +1132,32 @@ def test_assignments_before_the_loop_run_only_when_they_build_a_torch_module(tmp
     assert result.verdict == "bug reproduced", result
     assert result.replay.bindings["criterion"] == "`nn.CrossEntropyLoss()`, evaluated"
     assert result.replay.bindings["log"] == "stub" and not marker.exists()
+
+
+def test_a_method_of_the_class_around_the_loop_is_not_a_name_it_reads():
+    """lucidrains' trainers define a `device` property beside `train`, whose loop reads a local
+    `device = accelerator.device`: the class body is no scope of the method, so the property is
+    no helper of the loop, and the loop replays."""
+    text = source("""
+        class Trainer:
+            @property
+            def device(self):
+                return self.accelerator.device
+
+            def train(self):
+                accelerator = self.accelerator
+                device = accelerator.device
+                while self.step < self.train_num_steps:
+                    for _ in range(self.gradient_accumulate_every):
+                        data = next(self.dl).to(device)
+                        loss = self.model(data)
+                        accelerator.backward(loss / self.gradient_accumulate_every)
+                    self.opt.step()
+                    self.opt.zero_grad()
+    """)
+    assert analyse(text, line_of(text, "while self.step")).helpers == []
+    result = check(text, line_of(text, "while self.step"), k=2, device="cpu")
+    assert result.replay.ok, result.replay.reason
 
 
 def test_a_first_window_of_one_micro_batch_is_compared_with_that_batch():

@@ -1218,13 +1218,14 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
 
 def _local_defs(tree: ast.Module, target: ast.stmt) -> dict[str, ast.FunctionDef]:
     """Functions defined before `target` in the blocks around it, inside functions (the
-    read-ahead generator `gaaudit fix` writes above a loop)."""
+    read-ahead generator `gaaudit fix` writes above a loop); not the methods of a class around
+    it, whose names its methods do not see."""
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found: dict[str, ast.FunctionDef] = {}
     node = target
     while node in parents and parents[node] is not tree:
         parent = parents[node]
-        for name in ("body", "orelse", "finalbody"):
+        for name in () if isinstance(parent, ast.ClassDef) else ("body", "orelse", "finalbody"):
             block = getattr(parent, name, None)
             if isinstance(block, list) and node in block:
                 for statement in block[: block.index(node)]:
