@@ -181,7 +181,7 @@ def test_the_tokenizer_stand_in_reads_the_served_captions_back_into_their_tokens
     window = make_window("latent", 2)
     tokens = window.full["input_ids"]
     captions = [" ".join(map(str, row.tolist())) for row in tokens]
-    tokenizer = Tokenizer("tokenizer", children={"pad_token_id": 0})
+    tokenizer = Tokenizer("tokenizer", 0)
     encoded = tokenizer(captions, padding="max_length", return_tensors="pt")
     assert torch.equal(encoded.input_ids, tokens) and encoded["attention_mask"].all()
     ragged = tokenizer(["5 6 7", "8 9"])

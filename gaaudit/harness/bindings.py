@@ -158,7 +158,7 @@ class Objects:
                 GaussianDiffusion(),
                 "a diffusion scoring the model's prediction of the noise, per sample",
             ),
-            "timestep-sampler": (TimestepSampler(), "uniform timesteps, each of weight 1"),
+            "timestep-sampler": (TimestepSampler(device), "uniform timesteps, each of weight 1"),
         }
         if "engine" in roles.values():
             engine = _deepspeed(model, self.optimizer, k, device)
@@ -198,7 +198,7 @@ class Objects:
                 name in params or (name not in namespace and name not in vars(builtins))
             ):
                 if TOKENIZER.search(name):  # `labels[labels == tokenizer.pad_token_id] = -100`
-                    self.values[name] = Tokenizer(name, children={"pad_token_id": PAD_ID})
+                    self.values[name] = Tokenizer(name, PAD_ID, device)
                     self.bindings.setdefault(
                         name,
                         f"stub whose pad_token_id is {PAD_ID}, the data's, and that reads the "

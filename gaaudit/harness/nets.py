@@ -303,12 +303,15 @@ def denoising_loss(net, images: torch.Tensor, labels=None) -> torch.Tensor:
 
 class TimestepSampler:
     """openai's diffusion trainers' `schedule_sampler.sample(batch_size, device)`: a uniform
-    timestep for each sample and its weight, 1."""
+    timestep for each sample and its weight, 1, on the replay's device (whatever device the
+    loop names)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
 
     def sample(self, batch_size: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        where = device if isinstance(device, (str, torch.device)) else None
-        timesteps = torch.randint(0, TIMESTEPS, (batch_size,), device=where)
-        return timesteps, torch.ones(batch_size, device=where)
+        timesteps = torch.randint(0, TIMESTEPS, (batch_size,), device=self.device)
+        return timesteps, torch.ones(batch_size, device=self.device)
 
 
 def _shaped(loss: torch.Tensor, returns: tuple | None):

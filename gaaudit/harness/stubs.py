@@ -104,7 +104,12 @@ class Stub:
 class Tokenizer(Stub):
     """A stub for a tokenizer that also reads the captions the harness serves (each word a
     token id: bindings._fields) back into their ids, as one `Batch` of `input_ids` and
-    `attention_mask` padded with its `pad_token_id`; other text makes a stub, as with Stub."""
+    `attention_mask` padded with its `pad_token_id`, on `device`; other text makes a stub, as
+    with Stub."""
+
+    def __init__(self, path: str, pad_token_id: int, device: torch.device | str = "cpu"):
+        super().__init__(path, children={"pad_token_id": pad_token_id})
+        object.__setattr__(self, "_device", device)
 
     def __call__(self, text=None, *args, **kwargs):
         texts = [text] if isinstance(text, str) else text
@@ -118,7 +123,7 @@ class Tokenizer(Stub):
             return super().__call__(text, *args, **kwargs)
         rows = [[int(word) for word in t.split()] for t in texts]
         width, pad = max(map(len, rows)), self.pad_token_id
-        ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
+        ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows], device=self._device)
         return Batch({"input_ids": ids, "attention_mask": (ids != pad).long()})
 
 
