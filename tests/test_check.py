@@ -504,3 +504,28 @@ def test_a_config_entry_named_for_accumulation_is_the_windows_k(tmp_path, window
     path.write_text(source.replace(old, window_size))
     (finding,) = check_file(path, ALL).findings
     assert (finding.code, finding.confidence) == ("GA001", Confidence.HIGH), finding
+
+
+@pytest.mark.parametrize(
+    ("product", "codes"),
+    [("loss.sum().mul(scale / total)", []), ("loss.mean().mul(0.5)", ["GA002"])],
+)
+def test_the_tensor_method_of_a_product_reads_as_the_product(tmp_path, product, codes):
+    """EDM's `loss.sum().mul(loss_scaling / batch_gpu_total).backward()` is a sum scaled by a
+    constant, as `loss.sum() * (...)` is: no finding; a mean times a weight stays a mean."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""\
+            import torch.nn.functional as F
+
+            for step, (x, y) in enumerate(loader):
+                loss = F.mse_loss(model(x), y, reduction="none")
+                {product}.backward()
+                if (step + 1) % accum == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            """
+        )
+    )
+    assert [f.code for f in check_file(script, ALL).findings] == codes

@@ -294,6 +294,12 @@ class _Calls:
                 and keyword(call, "dim") is None
             ):
                 return self._sum(call, f"`{code(call)}`")
+            if method in ("mul", "multiply") and len(call.args) == 1 and not call.args[0].keyword:
+                # `loss.sum().mul(scale / total)`: the tensor method of `*`
+                inner = self.origin(func.value, depth + 1)
+                if inner.kind == "mean" and not _is_weight(call.args[0].value):
+                    return self._sum(call, f"`{code(call)}`, a mean times a count")
+                return inner
             if method in PASS_THROUGH or (method == "scale" and len(call.args) == 1):
                 target = func.value if method in PASS_THROUGH else call.args[0].value
                 return self.origin(target, depth + 1)
