@@ -310,6 +310,7 @@ UNSAFE_PAIRS = (
     "ga001_exact_nanogpt_memmap_scaler",
     "ga002_nanogpt_micro_loop_no_division",
     "ga001_loss_fn_parameter_default",  # assumes the parameter's default loss function
+    "ga002_denoising_loss_mean_undivided",  # counts every label: no ignore_index is visible
     # GA004 opt-outs: the Trainer then divides each micro-batch's mean by K
     "ga004_class_attribute_opt_out",
     "ga004_collator_pads_rows",
