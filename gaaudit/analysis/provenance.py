@@ -296,10 +296,7 @@ class _Calls:
                 return self._sum(call, f"`{code(call)}`")
             if method in ("mul", "multiply") and len(call.args) == 1 and not call.args[0].keyword:
                 # `loss.sum().mul(scale / total)`: the tensor method of `*`
-                inner = self.origin(func.value, depth + 1)
-                if inner.kind == "mean" and not _is_weight(call.args[0].value):
-                    return self._sum(call, f"`{code(call)}`, a mean times a count")
-                return inner
+                return self._times(call, self.origin(func.value, depth + 1), call.args[0].value)
             if method in PASS_THROUGH or (method == "scale" and len(call.args) == 1):
                 target = func.value if method in PASS_THROUGH else call.args[0].value
                 return self.origin(target, depth + 1)
@@ -781,15 +778,20 @@ class Tracer(_Calls, _Callees, _Counts):
         right = self.origin(expr.right, depth + 1)
         if isinstance(expr.operator, cst.Multiply):
             loss, other = (left, expr.right) if left.kind != "unknown" else (right, expr.left)
-            if loss.kind == "mean" and not _is_weight(other):
-                return self._sum(expr, f"`{code(expr)}`, a mean times a count")
-            return loss
+            return self._times(expr, loss, other)
         if isinstance(expr.operator, (cst.Add, cst.Subtract)):
             for kind in ("mean", "sum", "elementwise"):
                 for side, other in ((left, expr.right), (right, expr.left)):
                     if side.kind == kind:
                         return replace(side, added=side.added or code(other))
         return UNKNOWN
+
+    def _times(self, node: cst.CSTNode, loss: Origin, factor: cst.BaseExpression) -> Origin:
+        """A loss times a factor (`node`): a mean times a count is a sum; times a weight, or
+        anything else times a factor, the loss as it was."""
+        if loss.kind == "mean" and not _is_weight(factor):
+            return self._sum(node, f"`{code(node)}`, a mean times a count")
+        return loss
 
     def _count_of(self, expr: cst.BinaryOperation):
         """For `sum / divisor`: (the micro-batch's count, a constant factor beside it or None)

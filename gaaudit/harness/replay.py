@@ -659,9 +659,10 @@ def _engine_replay(model, data, args: tuple) -> Replay:
 
 def module_namespace(plan: Plan, filename: str) -> dict:
     """Module globals: `range` that tolerates stub limits, `round` that takes tensors,
-    `isinstance` that takes a stub for a class, `open` that tolerates stub paths, the source's imports (stubs for those that fail, but a batch
-    mover such as `to_device`, which moves the batch; trackers and tqdm replaced), then the
-    module-level helpers the statement uses (a stub unpacks in them too: `_StubsUnpack`)."""
+    `isinstance` that takes a stub for a class, `open` that tolerates stub paths, the source's
+    imports (stubs for those that fail, but a batch mover such as `to_device`, which moves the
+    batch; trackers and tqdm replaced), then the module-level helpers the statement uses (a
+    stub unpacks in them too: `_StubsUnpack`)."""
     namespace = {
         "__name__": "__gaaudit_replay__",
         "__builtins__": builtins,
