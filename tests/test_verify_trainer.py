@@ -193,6 +193,44 @@ class MultimodalTrainer(Trainer):
         return loss.detach()
 """
 
+# A trainer module of a package under `src/` that takes its helpers from modules of the
+# package: one by a relative import, one by the package's name, one of them importing a name
+# the installed transformers no longer has
+PACKAGE = {
+    "src/ranking/__init__.py": "",
+    "src/ranking/batching.py": """\
+from transformers.trainer import a_name_of_an_older_release
+
+
+def take(inputs, fields):
+    return tuple(inputs[field] for field in fields)
+""",
+    "src/ranking/scoring.py": """\
+import torch.nn.functional as F
+
+
+def answer_log_probs(logits, labels):
+    losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
+    return -losses.sum(-1)
+""",
+    "src/ranking/trainers/__init__.py": "",
+    "src/ranking/trainers/ranked.py": """\
+from transformers import Trainer
+
+from ranking import scoring
+
+from ..batching import take
+
+
+class RankedTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False):
+        input_ids, attention_mask, labels = take(inputs, ("input_ids", "attention_mask", "labels"))
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        loss = -scoring.answer_log_probs(logits, labels).mean()
+        return (loss, logits) if return_outputs else loss
+""",
+}
+
 # One project per test below: its script, then every file it holds.
 PROJECTS = {
     "pinned": ("train.py", {"train.py": GA006["bad"]}),
@@ -476,3 +514,21 @@ def test_under_the_pin_a_pairwise_loss_over_the_padded_width_is_exact(replayed):
     loop = replayed["pairs"]
     assert loop.pinned, loop
     assert [row["original_verdict"] for row in loop.rows] == ["verified"] * 2, loop
+
+
+def test_a_trainer_takes_helpers_from_modules_of_its_package(tmp_path):
+    """Modules of the package that cannot be imported here (a relative import, a package
+    under `src/`, one that needs an older transformers) are defined as the trainer's own
+    file is: their functions run. One sequence score per row, as many rows in every
+    micro-batch: the old Trainer's mean/K is exact."""
+    for relative, text in {"pyproject.toml": "[project]\nname = 'ranking'\n", **PACKAGE}.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    script = "src/ranking/trainers/ranked.py"
+    result = gaaudit(
+        "verify", script, "-k", "2", "--device", "cpu", "--format", "json", cwd=tmp_path
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    (loop,) = json.loads(result.stdout)["loops"]
+    (row,) = loop["rows"]
+    assert row["original_verdict"] == "verified" and row["original_error"] < 1e-5, row
