@@ -316,6 +316,7 @@ UNSAFE_PAIRS = (
     "ga004_collator_pads_rows",
     "ga004_exact_collator_stacks_rows",
     "ga004_exact_contrastive_embedder_compute_loss",
+    "ga004_exact_pair_fields_listed_old_signature",
     "ga004_exact_pairwise_reward_old_signature",
     "ga004_forward_kwargs_ignored_regression",
     "ga004_labels_branch_old_signature",

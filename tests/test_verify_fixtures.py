@@ -81,11 +81,12 @@ FIRST_WINDOW = {
 MISSING_DIVISION = {p.stem for p in ORIGINALS if "GA002" in {code for _, code, _ in expected(p)}}
 # A loop that counts every position of rows cut to one width (lit-gpt's packed blocks, inputs
 # and targets sliced by `model.config.block_size`; a Trainer subclass whose labels are its
-# input ids) averages equal counts on the harness's data too: its mean/K matches the full
-# batch there.
+# input ids), or one element per pair of a preference Trainer, averages equal counts on the
+# harness's data too: its mean/K matches the full batch there.
 EVERY_POSITION = {
     "ga001_exact_packed_blocks_config_block_size",
     "ga004_exact_collator_stacks_rows",
+    "ga004_exact_pair_fields_listed_old_signature",
 }
 # The harness has no sequence-classification model yet (issue "verify on real scripts"): it
 # replays a causal LM, whose shifted labels the classification patch does not count.

@@ -386,19 +386,27 @@ def _paired(rows: list[list[dict]], keys: tuple[str, ...]) -> list[dict]:
 
 
 def _paired_keys(source: str, name: str) -> tuple[str, ...]:
-    """The batch keys that class `name` of `source` indexes by name, where some name a
-    family of `input_ids` other than `input_ids` itself (a reward trainer's
-    `inputs["input_ids_chosen"]`); else ()."""
-    classes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]
+    """The batch keys that class `name` of `source` names: by indexing (a reward trainer's
+    `inputs["input_ids_chosen"]`) or in a module-level literal constant it reads (a list of
+    keys it unpacks), where some name a family of `input_ids` other than `input_ids` itself;
+    else ()."""
+    tree = ast.parse(source)
+    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name]
+    read = {n.id for cls in classes for n in ast.walk(cls) if isinstance(n, ast.Name)}
+    listed = [
+        node.value
+        for node in tree.body
+        if _constant(node) and any(isinstance(t, ast.Name) and t.id in read for t in node.targets)
+    ]
+    strings = [
+        node.slice for cls in classes for node in ast.walk(cls) if isinstance(node, ast.Subscript)
+    ] + [node for value in listed for node in ast.walk(value)]
     keys = {
-        node.slice.value
-        for cls in classes
-        if cls.name == name
-        for node in ast.walk(cls)
-        if isinstance(node, ast.Subscript)
-        and isinstance(node.slice, ast.Constant)
-        and isinstance(node.slice.value, str)
-        and any(f in node.slice.value for f in ("input_ids", "attention_mask", "labels"))
+        node.value
+        for node in strings
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and any(f in node.value for f in ("input_ids", "attention_mask", "labels"))
     }
     pairs = any("input_ids" in key and key != "input_ids" for key in keys)
     return tuple(sorted(keys)) if pairs else ()
