@@ -1859,3 +1859,42 @@ def test_a_degree_of_model_parallelism_is_one_in_the_replay():
     text = MODEL_PARALLEL_BRANCH
     result = check(text, line_of(text, "for step"), k=4, device="cpu")
     assert result.verdict == "bug reproduced", result.replay.reason
+
+
+def test_a_model_scoring_its_batch_beside_a_mapping_of_extra_losses_reproduces_the_bug():
+    """`main_loss, extra = model(tokens, targets, images=pixels)` whose first value the loop
+    sums with `extra.values()` and hands a loss scaler: a model that scores itself (the tiny
+    sequence model), returning no extra terms; the batch unpacks into inputs first (`tokens`),
+    the epoch's resumed start (`enumerate(loader, start=first_step)`) counts from 0, and
+    `--precision` among its choices picks the cast."""
+    fixture = FIXTURES / "ga001_loss_scaler_extra_loss_dict.py"
+    source = fixture.read_text()
+    plan = analyse(source, line_of(source, "def train_epoch"))
+    assert plan.model_kind == "sequence" and plan.returns == (None, dict)
+    assert plan.data_keys == ("input_ids", "labels", None, "pixel_values")
+    assert plan.settings["precision"] == "bf16"
+    result = check(source, line_of(source, "def train_epoch"), k=4, device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason
+
+
+def test_the_options_of_the_scripts_calling_a_function_reach_its_arguments(tmp_path):
+    """`train_one_epoch(..., args)` in an engine module reads options that the script beside
+    it, which imports and calls it, parses: their defaults (a mode among its choices too, not
+    a path) stand in for what it hands over; a script that does not call it gives none."""
+    from gaaudit.commands.verify import _caller_options
+
+    engine = tmp_path / "engine.py"
+    engine.write_text("def train_one_epoch(model, loader, args):\n    pass\n")
+    (tmp_path / "main.py").write_text(
+        "import argparse\nfrom engine import train_one_epoch\n"
+        "parser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--precision', choices=['bf16', 'tf32'], default='bf16')\n"
+        "parser.add_argument('--weight', type=float, default=0.5)\n"
+        "parser.add_argument('--output_dir', default='./out')\n"
+        "train_one_epoch(None, None, parser.parse_args())\n"
+    )
+    (tmp_path / "other.py").write_text(
+        "import argparse\nparser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--lr', type=float, default=0.1)\n"
+    )
+    assert _caller_options(engine, "train_one_epoch") == (("precision", "bf16"), ("weight", 0.5))

@@ -227,6 +227,7 @@ ALSO_REPLAYED = [
     "ga003_accelerate_tts_frames_mean",
     "ga001_split_batch_popped_mask",
     "ga001_accelerate_self_scoring_keywords",
+    "ga001_loss_scaler_extra_loss_dict",
     "ga003_exact_latent_diffusion_script_defaults",
     "ga002_microbatch_slices_fp16_branch",
     "ok_microbatch_slices_weighted_share",

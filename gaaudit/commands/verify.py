@@ -82,7 +82,8 @@ class Target:
     # what the forward step binds ahead of the output (`partial(loss_func, loss_mask)`)
     megatron: bool = False
     bound: tuple[str, ...] = ()
-    # the literal defaults of the options the project adds to a Trainer's arguments
+    # the literal defaults of the options the project adds to a Trainer's arguments; of a
+    # statement, those of the scripts that call its function (`_caller_options`)
     options: tuple[tuple[str, object], ...] = ()
     head: str = ""  # the harness's stand-in for the transformers head a Trainer is given
     patched_loss_func: str = ""  # `loss_func` in the patched source (a fix may give one)
@@ -303,6 +304,7 @@ def targets(
         if previous is not None and previous.flagged and not previous.fixed_length:
             fixed = ""  # another finding of this loop does not say so
         patched_line = _find(patched_lines, header, _occurrence(lines, header, start))
+        scope = statement if isinstance(statement, cst.FunctionDef) else tree.scope_of(statement)
         found[start] = Target(
             start,
             patched_line,
@@ -312,6 +314,9 @@ def targets(
             fixed_length=fixed,
             equal_sizes=equal,
             stops=stops,
+            options=_caller_options(path.resolve(), scope.name.value)
+            if isinstance(scope, cst.FunctionDef)
+            else (),
         )
     statements = {line for line, t in found.items() if t.flagged}
     audit = TrainerAudit(tree)
@@ -688,6 +693,27 @@ def _training_options(root: Path) -> tuple[tuple[str, object], ...]:
     return tuple(sorted(found.items()))
 
 
+@functools.cache
+def _caller_options(path: Path, function: str) -> tuple[tuple[str, object], ...]:
+    """The command-line option defaults (harness.analysis.argument_defaults) of the scripts
+    beside the file that call its `function` (they name it and the file's module, as `check`
+    finds its callers): what the arguments they parse and hand it hold in a run that passes
+    none (`train_one_epoch(..., args)` reading `args.precision`)."""
+    from gaaudit.harness.analysis import argument_defaults
+
+    found: dict[str, object] = {}
+    needles = (f"{function}(", path.stem)
+    for caller in sorted(path.parent.glob("*.py")):
+        try:
+            text = caller.read_text("utf-8", "replace")
+            if caller != path and all(n in text for n in needles) and "add_argument" in text:
+                for name, value in argument_defaults(ast.parse(text)).items():
+                    found.setdefault(name, value)
+        except (OSError, SyntaxError, ValueError):
+            continue
+    return tuple(sorted(found.items()))
+
+
 def _trainer_targets(
     audit, located: _Locator, statements: set[int]
 ) -> dict[int, tuple[Target, int]]:
@@ -1050,6 +1076,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     seed=options.seed,
                     timeout=options.timeout,
                     packed=packed,
+                    options=dict(target.options),
                 )
             else:
                 from gaaudit.harness import distributed
@@ -1061,6 +1088,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
                     seed=options.seed,
                     timeout=options.timeout,
                     packed=packed,
+                    options=dict(target.options),
                 )
             outcome.rows.append(
                 {

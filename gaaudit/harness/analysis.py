@@ -99,6 +99,8 @@ WINDOW_SIZE_RE = re.compile(r"^(total|global)_batch(_size)?$|^batch_\w*total$", 
 # an attribute that holds the micro-batch size under the data's own name (`self.microbatch`,
 # openai's diffusion trainers); a bare name so called is the micro-batch itself
 MICRO_ATTRIBUTE_RE = re.compile(r"^micro_?batch$", re.IGNORECASE)
+# a GradScaler, or a loss scaler called with the loss (`loss_scaler(loss, optimizer)`: MAE's)
+SCALER_RE = re.compile(r"scaler", re.IGNORECASE)
 BOOSTER_RE = re.compile(r"booster|strategy", re.IGNORECASE)  # ColossalAI's `booster.backward`
 # a loss function handed in (`train_one_epoch(model, criterion, ...)`, `self.loss_fn`)
 CRITERION_RE = re.compile(r"criterion|loss_?(fn|func|function|fct)", re.IGNORECASE)
@@ -179,9 +181,10 @@ class Plan:
 
 def argument_defaults(tree: ast.Module, every: bool = False) -> dict[str, object]:
     """The file's command-line options with a numeric or boolean literal default
-    (`parser.add_argument("--ignore_index", default=-100)`), by destination: the values a
-    user who runs the script without arguments gets; `every`: any literal default, and the
-    flags that `store_true` (False) or `store_false` (True)."""
+    (`parser.add_argument("--ignore_index", default=-100)`), or a string among its literal
+    `choices` (a mode, not a path: `--precision`), by destination: the values a user who runs
+    the script without arguments gets; `every`: any literal default, and the flags that
+    `store_true` (False) or `store_false` (True)."""
     defaults = {}
     for node in ast.walk(tree):
         if not (
@@ -200,7 +203,13 @@ def argument_defaults(tree: ast.Module, every: bool = False) -> dict[str, object
         stored = action.value if isinstance(action, ast.Constant) else None
         if every and not ok and stored in ("store_true", "store_false"):
             ok, value = True, stored == "store_false"
-        if ok and isinstance(name, str) and (every or isinstance(value, (bool, int, float))):
+        choices = literal(keywords["choices"])[1] if "choices" in keywords else None
+        mode = isinstance(value, str) and isinstance(choices, (list, tuple)) and value in choices
+        if (
+            ok
+            and isinstance(name, str)
+            and (every or mode or isinstance(value, (bool, int, float)))
+        ):
             defaults[name.lstrip("-").replace("-", "_")] = value
     return defaults
 
@@ -530,6 +539,9 @@ class _Usage:
     positions: dict = field(default_factory=lambda: defaultdict(dict))  # `{"labels": batch[3]}`
     tensor_backward: bool = False  # `loss.backward()`: a backward not handed to an engine
     backwarded: set = field(default_factory=set)  # `loss` of `(loss / K).backward()`
+    scaled: set = field(default_factory=set)  # `loss` of MAE's `loss_scaler(loss, optimizer)`
+    # the name each name is summed from, first: `loss = ce + w * aux` (`loss`: `ce`)
+    summed: dict = field(default_factory=dict)
     unpacked: dict = field(default_factory=dict)  # the names each batch unpacks into
     keys: set = field(default_factory=set)  # string keys read: `batch_data["input_mask"]`
     items: dict = field(default_factory=dict)  # the one name each iterated chain's item is bound to
@@ -562,6 +574,12 @@ class _Usage:
                     self.subscripts.append(node)
                 if (key := _field(node)) is not None:
                     self.keys.add(key)
+                if (
+                    isinstance(node, ast.Assign)
+                    and isinstance(node.targets[0], ast.Name)
+                    and (first := _first_term(node.value))
+                ):
+                    self.summed.setdefault(node.targets[0].id, set()).add(first)
                 if isinstance(node, ast.Attribute) and node.attr == "last_loss" and chain:
                     # llama2.c's `loss = raw_model.last_loss`, kept by the model's forward
                     self.evidence[chain[:-1]].add("model-method")
@@ -615,6 +633,12 @@ class _Usage:
             self.evidence[chain] |= self.evidence.get((alias,), set()) & {"iterated", "next"}
             if (alias,) in self.arity:
                 self.arity.setdefault(chain, self.arity[(alias,)])
+        for started in (self.backwarded, self.scaled):  # `loss = ce + w * aux`: a backward
+            pending = list(started)  # of `loss` starts from `ce` too
+            while pending:
+                for first in self.summed.get(pending.pop(), set()) - started:
+                    started.add(first)
+                    pending.append(first)
 
     def _call(self, call: ast.Call, parents: dict) -> None:
         func, args = chain_of(call.func), [chain_of(a) for a in call.args]
@@ -641,6 +665,8 @@ class _Usage:
             self.backwarded |= {started} if started else set()
         if func is None:
             return
+        if call.args and SCALER_RE.search(func[-1]):  # MAE's `loss_scaler(loss, optimizer)`
+            self.scaled |= {started} if (started := _scaled_name(call.args[0])) else set()
         parent = parents.get(call)
         self.evidence[func].add("called")
         self.calls[func].append((call, parent))
@@ -802,6 +828,8 @@ def _positional_keys(usage: _Usage, data: list[Chain]) -> tuple:
         if len(names) == 1:
             return ("input_ids",)
         keys = tuple(BATCH_KEYS.get(name or "") or _length_key(name or "") for name in names)
+        if keys and keys[0] is None and "labels" in keys and "input_ids" not in keys:
+            keys = ("input_ids", *keys[1:])  # the inputs lead: `examples, labels, mask, images`
         if {"input_ids", "labels"} <= set(keys) or (
             "input_ids" in keys and {"lengths", "prompt_lengths"} & set(keys) and None not in keys
         ):
@@ -908,6 +936,14 @@ def _scaled_name(node: ast.expr) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+def _first_term(node: ast.expr) -> str | None:
+    """`ce` of `ce`, `ce + w * aux` or `ce + aux + z`: the name a sum of loss terms starts
+    from."""
+    while isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        node = node.left
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def _keyed(node: ast.expr) -> bool:
     """`batch["input_ids"]`: a field of a dict batch."""
     return (
@@ -969,6 +1005,8 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
             shapes.add("hf")
         elif "return_loss" in keywords and call.args and not _keyed(call.args[0]):
             shapes.add("sequence")  # `model(seq, return_loss=True)`: a sequence, not a field
+        elif len(call.args) == 2 and _backwarded_result(usage, parent, scaled=True):
+            shapes.add("sequence")  # `loss, extra = model(x, y, images=z)`: it scores itself
         elif len(call.args) == 2 and not keywords and _scored_against(usage, call, parent):
             shapes.add("teacher")  # `out = model(x, y); F.nll_loss(out, y.view(-1))`
         elif len(call.args) == 2 or "targets" in keywords:
@@ -1008,25 +1046,30 @@ def _scored_against(usage: _Usage, call: ast.Call, parent) -> bool:
     )
 
 
-def _backwarded_result(usage: _Usage, parent) -> bool:
+def _backwarded_result(usage: _Usage, parent, scaled: bool = False) -> bool:
     """The call's value, or the first it unpacks into, is what the loop's backward starts
-    from: the model computes its loss itself."""
+    from (`scaled`: or what it hands a loss scaler): the model computes its loss itself. (An
+    image model handed only its inputs may score itself too, MAE's; a loss scaler alone does
+    not make it a token sequence's.)"""
     if not isinstance(parent, ast.Assign) or len(parent.targets) != 1:
         return False
     target = parent.targets[0]
     if isinstance(target, (ast.Tuple, ast.List)) and target.elts:
         target = target.elts[0]
-    return isinstance(target, ast.Name) and target.id in usage.backwarded
+    started = usage.backwarded | (usage.scaled if scaled else set())
+    return isinstance(target, ast.Name) and target.id in started
 
 
 def _returns(usage: _Usage, models: list[Chain]) -> tuple | None:
     """How the loop unpacks what a model call returns (`loss, (ce, aux) = model(...)`, also
-    later: `loss, parts = model(...); ce, aux = parts`), as nested tuples of None; None where
-    it does not."""
+    later: `loss, parts = model(...); ce, aux = parts`), as nested tuples of None (`dict` for
+    a value it reads as a mapping); None where it does not."""
 
     def shape(node: ast.expr):
         if isinstance(node, ast.Name) and node.id in usage.named_unpacks:
             return tuple(map(shape, usage.named_unpacks[node.id]))
+        if isinstance(node, ast.Name) and any((node.id, v) in usage.calls for v in DICT_VIEWS):
+            return dict  # a mapping of further losses: `for loss, w in extra.values()`
         return tuple(map(shape, node.elts)) if isinstance(node, (ast.Tuple, ast.List)) else None
 
     unpacked = (
@@ -1167,9 +1210,9 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "fabric"
     if not called and "backward" in ev and BOOSTER_RE.search(last):
         return "booster"
-    if "scaler" in ev or (not called and "scaler" in last.lower()):
+    if "scaler" in ev or (not called and SCALER_RE.search(last)):
         return "scaler"
-    if called and "scaler" in last.lower():
+    if called and SCALER_RE.search(last):
         return "loss-scaler"  # `loss_scaler(loss, optimizer, update_grad=...)`: timm's, MAE's
     if chain[0] in helpers and len(chain) == 1:
         return None

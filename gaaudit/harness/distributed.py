@@ -309,6 +309,7 @@ def compare(
     dtype: str = "float32",
     timeout: float = 60.0,
     packed: bool = False,
+    options: dict | None = None,
 ) -> Comparison:
     """replay.compare with each replay on `ranks`: K micro-batches per rank against the full
     batch of all ranks' data."""
@@ -324,5 +325,6 @@ def compare(
         dtype=dtype,
         timeout=timeout,
         packed=packed,
+        options=options,
         make_session=partial(_RankSession, ranks),
     )

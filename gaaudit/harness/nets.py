@@ -316,9 +316,11 @@ class TimestepSampler:
 
 def _shaped(loss: torch.Tensor, returns: tuple | None):
     """`loss` in the shape the loop unpacks (nested tuples of None): the loss first, zeros in
-    the other places."""
+    the other places, and no entries in a mapping (`dict`) of further losses."""
 
     def shaped(part, first: bool):
+        if part is dict:
+            return {}
         if part is None:
             return loss if first else loss.new_zeros(())
         return tuple(shaped(p, first and not i) for i, p in enumerate(part))

@@ -52,6 +52,7 @@ from gaaudit.harness.stubs import (
     Progress,
     Stub,
     progress_module,
+    stub_enumerate,
     stub_isinstance,
     stub_range,
     tensor_round,
@@ -340,12 +341,15 @@ class _Session:
         return relative_error(ragged.grads, whole.grads)
 
 
-def _plan(source: str, line: int, divisor_names, model_kind, ignore_index) -> Plan | str:
+def _plan(
+    source: str, line: int, divisor_names, model_kind, ignore_index, options=None
+) -> Plan | str:
     """The replay plan, or why there is none."""
     try:
         plan = analyse(source, line, tuple(divisor_names), model_kind)
         if ignore_index is not None:
             plan.ignore_index = ignore_index
+        plan.settings = {**(options or {}), **plan.settings}
         if (
             plan.data_arity - plan.data_fillers not in (0, 2)
             and not plan.data_keys
@@ -438,6 +442,7 @@ def compare(
     dtype: str = "float32",
     timeout: float = 60.0,
     packed: bool = False,
+    options: dict | None = None,
     make_session=None,
 ) -> Comparison:
     """Replay a loop before and after a fix on the same model, data and full-batch reference.
@@ -446,10 +451,13 @@ def compare(
     taken too). `model_kind` / `ignore_index`: override what the source suggests (see
     models.KINDS). `packed`: fixed-length samples with no padding, where mean/K is exact.
     `timeout`: seconds per replay. `device`: `auto`, `cpu` or `cuda`; `dtype`: float32,
-    bfloat16 or float16 (autocast). `make_session`: a _Session subclass (distributed.py runs
-    the replays on several ranks)."""
-    original = _plan(original_source, loop_line_original, divisor_names, model_kind, ignore_index)
-    patched = _plan(patched_source, loop_line_patched, divisor_names, model_kind, ignore_index)
+    bfloat16 or float16 (autocast). `options`: the option defaults of the scripts that call
+    the loop's function, for the stand-in of the arguments they hand it (the file's own
+    defaults win). `make_session`: a _Session subclass (distributed.py runs the replays on
+    several ranks)."""
+    planned_with = (divisor_names, model_kind, ignore_index, options)
+    original = _plan(original_source, loop_line_original, *planned_with)
+    patched = _plan(patched_source, loop_line_patched, *planned_with)
     planned = [p for p in (original, patched) if isinstance(p, Plan)]
     for plan in planned[1:]:
         plan.model_kind, plan.ignore_index = planned[0].model_kind, planned[0].ignore_index
@@ -658,8 +666,9 @@ def _engine_replay(model, data, args: tuple) -> Replay:
 
 
 def module_namespace(plan: Plan, filename: str) -> dict:
-    """Module globals: `range` that tolerates stub limits, `round` that takes tensors,
-    `isinstance` that takes a stub for a class, `open` that tolerates stub paths, the source's
+    """Module globals: `range` that tolerates stub limits, `enumerate` stub starts, `round`
+    that takes tensors, `isinstance` that takes a stub for a class, `open` that tolerates stub
+    paths, the source's
     imports (stubs for those that fail, but a batch mover such as `to_device`, which moves the
     batch; trackers and tqdm replaced), then the module-level helpers the statement uses (a
     stub unpacks in them too: `_StubsUnpack`)."""
@@ -667,6 +676,7 @@ def module_namespace(plan: Plan, filename: str) -> dict:
         "__name__": "__gaaudit_replay__",
         "__builtins__": builtins,
         "range": stub_range,
+        "enumerate": stub_enumerate,
         "round": tensor_round,
         "isinstance": stub_isinstance,
         "open": _open,

@@ -211,6 +211,12 @@ def stub_isinstance(value, classes) -> bool:
     return isinstance(value, classes)
 
 
+def stub_enumerate(iterable, start=0):
+    """`enumerate` that counts from 0 where its start is a stub (`start=start_iter` of a
+    resumed epoch the harness could not bind)."""
+    return enumerate(iterable, 0 if isinstance(start, Stub) else start)
+
+
 def tensor_round(number, ndigits=None):
     """`round`, also of a one-element tensor: what the harness's model returns where the
     user's returns a float (`round(accuracy * 100, 2)` in a log line)."""
