@@ -171,8 +171,35 @@ def test_stub_is_inert():
     assert list(itertools.islice(range_of(args.epochs), 2)) == [0, 1]
     assert list(args.loggers) == [] and f"{args.lr:.3f}" == "<stub args.lr>"
     assert isinstance(torch.ones(1) * args.scale, Stub)
+    ids = torch.tensor([[3, 4], [5, 6]])
+    assert not (ids == args.image_token_id).any() and (ids != args.image_token_id).all()
     with args.context():
         pass
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        # a switch of the stand-in for the configs: the term it guards is left out
+        {"if self.optim_params.entropy_weight > 0:": "if self.optim_params.entropy_weight:"},
+        {"if self.cfg.source_weights is not None:": "if self.cfg.source_weights:"},
+    ],
+    ids=["as-written", "weight-falsy", "weights-falsy"],
+)
+def test_a_vision_language_batch_without_images_is_replayed_with_its_options_unset(change):
+    """A per-batch method of a vision-language trainer: the harness's text batches count no
+    images (the pixel inputs are dropped) and their text tokens; an unknown option tested for
+    None or compared `> 0` is unset, as a falsy stub is; `getattr` by a caller's stand-in
+    reads a stub; a method of the user's model called after the step (a throughput estimate)
+    is a stub. Each micro-batch's mean divided by K reproduces the bug."""
+    text = (FIXTURES / "ga003_accelerate_vision_language_method_per_batch.py").read_text()
+    for old, new in change.items():
+        assert old in text
+        text = text.replace(old, new)
+    result = check(text, line_of(text, "def train_batch"), k=4, device="cpu")
+    assert result.verdict == "bug reproduced" and result.error > 1e-2, result
+    assert result.replay.bindings["model.estimate_throughput"].startswith("stub: a method")
 
 
 def test_the_tokenizer_stand_in_reads_the_served_captions_back_into_their_tokens():

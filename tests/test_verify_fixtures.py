@@ -204,6 +204,8 @@ CALLED_PER_BATCH_FUNCTIONS = [
     "ga003_accelerate_caller_enters_accumulate",
     "ga003_deepspeed_engine_method_per_batch",
     "ga001_ignite_update_per_batch",
+    "ga003_accelerate_vision_language_method_per_batch",
+    "ga003_accelerate_dataset_weighted_mean",
 ]
 # Loops over fixed-length data (one is not fixed: it steps two optimizers) and what says so.
 FIXED_LENGTH = {
@@ -517,7 +519,9 @@ def test_a_function_that_trains_on_one_batch_a_call_is_called_once_for_each(loop
     replay calls the function once for each micro-batch up to the step, where each mean
     divided by K reproduces the bug. A function that steps through accelerate without entering
     `accumulate` (smollm's `_do_batch`) is called inside it, as its caller does: without it,
-    accelerate would step after the first call, on one micro-batch, and match it."""
+    accelerate would step after the first call, on one micro-batch, and match it. An option
+    of the trainer's configs tested for None or compared `> 0` (an optional dataset weight, an
+    auxiliary term) is left unset."""
     (loop,) = loops[name]
     assert loop["header"].startswith("def ") and loop["flagged"], loop
     assert loop["replayed"].startswith(CALLED_PER_BATCH), loop

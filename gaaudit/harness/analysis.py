@@ -51,6 +51,10 @@ BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness
     **dict.fromkeys(MELS, "input_ids"),
     **dict.fromkeys(("mel_lengths", "mel_lens"), "labels"),
     "position_ids": "position_ids",  # each row's positions, 0 .. width - 1
+    # each sample's count of text tokens (its length) and of images (none: the harness's
+    # batches are text, as a vision-language model's batches without images are)
+    "num_text_tokens": "lengths",
+    **dict.fromkeys(("num_images", "n_images"), "num_images"),
     # the images a latent-diffusion loop encodes and their captions (the latent kind's)
     **dict.fromkeys(("pixel_values", "pixels", "images", "image"), "pixel_values"),
     **dict.fromkeys(("caption", "captions", "prompt", "prompts"), "caption"),
@@ -65,7 +69,7 @@ PREFERENCE_SIDE = re.compile(
 )
 MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
-OPTIONS_RE = re.compile(r"(kwargs|args|config|cfg)$", re.IGNORECASE)  # what builds one
+OPTIONS_RE = re.compile(r"(kwargs|args|config|cfg|params?)$", re.IGNORECASE)  # what builds one
 # what steps without being an optimizer: a learning-rate schedule, `torch.profiler.profile`
 SCHEDULER_RE = re.compile(r"sched|profil", re.IGNORECASE)
 # a function that makes something (`get_sft_collate_fn(**kwargs)`): not a model called on a batch
@@ -177,6 +181,8 @@ class Plan:
     rebound: frozenset[str] = frozenset()  # imported names assigned again before the statement
     # data bound before the statement to an enumeration of itself: `it = enumerate(loader)`
     enumerated: frozenset[Chain] = frozenset()
+    # methods the statement calls on its model after its optimizer steps: `model.get_flops()`
+    after_step: frozenset[str] = frozenset()
 
 
 def argument_defaults(tree: ast.Module, every: bool = False) -> dict[str, object]:
@@ -1247,7 +1253,8 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         return "model"
     if iterated and OPTIMIZER_RE.search(last):
         return "optimizers"
-    named = OPTIMIZER_RE.search(last) and not OPTIONS_RE.search(last)  # not `optimizer_kwargs`
+    # not `optimizer_kwargs` nor `optim_param`
+    named = OPTIMIZER_RE.search(last) and not OPTIONS_RE.search(last)
     if ev & {"zero_grad", "step", "optimizer-arg"} or (not called and named):
         return "optimizer"
     if ev & {"iterated", "next"} or (called and DATA_RE.search(last)):
@@ -1437,6 +1444,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         settings=settings,
         rebound=frozenset(rebound),
         enumerated=frozenset(c for c in data if "enumerated" in usage.evidence.get(c, ())),
+        after_step=_called_after_step(target, usage, roles),
         model_kind=kind,
         ignore_index=_ignore_index(source, module_constants, kind),
         data_arity=arity,
@@ -1667,6 +1675,26 @@ def _reads_one_position(usage: _Usage, models: list[Chain]) -> bool:
         )
 
     return any(one_position(node) for node in usage.subscripts)
+
+
+def _called_after_step(target: ast.stmt, usage: _Usage, roles: dict) -> frozenset[str]:
+    """The methods the statement calls on a model below its first optimizer step
+    (`tflops = model.get_flops(batch)`, for a log line), not in its helpers."""
+    inside = {id(n) for n in ast.walk(target)}
+    steps = [
+        call.lineno
+        for chain, role in roles.items()
+        if role == "optimizer"
+        for call, _ in usage.calls.get((*chain, "step"), [])
+        if id(call) in inside
+    ]
+    return frozenset(
+        chain[-1]
+        for chain, calls in usage.calls.items()
+        if steps and roles.get(chain[:-1]) == "model"
+        for call, _ in calls
+        if id(call) in inside and call.lineno > min(steps)
+    )
 
 
 def _splatted(call: ast.Call) -> bool:

@@ -108,6 +108,12 @@ class Objects:
         steps = k if plan.uses_accumulate or per_call else 1
         self.accelerator, self.optimizer, text = _accelerator(roles, optimizer, device, steps)
         self.model = model
+        for name in plan.after_step - set(dir(model)):  # what it computes for a log line
+            setattr(model, name, Stub(f"model.{name}"))
+            self.bindings[f"model.{name}"] = (
+                "stub: a method of your model, called after the optimizer step, that the "
+                "harness's model does not have"
+            )
         fabric = Fabric(
             "fabric",
             {"clip_gradients": lambda *args, **kwargs: optimizer.clip("fabric.clip_gradients")},
@@ -532,18 +538,24 @@ def served(plan: Plan, batches: list, user: bool, ignore_index: int) -> list:
 def _fields(batch: dict, ignore_index: int) -> dict:
     """A harness batch's fields, with the loss mask made from its labels (1 where the loss
     counts a target) where it has labels, and where it has an attention mask each sequence's
-    length and its prompt's (its first half, at least one token); where it has token rows,
-    also each row's positions and the rejected side of a preference pair
-    (`rejected_input_ids`, ...): each token moved to the next id of the vocabulary, padding
-    and ignored targets kept, so that each row's two sides differ the same way in every
-    micro-batch and in the full batch; beside a latent-diffusion batch's images, each caption
-    as text, its token ids as words (which the harness's tokenizer reads back)."""
+    length, its prompt's (its first half, at least one token) and its number of images (0:
+    the batch is text); where it has token rows, also each row's positions and the rejected
+    side of a preference pair (`rejected_input_ids`, ...): each token moved to the next id of
+    the vocabulary, padding and ignored targets kept, so that each row's two sides differ the
+    same way in every micro-batch and in the full batch; beside a latent-diffusion batch's
+    images, each caption as text, its token ids as words (which the harness's tokenizer reads
+    back)."""
     if "pixel_values" in batch:
         captions = [" ".join(map(str, row.tolist())) for row in batch["input_ids"]]
         return {**batch, "caption": captions}
     if "attention_mask" in batch:
         lengths = batch["attention_mask"].sum(-1)
-        batch = {**batch, "lengths": lengths, "prompt_lengths": (lengths + 1) // 2}
+        batch = {
+            **batch,
+            "lengths": lengths,
+            "prompt_lengths": (lengths + 1) // 2,
+            "num_images": torch.zeros_like(lengths),
+        }
     if "labels" not in batch:
         return batch
     fields = {**batch, "loss_mask": (batch["labels"] != ignore_index).long()}

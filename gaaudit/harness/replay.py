@@ -53,6 +53,7 @@ from gaaudit.harness.stubs import (
     Stub,
     progress_module,
     stub_enumerate,
+    stub_getattr,
     stub_isinstance,
     stub_range,
     tensor_round,
@@ -667,11 +668,11 @@ def _engine_replay(model, data, args: tuple) -> Replay:
 
 def module_namespace(plan: Plan, filename: str) -> dict:
     """Module globals: `range` that tolerates stub limits, `enumerate` stub starts, `round`
-    that takes tensors, `isinstance` that takes a stub for a class, `open` that tolerates stub
-    paths, the source's
-    imports (stubs for those that fail, but a batch mover such as `to_device`, which moves the
-    batch; trackers and tqdm replaced), then the module-level helpers the statement uses (a
-    stub unpacks in them too: `_StubsUnpack`)."""
+    that takes tensors, `isinstance` that takes a stub for a class, `getattr` by a stub name,
+    `open` that tolerates stub paths, the source's imports (stubs for those that fail, but a
+    batch mover such as `to_device`, which moves the batch; trackers and tqdm replaced), then
+    the module-level helpers the statement uses (stubs read in them as in the statement:
+    `_Stubs`)."""
     namespace = {
         "__name__": "__gaaudit_replay__",
         "__builtins__": builtins,
@@ -679,8 +680,10 @@ def module_namespace(plan: Plan, filename: str) -> dict:
         "enumerate": stub_enumerate,
         "round": tensor_round,
         "isinstance": stub_isinstance,
+        "getattr": stub_getattr,
         "open": _open,
         _UNPACK: _unpacked,
+        _UNSET: _unset,
     }
     for node in plan.imports:
         try:
@@ -703,9 +706,7 @@ def module_namespace(plan: Plan, filename: str) -> dict:
         elif module.split(".")[0] == "tqdm":
             namespace[name] = trange if getattr(value, "__name__", "") == "trange" else Progress
     for helper in plan.helpers:
-        module = ast.fix_missing_locations(
-            ast.Module([_StubsUnpack().visit(copy.deepcopy(helper))], [])
-        )
+        module = ast.fix_missing_locations(ast.Module([_Stubs().visit(copy.deepcopy(helper))], []))
         try:
             exec(compile(module, filename, "exec"), namespace)  # noqa: S102
         except (Exception, SystemExit):  # noqa: BLE001, S112 - its name stays a stub
@@ -726,7 +727,7 @@ def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
     target is defined without its decorators), and the keyword arguments to call it with."""
     values = objects.values
     namespace.update({n: v for n, v in values.items() if n not in (plan.params or ())})
-    target = _StubsUnpack().visit(_EvaluationLeftOut(plan.target).visit(copy.deepcopy(plan.target)))
+    target = _Stubs().visit(_EvaluationLeftOut(plan.target).visit(copy.deepcopy(plan.target)))
     if plan.params is not None:
         target.decorator_list = []
         module = ast.fix_missing_locations(ast.Module([target], []))
@@ -741,6 +742,7 @@ def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
 
 
 _UNPACK = "__gaaudit_unpacked__"
+_UNSET = "__gaaudit_unset__"
 # calls by which a block takes part in the window's gradients
 GRADIENT_CALLS = frozenset({*BACKWARDS, *CLIPPERS, "step", "zero_grad", "unscale_"})
 
@@ -784,9 +786,13 @@ def _names(node: ast.AST, context: type) -> Counter:
     )
 
 
-class _StubsUnpack(ast.NodeTransformer):
-    """`acc, loss = metric.get_metric()`: the value goes through `_unpacked`, so that a stub
-    unpacks into as many stubs as there are names (iterated, a stub is empty)."""
+class _Stubs(ast.NodeTransformer):
+    """How stubs read where Python's protocols cannot say: `acc, loss = metric.get_metric()`
+    goes through `_unpacked`, so that a stub unpacks into as many stubs as there are names
+    (iterated, a stub is empty); the `x` of `x is None` and `x > 0` through `_unset`, so that
+    a stub is None or 0 there (`if cfg.weights is not None:`, `if cfg.z_loss > 0:`), the
+    option left unset, as it is falsy in `if cfg.weights:`. (Elsewhere a stub is larger than
+    any number: a limit, `step < args.max_steps`, is never reached.)"""
 
     def visit_Assign(self, node: ast.Assign) -> ast.Assign:
         self.generic_visit(node)
@@ -800,11 +806,25 @@ class _StubsUnpack(ast.NodeTransformer):
             node.value = ast.Call(unpack, [node.value, ast.Constant(len(target.elts))], [])
         return node
 
+    def visit_Compare(self, node: ast.Compare) -> ast.Compare:
+        self.generic_visit(node)
+        right = node.comparators[0]
+        if len(node.ops) == 1 and isinstance(right, ast.Constant):
+            tests_none = isinstance(node.ops[0], (ast.Is, ast.IsNot)) and right.value is None
+            tests_sign = isinstance(node.ops[0], ast.Gt) and right.value in (0, 0.0)
+            if tests_none or tests_sign and type(right.value) is not bool:
+                node.left = ast.Call(ast.Name(_UNSET, ast.Load()), [node.left, right], [])
+        return node
+
 
 def _unpacked(value, count: int):
     if type(value) is Stub:
         return tuple(Stub(f"{value._path}[{i}]") for i in range(count))
     return value
+
+
+def _unset(value, unset):
+    return unset if type(value) is Stub else value
 
 
 @contextlib.contextmanager

@@ -17,11 +17,12 @@ class Stub:
     """An inert stand-in: callable (as a decorator, it returns what it decorates; handed the
     data first, it returns the data), attribute-able (attributes are stubs too, or the values
     given in `children`), iterable-empty, falsy, a no-op context manager, absorbing in
-    arithmetic, unequal to everything else, dropped from a class's bases, larger than any
-    number and, on the left of `<`, below another stub (a limit such as `args.max_steps` is
-    never reached, `epoch < args.epochs` holds). Items set on it are kept, and `items` gives
-    some from the start (`state["iter_num"] += 1` counts from 0). Its repr names the
-    expression it replaces."""
+    arithmetic, unequal to everything else (elementwise for a tensor: `ids == cfg.image_id`),
+    dropped from a class's bases, larger than any number (but see replay._Stubs) and, on the
+    left of `<`, below another stub (a limit such as `args.max_steps` is never reached,
+    `epoch < args.epochs` holds). Items set on it are kept, and `items` gives some from the
+    start (`state["iter_num"] += 1` counts from 0). Its repr names the expression it
+    replaces."""
 
     def __init__(self, path: str = "stub", children: dict | None = None, items: dict | None = None):
         object.__setattr__(self, "_path", path)
@@ -80,10 +81,14 @@ class Stub:
     def __contains__(self, item) -> bool:
         return False
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other):
+        if torch.is_tensor(other):
+            return torch.zeros_like(other, dtype=torch.bool)
         return other is self
 
-    def __ne__(self, other) -> bool:
+    def __ne__(self, other):
+        if torch.is_tensor(other):
+            return torch.ones_like(other, dtype=torch.bool)
         return other is not self
 
     __hash__ = object.__hash__
@@ -215,6 +220,14 @@ def stub_enumerate(iterable, start=0):
     """`enumerate` that counts from 0 where its start is a stub (`start=start_iter` of a
     resumed epoch the harness could not bind)."""
     return enumerate(iterable, 0 if isinstance(start, Stub) else start)
+
+
+def stub_getattr(value, name, *default):
+    """`getattr`, where a stub name (`getattr(config, dataset_name)`, a caller's value the
+    harness stands in for) reads a stub."""
+    if isinstance(name, Stub):
+        return Stub(f"{name._path} of {value!r}")
+    return getattr(value, name, *default)
 
 
 def tensor_round(number, ndigits=None):
