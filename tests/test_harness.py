@@ -1925,3 +1925,36 @@ def test_the_options_of_the_scripts_calling_a_function_reach_its_arguments(tmp_p
         "parser.add_argument('--lr', type=float, default=0.1)\n"
     )
     assert _caller_options(engine, "train_one_epoch") == (("precision", "bf16"), ("weight", 0.5))
+
+
+DRAWN_WHOLE_AND_CUT = """\
+def train(model, stream, optimizer, criterion, args):
+    for step in range(args.steps):
+        (rows,) = next(stream)
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        size = args.batch_size // args.accum_freq
+        for j in range(args.accum_freq):
+            x, y = inputs[j * size : (j + 1) * size], targets[j * size : (j + 1) * size]
+            logits, _, _ = model(x)
+            loss = criterion(logits.reshape(-1, args.vocab_size), y.reshape(-1))
+            (loss * x.shape[0] / inputs.shape[0]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("weighting", "verdict"),
+    [("(loss * x.shape[0] / inputs.shape[0])", "verified"), ("loss", "bug reproduced")],
+)
+def test_a_batch_drawn_with_next_and_cut_by_size_over_k_is_the_whole_window(weighting, verdict):
+    """`next(stream)` in a loop whose backward sits in an inner loop over slices of
+    `args.batch_size // args.accum_freq` rows: the draw serves the whole window, the size cut
+    into K parts is the window's, and the tiny model's logits come first in what the loop
+    unpacks. Weighted by its share of rows each slice's mean is exact; undivided, K times off."""
+    text = DRAWN_WHOLE_AND_CUT.replace("(loss * x.shape[0] / inputs.shape[0])", weighting)
+    result = check(text, line_of(text, "for step"), k=4, device="cpu")
+    assert result.verdict == verdict, result.replay.reason
+    bindings = result.replay.bindings
+    assert bindings["args.batch_size"].endswith("samples, the window's"), bindings
+    assert bindings["stream"].startswith("the whole window as one batch"), bindings

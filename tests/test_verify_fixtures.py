@@ -233,6 +233,7 @@ ALSO_REPLAYED = [
     "ga003_exact_latent_diffusion_script_defaults",
     "ga002_microbatch_slices_fp16_branch",
     "ok_microbatch_slices_weighted_share",
+    "ok_window_drawn_whole_cut_by_batch_size",
     "ok_denoising_loss_sum_over_window",
     *MEGATRON,
     *CALLED_PER_BATCH_FUNCTIONS,
@@ -580,6 +581,16 @@ def test_a_function_that_cuts_the_batch_it_is_handed_is_called_once_with_the_win
         assert row["first_window"] is None and row["original_verdict"] == verdict, row
     (row,) = loops["ga002_microbatch_slices_weighted_mean"][0]["rows"]
     assert row["patched_error"] < 1e-5, row
+
+
+def test_a_window_drawn_with_next_and_cut_by_its_size_is_served_whole(loops):
+    """Each step draws one batch with `next()` and cuts it by `batch_size // accum_freq`
+    rows: the replay serves the whole window to that draw, the size cut into K parts is the
+    window's, and the model's logits come first in what the loop unpacks. Slices weighted by
+    their share of rows that hold as many targets match the full batch."""
+    (loop,) = loops["ok_window_drawn_whole_cut_by_batch_size"]
+    (row,) = loop["rows"]
+    assert loop["verdict"] == VERIFIED and row["original_error"] < 1e-5, loop
 
 
 def test_a_loss_object_handed_the_network_and_the_images_is_a_denoising_loss(loops):

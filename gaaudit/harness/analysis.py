@@ -100,6 +100,8 @@ LENGTH_RE = re.compile(r"(^|_)(lens?|lengths?)($|_)", re.IGNORECASE)
 MICRO_SIZE_RE = re.compile(r"micro_?(batch_?)?(size|bs)$|^mbs$", re.IGNORECASE)
 # the samples of the whole window, over its micro-batches (EDM's `batch_gpu_total`)
 WINDOW_SIZE_RE = re.compile(r"^(total|global)_batch(_size)?$|^batch_\w*total$", re.IGNORECASE)
+# a batch size the loop cuts into K parts is the window's (`batch_size // accum_steps`)
+BATCH_SIZE_RE = re.compile(r"batch_?size|(^|_)bs$", re.IGNORECASE)
 # an attribute that holds the micro-batch size under the data's own name (`self.microbatch`,
 # openai's diffusion trainers); a bare name so called is the micro-batch itself
 MICRO_ATTRIBUTE_RE = re.compile(r"^micro_?batch$", re.IGNORECASE)
@@ -555,6 +557,7 @@ class _Usage:
     named_unpacks: dict = field(default_factory=dict)  # `ids, labels = batch`: names by batch
     subscripts: list = field(default_factory=list)  # every `x[...]` read
     enumerations: set = field(default_factory=set)  # names bound to `enumerate(...)` before
+    cut: dict = field(default_factory=lambda: defaultdict(set))  # `n // k`, `n % k`: n's ks
 
     def add(self, nodes: list[ast.stmt]) -> None:
         parents = {
@@ -578,6 +581,13 @@ class _Usage:
                     self.chains.add(chain)
                 if isinstance(node, ast.Subscript):
                     self.subscripts.append(node)
+                if (
+                    isinstance(node, ast.BinOp)
+                    and isinstance(node.op, (ast.FloorDiv, ast.Mod))
+                    and (size := chain_of(node.left))
+                    and (parts := chain_of(node.right))
+                ):
+                    self.cut[size].add(parts)
                 if (key := _field(node)) is not None:
                     self.keys.add(key)
                 if (
@@ -1206,7 +1216,11 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
         MICRO_SIZE_RE.search(last) or len(chain) > 1 and MICRO_ATTRIBUTE_RE.match(last)
     ):
         return "micro-size"
-    if not called and WINDOW_SIZE_RE.search(last):
+    if not called and (
+        WINDOW_SIZE_RE.search(last)
+        or BATCH_SIZE_RE.search(last)
+        and any(_is_divisor(parts, divisor_names) for parts in usage.cut.get(chain, ()))
+    ):
         return "window-size"
     if not called and "width" in ev:
         return "width"
@@ -1609,9 +1623,11 @@ def _stages(usage: _Usage, models: list[Chain]) -> tuple[Chain, Chain] | None:
 
 
 def _splits_batch(target: ast.stmt, data: list[Chain]) -> bool:
-    """A `for` over the data whose backward calls sit in an inner loop that reads no data
-    source, or a function whose backward calls sit in a loop over the micro-batch it is
-    handed: the loop cuts each batch into micro-batches itself."""
+    """A loop that draws one batch a turn (`for batch in loader`, or `batch = next(it)` in a
+    statement of its body that holds no loop or comprehension) and whose backward calls sit
+    in an inner loop that reads no data source, or a function whose backward calls sit in a
+    loop over the micro-batch it is handed: the loop cuts each batch into micro-batches
+    itself."""
 
     def reads_data(node: ast.AST) -> bool:
         return any(
@@ -1629,7 +1645,18 @@ def _splits_batch(target: ast.stmt, data: list[Chain]) -> bool:
             and any(isinstance(n, ast.Attribute) and n.attr == "backward" for n in ast.walk(inner))
             for inner in ast.walk(target)
         )
-    if not isinstance(target, ast.For) or not reads_data(target.iter):
+    if not isinstance(target, LOOPS):
+        return False
+    once = (*LOOPS, ast.comprehension)  # not `[next(it) for _ in range(k)]`
+    draws = [
+        n
+        for statement in target.body
+        if not any(isinstance(n, once) for n in ast.walk(statement))
+        for n in ast.walk(statement)
+        if isinstance(n, ast.Call) and chain_of(n.func) == ("next",) and n.args
+    ]
+    header = [target.iter] if isinstance(target, ast.For) else []
+    if not any(reads_data(n) for n in header + draws):
         return False
     return any(
         inner is not target

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gaaudit.harness import factory
-from gaaudit.harness.nets import NET_KINDS, PAD_ID, build_net, net_count, net_loss
+from gaaudit.harness.nets import NET_KINDS, PAD_ID, as_unpacked, build_net, net_count, net_loss
 
 VOCAB = 256
 MAX_POSITIONS = 128
@@ -98,10 +98,12 @@ class TinyGPT(nn.Module):
 
 class TinyTokenModel(nn.Module):
     """A plain module returning logits `(B, T, VOCAB)`; the loop computes the loss itself.
-    Its `config` holds what lit-gpt-style loops read (`model.config.block_size`)."""
+    `returns`: how the loop unpacks them (`logits, _ = model(x)`), the logits first. Its
+    `config` holds what lit-gpt-style loops read (`model.config.block_size`)."""
 
-    def __init__(self, width: int = 64):
+    def __init__(self, width: int = 64, returns: tuple | None = None):
         super().__init__()
+        self.returns = returns
         self.config = SimpleNamespace(
             vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=MAX_POSITIONS
         )
@@ -109,7 +111,7 @@ class TinyTokenModel(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, VOCAB))
 
     def forward(self, input_ids, attention_mask=None):
-        return self.mlp(self.embed(input_ids))
+        return as_unpacked(self.mlp(self.embed(input_ids)), self.returns)
 
 
 class TinyTeacherForced(TinyTokenModel):
@@ -202,7 +204,7 @@ def build_model(
     if kind == "nanogpt":
         model = TinyGPT(ignore_index=ignore_value(kind, ignore_index))
     elif kind in ("logits", "pooled"):  # pooled: its logits read at the last position
-        model = TinyTokenModel()
+        model = TinyTokenModel(returns=returns)
     elif kind == "teacher":
         model = TinyTeacherForced()
     elif kind in NET_KINDS:

@@ -159,7 +159,7 @@ class TinySequenceModel(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=PAD_ID)
         if options.get("return_count"):
             return _counted(loss, (targets != PAD_ID).sum(), self.returns)
-        return _shaped(loss, self.returns)
+        return as_unpacked(loss, self.returns)
 
 
 class TinyFrameModel(nn.Module):
@@ -182,7 +182,7 @@ class TinyFrameModel(nn.Module):
         loss = errors[valid].mean()
         if options.get("return_count"):
             return _counted(loss, valid.sum(), self.returns)
-        return _shaped(loss, self.returns)
+        return as_unpacked(loss, self.returns)
 
 
 class Output(tuple):
@@ -314,9 +314,9 @@ class TimestepSampler:
         return timesteps, torch.ones(batch_size, device=self.device)
 
 
-def _shaped(loss: torch.Tensor, returns: tuple | None):
-    """`loss` in the shape the loop unpacks (nested tuples of None): the loss first, zeros in
-    the other places, and no entries in a mapping (`dict`) of further losses."""
+def as_unpacked(loss: torch.Tensor, returns: tuple | None):
+    """`loss` (or logits) in the shape the loop unpacks (nested tuples of None): it first,
+    zeros in the other places, and no entries in a mapping (`dict`) of further losses."""
 
     def shaped(part, first: bool):
         if part is dict:
@@ -333,7 +333,7 @@ def _counted(loss: torch.Tensor, count: torch.Tensor, returns: tuple | None) -> 
     cond, pred, count = model(..., return_count=True)`, as `gaaudit fix` rewrites the call)."""
     if returns is None or len(returns) < 2:
         return loss, count
-    return (*_shaped(loss, returns[:-1]), count)
+    return (*as_unpacked(loss, returns[:-1]), count)
 
 
 def build_net(kind: str, vocab: int, returns: tuple | None = None) -> nn.Module:
