@@ -1187,6 +1187,30 @@ def test_a_method_of_the_class_around_the_loop_is_not_a_name_it_reads():
     assert result.replay.ok, result.replay.reason
 
 
+def test_an_import_in_the_class_body_that_fails_here_reads_as_a_stub():
+    """A copy of an old Trainer imports helpers into its class body, as methods (`from
+    transformers.trainer_pt_utils import _get_learning_rate, log_metrics`), which a later
+    release no longer has: the class is defined with those names as the module's imports
+    left them (a stub where the import failed), and its loop replays."""
+    text = source("""
+        import torch
+
+        class Trainer:
+            from transformers.trainer_pt_utils import a_helper_long_gone, log_metrics
+
+            def train(self, model, loader, args):
+                for step, batch in enumerate(loader):
+                    loss = model(**batch).loss / args.gradient_accumulation_steps
+                    loss.backward()
+                    if (step + 1) % args.gradient_accumulation_steps == 0:
+                        self.log_metrics("train", {"lr": self.a_helper_long_gone()})
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+    """)
+    result = check(text, line_of(text, "for step"), k=4, device="cpu")
+    assert result.verdict == "bug reproduced", result
+
+
 def test_a_first_window_of_one_micro_batch_is_compared_with_that_batch():
     """`if step % K == 0` from step 0 steps after one micro-batch (issue 18, item 2): each
     loop is judged against the full batch of that one, not of K micro-batches, and then on

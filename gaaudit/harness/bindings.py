@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import copy
 import functools
 import math
 import os
@@ -228,7 +229,7 @@ class Objects:
         """An instance of the class that owns the statement, made without running its
         `__init__`: its methods are the user's, unknown attributes read as stubs."""
         owner = self.plan.owner
-        code = compile(ast.Module([owner.node], []), self.filename, "exec")
+        code = compile(ast.Module([_imports_read(owner.node)], []), self.filename, "exec")
         for _ in range(MISSING_NAMES):
             try:
                 exec(code, namespace)  # noqa: S102
@@ -405,6 +406,24 @@ def _stub_attribute(self, name: str):
     value = world_size(name) or Stub(f"{type(self).__name__}.{name}")
     object.__setattr__(self, name, value)
     return value
+
+
+def _imports_read(node: ast.ClassDef) -> ast.ClassDef:
+    """The class with each import in its body (an old Trainer's `from
+    transformers.trainer_pt_utils import _get_learning_rate, ...`, functions it makes its
+    methods) turned into assignments of what the module namespace holds for those names: the
+    import as `module_namespace` ran it, a stub where it failed."""
+    made = copy.copy(node)
+    made.body = []
+    for statement in node.body:
+        if not isinstance(statement, (ast.Import, ast.ImportFrom)):
+            made.body.append(statement)
+            continue
+        for alias in statement.names:
+            name = alias.asname or alias.name.split(".")[0]
+            read = ast.Assign([ast.Name(name, ast.Store())], ast.Name(name, ast.Load()))
+            made.body.append(ast.copy_location(read, statement))
+    return ast.fix_missing_locations(made)
 
 
 def _read_attributes(owner) -> set[str]:
