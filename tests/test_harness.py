@@ -365,6 +365,17 @@ def test_a_batch_unpacked_into_named_fields_is_served_in_that_order():
     assert result.verdict == "bug reproduced", result.replay.reason
 
 
+def test_a_tuple_batch_named_by_position_is_served_as_the_fields_its_keys_say():
+    """`{"source_ids": batch[0], "target_ids": batch[1], "target_lens": batch[2]}` names the
+    positions by keys that are not transformers' own: the harness serves its token ids, its
+    labels and each row's length there, and `if args.objective == "plain":` takes the
+    option's default, the branch a user who passes no option runs."""
+    text = (FIXTURES / "ga001_mode_switched_keyword_dict.py").read_text()
+    plan = analyse(text, line_of(text, "for step"))
+    assert plan.data_keys == ("input_ids", "labels", "lengths", None)
+    assert plan.settings["objective"] == "plain"
+
+
 LANGUAGE_MODELLING = """
 def train(args, model, tokenizer, train_dataloader, optimizer):
     for step, batch in enumerate(train_dataloader):

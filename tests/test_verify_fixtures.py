@@ -230,6 +230,8 @@ ALSO_REPLAYED = [
     "ga001_split_batch_popped_mask",
     "ga001_accelerate_self_scoring_keywords",
     "ga001_loss_scaler_extra_loss_dict",
+    "ga001_mode_switched_keyword_dict",
+    "ga001_model_handed_token_counts_in_dict",
     "ga003_exact_latent_diffusion_script_defaults",
     "ga002_microbatch_slices_fp16_branch",
     "ok_microbatch_slices_weighted_share",
@@ -363,6 +365,22 @@ def test_a_model_handed_the_batch_as_keywords_scores_itself(loops):
     output the loop would divide: the stand-in that scores its token sequences takes the dict
     batch's token ids by keyword, and the bug shows."""
     (loop,) = loops["ga001_accelerate_self_scoring_keywords"]
+    (row,) = loop["rows"]
+    assert loop["replayed"].startswith(SCORED_BY_STAND_IN), loop
+    assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop
+    assert row["original_error"] > 0.05, row
+
+
+@pytest.mark.parametrize(
+    "name", ["ga001_mode_switched_keyword_dict", "ga001_model_handed_token_counts_in_dict"]
+)
+def test_a_tuple_batch_named_by_position_as_a_self_scoring_models_keywords_is_replayed(loops, name):
+    """`{"source_ids": batch[0], "target_ids": batch[1], ...}` handed to a model that scores
+    itself as `model(**inputs)` (after `batch = tuple(t.to(device) for t in batch)`, in the
+    branch of `--objective`'s default): the batch is served as a tuple of those fields, the
+    option takes its default, the stand-in reads its token ids under any name for them, and
+    the mean over K shows."""
+    (loop,) = loops[name]
     (row,) = loop["rows"]
     assert loop["replayed"].startswith(SCORED_BY_STAND_IN), loop
     assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop

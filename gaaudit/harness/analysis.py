@@ -166,7 +166,7 @@ class Plan:
     ignore_index: int | None = None
     data_arity: int = 0
     data_fillers: int = 0  # of data_arity, the unused values after (input_ids, labels)
-    data_keys: tuple = ()  # a tuple batch's keys by position, None where unnamed: `batch[3]`
+    data_keys: tuple = ()  # a tuple batch's fields by position, None where unnamed: `batch[3]`
     # the fields a dict batch is read by, with the harness's field each names: `batch["input_mask"]`
     data_aliases: dict[str, str] = field(default_factory=dict)
     data_tensor: bool = False  # each batch is a tensor of token ids the model is called on
@@ -518,6 +518,25 @@ def _tested_for_none(target: ast.AST, attributes: bool = False) -> set[str]:
     }
 
 
+def _compared_with_strings(target: ast.AST) -> set[str]:
+    """The attributes `target` compares with string literals (`if args.mask_way == "v2":`,
+    `args.mode in ("a", "b")`): options that choose a mode."""
+
+    def strings(node: ast.expr) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return bool(node.elts) and all(map(strings, node.elts))
+        return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+    return {
+        n.left.attr
+        for n in ast.walk(target)
+        if isinstance(n, ast.Compare)
+        and isinstance(n.left, ast.Attribute)
+        and all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in n.ops)
+        and all(map(strings, n.comparators))
+    }
+
+
 def _imports(tree: ast.Module, target: ast.stmt) -> list[ast.stmt]:
     inside = {id(n) for n in ast.walk(target)}
     found = [
@@ -831,11 +850,16 @@ def _moved_each(value: ast.expr) -> ast.comprehension | None:
 
 
 def _positional_keys(usage: _Usage, data: list[Chain]) -> tuple:
-    """The keys of a batch the loop indexes by position into a dict of named inputs (one
-    name so indexed, with `input_ids` and `labels` among them), or unpacks into names that say
-    them (`for input_ids, attention_mask, labels in loader`), or into one name, the batch's
-    one tensor of token ids (`(texts,) = batch`); None where unnamed."""
-    named = [p for p in usage.positions.values() if {"input_ids", "labels"} <= set(p.values())]
+    """The harness's fields of a batch the loop indexes by position into a dict of named
+    inputs (one name so indexed, whose keys name the token ids and the labels:
+    `{"source_ids": batch[0], "target_ids": batch[1]}`), or unpacks into names that say them
+    (`for input_ids, attention_mask, labels in loader`), or into one name, the batch's one
+    tensor of token ids (`(texts,) = batch`); None where unnamed."""
+    named = [
+        {i: _batch_field(key) or _length_key(key) for i, key in p.items()}
+        for p in usage.positions.values()
+    ]
+    named = [p for p in named if {"input_ids", "labels"} <= set(p.values())]
     if len(named) == 1:
         (positions,) = named
         return tuple(positions.get(i) for i in range(max(positions) + 1))
@@ -1437,12 +1461,15 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
     fillers = max((usage.fillers.get(c, 0) for c in data if usage.arity.get(c) == arity), default=0)
     settings = argument_defaults(tree)
     every = argument_defaults(tree, every=True)  # and an option left at None that the
-    # statement tests for None (`if args.snr_gamma is None:`)
+    # statement tests for None (`if args.snr_gamma is None:`), or a mode it compares with
+    # strings (`if args.mask_way == "v2":`)
     tested = _tested_for_none(target, attributes=True)
     settings.update({o: None for o in tested if o in every and every[o] is None})
+    modes = _compared_with_strings(target)
+    settings.update({o: every[o] for o in modes if isinstance(every.get(o), str)})
     for option in _attributes_set_before(tree, target) & settings.keys():
         value = settings[option]  # a sentinel the code resolves before: `args.steps = ...`
-        if value is None or value < 0:  # for None or -1
+        if not isinstance(value, (bool, int, float)) or value < 0:  # for None, -1 or a mode
             del settings[option]
     return Plan(
         target=target,

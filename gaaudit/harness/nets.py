@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gaaudit.harness.analysis import BATCH_KEYS
+
 NET_KINDS = ("image", "segment", "regression", "pair", "keyed", "sequence", "frames", "latent")
 PAD_ID = 0  # the padding of the harness's token sequences (their tokens start at 2)
 # Kinds whose samples are token sequences of varied length, padded with PAD_ID in a batch.
@@ -150,8 +152,9 @@ class TinySequenceModel(nn.Module):
         self.returns = returns
 
     def forward(self, seq=None, *others, return_loss: bool = True, **options):
-        if seq is None:  # handed by keyword, `model(**batch)`: the batch's token ids
-            seq = options.get("input_ids")
+        if seq is None:  # handed by keyword, `model(**batch)`: the batch's token ids, by
+            # any name that says them (`model(**{"source_ids": batch[0], ...})`)
+            seq = next((v for k, v in options.items() if BATCH_KEYS.get(k) == "input_ids"), None)
         logits = self.out(self.embed(seq[:, :-1]))
         if not return_loss:
             return logits
