@@ -376,6 +376,20 @@ def test_a_tuple_batch_named_by_position_is_served_as_the_fields_its_keys_say():
     assert plan.settings["objective"] == "plain"
 
 
+def test_a_base_trainers_loop_is_planned_with_the_subclass_that_fills_in_its_hooks():
+    """A hook the loop calls that raises NotImplementedError is filled in by the first
+    subclass that implements every such hook (not one that fills in only some); the batch
+    drawn as `list(next(it))` is unpacked there into `src, tgt, seg`."""
+    text = (FIXTURES / "ga002_base_trainer_abstract_step.py").read_text()
+    plan = analyse(text, line_of(text, "while self.step"))
+    assert plan.owner.subclass.name == "CausalLmTrainer"
+    assert plan.data_keys == ("input_ids", "labels", None)
+    partial = text.replace(
+        "    def log(self):\n        print(", "    def show(self):\n        print("
+    )
+    assert analyse(partial, line_of(partial, "while self.step")).owner.subclass is None
+
+
 LANGUAGE_MODELLING = """
 def train(args, model, tokenizer, train_dataloader, optimizer):
     for step, batch in enumerate(train_dataloader):

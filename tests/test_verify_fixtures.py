@@ -232,6 +232,7 @@ ALSO_REPLAYED = [
     "ga001_loss_scaler_extra_loss_dict",
     "ga001_mode_switched_keyword_dict",
     "ga001_model_handed_token_counts_in_dict",
+    "ga002_base_trainer_abstract_step",
     "ga003_exact_latent_diffusion_script_defaults",
     "ga002_microbatch_slices_fp16_branch",
     "ok_microbatch_slices_weighted_share",
@@ -383,6 +384,17 @@ def test_a_tuple_batch_named_by_position_as_a_self_scoring_models_keywords_is_re
     (loop,) = loops[name]
     (row,) = loop["rows"]
     assert loop["replayed"].startswith(SCORED_BY_STAND_IN), loop
+    assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop
+    assert row["original_error"] > 0.05, row
+
+
+def test_a_base_trainers_loop_runs_with_the_subclass_that_fills_in_its_hook(loops):
+    """The base class's loop calls `self.micro_batch_loss(batch, model)`, which raises
+    NotImplementedError there: the replay makes its instance of the first subclass that
+    fills in every hook the loop calls, which unpacks the drawn `list(next(it))` as `src, tgt,
+    seg` and divides the model's mean by K, so the bug shows."""
+    (loop,) = loops["ga002_base_trainer_abstract_step"]
+    (row,) = loop["rows"]
     assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop
     assert row["original_error"] > 0.05, row
 

@@ -23,6 +23,7 @@ from gaaudit.harness.surroundings import (
     enclosing_owner,
     framework_base,
     functions_around,
+    implemented,
     literal,
     methods_called,
     parameter_defaults,
@@ -38,14 +39,15 @@ MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
 MELS = ("mel", "mels", "mel_spec")  # batch keys of spectrograms: the `frames` kind's inputs
 BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness's batches
     **dict.fromkeys(
-        ("input_ids", "ids", "tokens", "input_tokens", "source_ids", "inputs", "x", "seq"),
+        ("input_ids", "ids", "tokens", "input_tokens", "source_ids", "src", "inputs", "x", "seq"),
         "input_ids",
     ),
     **dict.fromkeys(
         ("attention_mask", "attn_mask", "input_mask", "mask", "source_mask"), "attention_mask"
     ),
     **dict.fromkeys(
-        ("labels", "label_ids", "lm_labels", "targets", "target", "target_ids", "y"), "labels"
+        ("labels", "label_ids", "lm_labels", "targets", "target", "target_ids", "tgt", "y"),
+        "labels",
     ),
     # a spectrogram (the `frames` kind's inputs, channels first) and its length (its labels)
     **dict.fromkeys(MELS, "input_ids"),
@@ -707,6 +709,8 @@ class _Usage:
         self.calls[func].append((call, parent))
         if func in (("next",), ("iter",)) and args and args[0]:
             self.evidence[args[0]].add("next")
+            if isinstance(parent, ast.Call) and chain_of(parent.func) in (("list",), ("tuple",)):
+                parent = parents.get(parent)  # `batch = list(next(loader_iter))`
             self._unpacked(args[0], parent)
             if isinstance(parent, ast.Assign) and isinstance(parent.targets[0], ast.Name):
                 self.drawn.setdefault(args[0], parent.targets[0].id)
@@ -1396,6 +1400,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
                 free.extend(n for n in inner.free if n not in free)
 
     gather([target])
+    owner = implemented(tree, owner, [target, *helpers]) if owner else None
     methods = methods_called(owner, [target, *helpers], calls_itself=lightning) if owner else []
     for method in methods:
         inner = FreeNames()
@@ -1407,7 +1412,12 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
     derived = assignments_before(tree, target, free, owner)
     usage.add([d.statement for d in derived])
     own = (
-        {(owner.instance, m.name) for m in owner.node.body if isinstance(m, ast.FunctionDef)}
+        {
+            (owner.instance, m.name)
+            for c in owner.classes
+            for m in c.body
+            if isinstance(m, ast.FunctionDef)
+        }
         | ({(owner.instance,)} if lightning else set())
         if owner
         else set()

@@ -229,7 +229,9 @@ class Objects:
         """An instance of the class that owns the statement, made without running its
         `__init__`: its methods are the user's, unknown attributes read as stubs."""
         owner = self.plan.owner
-        code = compile(ast.Module([_imports_read(owner.node)], []), self.filename, "exec")
+        code = compile(
+            ast.Module([_imports_read(c) for c in owner.classes], []), self.filename, "exec"
+        )
         for _ in range(MISSING_NAMES):
             try:
                 exec(code, namespace)  # noqa: S102
@@ -238,7 +240,7 @@ class Objects:
                 if exc.name is None or exc.name in namespace:
                     raise
                 namespace[exc.name] = Stub(exc.name)
-        cls = namespace[owner.node.name]
+        cls = namespace[owner.classes[-1].name]
         module = issubclass(cls, torch.nn.Module)
         if (
             module
@@ -262,9 +264,11 @@ class Objects:
         elif module:  # a trainer that is a torch module only to hold its parts: `self.model`
             torch.nn.Module.__init__(instance)
         self.values[owner.instance] = instance
+        made = f"a {cls.__name__}"
+        if owner.subclass:
+            made += f" (the subclass of {owner.node.name} that fills in its hooks)"
         self.bindings[owner.instance] = (
-            f"a {cls.__name__} made without __init__ (its methods "
-            "run; unknown attributes are stubs)"
+            f"{made} made without __init__ (its methods run; unknown attributes are stubs)"
         )
 
     def _stages(self, model) -> dict:
@@ -427,10 +431,11 @@ def _imports_read(node: ast.ClassDef) -> ast.ClassDef:
 
 
 def _read_attributes(owner) -> set[str]:
-    """The attributes of its instance that the owner class's methods read (`self.tokenizer`)."""
+    """The attributes of its instance that the owner's classes' methods read (`self.tokenizer`)."""
     return {
         node.attr
-        for node in ast.walk(owner.node)
+        for cls in owner.classes
+        for node in ast.walk(cls)
         if isinstance(node, ast.Attribute)
         and isinstance(node.value, ast.Name)
         and node.value.id == owner.instance

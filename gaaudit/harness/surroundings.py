@@ -1,12 +1,13 @@
-"""What the code around a replayed statement provides: the class whose method holds it, the
-methods it calls on its instance, module-level constants, and the assignments to its free
-names that run before it (`criterion = nn.CrossEntropyLoss()`, `params = list(...)`)."""
+"""What the code around a replayed statement provides: the class whose method holds it (and
+the subclass that fills in the hooks it leaves abstract), the methods it calls on its
+instance, module-level constants, and the assignments to its free names that run before it
+(`criterion = nn.CrossEntropyLoss()`, `params = list(...)`)."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 Chain = tuple[str, ...]
 # Packages whose classes run the loss, the accumulation and the optimizer step themselves.
@@ -17,10 +18,17 @@ LITERAL_ERRORS = (ValueError, TypeError, SyntaxError, MemoryError, RecursionErro
 @dataclass(frozen=True)
 class Owner:
     """The module-level class whose method holds the statement, and the name its instance
-    goes by there (`self`)."""
+    goes by there (`self`); `subclass`: the module's class derived from it whose instance
+    runs the statement, where the owner leaves a method it calls abstract (see implemented)."""
 
     node: ast.ClassDef
     instance: str
+    subclass: ast.ClassDef | None = None
+
+    @property
+    def classes(self) -> list[ast.ClassDef]:
+        """The owner's class, then the subclass its instance is made of, if any."""
+        return [self.node, *([self.subclass] if self.subclass else [])]
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,33 @@ def enclosing_owner(tree: ast.Module, target: ast.stmt) -> Owner | None:
     return None
 
 
+def implemented(tree: ast.Module, owner: Owner, nodes: list[ast.AST]) -> Owner:
+    """The owner with its subclass: where a method that `nodes` call on the instance raises
+    NotImplementedError (a base trainer's `self.forward_step(batch)`, a hook its subclasses
+    fill in), the first module-level class derived from the owner that implements them all."""
+    abstract = {m.name for m in methods_called(owner, nodes) if _abstract(m)}
+    if not abstract:
+        return owner
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and any(
+            isinstance(b, ast.Name) and b.id == owner.node.name for b in node.bases
+        ):
+            defined = {
+                m.name for m in node.body if isinstance(m, ast.FunctionDef) and not _abstract(m)
+            }
+            if abstract <= defined:
+                return replace(owner, subclass=node)
+    return owner
+
+
+def _abstract(method: ast.FunctionDef) -> bool:
+    """A method whose body (after its docstring) only raises NotImplementedError."""
+    body = method.body[1:] if ast.get_docstring(method) else method.body
+    raised = body[0].exc if len(body) == 1 and isinstance(body[0], ast.Raise) else None
+    raised = raised.func if isinstance(raised, ast.Call) else raised
+    return isinstance(raised, ast.Name) and raised.id == "NotImplementedError"
+
+
 def _static(method: ast.FunctionDef) -> bool:
     return any(
         isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod")
@@ -113,9 +148,9 @@ def framework_base(tree: ast.Module, owner: Owner) -> tuple[str, str] | None:
 def methods_called(
     owner: Owner, nodes: list[ast.AST], calls_itself: bool = False
 ) -> list[ast.FunctionDef]:
-    """The owner's methods that `nodes` call on the instance (`self._forward(batch)`), and
-    those they call in turn; with `calls_itself`, `self(...)` calls its `forward`."""
-    methods = {m.name: m for m in owner.node.body if isinstance(m, ast.FunctionDef)}
+    """The owner's methods (its subclass's, where it has one) that `nodes` call on the
+    instance (`self._forward(batch)`), and those they call in turn; with `calls_itself`, `self(...)` calls its `forward`."""
+    methods = {m.name: m for c in owner.classes for m in c.body if isinstance(m, ast.FunctionDef)}
     found: list[ast.FunctionDef] = []
     pending = list(nodes)
     while pending:
