@@ -1830,6 +1830,40 @@ def test_a_call_whose_result_the_loop_draws_from_with_next_serves_the_data():
     assert result.verdict == "bug reproduced", result.replay.reason
 
 
+FIELDS_NAMED_BY_POSITION = source("""
+    import torch
+
+    DTYPES = {"tokens": torch.long, "weights": torch.float}
+
+
+    def named(batch):
+        names = [next(n for n, dtype in DTYPES.items() if v.dtype == dtype) for v in batch]
+        return {name: value for name, value in zip(names, batch)}
+
+
+    def train(model, loader, optimizer, k):
+        for step, batch in enumerate(loader):
+            loss = model(**named(batch), return_loss=True)
+            (loss / k).backward()
+            if (step + 1) % k == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+""")
+
+
+def test_a_helper_that_names_a_tuple_batchs_fields_passes_the_harness_batch_on():
+    """`model(**named(batch))`, where `named` zips names with the fields of the user's tuple
+    batches: the harness's batches are named already, so the helper passes them on (run on
+    them, it would read the keys of a dict as fields) and the bug shows."""
+    text = FIELDS_NAMED_BY_POSITION
+    line = line_of(text, "for step")
+    assert analyse(text, line).roles[("named",)] == "namer"
+    unzipped = text.replace("zip(names, batch)", "zip(names, names)")
+    assert ("named",) not in analyse(unzipped, line).roles
+    result = check(text, line, k=4, divisor_names=["k"], device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason
+
+
 IMPORTED_DATA_NAME = """\
 from project.reporting import batch_stats
 

@@ -229,6 +229,7 @@ ALSO_REPLAYED = [
     "ga003_accelerate_tts_frames_mean",
     "ga001_split_batch_popped_mask",
     "ga001_accelerate_self_scoring_keywords",
+    "ga001_accelerate_tuple_fields_named_for_keywords",
     "ga001_loss_scaler_extra_loss_dict",
     "ga001_mode_switched_keyword_dict",
     "ga001_model_handed_token_counts_in_dict",
@@ -394,6 +395,16 @@ def test_a_base_trainers_loop_runs_with_the_subclass_that_fills_in_its_hook(loop
     fills in every hook the loop calls, which unpacks the drawn `list(next(it))` as `src, tgt,
     seg` and divides the model's mean by K, so the bug shows."""
     (loop,) = loops["ga002_base_trainer_abstract_step"]
+    (row,) = loop["rows"]
+    assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop
+    assert row["original_error"] > 0.05, row
+
+
+def test_a_tuple_batch_named_for_the_models_keywords_is_served_named(loops):
+    """A method that names the fields of the loader's tuples by what they hold and zips the
+    names with them (`dict(zip(self.names, batch))`) is handed the harness's batches, named
+    already, and passes them on to the model that scores itself: the bug shows."""
+    (loop,) = loops["ga001_accelerate_tuple_fields_named_for_keywords"]
     (row,) = loop["rows"]
     assert loop["verdict"].startswith("bug reproduced; nothing was fixed"), loop
     assert row["original_error"] > 0.05, row

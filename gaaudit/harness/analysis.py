@@ -143,8 +143,8 @@ class Plan:
     helpers read before assigning; `roles` maps names and attribute chains to what the harness
     binds there (model, engine, optimizer, optimizers, schedulers, data, data-call, contexts,
     turns, divisor, divisor-call, micro-size, window-size, width, accelerator, fabric, booster,
-    scaler, device, dtype, and a latent-diffusion loop's noise-schedule, autoencoder, diffusion
-    and timestep-sampler).
+    scaler, device, dtype, namer (see `_namers`), and a latent-diffusion loop's noise-schedule,
+    autoencoder, diffusion and timestep-sampler).
     `splits_batch`: the loop cuts each loader batch into micro-batches itself, so it is served
     the whole window at once. `owner`: the class whose method holds the statement;
     `lightning`: it is a LightningModule whose instance the harness builds for a Lightning
@@ -1435,6 +1435,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         usage.items[(batch,)] = batch
         if batch in usage.named_unpacks:  # `input_ids, labels = batch`
             usage.unpacks((batch,), usage.named_unpacks[batch])
+    roles.update(dict.fromkeys(_namers(usage, roles, helpers, methods, owner), "namer"))
     for item in derived:  # `bar = tqdm(range(steps)); for step in bar:` counts turns
         if roles.get(item.chain) == "data" and _counts_turns(item.value):
             roles[item.chain] = "turns"
@@ -1549,6 +1550,54 @@ def _roles(
         if chain in models and calls and all(_hands_on(call, models) for call, _ in calls):
             del roles[chain]
     return roles
+
+
+def _namers(
+    usage: _Usage, roles: dict, helpers: list, methods: list, owner: Owner | None
+) -> list[Chain]:
+    """The helpers and methods of the owner (`self.as_keywords(next(self.batches))`)
+    handed each batch that name its fields by position, `dict(zip(fields, batch))`: the
+    user's batches are tuples of unnamed fields, the harness's are named already."""
+    data = [c for c, r in roles.items() if r in DATA_ROLES]
+    drawn = {usage.drawn.get(c) for c in data} | {usage.items.get(c) for c in data}
+
+    def batch(arg: ast.expr) -> bool:
+        if isinstance(arg, ast.Call) and chain_of(arg.func) == ("next",) and arg.args:
+            arg = arg.args[0]
+        return chain_of(arg) in data or isinstance(arg, ast.Name) and arg.id in drawn
+
+    functions = [((f.name,), f, 0) for f in helpers]
+    if owner is not None:
+        functions += [((owner.instance, f.name), f, 1) for f in methods]
+    found = []
+    for chain, function, skipped in functions:
+        params = [a.arg for a in function.args.posonlyargs + function.args.args][skipped:]
+        handed = [c for c, _ in usage.calls.get(chain, []) if c.args and batch(c.args[0])]
+        if params and handed and _names_fields(function, params[0]):
+            found.append(chain)
+    return found
+
+
+def _names_fields(function: ast.FunctionDef, param: str) -> bool:
+    """Whether `function` makes a dict of its parameter `param`'s values zipped with names:
+    `dict(zip(fields, param))`, `{k: v for k, v in zip(fields, param)}`."""
+
+    def zipped(node: ast.expr) -> bool:
+        return (
+            isinstance(node, ast.Call)
+            and chain_of(node.func) == ("zip",)
+            and any(isinstance(a, ast.Name) and a.id == param for a in node.args)
+        )
+
+    return any(
+        isinstance(node, ast.Call)
+        and chain_of(node.func) == ("dict",)
+        and node.args
+        and zipped(node.args[0])
+        or isinstance(node, ast.DictComp)
+        and zipped(node.generators[0].iter)
+        for node in ast.walk(function)
+    )
 
 
 def _micro_batch(params: list[str], optional: set, roles: dict, unbound: set) -> str | None:

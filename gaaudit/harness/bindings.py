@@ -179,6 +179,10 @@ class Objects:
                 loss = Criterion(".".join(chain), plan.model_kind, ignored)
                 text = "the harness's loss for its model (cross-entropy; MSE for regression)"
                 self._bind(chain, loss, text, namespace)
+            elif role == "namer":  # the user's own batches are named as the user's code does
+                if not self.user:
+                    text = "passes on the harness's batch, whose fields are named already"
+                    self._bind(chain, lambda batch, *args, **kwargs: batch, text, namespace)
             elif chain in stages:
                 part = "encoder" if chain == self.plan.stages[0] else "decoder"
                 self._bind(
