@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import textwrap
 
 import pytest
@@ -11,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from conftest import FIXTURES
+from conftest import FIXTURES, gaaudit
 
 from gaaudit.harness.analysis import analyse
 from gaaudit.harness.data import make_window, merge_batches
@@ -2008,6 +2009,96 @@ def test_the_options_of_the_scripts_calling_a_function_reach_its_arguments(tmp_p
         "parser.add_argument('--lr', type=float, default=0.1)\n"
     )
     assert _caller_options(engine, "train_one_epoch") == (("precision", "bf16"), ("weight", 0.5))
+
+
+# A script whose rows are cut to a context length set by an option, sharded by a helper of its
+# own package (which imports a library missing here) in a layout that the script leaves unset,
+# and scored by a loss class of a kernel library missing here too.
+SHARDED = {
+    "train.py": """\
+import argparse
+
+import torch
+from accelerate import Accelerator
+from fused_kernels_not_installed.losses import CrossEntropyLoss
+
+from shardkit import local_shard
+
+
+def main(args, model, optimizer, loader):
+    accelerator = Accelerator(gradient_accumulation_steps=args.accumulation_steps)
+    loss_fn = CrossEntropyLoss(backward_in_place=True)
+    for batch in loader:
+        rows = batch["input_ids"][..., : args.context + 1]
+        positions = torch.arange(args.context).expand(rows.shape[0], -1)
+        shard = local_shard(
+            args.layout,
+            rows[..., :-1],
+            rows[..., 1:],
+            positions,
+            accelerator.process_index,
+            accelerator.num_processes,
+        )
+        with accelerator.accumulate(model):
+            logits = model(shard["inputs"], position_ids=shard["positions"]).logits
+            loss = loss_fn(logits.reshape(-1, logits.shape[-1]), shard["targets"].reshape(-1))
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--accumulation-steps", type=int, default=8)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--layout", choices=["striped", "blocked"])
+    main(parser.parse_args(), None, None, None)
+""",
+    "shardkit/__init__.py": """\
+from ring_exchange_not_installed import all_to_all
+
+from .layouts import blocked, striped
+
+
+def local_shard(layout, inputs, targets, positions, rank, world):
+    if layout == "striped":
+        pick = striped
+    elif layout == "blocked":
+        pick = blocked
+    else:
+        raise ValueError(f"unknown layout {layout}")
+    named = {"inputs": inputs, "targets": targets, "positions": positions}
+    return {name: pick(rows, rank, world) for name, rows in named.items()}
+""",
+    "shardkit/layouts.py": """\
+import torch
+
+
+def striped(rows, rank, world):
+    parts = rows.chunk(2 * world, dim=1)
+    return torch.cat([parts[rank], parts[2 * world - 1 - rank]], dim=1)
+
+
+def blocked(rows, rank, world):
+    return rows.chunk(world, dim=1)[rank]
+""",
+}
+
+
+def test_rows_cut_to_an_option_and_sharded_by_a_module_that_cannot_be_imported(tmp_path):
+    """A package of the project whose import fails (a library missing here) is defined from
+    its source, so its sharding runs; the layout the script leaves unset is the first of its
+    choices; the context length the rows are cut to is the harness's rows'; the loss class of
+    a missing kernel library is the harness's cross-entropy. Every target is a token of the
+    rows, cut to one length: accelerate's mean/K is exact."""
+    for relative, text in SHARDED.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    result = gaaudit("verify", "train.py", "-k", "4", "--device", "cpu", "-f", "json", cwd=tmp_path)
+    assert "Traceback" not in result.stderr, result.stderr
+    (loop,) = json.loads(result.stdout)["loops"]
+    (row,) = loop["rows"]
+    assert row["original_verdict"] == "verified" and row["original_error"] < 1e-5, row
 
 
 DRAWN_WHOLE_AND_CUT = """\

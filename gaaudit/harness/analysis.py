@@ -185,6 +185,9 @@ class Plan:
     rebound: frozenset[str] = frozenset()  # imported names assigned again before the statement
     # data bound before the statement to an enumeration of itself: `it = enumerate(loader)`
     enumerated: frozenset[Chain] = frozenset()
+    # names that cut each row of a batch to a length, with what is added to them:
+    # `batch["input_ids"][..., : args.seq_length + 1]` (`args.seq_length`: 1)
+    row_cuts: dict[Chain, int] = field(default_factory=dict)
     # methods the statement calls on its model after its optimizer steps: `model.get_flops()`
     after_step: frozenset[str] = frozenset()
 
@@ -192,9 +195,10 @@ class Plan:
 def argument_defaults(tree: ast.Module, every: bool = False) -> dict[str, object]:
     """The file's command-line options with a numeric or boolean literal default
     (`parser.add_argument("--ignore_index", default=-100)`), or a string among its literal
-    `choices` (a mode, not a path: `--precision`), by destination: the values a user who runs
-    the script without arguments gets; `every`: any literal default, and the flags that
-    `store_true` (False) or `store_false` (True)."""
+    `choices` (a mode, not a path: `--precision`), the first of them where it has no default
+    (`--parallel-mode`, which a run must set), by destination: the values a user who runs
+    the script without arguments gets; `every`: any literal default (an unset mode is None,
+    as argparse leaves it), and the flags that `store_true` (False) or `store_false` (True)."""
     defaults = {}
     for node in ast.walk(tree):
         if not (
@@ -214,6 +218,9 @@ def argument_defaults(tree: ast.Module, every: bool = False) -> dict[str, object
         if every and not ok and stored in ("store_true", "store_false"):
             ok, value = True, stored == "store_false"
         choices = literal(keywords["choices"])[1] if "choices" in keywords else None
+        modes = isinstance(choices, (list, tuple)) and choices and choices[0]
+        if not every and "default" not in keywords and isinstance(modes, str):
+            ok, value = True, modes  # a mode the script leaves unset: a run picks one
         mode = isinstance(value, str) and isinstance(choices, (list, tuple)) and value in choices
         if (
             ok
@@ -944,6 +951,51 @@ def _tensor_batch(target: ast.stmt, usage: _Usage, models: list[Chain], data: li
     )
 
 
+def _row_cuts(target: ast.stmt, usage: _Usage, data: list[Chain], free: set) -> dict[Chain, int]:
+    """The free names (and their attributes) that cut each row of a batch to a length, the
+    last index of several whose others take all (`batch["input_ids"][..., : args.seq_length +
+    1]`, `x[:, :block]`), with what is added to them: the harness's rows have a length of
+    their own, which a script's setting (thousands of tokens) does not fit."""
+    names = {usage.items[c] for c in data if c in usage.items}
+    cuts: dict[Chain, int] = {}
+    for node in ast.walk(target):
+        if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple)):
+            continue
+        *others, last = node.slice.elts
+        taken = node.value
+        while isinstance(taken, (ast.Subscript, ast.Attribute)):
+            taken = taken.value
+        if not (
+            isinstance(taken, ast.Name)
+            and taken.id in names
+            and others
+            and all(_takes_all(index) for index in others)
+            and isinstance(last, ast.Slice)
+            and last.lower is None
+            and last.step is None
+        ):
+            continue
+        upper, added = last.upper, 0
+        if (
+            isinstance(upper, ast.BinOp)
+            and isinstance(upper.op, ast.Add)
+            and isinstance(upper.right, ast.Constant)
+            and type(upper.right.value) is int
+        ):
+            upper, added = upper.left, upper.right.value
+        chain = chain_of(upper) if upper is not None else None
+        if chain and chain[0] in free:
+            cuts.setdefault(chain, added)
+    return cuts
+
+
+def _takes_all(index: ast.expr) -> bool:
+    """`...` or `:`."""
+    if isinstance(index, ast.Slice):
+        return index.lower is None and index.upper is None and index.step is None
+    return isinstance(index, ast.Constant) and index.value is Ellipsis
+
+
 def _sliced(node: ast.expr) -> bool:
     """`batch[:, 0:block_size]`: a window of each row of a token tensor (lit-gpt's inputs and
     targets), not a field of a tuple or a dict."""
@@ -1441,8 +1493,9 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
             roles[item.chain] = "turns"
     module_constants = constants(list(_module_level(tree.body)))
     derived = _evaluable(derived, roles, unbound, module_constants, owner)
-    for item in derived:
-        roles.pop(item.chain, None)
+    for item in derived:  # a loss keeps its stand-in where the user's does not evaluate
+        if roles.get(item.chain) != "criterion":
+            roles.pop(item.chain, None)
     data = [
         c for c, r in roles.items() if r in DATA_ROLES and (c[0] not in imported or c[0] in rebound)
     ]
@@ -1504,6 +1557,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         data_keys=_positional_keys(usage, data),
         data_aliases={k: field for k in usage.keys if (field := _batch_field(k)) is not None},
         data_tensor=_tensor_batch(target, usage, models, data),
+        row_cuts=_row_cuts(target, usage, data, set(free) - {c[0] for c in roles if len(c) == 1}),
         keyword_batch=any(_splatted(call) for c in models for call, _ in usage.calls.get(c, [])),
         returns=_returns(usage, models),
         uses_accumulate=any(

@@ -190,6 +190,11 @@ class Objects:
                 )
             else:
                 self._bind(chain, *described[role], namespace, imported=role == "divisor")
+        length = _row_length(items[0]) if items else None
+        for chain, added in plan.row_cuts.items() if length is not None else ():
+            cut = f"`{'.'.join(chain)}{f' + {added}' if added else ''}`"
+            text = f"{length - added}: the harness's rows hold {length} tokens, cut at {cut}"
+            self._bind(chain, length - added, text, namespace)
         for name, value in plan.initial.items():
             if name not in self.values and name not in namespace:
                 self.values[name] = value
@@ -401,6 +406,20 @@ def _samples(batch) -> int:
         return 1
     nested = (v for v in values if isinstance(v, (torch.Tensor, Mapping, list, tuple)))
     return next((_samples(v) for v in nested), 1)
+
+
+def _row_length(batch) -> int | None:
+    """The length of a batch's rows: the last dimension of its `input_ids`, else of its first
+    tensor; None where it holds none."""
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        batch = batch["input_ids"]
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[-1] if batch.dim() > 1 else None
+    values = list(batch.values()) if isinstance(batch, Mapping) else batch
+    if not isinstance(values, (list, tuple)):
+        return None
+    nested = (v for v in values if isinstance(v, (torch.Tensor, Mapping, list, tuple)))
+    return next((_row_length(v) for v in nested), None)
 
 
 def lightning_base(cls: type) -> type:

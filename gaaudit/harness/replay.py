@@ -47,6 +47,7 @@ from gaaudit.harness.gradcheck import (
 )
 from gaaudit.harness.models import build_model, ignore_value
 from gaaudit.harness.nets import NOISED_KINDS
+from gaaudit.harness.project import project_import
 from gaaudit.harness.stubs import (
     Exhausted,
     Progress,
@@ -670,7 +671,8 @@ def module_namespace(plan: Plan, filename: str) -> dict:
     """Module globals: `range` that tolerates stub limits, `enumerate` stub starts, `round`
     that takes tensors, `isinstance` that takes a stub for a class, `getattr` by a stub name,
     `open` that tolerates stub paths, the source's imports (stubs for those that fail, but a
-    batch mover such as `to_device`, which moves the batch; trackers and tqdm replaced), then
+    batch mover such as `to_device`, which moves the batch, and a module of the project, which
+    is defined from its source: `project.project_import`; trackers and tqdm replaced), then
     the module-level helpers the statement uses (stubs read in them as in the statement:
     `_Stubs`)."""
     namespace = {
@@ -685,14 +687,18 @@ def module_namespace(plan: Plan, filename: str) -> dict:
         _UNPACK: _unpacked,
         _UNSET: _unset,
     }
+    modules: dict = {}
     for node in plan.imports:
         try:
             exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
         except (Exception, SystemExit):  # noqa: BLE001 - its names become stubs
             for alias in node.names:
                 name = alias.asname or alias.name.split(".")[0]
-                mover = alias.name in MOVERS  # `to_device(batch, device)`: moves, keeps all
-                namespace.setdefault(name, factory.to_device if mover else Stub(name))
+                if alias.name in MOVERS:  # `to_device(batch, device)`: moves, keeps all
+                    namespace.setdefault(name, factory.to_device)
+                    continue
+                found = project_import(node, alias, filename, Stub, modules)
+                namespace.setdefault(name, Stub(name) if found is None else found)
     for name, value in list(namespace.items()):
         module = (
             value.__name__

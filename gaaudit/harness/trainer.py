@@ -15,11 +15,9 @@ import functools
 import inspect
 import io
 import tempfile
-import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from transformers import (
@@ -31,10 +29,10 @@ from transformers import (
     TrainerCallback,
 )
 
-from gaaudit.discover.modules import locate
 from gaaudit.harness.factory import concatenate, current, current_data, to_device
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
 from gaaudit.harness.models import LABELS, batch_as_keywords, head
+from gaaudit.harness.project import constant, defined
 from gaaudit.harness.stubs import Stub
 
 MICRO = 2  # examples per micro-batch
@@ -82,67 +80,19 @@ def trainer_class(
 ) -> type:
     """Class (or function) `name` of `source`, defined with the file's imports that this
     environment has and its module-level classes, functions and literal constants
-    (`_defined`); a trainer class that cannot be imported (trl's `SFTTrainer`, say) stands
+    (`project.defined`); a trainer class that cannot be imported (trl's `SFTTrainer`, say) stands
     for the Trainer, and one the file does not define is transformers' class of that name.
     With `loss_func`, the class is built with that function of the file as its
     `compute_loss_func`; with `stand_ins`, the other names of imports that fail are stubs."""
-    namespace = _defined(source, filename, stand_ins, {})
+    namespace = defined(source, filename, functools.partial(_stand_in, stand_ins), {})
     cls = _as_called_before(_named(namespace, name))
     return _given(cls, _named(namespace, loss_func)) if loss_func else cls
 
 
-def _defined(source: str, filename: str, stand_ins: bool, modules: dict) -> dict:
-    """The namespace of `source`'s imports that this environment has and its module-level
-    classes, functions and literal constants. A module of the project that its import cannot
-    bring (a relative import, a package under `src/`, one that needs other releases of its
-    libraries) is defined so too (`_project_import`; `modules`: those defined, by path)."""
-    namespace: dict = {"__name__": "__gaaudit_trainer__"}
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            try:
-                exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
-            except Exception:  # noqa: BLE001 - a missing library: its trainers stand in
-                for alias in node.names:
-                    bound = alias.asname or alias.name.split(".")[0]
-                    found = _project_import(node, alias, filename, stand_ins, modules)
-                    if found is not None:
-                        namespace[bound] = found
-                    elif bound.endswith("Trainer"):
-                        namespace[bound] = Trainer
-                    elif stand_ins:
-                        namespace[bound] = Stub(bound)
-        elif isinstance(node, (ast.ClassDef, ast.FunctionDef)) or _constant(node):
-            with contextlib.suppress(Exception):
-                exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
-    return namespace
-
-
-def _project_import(node: ast.stmt, alias: ast.alias, filename: str, stand_ins: bool, modules):
-    """What `alias` of the import `node` binds when it names a module of the project, or a
-    name of one (`from .helpers import unpack`), with that module defined by `_defined`;
-    None when it names none."""
-    directory = Path(filename).resolve().parent
-    level = getattr(node, "level", 0)
-    if isinstance(node, ast.Import):
-        dotted = alias.name if alias.asname or "." not in alias.name else ""
-        path = dotted and locate(directory, 0, dotted, set())
-        return _project_module(path, stand_ins, modules) if path else None
-    submodule = locate(directory, level, f"{node.module or ''}.{alias.name}", set())
-    if submodule:
-        return _project_module(submodule, stand_ins, modules)
-    path = locate(directory, level, node.module or "", set())
-    return getattr(_project_module(path, stand_ins, modules), alias.name, None) if path else None
-
-
-def _project_module(path: Path, stand_ins: bool, modules: dict) -> types.ModuleType:
-    """The project's module at `path`, defined by `_defined` (once: an import cycle finds it
-    as far as it is defined); empty where it is no Python 3."""
-    if path not in modules:
-        modules[path] = module = types.ModuleType(path.stem)
-        text = path.read_text("utf-8", "replace")
-        with contextlib.suppress(SyntaxError, ValueError):
-            module.__dict__.update(_defined(text, str(path), stand_ins, modules))
-    return modules[path]
+def _stand_in(stand_ins: bool, name: str):
+    """What a name stands for whose import fails: transformers' Trainer for a trainer class
+    (trl's `SFTTrainer`), with `stand_ins` a stub for any other, else nothing."""
+    return Trainer if name.endswith("Trainer") else Stub(name) if stand_ins else None
 
 
 def _as_called_before(cls):
@@ -246,18 +196,6 @@ def _given(cls: type, loss_func) -> type:
 
     Given.__name__ = Given.__qualname__ = cls.__name__
     return Given
-
-
-def _constant(node: ast.stmt) -> bool:
-    """`IGNORE_INDEX = -100`: a module-level literal a method may read (nothing else of the
-    module runs: no model or data is loaded)."""
-    if not isinstance(node, ast.Assign):
-        return False
-    try:
-        ast.literal_eval(node.value)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False
-    return True
 
 
 def tiny_model(classifier: bool = False) -> torch.nn.Module:
@@ -396,7 +334,7 @@ def _paired_keys(source: str, name: str) -> tuple[str, ...]:
     listed = [
         node.value
         for node in tree.body
-        if _constant(node) and any(isinstance(t, ast.Name) and t.id in read for t in node.targets)
+        if constant(node) and any(isinstance(t, ast.Name) and t.id in read for t in node.targets)
     ]
     strings = [
         node.slice for cls in classes for node in ast.walk(cls) if isinstance(node, ast.Subscript)
