@@ -2132,3 +2132,23 @@ def test_a_batch_drawn_with_next_and_cut_by_size_over_k_is_the_whole_window(weig
     bindings = result.replay.bindings
     assert bindings["args.batch_size"].endswith("samples, the window's"), bindings
     assert bindings["stream"].startswith("the whole window as one batch"), bindings
+
+
+MASKED_AUTOENCODER = source("""
+    def pretrain(model, loader, optimizer, loss_scaler, accum_iter):
+        for step, (images, _) in enumerate(loader):
+            loss, _, _ = model(images, mask_ratio=0.75)
+            loss_scaler(loss / accum_iter, optimizer, update_grad=(step + 1) % accum_iter == 0)
+""")
+
+
+@pytest.mark.parametrize(("packed", "verdict"), [(True, "verified"), (False, "bug reproduced")])
+def test_a_model_handed_a_mask_ratio_is_a_masked_autoencoder(packed, verdict):
+    """`loss, _, _ = model(images, mask_ratio=0.75)` whose loss reaches a loss scaler scores
+    itself, as a masked autoencoder of images does, not a model of token sequences: it masks as
+    many patches of every image, so mean/K is exact on micro-batches of one size and off on
+    unequal ones."""
+    text = MASKED_AUTOENCODER
+    result = check(text, line_of(text, "def pretrain"), k=4, device="cpu", packed=packed)
+    assert result.replay.model_kind == "masked", result.replay.reason
+    assert result.verdict == verdict, result

@@ -24,6 +24,7 @@ from gaaudit.commands.verify import (
     DENOISED_BY_STAND_IN,
     REPRODUCED,
     SCORED_BY_FRAMES,
+    SCORED_BY_PATCHES,
     SCORED_BY_STAND_IN,
     VERIFIED,
 )
@@ -173,10 +174,6 @@ NOT_REPLAYABLE = {
         "not replayable: ValueError: You have to specify",
         ("You have to specify either input_ids or inputs_embeds",),
     ),
-    "ga007_loss_scaler_flag_from_zero": (
-        "not replayable: TypeError",
-        ("got an unexpected keyword argument 'mask_ratio'",),
-    ),
     # A LightningModule built from arguments stands in without its __init__ (the others of
     # these fixtures replay so); this one reads the encoder's hidden states, which the
     # harness's tiny model has not, so it asks for the user's module.
@@ -231,6 +228,7 @@ ALSO_REPLAYED = [
     "ga001_accelerate_self_scoring_keywords",
     "ga001_accelerate_tuple_fields_named_for_keywords",
     "ga001_loss_scaler_extra_loss_dict",
+    "ga001_exact_masked_autoencoder_loss_scaler",
     "ga001_mode_switched_keyword_dict",
     "ga001_model_handed_token_counts_in_dict",
     "ga002_base_trainer_abstract_step",
@@ -583,6 +581,16 @@ def test_a_model_that_scores_its_spectrogram_is_replayed_on_spectrograms(loops):
     assert loop["replayed"] == SCORED_BY_FRAMES, loop
     (row,) = loop["rows"]
     assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-2, row
+
+
+def test_a_masked_autoencoder_is_replayed_on_images_of_one_size(loops):
+    """A model handed its images and a mask ratio, whose loss reaches a loss scaler, is
+    replayed with a tiny masked autoencoder, which masks as many patches of every image; the
+    loader keeps full batches only, so mean/K matches the full batch."""
+    (loop,) = loops["ga001_exact_masked_autoencoder_loss_scaler"]
+    (row,) = loop["rows"]
+    assert loop["replayed"] == SCORED_BY_PATCHES and "drop_last=True" in loop["equal_sizes"], loop
+    assert row["original_verdict"] == VERIFIED and row["original_error"] < 1e-5, row
 
 
 def test_a_latent_diffusion_loop_is_replayed_on_images_and_captions(loops):

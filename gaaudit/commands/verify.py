@@ -110,6 +110,12 @@ SCORED_BY_FRAMES = (
     "error over the frames within each length): a model of yours that averages otherwise "
     "(over a masked span, per utterance) may differ; pass it with --model-factory"
 )
+# ... and on the tiny masked autoencoder (nets.TinyMaskedAutoencoder)
+SCORED_BY_PATCHES = (
+    "replayed with a tiny masked autoencoder that scores its own images (the mean squared error "
+    "of its reconstruction over the masked patches, as many in every image): a model of yours "
+    "whose masked count varies between images may differ; pass it with --model-factory"
+)
 # ... and on the latent-diffusion stand-ins (nets.TinyDenoiser and its companions)
 DENOISED_BY_STAND_IN = (
     "replayed with latent-diffusion stand-ins (a tiny denoiser that is also its text encoder, an "
@@ -121,6 +127,7 @@ DENOISED_BY_STAND_IN = (
 STAND_IN_NOTES = {
     "sequence": SCORED_BY_STAND_IN,
     "frames": SCORED_BY_FRAMES,
+    "masked": SCORED_BY_PATCHES,
     "latent": DENOISED_BY_STAND_IN,
 }
 # How a Trainer subclass written before transformers 4.46 is replayed (harness.trainer)

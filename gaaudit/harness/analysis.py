@@ -37,6 +37,8 @@ ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip", "log_every"}
 HF_KWARGS = {"input_ids", "labels", "attention_mask", "decoder_input_ids", "inputs_embeds"}
 MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
 MELS = ("mel", "mels", "mel_spec")  # batch keys of spectrograms: the `frames` kind's inputs
+# the share of its inputs a model that scores itself masks: the `masked` kind's keyword
+MASK_RATIO_RE = re.compile(r"^mask_?ratio$", re.IGNORECASE)
 BATCH_KEYS = {  # names a loop unpacks a batch into, by the field of the harness's batches
     **dict.fromkeys(
         ("input_ids", "ids", "tokens", "input_tokens", "source_ids", "src", "inputs", "x", "seq"),
@@ -1107,7 +1109,9 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
             shapes.add("teacher")  # `out = model(x, y); F.nll_loss(out, y.view(-1))`
         elif len(call.args) == 2 or "targets" in keywords:
             shapes.add("nanogpt")
-        elif _backwarded_result(usage, parent) and not (call.args and _keyed(call.args[0])):
+        elif _backwarded_result(usage, parent, scaled=True) and not (
+            call.args and _keyed(call.args[0])
+        ):
             shapes.add("sequence")  # `loss, parts = model(wave, ...)`: it scores itself
         elif _reads_output(parent) or (
             isinstance(parent, ast.Assign)
@@ -1145,8 +1149,8 @@ def _scored_against(usage: _Usage, call: ast.Call, parent) -> bool:
 def _backwarded_result(usage: _Usage, parent, scaled: bool = False) -> bool:
     """The call's value, or the first it unpacks into, is what the loop's backward starts
     from (`scaled`: or what it hands a loss scaler): the model computes its loss itself. (An
-    image model handed only its inputs may score itself too, MAE's; a loss scaler alone does
-    not make it a token sequence's.)"""
+    image model handed only its inputs may score itself too: a masked autoencoder, told by
+    the mask ratio it is handed.)"""
     if not isinstance(parent, ast.Assign) or len(parent.targets) != 1:
         return False
     target = parent.targets[0]
@@ -1515,6 +1519,13 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         kind = "pooled"  # `model(x)[:, -1, :]` scored against one label per sequence
     if kind == "sequence" and usage.keys & set(MELS):
         kind = "frames"  # a model that scores the spectrogram it is handed: TTS trainers
+    if kind == "sequence" and any(
+        MASK_RATIO_RE.match(k.arg or "")
+        for c in models
+        for call, _ in usage.calls.get(c, [])
+        for k in call.keywords
+    ):
+        kind = "masked"  # `model(images, mask_ratio=0.75)`: a masked autoencoder's, MAE's
     prefetch = {
         c: usage.assigned[c]
         for c in data

@@ -2,9 +2,10 @@
 models: image classification (`image`), per-pixel segmentation (`segment`), regression
 (`regression`), an encoder-decoder called as two models (`pair`) or by keywords (`keyed`),
 a model that scores its token sequence itself (`sequence`), one that scores its
-spectrogram frames itself (`frames`), and the parts of a latent-diffusion loop (`latent`): a
-denoiser that is also its text encoder, an autoencoder, a noise schedule, and the diffusion
-and timestep sampler of openai's diffusion trainers."""
+spectrogram frames itself (`frames`), a masked autoencoder that scores its reconstruction of
+each image's masked patches itself (`masked`), and the parts of a latent-diffusion loop
+(`latent`): a denoiser that is also its text encoder, an autoencoder, a noise schedule, and
+the diffusion and timestep sampler of openai's diffusion trainers."""
 
 from __future__ import annotations
 
@@ -16,15 +17,25 @@ from torch.nn import functional as F
 
 from gaaudit.harness.analysis import BATCH_KEYS
 
-NET_KINDS = ("image", "segment", "regression", "pair", "keyed", "sequence", "frames", "latent")
+NET_KINDS = (
+    "image",
+    "segment",
+    "regression",
+    "pair",
+    "keyed",
+    "sequence",
+    "frames",
+    "masked",
+    "latent",
+)
 PAD_ID = 0  # the padding of the harness's token sequences (their tokens start at 2)
 # Kinds whose samples are token sequences of varied length, padded with PAD_ID in a batch.
 PADDED_KINDS = ("pair", "keyed", "sequence")
 # Kinds whose samples hold as many targets each, none ignored (one: an image or a sequence
-# classified, a regression; every element of equal latents): the valid count of a
-# micro-batch follows its number of samples, so the harness makes the micro-batches differ in
-# size.
-SIZED_KINDS = ("image", "regression", "classify", "pooled", "latent")
+# classified, a regression; every element of equal latents; a masked autoencoder's share of
+# each image's patches): the valid count of a micro-batch follows its number of samples, so
+# the harness makes the micro-batches differ in size.
+SIZED_KINDS = ("image", "regression", "classify", "pooled", "latent", "masked")
 # Kinds whose loops draw noise of their own: the reference is the loop's own step on the whole
 # window as one micro-batch (see replay._Session), not a loss of the harness's.
 NOISED_KINDS = ("latent",)
@@ -35,6 +46,9 @@ WIDTH = 16
 CHANNELS = 8  # of a spectrogram frame
 PROMPT = 6  # tokens of a latent-diffusion caption, padded to one length as CLIP's tokenizer does
 TIMESTEPS = 1000  # of the latent kind's noise schedule
+PATCH = 2  # the side of a masked autoencoder's square patches
+# of an image's patches, those a masked autoencoder masks: MAE's default ratio, 0.75
+MASKED = 3 * (IMAGE_SHAPE[1] // PATCH) * (IMAGE_SHAPE[2] // PATCH) // 4
 
 
 class TinyImageClassifier(nn.Module):
@@ -185,6 +199,34 @@ class TinyFrameModel(nn.Module):
         loss = errors[valid].mean()
         if options.get("return_count"):
             return _counted(loss, valid.sum(), self.returns)
+        return as_unpacked(loss, self.returns)
+
+
+class TinyMaskedAutoencoder(nn.Module):
+    """A model that masks a share of each image's patches and scores its reconstruction of
+    them itself, as MAE's: `forward(images (B, 3, H, W), *others, **options) -> loss`, the
+    mean squared error of each masked patch's reconstruction over the masked patches. It masks
+    MASKED of every image's PATCH x PATCH patches (whatever ratio it is handed), those of the
+    largest mean, so that an image's mask does not depend on its micro-batch: the count
+    follows the number of images. `returns` as TinySequenceModel's (MAE's `loss, _, _`)."""
+
+    def __init__(self, returns: tuple | None = None):
+        super().__init__()
+        size = IMAGE_SHAPE[0] * PATCH * PATCH
+        self.encode = nn.Linear(size, WIDTH)
+        self.decode = nn.Sequential(nn.Tanh(), nn.Linear(WIDTH, size))
+        self.returns = returns
+
+    def forward(self, images, *others, **options):
+        patches = F.unfold(images, PATCH, stride=PATCH).transpose(1, 2)  # (B, L, C * P * P)
+        ranks = patches.mean(-1).argsort(dim=1, descending=True)
+        mask = torch.zeros(patches.shape[:2], device=images.device)
+        mask.scatter_(1, ranks[:, :MASKED], 1.0)
+        hidden = self.encode(patches * (1 - mask).unsqueeze(-1))
+        context = hidden.sum(1, keepdim=True) / (1 - mask).sum(1)[:, None, None]
+        predictions = self.decode(hidden + context)
+        errors = ((predictions - patches) ** 2).mean(-1).float()
+        loss = (errors * mask).sum() / mask.sum()
         return as_unpacked(loss, self.returns)
 
 
@@ -352,6 +394,8 @@ def build_net(kind: str, vocab: int, returns: tuple | None = None) -> nn.Module:
         return TinySequenceModel(vocab, returns)
     if kind == "frames":
         return TinyFrameModel(returns)
+    if kind == "masked":
+        return TinyMaskedAutoencoder(returns)
     if kind == "keyed":
         return TinyKeyedSeq2Seq(vocab)
     if kind == "latent":
@@ -378,6 +422,8 @@ def net_loss(
         return model(inputs, return_loss=True)
     if kind == "frames":  # channels first, as a spectrogram batch holds them
         return model(inputs.transpose(1, 2), lens=labels, return_count=True)[0]
+    if kind == "masked":
+        return model(inputs)
     if kind == "keyed":
         mask = (labels != ignore_index).long()
         return model(source_ids=inputs, target_ids=labels, target_mask=mask)[0]
@@ -393,10 +439,13 @@ def net_loss(
 
 def net_count(kind: str, batch: dict, ignore_index: int) -> torch.Tensor:
     """The number of counted targets: every regression target, every frame within a
-    spectrogram's length, the targets of the pair after the first position, else the labels
-    that are not `ignore_index`; every element of the latents of a latent-diffusion batch."""
+    spectrogram's length, the masked patches of each image, the targets of the pair after the
+    first position, else the labels that are not `ignore_index`; every element of the latents
+    of a latent-diffusion batch."""
     if kind == "latent":
         return torch.tensor(batch["pixel_values"].numel())
+    if kind == "masked":
+        return torch.tensor(len(batch["input_ids"]) * MASKED)
     labels = batch["labels"]
     if kind == "regression":
         return torch.tensor(labels.numel())
@@ -429,7 +478,7 @@ def net_record(kind: str, gen: torch.Generator, length, tokens, ignore_index: in
             "labels": torch.tensor(frames),
         }
     image = torch.randn(IMAGE_SHAPE, generator=gen)
-    if kind == "image":
+    if kind in ("image", "masked"):  # an image and its class
         return {"input_ids": image, "labels": torch.randint(CLASSES, (), generator=gen)}
     pixels = torch.randint(CLASSES, IMAGE_SHAPE[1:], generator=gen)
     kept = float(torch.empty(()).uniform_(0.2, 1.0, generator=gen))
