@@ -2152,3 +2152,15 @@ def test_a_model_handed_a_mask_ratio_is_a_masked_autoencoder(packed, verdict):
     result = check(text, line_of(text, "def pretrain"), k=4, device="cpu", packed=packed)
     assert result.replay.model_kind == "masked", result.replay.reason
     assert result.verdict == verdict, result
+
+
+def test_a_metric_logged_engine_handing_its_model_the_whole_batch_is_replayed():
+    """`model(batch, mode=mode)` whose first loss reaches a loss scaler scores the dict batch
+    it is handed (the stand-in reads its token ids); a metric logger's `log_every(loader,
+    len(loader) // 20)` serves the loader (the harness's is too short for that frequency), and
+    a schedule computed from an option left unset (`--lr` None) leaves the groups' rate a
+    number, which the loop logs."""
+    text = (FIXTURES / "ga001_loss_scaler_whole_batch_task_modes.py").read_text()
+    result = check(text, line_of(text, "def train_one_epoch"), k=4, device="cpu")
+    assert result.replay.model_kind == "sequence", result.replay.reason
+    assert result.verdict == "bug reproduced", result

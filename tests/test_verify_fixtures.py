@@ -228,6 +228,7 @@ ALSO_REPLAYED = [
     "ga001_accelerate_self_scoring_keywords",
     "ga001_accelerate_tuple_fields_named_for_keywords",
     "ga001_loss_scaler_extra_loss_dict",
+    "ga001_loss_scaler_whole_batch_task_modes",
     "ga001_exact_masked_autoencoder_loss_scaler",
     "ga001_mode_switched_keyword_dict",
     "ga001_model_handed_token_counts_in_dict",
@@ -591,6 +592,16 @@ def test_a_masked_autoencoder_is_replayed_on_images_of_one_size(loops):
     (row,) = loop["rows"]
     assert loop["replayed"] == SCORED_BY_PATCHES and "drop_last=True" in loop["equal_sizes"], loop
     assert row["original_verdict"] == VERIFIED and row["original_error"] < 1e-5, row
+
+
+def test_an_engine_handing_its_model_the_whole_batch_reproduces_the_bug(loops):
+    """An engine that hands its model the whole batch and a task mode, iterates through its
+    metric logger and sets the rate from unset options is replayed with the stand-in that
+    scores token sequences: mean/K over answers of varied length is off."""
+    (loop,) = loops["ga001_loss_scaler_whole_batch_task_modes"]
+    (row,) = loop["rows"]
+    assert loop["replayed"] == SCORED_BY_STAND_IN, loop
+    assert row["original_verdict"] == REPRODUCED and row["original_error"] > 1e-2, row
 
 
 def test_a_latent_diffusion_loop_is_replayed_on_images_and_captions(loops):

@@ -31,9 +31,11 @@ from gaaudit.harness.surroundings import (
 
 LOOPS = (ast.For, ast.While)
 DEFS = (ast.FunctionDef,)
-# Calls that iterate their first argument: `enumerate(tqdm(loader))`, and the metric loggers
-# of timm-style engines, `metric_logger.log_every(data_loader, print_freq, header)`.
-ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip", "log_every"}
+# The metric loggers of timm-style engines, which time and print what they iterate:
+# `metric_logger.log_every(data_loader, print_freq, header)`.
+LOGGING_WRAPPERS = {"log_every"}
+# Calls that iterate their first argument: `enumerate(tqdm(loader))`, and those loggers.
+ITER_WRAPPERS = {"enumerate", "tqdm", "iter", "islice", "zip", *LOGGING_WRAPPERS}
 HF_KWARGS = {"input_ids", "labels", "attention_mask", "decoder_input_ids", "inputs_embeds"}
 MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "generate"}
 MELS = ("mel", "mels", "mel_spec")  # batch keys of spectrograms: the `frames` kind's inputs

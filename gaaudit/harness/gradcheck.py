@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from gaaudit.harness.data import Window
 from gaaudit.harness.models import mean_token_loss
+from gaaudit.harness.stubs import Stub
 
 DTYPES = {
     "float32": torch.float32,
@@ -147,10 +148,16 @@ class StepReached(BaseException):
 
 class _Group(dict):
     """A parameter group that answers 1.0 for a key the user's own groups would carry (a
-    layer-wise `lr_scale` that a schedule multiplies the learning rate by)."""
+    layer-wise `lr_scale` that a schedule multiplies the learning rate by), and keeps its
+    number where a schedule computed from stand-ins (options the harness could not bind)
+    writes a stub: the loop reads it back as a number (`metric_logger.update(lr=...)`)."""
 
     def __missing__(self, key):
         return 1.0
+
+    def __setitem__(self, key, value):
+        if not isinstance(value, Stub):
+            super().__setitem__(key, value)
 
 
 class SeededRows(TorchFunctionMode):

@@ -169,6 +169,8 @@ class TinySequenceModel(nn.Module):
         if seq is None:  # handed by keyword, `model(**batch)`: the batch's token ids, by
             # any name that says them (`model(**{"source_ids": batch[0], ...})`)
             seq = next((v for k, v in options.items() if BATCH_KEYS.get(k) == "input_ids"), None)
+        elif isinstance(seq, dict):  # the whole batch, `model(data, mode=mode)`: its token ids
+            seq = seq["input_ids"]
         logits = self.out(self.embed(seq[:, :-1]))
         if not return_loss:
             return logits

@@ -27,7 +27,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gaaudit.harness import factory
-from gaaudit.harness.analysis import NotReplayable, Plan, analyse, disables_grad
+from gaaudit.harness.analysis import (
+    LOGGING_WRAPPERS,
+    NotReplayable,
+    Plan,
+    analyse,
+    disables_grad,
+)
 from gaaudit.harness.bindings import Caller, Objects
 from gaaudit.harness.data import Window, make_window, merge_batches
 from gaaudit.harness.gradcheck import (
@@ -733,7 +739,8 @@ def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
     target is defined without its decorators), and the keyword arguments to call it with."""
     values = objects.values
     namespace.update({n: v for n, v in values.items() if n not in (plan.params or ())})
-    target = _Stubs().visit(_EvaluationLeftOut(plan.target).visit(copy.deepcopy(plan.target)))
+    target = copy.deepcopy(plan.target)
+    target = _Stubs().visit(_LoggingLeftOut().visit(_EvaluationLeftOut(plan.target).visit(target)))
     if plan.params is not None:
         target.decorator_list = []
         module = ast.fix_missing_locations(ast.Module([target], []))
@@ -777,6 +784,18 @@ class _EvaluationLeftOut(ast.NodeTransformer):
         if evaluates and not calls & GRADIENT_CALLS and not only_here & set(self.reads - reads):
             return ast.copy_location(ast.Pass(), node)
         return self.generic_visit(node)
+
+
+class _LoggingLeftOut(ast.NodeTransformer):
+    """A metric logger's iteration (`metric_logger.log_every(loader, print_freq, header)`) is
+    its loader: the logger only times and prints it, every `print_freq` items, which a loop may
+    compute from the loader's length (`len(loader) // 50`), 0 for the harness's window."""
+
+    def visit_Call(self, node: ast.Call) -> ast.expr:
+        self.generic_visit(node)
+        if getattr(node.func, "attr", None) in LOGGING_WRAPPERS and node.args:
+            return node.args[0]
+        return node
 
 
 def _called(call: ast.Call) -> str:
