@@ -1548,6 +1548,23 @@ def test_a_model_that_scores_its_own_sequences_is_replayed(loop, packed):
         assert result.verdict == "bug reproduced" and result.error > 1e-2, result.verdict
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_part_or_switch_of_the_users_model_is_unset_and_its_loss_breakdown_reads_zero(packed):
+    """A trainer reads its model's critic and adversarial switch before the micro-steps, which
+    the tiny model has not (each a stub: the critic is used after the step, the switch left
+    unset), and logs a term of the loss breakdown it unpacks (zero). The loss is what decides:
+    mean/K is off on sequences of varied length, exact on fixed-length ones."""
+    text = (FIXTURES / "ga001_exact_annotated_tokenizer_parts_read.py").read_text()
+    result = check(text, line_of(text, "def train_step"), k=4, device="cpu", packed=packed)
+    bindings = result.replay.bindings
+    assert bindings["model.critic"].startswith("stub: a part or a switch of your model"), bindings
+    assert "model.adversarial" in bindings, bindings
+    if packed:
+        assert result.verdict == "verified" and result.error < 1e-5, result.verdict
+    else:
+        assert result.verdict == "bug reproduced" and result.error > 1e-2, result.verdict
+
+
 # MEGABYTE's training script as `gaaudit fix` leaves it: the model (rewritten in its own
 # module) returns its count when asked, and the optimizer's name rebinds an imported module.
 COUNT_RETURNED = source("""

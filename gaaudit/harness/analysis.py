@@ -194,6 +194,9 @@ class Plan:
     row_cuts: dict[Chain, int] = field(default_factory=dict)
     # methods the statement calls on its model after its optimizer steps: `model.get_flops()`
     after_step: frozenset[str] = frozenset()
+    # attributes the statement reads on its model without calling them or reading further
+    # into them: a part or a switch of the user's model (`discr = model.discr`, `model.use_gan`)
+    model_reads: frozenset[str] = frozenset()
 
 
 def argument_defaults(tree: ast.Module, every: bool = False) -> dict[str, object]:
@@ -1563,6 +1566,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         rebound=frozenset(rebound),
         enumerated=frozenset(c for c in data if "enumerated" in usage.evidence.get(c, ())),
         after_step=_called_after_step(target, usage, roles),
+        model_reads=_read_on_model(target, roles),
         model_kind=kind,
         ignore_index=_ignore_index(source, module_constants, kind),
         data_arity=arity,
@@ -1874,6 +1878,21 @@ def _called_after_step(target: ast.stmt, usage: _Usage, roles: dict) -> frozense
         if steps and roles.get(chain[:-1]) == "model"
         for call, _ in calls
         if id(call) in inside and call.lineno > min(steps)
+    )
+
+
+def _read_on_model(target: ast.stmt, roles: dict) -> frozenset[str]:
+    """The attributes the statement reads whole on a model, neither calling them nor reading
+    further into them: `discr = model.discr`, `if model.use_gan:`."""
+    parents = {child: node for node in ast.walk(target) for child in ast.iter_child_nodes(node)}
+    return frozenset(
+        node.attr
+        for node in ast.walk(target)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Load)
+        and roles.get(chain_of(node.value)) == "model"
+        and not isinstance(parent := parents.get(node), ast.Attribute)
+        and not (isinstance(parent, ast.Call) and parent.func is node)
     )
 
 

@@ -115,6 +115,12 @@ class Objects:
                 "stub: a method of your model, called after the optimizer step, that the "
                 "harness's model does not have"
             )
+        for name in plan.model_reads - set(dir(model)):
+            setattr(model, name, Stub(f"model.{name}"))
+            self.bindings[f"model.{name}"] = (
+                "stub: a part or a switch of your model that the harness's model does not "
+                "have, left unset"
+            )
         fabric = Fabric(
             "fabric",
             {"clip_gradients": lambda *args, **kwargs: optimizer.clip("fabric.clip_gradients")},

@@ -12,7 +12,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from gaaudit.harness import factory
-from gaaudit.harness.nets import NET_KINDS, PAD_ID, as_unpacked, build_net, net_count, net_loss
+from gaaudit.harness.nets import (
+    NET_KINDS,
+    PAD_ID,
+    as_unpacked,
+    build_net,
+    lenient,
+    net_count,
+    net_loss,
+)
 
 VOCAB = 256
 MAX_POSITIONS = 128
@@ -64,6 +72,8 @@ class TinyGPT(nn.Module):
     ignores `ignore_index` (-1 as in nanoGPT) and is also kept as `last_loss` (llama2.c's
     `loss = raw_model.last_loss`); other keywords (`return_logits=False`) are taken and
     ignored."""
+
+    last_loss: torch.Tensor | None = None  # until its first forward
 
     def __init__(self, width: int = 64, ignore_index: int = -1):
         super().__init__()
@@ -240,7 +250,7 @@ def _lenient_output(module: nn.Module, inputs, output):
     """A transformers output whose missing `..._loss` attributes (`res.aux_loss` of a
     mixture-of-experts model) read as zero: a term the tiny model does not have."""
     if isinstance(output, dict):  # a ModelOutput, not the tuple of `return_dict=False`
-        output.__class__ = _lenient(type(output))
+        output.__class__ = lenient(type(output))
     return output
 
 
@@ -249,16 +259,6 @@ def _as_tuple(size: int, module: nn.Module, inputs, output):
     (`loss, logits = model(...)`, `lm_loss, *_ = model(...)`), as releases before
     `return_dict` returned it, without what the loop does not name (the cache)."""
     return output.to_tuple()[:size] if isinstance(output, dict) else output
-
-
-@functools.cache
-def _lenient(cls: type) -> type:
-    def __getattr__(self, name: str):
-        if name.endswith("_loss"):
-            return torch.zeros(())
-        raise AttributeError(f"'{cls.__name__}' object has no attribute '{name}'")
-
-    return type(cls.__name__, (cls,), {"__getattr__": __getattr__})
 
 
 def mean_token_loss(

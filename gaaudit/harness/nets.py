@@ -9,6 +9,7 @@ the diffusion and timestep sampler of openai's diffusion trainers."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -361,15 +362,33 @@ class TimestepSampler:
         return timesteps, torch.ones(batch_size, device=self.device)
 
 
+@functools.cache
+def lenient(cls: type) -> type:
+    """`cls` whose missing `..._loss` attributes read as zero (`res.aux_loss` of a
+    mixture-of-experts model, `breakdown.recon_loss`): a term the tiny model does not have.
+    A tensor of it computes plain tensors."""
+
+    def __getattr__(self, name: str):
+        if name.endswith("_loss"):
+            return torch.zeros(())
+        raise AttributeError(f"'{cls.__name__}' object has no attribute '{name}'")
+
+    body = {"__getattr__": __getattr__}
+    if issubclass(cls, torch.Tensor):
+        body["__torch_function__"] = torch._C._disabled_torch_function_impl
+    return type(cls.__name__, (cls,), body)
+
+
 def as_unpacked(loss: torch.Tensor, returns: tuple | None):
     """`loss` (or logits) in the shape the loop unpacks (nested tuples of None): it first,
-    zeros in the other places, and no entries in a mapping (`dict`) of further losses."""
+    zeros in the other places (a breakdown of the loss: its `..._loss` terms read as zero
+    too), and no entries in a mapping (`dict`) of further losses."""
 
     def shaped(part, first: bool):
         if part is dict:
             return {}
         if part is None:
-            return loss if first else loss.new_zeros(())
+            return loss if first else loss.new_zeros(()).as_subclass(lenient(torch.Tensor))
         return tuple(shaped(p, first and not i) for i, p in enumerate(part))
 
     return shaped(returns, True)
