@@ -88,6 +88,10 @@ def test_messages_and_hints_speak_of_the_loss_gaaudit_saw():
     assert "fewer elements" in dense.message
     (tokens,) = check_file(FIXTURES / "ga001_padded_documents_ignore_index.py", ALL).findings
     assert tokens.message.startswith("Mean loss") and "valid-token" in tokens.hint
+    # a model handed in under a class annotation: the class tells what it models
+    annotated = check_file(FIXTURES / "ga001_exact_annotated_tokenizer_parts_read.py", ALL)
+    for finding in annotated.findings:
+        assert "`ImageTokenizer` models fixed-size images" in finding.evidence[-1], finding
 
 
 def test_step_after_a_skipping_guard_is_a_window(tmp_path):

@@ -216,6 +216,9 @@ FIXED_LENGTH = {
     # preference pairs under keys of their own (`chosen_input_ids`, `rejected_labels`): the
     # rejected side differs from the chosen one, so the margins (and gradients) are not zero
     "ga001_exact_dpo_pair_keys": "a pairwise preference loss, one element per pair",
+    # a tokenizer of images handed in under its class, with a critic and a switch the tiny
+    # model has not, and a breakdown of its loss logged before the step
+    "ga001_exact_annotated_tokenizer_parts_read": "`ImageTokenizer` models fixed-size images",
 }
 # Files without a fix that the tests below read from the same run (flagged loops `fix` leaves
 # as they are, and loops without a finding): one run spares each a replay process of its own,

@@ -58,8 +58,11 @@ DENSE_LOSSES = {
     "KLDivLoss", "BCELoss", "BCEWithLogitsLoss",
 }  # fmt: skip
 TOKEN_LOSSES = {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}
-# Models of images, latents or audio whose losses average over fixed-size tensors.
-DENSE_MODEL = re.compile(r"(?i)vae|autoencoder|unet|diffusion|discr|gan$|soundstream|codec")
+# Models of images, latents or audio whose losses average over fixed-size tensors (a
+# tokenizer that returns a loss learns the codes of images, video or audio).
+DENSE_MODEL = re.compile(
+    r"(?i)vae|autoencoder|unet|diffusion|discr|gan$|soundstream|codec|tokenizer$"
+)
 # Keywords of a model call that hand it the micro-batch's lengths or masks (`lens=`,
 # `target_mask=`): its loss then covers a varying number of positions.
 LENGTHS = re.compile(r"(?i)(?:^|_)(?:lens?|lengths?|mask)$|^num_\w*tokens$")
@@ -276,8 +279,13 @@ class Domains:
         known task (`loss = net(x, y)`, not transformers' `out.loss`) is a token loss only
         where the file shows tokens or hands the model the micro-batch's lengths or masks."""
         model = call.func if call is not None else None
-        if model is not None and DENSE_MODEL.search(last_name(model) or ""):
-            return Domain("dense", False, f"`{code(model)}` models fixed-size images or signals")
+        if model is not None:
+            annotated = self.tracer.annotated_class(model)  # `model: VideoTokenizer`
+            for named in (model, annotated) if annotated is not None else (model,):
+                if DENSE_MODEL.search(last_name(named) or ""):
+                    return Domain(
+                        "dense", False, f"`{code(named)}` models fixed-size images or signals"
+                    )
         found = self._task(model, 4) if model is not None else None
         if found is None and tasks(self.text) == {"classification"}:
             found = "classification"

@@ -412,7 +412,7 @@ class _Calls:
         if self.imports is None:
             return None
         found = self.imports.origin(func, call, index)
-        annotated = self._annotated_class(func) if found is None else None
+        annotated = self.annotated_class(func) if found is None else None
         if annotated is not None:
             found = self.imports.instance_origin(cst.Call(func=annotated), call, index)
         if found is None and call is not None:
@@ -436,7 +436,7 @@ class _Calls:
             function.name.value, names.index(func.value), func.value, call, index
         )
 
-    def _annotated_class(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
+    def annotated_class(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
         """The class a callee's parameter is annotated with (`model: SoundStorm`), followed
         through `self.model = model` in the same class."""
         name = dotted(func)
