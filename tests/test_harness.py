@@ -2181,3 +2181,51 @@ def test_a_metric_logged_engine_handing_its_model_the_whole_batch_is_replayed():
     result = check(text, line_of(text, "def train_one_epoch"), k=4, device="cpu")
     assert result.replay.model_kind == "sequence", result.replay.reason
     assert result.verdict == "bug reproduced", result
+
+
+RECORDED_TURNS = """\
+import argparse
+import torch.nn.functional as F
+
+def options():
+    p = argparse.ArgumentParser()
+    p.add_argument("--align", type=str)
+    p.add_argument("--head", type=str, default="soft")
+    p.add_argument("--accum", type=int, default=8)
+    return p.parse_args()
+
+def train(model, loader, optimizer, args):
+    turns = numbered(loader, args.accum)
+    for info, batch in turns:
+        if args.align == "shifted":
+            x, y = batch["input_ids"][:, :-1], batch["labels"][:, 1:]
+        elif args.align == "same":
+            x, y = batch["input_ids"], batch["labels"]
+        else:
+            raise KeyError(args.align)
+        if args.head in ("soft", "hard"):
+            out = model(input_ids=x, prefix=None)
+        else:
+            raise KeyError(args.head)
+        loss = F.cross_entropy(out.view(-1, out.size(-1)), y.reshape(-1))
+        loss.backward()
+        if info["index"] == args.accum - 1:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_a_record_of_the_turn_beside_each_batch_and_a_mode_the_loop_dispatches_on():
+    """`for info, batch in turns` with `info` read by keys no batch has: the data's items
+    lead with a record whose every item is the turn's count (the step comes at `index` K - 1).
+    `--align` has no default but the loop raises for any value it does not name: the first it
+    names; `--head` keeps its string default, which the loop compares with strings (a mode,
+    not a path). The model handed `input_ids=` whose result is viewed is the logits model."""
+    plan = analyse(RECORDED_TURNS, line_of(RECORDED_TURNS, "for info"))
+    assert plan.recorded == {("turns",)} and plan.data_arity == 0
+    assert plan.settings["align"] == "shifted" and plan.settings["head"] == "soft"
+    assert plan.model_kind == "logits"
+    result = check(RECORDED_TURNS, line_of(RECORDED_TURNS, "for info"), k=4, device="cpu")
+    assert result.verdict == "bug reproduced", result.replay.reason
+    assert result.error > 1, result.error  # K means summed, undivided
+    assert "record of the turn" in result.replay.bindings["turns"]

@@ -192,6 +192,8 @@ class Plan:
     # names that cut each row of a batch to a length, with what is added to them:
     # `batch["input_ids"][..., : args.seq_length + 1]` (`args.seq_length`: 1)
     row_cuts: dict[Chain, int] = field(default_factory=dict)
+    # data whose items lead with a record of the turn: `for meta, batch in it: meta["step"]`
+    recorded: frozenset[Chain] = frozenset()
     # methods the statement calls on its model after its optimizer steps: `model.get_flops()`
     after_step: frozenset[str] = frozenset()
     # attributes the statement reads on its model without calling them or reading further
@@ -534,23 +536,39 @@ def _tested_for_none(target: ast.AST, attributes: bool = False) -> set[str]:
     }
 
 
-def _compared_with_strings(target: ast.AST) -> set[str]:
-    """The attributes `target` compares with string literals (`if args.mask_way == "v2":`,
-    `args.mode in ("a", "b")`): options that choose a mode."""
+def _compared_with_strings(target: ast.AST) -> dict[str, list[str]]:
+    """The attributes of names that `target` compares with string literals (`args.mode ==
+    "apply"`, `args.mode in ("a", "b")`), with those strings."""
+    found: dict[str, list[str]] = {}
+    for n in ast.walk(target):
+        if isinstance(n, ast.Compare) and len(chain_of(n.left) or ()) == 2 and len(n.ops) == 1:
+            ok, value = literal(n.comparators[0])
+            strings = value if isinstance(value, (tuple, list, set)) else [value]
+            if ok and strings and all(isinstance(v, str) for v in strings):
+                in_order = sorted(strings) if isinstance(strings, set) else strings
+                found.setdefault(n.left.attr, []).extend(in_order)
+    return found
 
-    def strings(node: ast.expr) -> bool:
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return bool(node.elts) and all(map(strings, node.elts))
-        return isinstance(node, ast.Constant) and isinstance(node.value, str)
 
-    return {
-        n.left.attr
-        for n in ast.walk(target)
-        if isinstance(n, ast.Compare)
-        and isinstance(n.left, ast.Attribute)
-        and all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in n.ops)
-        and all(map(strings, n.comparators))
-    }
+def _dispatched(target: ast.AST) -> dict[str, str]:
+    """The attributes an `if`/`elif` chain of `target` tells apart by string literals and
+    whose last `else` raises (`else: raise KeyError(args.mode)`), each with the first string it
+    is tested for: a run that gets past the chain holds one of them."""
+    found: dict[str, str] = {}
+    for n in ast.walk(target):
+        if not isinstance(n, ast.If):
+            continue
+        tested: dict[str, str] = {}
+        last = n
+        while True:
+            for attribute, strings in _compared_with_strings(last.test).items():
+                tested.setdefault(attribute, strings[0])
+            if not (len(last.orelse) == 1 and isinstance(last.orelse[0], ast.If)):
+                break
+            last = last.orelse[0]
+        if len(last.orelse) == 1 and isinstance(last.orelse[0], ast.Raise):
+            found = {**tested, **found}
+    return found
 
 
 def _imports(tree: ast.Module, target: ast.stmt) -> list[ast.stmt]:
@@ -592,6 +610,7 @@ class _Usage:
     named_unpacks: dict = field(default_factory=dict)  # `ids, labels = batch`: names by batch
     subscripts: list = field(default_factory=list)  # every `x[...]` read
     enumerations: set = field(default_factory=set)  # names bound to `enumerate(...)` before
+    records: set = field(default_factory=set)  # names read only by keys no batch has (`_records`)
     cut: dict = field(default_factory=lambda: defaultdict(set))  # `n // k`, `n % k`: n's ks
 
     def add(self, nodes: list[ast.stmt]) -> None:
@@ -826,7 +845,12 @@ class _Usage:
                 self.generators.append((chain_of(source.func), source, arity))
             if chain:
                 self.evidence[chain].add("iterated")
-                if isinstance(target, (ast.Tuple, ast.List)):
+                two = isinstance(target, ast.Tuple) and len(target.elts) == 2
+                record, batch = target.elts if two else (None, None)
+                if getattr(record, "id", None) in self.records and isinstance(batch, ast.Name):
+                    self.evidence[chain].add("recorded")  # `for meta, batch in iterator`
+                    self.items.setdefault(chain, batch.id)
+                elif isinstance(target, (ast.Tuple, ast.List)):
                     self.unpacks(chain, target.elts)
                 elif isinstance(target, ast.Name):
                     self.items.setdefault(chain, target.id)
@@ -1056,6 +1080,19 @@ def _keyed(node: ast.expr) -> bool:
     )
 
 
+def _records(target: ast.stmt) -> set[str]:
+    """The names `target` reads only by string keys that name no field of a batch
+    (`meta["grad_accum_index"]`): a record of the turn that a loader yields beside each batch."""
+    keyed = [n for n in ast.walk(target) if _keyed(n) and isinstance(n.value, ast.Name)]
+    apart = {id(n.value) for n in keyed if _batch_field(n.slice.value) is None}
+    found = {n.value.id for n in keyed if id(n.value) in apart}
+    return found - {
+        n.id
+        for n in ast.walk(target)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in apart
+    }
+
+
 def _batch_field(key: str) -> str | None:
     """The harness's field a key of a dict batch names: `input_mask` the attention mask; of a
     preference pair (`x_chosen`, `rejected_input_ids`), the chosen side is the field itself and
@@ -1104,6 +1141,8 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
             and isinstance(parent.targets[0], ast.Name)  # bound to one name, not unpacked
         ):
             shapes.add("sequence")  # `loss = model(**kwargs); backward(loss / K)`: scores itself
+        elif keywords & HF_KWARGS == {"input_ids"} and _used_as_tensor(usage, parent):
+            shapes.add("logits")  # `out = model(input_ids=x, ...)`, then `out.view(-1, V)`
         elif None in keywords or keywords & HF_KWARGS:
             shapes.add("hf")
         elif "return_loss" in keywords and call.args and not _keyed(call.args[0]):
@@ -1130,6 +1169,15 @@ def _call_shape(usage: _Usage, chain: Chain) -> str | None:
         if shape in shapes:
             return shape
     return None
+
+
+def _used_as_tensor(usage: _Usage, parent) -> bool:
+    """The call's value is bound to a name the loop calls a tensor's shape methods on
+    (`out.view(-1, out.size(-1))`), which a transformers output does not have: its logits."""
+    if not (isinstance(parent, ast.Assign) and isinstance(parent.targets[0], ast.Name)):
+        return False
+    name = parent.targets[0].id
+    return any((name, method) in usage.calls for method in ("view", "reshape", "size", "flatten"))
 
 
 def _scored_against(usage: _Usage, call: ast.Call, parent) -> bool:
@@ -1436,7 +1484,8 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
             f"{base[1]}: the loss, the accumulation and the optimizer step run inside {base[1]}, "
             "which statement replay does not reproduce"
         )
-    usage, helpers = _Usage(enumerations=_enumerations(tree, target, free)), []
+    usage = _Usage(enumerations=_enumerations(tree, target, free), records=_records(target))
+    helpers = []
     if lightning and params and len(params) > 1:
         # `training_step(self, batch, ...)`: the Trainer hands it each batch, as a loop's
         # `for batch in loader` does
@@ -1545,11 +1594,14 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
     # strings (`if args.mask_way == "v2":`)
     tested = _tested_for_none(target, attributes=True)
     settings.update({o: None for o in tested if o in every and every[o] is None})
-    modes = _compared_with_strings(target)
+    modes = _compared_with_strings(target)  # a string default the loop tells apart from
+    # other strings is a mode, not a path (`--peft_type` "prefix" or "lora")
     settings.update({o: every[o] for o in modes if isinstance(every.get(o), str)})
+    dispatched = _dispatched(target).items()  # and a value the loop cannot run without
+    settings.update({o: v for o, v in dispatched if o not in settings and every.get(o) is None})
     for option in _attributes_set_before(tree, target) & settings.keys():
         value = settings[option]  # a sentinel the code resolves before: `args.steps = ...`
-        if not isinstance(value, (bool, int, float)) or value < 0:  # for None, -1 or a mode
+        if not isinstance(value, (int, float)) or value < 0:  # for None, -1 or a mode
             del settings[option]
     return Plan(
         target=target,
@@ -1565,6 +1617,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         settings=settings,
         rebound=frozenset(rebound),
         enumerated=frozenset(c for c in data if "enumerated" in usage.evidence.get(c, ())),
+        recorded=frozenset(c for c in data if "recorded" in usage.evidence.get(c, ())),
         after_step=_called_after_step(target, usage, roles),
         model_reads=_read_on_model(target, roles),
         model_kind=kind,

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import types
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -346,6 +347,10 @@ class Objects:
             )
         elif chain in self.plan.enumerated:
             self._bind(chain, enumerate(source), f"{text}, enumerated", namespace)
+        elif chain in self.plan.recorded:  # `meta["grad_accum_index"]` reads 0, 1, 2, ...
+            records = ((defaultdict(functools.partial(int, i)), b) for i, b in enumerate(source))
+            text = f"{text}, each after a record of the turn whose every item is its count from 0"
+            self._bind(chain, records, text, namespace)
         else:
             self._bind(chain, source, text, namespace)
         for index, (name,) in enumerate(prefetched):

@@ -109,7 +109,8 @@ class TinyGPT(nn.Module):
 class TinyTokenModel(nn.Module):
     """A plain module returning logits `(B, T, VOCAB)`; the loop computes the loss itself.
     `returns`: how the loop unpacks them (`logits, _ = model(x)`), the logits first. Its
-    `config` holds what lit-gpt-style loops read (`model.config.block_size`)."""
+    `config` holds what lit-gpt-style loops read (`model.config.block_size`); other keywords
+    (`prefixes=...`, a project's own options) are taken and ignored."""
 
     def __init__(self, width: int = 64, returns: tuple | None = None):
         super().__init__()
@@ -120,7 +121,7 @@ class TinyTokenModel(nn.Module):
         self.embed = nn.Embedding(VOCAB, width)
         self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, VOCAB))
 
-    def forward(self, input_ids, attention_mask=None):
+    def forward(self, input_ids, attention_mask=None, **options):
         return as_unpacked(self.mlp(self.embed(input_ids)), self.returns)
 
 
