@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -47,6 +48,21 @@ class UserModel:
                 module.p = 0.0
         model.train = lambda mode=True: nn.Module.train(model, False)
         return model.eval()
+
+
+@contextlib.contextmanager
+def without_project() -> Iterator[None]:
+    """sys.path without the working directory, where the user's project lies, while the
+    harness imports its own libraries: a package of the project that they probe for by name
+    (a source checkout of `flash_attn` whose compiled extension was never built) is not taken
+    for an installed one."""
+    here = {"", ".", os.getcwd()}
+    removed = [path for path in sys.path if path in here]
+    sys.path[:] = [path for path in sys.path if path not in here]
+    try:
+        yield
+    finally:
+        sys.path[:0] = removed
 
 
 def load_factory(target: str, root: str, option: str = "--model-factory") -> UserModel:

@@ -20,20 +20,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2ForSequenceClassification,
-    GPT2LMHeadModel,
-    Seq2SeqTrainingArguments,
-    Trainer,
-    TrainerCallback,
-)
 
-from gaaudit.harness.factory import concatenate, current, current_data, to_device
+from gaaudit.harness.factory import (
+    concatenate,
+    current,
+    current_data,
+    to_device,
+    without_project,
+)
 from gaaudit.harness.gradcheck import judged, relative_error, snapshot
 from gaaudit.harness.models import LABELS, batch_as_keywords, head
 from gaaudit.harness.project import constant, defined
 from gaaudit.harness.stubs import Stub
+
+with without_project():  # transformers probes for packages (flash_attn) as it imports
+    from transformers import (
+        GPT2Config,
+        GPT2ForSequenceClassification,
+        GPT2LMHeadModel,
+        Seq2SeqTrainingArguments,
+        Trainer,
+        TrainerCallback,
+    )
+
 
 MICRO = 2  # examples per micro-batch
 FIXED = 24  # the length of every example of fixed-length data
