@@ -5,9 +5,10 @@ optimizer step is compared with another Trainer's over the same micro-batches as
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
-from conftest import devices, gaaudit, verify_projects
+from conftest import FIXTURES, devices, gaaudit, verify_projects
 
 pytest.importorskip("lightning")
 
@@ -218,3 +219,23 @@ def test_a_framework_trainer_is_replayed_in_one_process(tmp_path):
         assert row["verdict"] == (
             "not replayable: a LightningModule is replayed in one process; leave out --distributed"
         )
+
+
+def test_a_hydra_task_written_for_lightning_1_is_replayed_on_its_configured_data(tmp_path):
+    """A module built from a Hydra config: its data module is what the project's configs name
+    for `instantiate(cfg.datamodule)` (packed blocks read from a `memmap`: mean/K is exact),
+    its network is built in `setup` (skipped: the tiny model stands in), it keeps Lightning
+    1.x's `training_epoch_end` and `optimizer_idx`, calls its own `self.step(batch)` (no
+    optimizer's) and reads its metrics by `getattr(self, f"{phase}_perplexity")`; run from
+    the project, whose source copy of `flash_attn` has no built kernels, which transformers
+    must not take for the installed library."""
+    project = tmp_path / "project"
+    shutil.copytree(FIXTURES / "ok_xmod_lightning_hydra_packed_datamodule", project)
+    result = gaaudit(
+        "verify", "-k", "4", "--device", "cpu", "--format", "json", "src/tasks/lm.py", cwd=project
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (loop,) = json.loads(result.stdout)["loops"]
+    assert loop["fixed_length"] == "`memmap`, src/datamodules/tokens.py, line 29", loop
+    (row,) = loop["rows"]
+    assert row["verdict"] == "verified" and row["original_error"] < 1e-5, row

@@ -41,6 +41,8 @@ ERROR_MEANS = (
 # libraries whose models are not the project's, nor their `...Trainer` classes a transformers one
 LIBRARIES = ("transformers", "peft", "trl", "torch", "accelerate", "lightning", "pytorch_lightning")
 DROP_LAST = re.compile(r"\bdrop_last\s*=\s*True\b")
+# a config key of data that Hydra builds: `hydra.utils.instantiate(cfg.datamodule)`
+DATA_KEY = re.compile(r"data|loader", re.IGNORECASE)
 BEGUN = "begun"  # what the replay process says as it begins a file, before its rows
 # the replay downloads nothing: a user's `from_pretrained` fails at once instead
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -267,8 +269,11 @@ def targets(
     )
     evidence = scan(text.removeprefix("\ufeff"))
     domains = Domains(tree, auditor.tracer, evidence, text)
-    # the file's sign of fixed-length blocks, where it shows no padded or masked labels
+    # the file's sign of fixed-length blocks, where it shows no padded or masked labels; where
+    # it shows neither, that of the data its project's configs build for it
     blocks = f"{evidence.blocks[1]}, line {evidence.blocks[0]}" if evidence.blocks else ""
+    if not (evidence.fixed or evidence.padded):
+        blocks = _configured_blocks(path)
     # the fixed-length sign of each loop a framework runs, by its call (`pretrain(...)`)
     runners = {
         site.window.anchor: _fixed_length(domains.of(site.origin), blocks)
@@ -634,6 +639,37 @@ def _drops_last(path: Path) -> str:
         ):
             return f"`drop_last=True`, {file.relative_to(root).as_posix()}, line {line}"
     return ""
+
+
+def _configured_blocks(path: Path) -> str:
+    """The sign of fixed-length blocks in the data that the project's YAML configs build for
+    the file (`hydra.utils.instantiate(self.cfg.datamodule)`): every module that their
+    `_target_`s for that key name shows one and no sign of varying counts; "" else."""
+    from gaaudit.analysis.evidence import scan
+    from gaaudit.discover.modules import configured_targets, locate, shown
+
+    try:
+        module = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    keys = {
+        node.args[0].attr if isinstance(node.args[0], ast.Attribute) else node.args[0].id
+        for node in ast.walk(module)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", getattr(node.func, "id", "")) == "instantiate"
+        and node.args
+        and isinstance(node.args[0], (ast.Attribute, ast.Name))
+    }
+    seen: set = set()
+    signs = []
+    for key in filter(DATA_KEY.search, keys):
+        for target, _, _, _ in configured_targets(path.parent, key, seen):
+            file = locate(path.resolve().parent, 0, target.rpartition(".")[0], seen)
+            blocks = scan(file.read_text("utf-8", "replace")).blocks if file else None
+            if blocks is None:
+                return ""
+            signs.append(f"{blocks[1]}, {shown(file)}, line {blocks[0]}")
+    return signs[0] if signs else ""
 
 
 def _imported(tree: ast.Module, relative: Path) -> set[str]:

@@ -222,6 +222,17 @@ def configured_target(
     """What the project's YAML configs build for `key` (`hydra.utils.instantiate(cfg.key)`):
     the `_target_` (or torchtune's `_component_`) of the config group `key/` or of a `key:`
     block, its scalar arguments, and where; None unless every config names the same."""
+    found = configured_targets(directory, key, seen)
+    if len({(target, tuple(sorted(args.items()))) for target, args, _, _ in found}) != 1:
+        return None
+    return found[0]
+
+
+def configured_targets(
+    directory: Path, key: str, seen: set[Dependency]
+) -> list[tuple[str, dict[str, str], Path, int]]:
+    """Every `_target_` the project's YAML configs name for `key` (see `configured_target`),
+    with its scalar arguments and where."""
     found = []
     for path, data in project_configs(directory, seen):
         text = data.decode("utf-8", "replace")
@@ -229,9 +240,7 @@ def configured_target(
             found += _targets(text, "", path, 0)
         for block in re.finditer(rf"(?m)^([ \t]*){re.escape(key)}[ \t]*:[ \t]*(?:#.*)?$", text):
             found += _targets(text, block.group(1), path, block.end())
-    if len({(target, tuple(sorted(args.items()))) for target, args, _, _ in found}) != 1:
-        return None
-    return found[0]
+    return found
 
 
 def _targets(

@@ -611,6 +611,9 @@ class _Usage:
     subscripts: list = field(default_factory=list)  # every `x[...]` read
     enumerations: set = field(default_factory=set)  # names bound to `enumerate(...)` before
     records: set = field(default_factory=set)  # names read only by keys no batch has (`_records`)
+    # the methods of the class around the statement (`self.step`): the user's, whatever their
+    # names say (`self.step(batch)` steps no optimizer)
+    own: frozenset = frozenset()
     cut: dict = field(default_factory=lambda: defaultdict(set))  # `n // k`, `n % k`: n's ks
 
     def add(self, nodes: list[ast.stmt]) -> None:
@@ -748,7 +751,7 @@ class _Usage:
             if isinstance(parent, ast.Assign) and isinstance(parent.targets[0], ast.Name):
                 self.drawn.setdefault(args[0], parent.targets[0].id)
         self._unpacked(func, parent)
-        if len(func) < 2:
+        if len(func) < 2 or func in self.own:
             return
         receiver, method = func[:-1], func[-1]
         if method == "zero_grad":
@@ -1484,7 +1487,22 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
             f"{base[1]}: the loss, the accumulation and the optimizer step run inside {base[1]}, "
             "which statement replay does not reproduce"
         )
-    usage = _Usage(enumerations=_enumerations(tree, target, free), records=_records(target))
+    own = (
+        {
+            (owner.instance, m.name)
+            for c in owner.classes
+            for m in c.body
+            if isinstance(m, ast.FunctionDef)
+        }
+        | ({(owner.instance,)} if lightning else set())
+        if owner
+        else set()
+    )
+    usage = _Usage(
+        enumerations=_enumerations(tree, target, free),
+        records=_records(target),
+        own=frozenset(own),
+    )
     helpers = []
     if lightning and params and len(params) > 1:
         # `training_step(self, batch, ...)`: the Trainer hands it each batch, as a loop's
@@ -1521,17 +1539,6 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
     free = [n for n in free if n not in helper_names]
     derived = assignments_before(tree, target, free, owner)
     usage.add([d.statement for d in derived])
-    own = (
-        {
-            (owner.instance, m.name)
-            for c in owner.classes
-            for m in c.body
-            if isinstance(m, ast.FunctionDef)
-        }
-        | ({(owner.instance,)} if lightning else set())
-        if owner
-        else set()
-    )
     roles = _roles(usage, free, params or [], own, divisor_names, helper_names)
     imported = {
         (a.asname or a.name).split(".")[0] for node in _imports(tree, target) for a in node.names

@@ -464,25 +464,42 @@ def _imports_read(node: ast.ClassDef) -> ast.ClassDef:
     return ast.fix_missing_locations(made)
 
 
-def _read_attributes(owner) -> set[str]:
-    """The attributes of its instance that the owner's classes' methods read (`self.tokenizer`)."""
-    return {
-        node.attr
-        for cls in owner.classes
-        for node in ast.walk(cls)
-        if isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == owner.instance
-        and isinstance(node.ctx, ast.Load)
-    }
+def _read_attributes(owner) -> re.Pattern:
+    """The attributes of its instance that the owner's classes' methods read: by name
+    (`self.tokenizer`), or by a name they format (`getattr(self, f"{phase}_metrics")`, any
+    name of that form)."""
+    names = set()
+    for node in (n for cls in owner.classes for n in ast.walk(cls)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == owner.instance
+            and isinstance(node.ctx, ast.Load)
+        ):
+            names.add(re.escape(node.attr))
+        elif (
+            isinstance(node, ast.Call)
+            and chain_of(node.func) == ("getattr",)
+            and len(node.args) > 1
+            and chain_of(node.args[0]) == (owner.instance,)
+            and isinstance(node.args[1], ast.JoinedStr)
+            and any(isinstance(part, ast.Constant) for part in node.args[1].values)
+        ):
+            names.add(
+                "".join(
+                    re.escape(part.value) if isinstance(part, ast.Constant) else r"\w+"
+                    for part in node.args[1].values
+                )
+            )
+    return re.compile("|".join(sorted(names)) or "(?!)")
 
 
-def _stubs_only_for(getter, names: set[str]):
-    """A torch module's `getter` for `names` only; other attributes are missing, as without
-    the stand-in."""
+def _stubs_only_for(getter, names: re.Pattern):
+    """A torch module's `getter` for the attributes `names` matches only; other attributes are
+    missing, as without the stand-in."""
 
     def get(self, name: str):
-        if name not in names:
+        if not names.fullmatch(name):
             return torch.nn.Module.__getattr__(self, name)
         return getter(self, name)
 

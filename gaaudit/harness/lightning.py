@@ -8,12 +8,15 @@ varied length (of one length for data of fixed-length blocks), as a collated dic
 A class whose constructor needs arguments stands in, as the class of a statement replay's loop
 does (harness.bindings): made without its `__init__`, its methods the user's, the tiny model at
 the attributes `training_step` calls as a model, the harness's data shaped as `training_step`
-reads it, and the harness's optimizer (the gradient at the step does not depend on it)."""
+reads it, and the harness's optimizer (the gradient at the step does not depend on it); its
+`setup`, which would build those parts, is skipped. A module written for Lightning 1.x runs
+as Lightning 2 runs it (`_as_lightning_2`)."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import inspect
 import logging
 import tempfile
 from collections.abc import Callable
@@ -27,6 +30,8 @@ from gaaudit.harness.gradcheck import judged, relative_error, snapshot
 from gaaudit.harness.trainer import MICRO, failed, micro_batches, quietly, trainer_class
 
 LOGGERS = ("lightning", "lightning.pytorch", "pytorch_lightning", "lightning.fabric")
+# the hooks of Lightning 1.x that 2.0 refuses to run (they run after the step the replay reads)
+EPOCH_ENDS = ("training_epoch_end", "validation_epoch_end", "test_epoch_end")
 
 
 def _framework(cls: type):
@@ -124,7 +129,8 @@ def _stand_in(source: str, filename: str, name: str, k: int, seed: int, fixed: b
             )
         module._hparams = Stub(f"{plan.owner.instance}.hparams")  # what `self.hparams` reads
         module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=1e-3)
-        module.log = module.log_dict = _unlogged  # its metrics may be stubs
+        module.log = module.log_dict = _skipped  # its metrics may be stubs
+        module.setup = module.configure_model = _skipped  # they would build what stands in
         return module
 
     micro, full = (
@@ -133,8 +139,10 @@ def _stand_in(source: str, filename: str, name: str, k: int, seed: int, fixed: b
     return build, micro, full, sized and not fixed
 
 
-def _unlogged(*args, **kwargs) -> None:
-    """A stand-in's `self.log`: what it logs does not change the gradient."""
+def _skipped(*args, **kwargs) -> None:
+    """A stand-in's `self.log`, whose metrics do not change the gradient, and its `setup`
+    hooks, which would build the parts of the module that the harness stands in for (from
+    the configuration its `__init__` would have kept)."""
 
 
 def _training_step(source: str, name: str) -> int:
@@ -147,9 +155,42 @@ def _training_step(source: str, name: str) -> int:
     raise TypeError(f"`{name}` defines no `training_step` of its own")
 
 
+def _as_lightning_2(module) -> None:
+    """A module written for Lightning 1.x, as Lightning 2 runs it: without its epoch-end hooks
+    (`EPOCH_ENDS`), and its hooks that took the optimizer's index
+    (`optimizer_zero_grad(epoch, batch_idx, optimizer, optimizer_idx)`) handed 0, its one
+    optimizer's, where 2.0 no longer passes it."""
+    for name in EPOCH_ENDS:
+        if callable(getattr(module, name, None)):
+            setattr(module, name, None)
+    base = lightning_base(type(module))
+    for cls in type(module).__mro__[: type(module).__mro__.index(base)]:
+        for name, function in vars(cls).items():
+            if not inspect.isfunction(function) or name in vars(module):
+                continue
+            parameters = list(inspect.signature(function).parameters)
+            if "optimizer_idx" in parameters:
+                index = parameters.index("optimizer_idx") - 1  # after `self`
+                setattr(module, name, _given_index(getattr(module, name), index))
+
+
+def _given_index(method: Callable, index: int) -> Callable:
+    """`method`, handed 0 at position `index` of its arguments, the optimizer's index that
+    Lightning 2 no longer passes (under a signature that does not name it: Lightning 2
+    refuses a `training_step` that does)."""
+
+    def hook(*args, **kwargs):
+        if len(args) >= index:
+            args = (*args[:index], 0, *args[index:])
+        return method(*args, **kwargs)
+
+    return hook
+
+
 def _step(build: Callable, batches: list, k: int, device) -> list[torch.Tensor]:
     """The gradient when a Lightning Trainer accumulating `k` batches first steps."""
     module = build()
+    _as_lightning_2(module)
     lightning = _framework(type(module))
     if not module.automatic_optimization:
         raise TypeError(
