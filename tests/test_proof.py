@@ -19,14 +19,14 @@ UNREPLAYABLE = "the loop unpacks 3 values from each batch"
 
 def three_value_loop() -> str:
     """A fixable loop whose batches unpack into three values named as no input the harness
-    makes (`src, tgt, lengths`), which it does not serve."""
+    makes (`feats, marks, spans`), which it does not serve."""
     source = (FIXTURES / "ga001_explicit_cross_entropy_ignore_index.py").read_text()
     body = "x, y = x.to(device), y.to(device)\n            logits = model(x)"
     assert LOOP in source and body in source
     source = source.replace(
-        body, "x, y = src.to(device), tgt.to(device)\n            logits = model(x)"
+        body, "x, y = feats.to(device), marks.to(device)\n            logits = model(x)"
     )
-    return source.replace(LOOP, LOOP.replace("(x, y)", "(src, tgt, lengths)"))
+    return source.replace(LOOP, LOOP.replace("(x, y)", "(feats, marks, spans)"))
 
 
 def test_verify_cli_table_json_and_exit_codes(tmp_path):

@@ -483,8 +483,9 @@ def classifier():
 
 @pytest.mark.parametrize("device", devices())
 def test_data_factory_replays_a_loop_over_batches_of_the_users_own(tmp_path, device):
-    """A loop that unpacks three values (issue 18, item 3): the harness's batches do not fit,
-    the user's do; the reference is the loop on the whole window as one micro-batch."""
+    """A loop that unpacks three values (issue 18, item 3): the harness's batches, served as
+    token ids, labels and a mask, do not fit, and verify says which option hands in the
+    user's, which do; the reference is the loop on the whole window as one micro-batch."""
     root = project(tmp_path / "proj", {"batches.py": TRIPLES, "train.py": MASKED_TRIPLES})
     (root / "pyproject.toml").write_text("[project]\nname = 'demo'\n")
     run = lambda *options: gaaudit(
@@ -501,7 +502,7 @@ def test_data_factory_replays_a_loop_over_batches_of_the_users_own(tmp_path, dev
     )
     alone = run()
     assert alone.returncode == 2
-    assert "unpacks 3 values" in alone.stdout and "--data-factory" in alone.stdout
+    assert "the 3 values the loop unpacks" in alone.stdout and "--data-factory" in alone.stdout
     result = run("--data-factory", "batches:window", "--model-factory", "batches:classifier")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "on the batches of batches:window" in result.stderr

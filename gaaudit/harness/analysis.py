@@ -227,10 +227,10 @@ def argument_defaults(tree: ast.Module, every: bool = False) -> dict[str, object
         if every and not ok and stored in ("store_true", "store_false"):
             ok, value = True, stored == "store_false"
         choices = literal(keywords["choices"])[1] if "choices" in keywords else None
-        modes = isinstance(choices, (list, tuple)) and choices and choices[0]
-        if not every and "default" not in keywords and isinstance(modes, str):
-            ok, value = True, modes  # a mode the script leaves unset: a run picks one
-        mode = isinstance(value, str) and isinstance(choices, (list, tuple)) and value in choices
+        listed = choices if isinstance(choices, (list, tuple)) else ()
+        if not every and "default" not in keywords and listed and isinstance(listed[0], str):
+            ok, value = True, listed[0]  # a mode the script leaves unset: a run picks one
+        mode = isinstance(value, str) and value in listed
         if (
             ok
             and isinstance(name, str)
@@ -1697,7 +1697,7 @@ def _namers(
             arg = arg.args[0]
         return chain_of(arg) in data or isinstance(arg, ast.Name) and arg.id in drawn
 
-    functions = [((f.name,), f, 0) for f in helpers]
+    functions = [((f.name,), f, 0) for f in helpers if isinstance(f, ast.FunctionDef)]
     if owner is not None:
         functions += [((owner.instance, f.name), f, 1) for f in methods]
     found = []
@@ -1942,17 +1942,31 @@ def _called_after_step(target: ast.stmt, usage: _Usage, roles: dict) -> frozense
 
 
 def _read_on_model(target: ast.stmt, roles: dict) -> frozenset[str]:
-    """The attributes the statement reads whole on a model, neither calling them nor reading
-    further into them: `discr = model.discr`, `if model.use_gan:`."""
+    """The attributes the statement reads whole on a model as a part it binds to a name or a
+    switch it tests, neither calling them nor reading further into them: `discr =
+    model.discr` (or either side of a conditional so bound), `if model.use_gan:` (not a
+    number it computes with: `loss * model.weight`)."""
     parents = {child: node for node in ast.walk(target) for child in ast.iter_child_nodes(node)}
+
+    def part_or_switch(node: ast.AST) -> bool:
+        parent = parents.get(node)
+        if isinstance(parent, ast.IfExp) and parent.test is not node:  # `a if c else b`
+            return part_or_switch(parent)
+        if isinstance(parent, ast.Assign):
+            return parent.value is node
+        if isinstance(parent, (ast.If, ast.While, ast.IfExp)):
+            return parent.test is node
+        return isinstance(parent, ast.BoolOp) or (
+            isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)
+        )
+
     return frozenset(
         node.attr
         for node in ast.walk(target)
         if isinstance(node, ast.Attribute)
         and isinstance(node.ctx, ast.Load)
         and roles.get(chain_of(node.value)) == "model"
-        and not isinstance(parent := parents.get(node), ast.Attribute)
-        and not (isinstance(parent, ast.Call) and parent.func is node)
+        and part_or_switch(node)
     )
 
 

@@ -23,6 +23,8 @@ from gaaudit.harness.nets import (
 )
 
 VOCAB = 256
+# keywords that ask a model for its loss, which the plain logits model does not compute
+LOSS_REQUESTS = ("return_loss", "labels", "targets")
 MAX_POSITIONS = 128
 KINDS = (
     "causal",
@@ -110,7 +112,8 @@ class TinyTokenModel(nn.Module):
     """A plain module returning logits `(B, T, VOCAB)`; the loop computes the loss itself.
     `returns`: how the loop unpacks them (`logits, _ = model(x)`), the logits first. Its
     `config` holds what lit-gpt-style loops read (`model.config.block_size`); other keywords
-    (`prefixes=...`, a project's own options) are taken and ignored."""
+    (`prefixes=...`, a project's own options) are taken and ignored, but those that ask for
+    a loss (LOSS_REQUESTS), which it does not compute."""
 
     def __init__(self, width: int = 64, returns: tuple | None = None):
         super().__init__()
@@ -122,6 +125,11 @@ class TinyTokenModel(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, VOCAB))
 
     def forward(self, input_ids, attention_mask=None, **options):
+        asked = next((k for k in LOSS_REQUESTS if k in options), None)
+        if asked is not None:  # a loss it does not compute: refused as a keyword it lacks
+            raise TypeError(
+                f"{type(self).__name__}.forward() got an unexpected keyword argument {asked!r}"
+            )
         return as_unpacked(self.mlp(self.embed(input_ids)), self.returns)
 
 

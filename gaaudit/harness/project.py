@@ -1,8 +1,10 @@
 """Modules of the user's project that cannot be imported here (a relative import, a package
 under `src/`, one that needs libraries or releases this environment lacks), defined from
 their source as far as it is safe: their imports that work, module-level classes, functions
-and literal constants (nothing else of a module runs: no model or data is loaded). A name
-whose import fails, and is no module of the project, is what `stand_in` gives for it."""
+and values that call nothing (nothing else of a module runs: no model or data is loaded).
+Their classes, and a name whose import fails and is no module of the project, are what
+`stand_in` gives for them: a class may need what the harness cannot give (arguments, process
+groups, files) or check what it is handed (a logger that takes floats, not stand-ins)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ from gaaudit.discover.modules import locate
 StandIn = Callable[[str], object]  # a failing import's bound name -> its stand-in, or None
 
 
-def defined(source: str, filename: str, stand_in: StandIn, modules: dict) -> dict:
+def defined(
+    source: str, filename: str, stand_in: StandIn, modules: dict | None, classes: bool = True
+) -> dict:
     """The namespace of `source`'s imports that this environment has (of the project's
-    modules, `project_import`; else `stand_in`'s, where it gives one) and its module-level
-    classes, functions and literal constants. `modules`: the project's modules defined so
-    far, by path."""
+    modules, `project_import`, unless `modules` is None; else `stand_in`'s, where it gives
+    one) and its module-level functions, values that call nothing (`_plain`) and, with
+    `classes`, classes. `modules`: the project's modules defined so far, by path."""
     namespace: dict = {"__name__": "__gaaudit_project__"}
     for node in ast.parse(source).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -30,11 +34,16 @@ def defined(source: str, filename: str, stand_in: StandIn, modules: dict) -> dic
             except Exception:  # noqa: BLE001 - a missing library: its names stand in
                 for alias in node.names:
                     bound = alias.asname or alias.name.split(".")[0]
-                    found = project_import(node, alias, filename, stand_in, modules)
+                    found = None
+                    if modules is not None:
+                        found = project_import(node, alias, filename, stand_in, modules)
                     found = stand_in(bound) if found is None else found
                     if found is not None:
                         namespace[bound] = found
-        elif isinstance(node, (ast.ClassDef, ast.FunctionDef)) or constant(node):
+        elif isinstance(node, ast.ClassDef) and not classes:
+            if (found := stand_in(node.name)) is not None:
+                namespace[node.name] = found
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef)) or _plain(node):
             with contextlib.suppress(Exception):
                 exec(compile(ast.Module([node], []), filename, "exec"), namespace)  # noqa: S102
     return namespace
@@ -66,8 +75,28 @@ def _module(path: Path, stand_in: StandIn, modules: dict) -> types.ModuleType:
         modules[path] = module = types.ModuleType(path.stem)
         text = path.read_text("utf-8", "replace")
         with contextlib.suppress(SyntaxError, ValueError):
-            module.__dict__.update(defined(text, str(path), stand_in, modules))
+            module.__dict__.update(defined(text, str(path), stand_in, modules, classes=False))
     return modules[path]
+
+
+# what a module-level value may call to be set up here: empty containers (`_counters = dict()`)
+CONTAINERS = frozenset({"dict", "list", "set", "tuple", "frozenset"})
+
+
+def _plain(node: ast.stmt) -> bool:
+    """A module-level value that its functions may read and that runs nothing: a literal, an
+    empty container, names and their attributes (`_dtype = torch.float32`)."""
+    return (
+        isinstance(node, ast.Assign)
+        and all(
+            not isinstance(n, ast.Call)
+            or (isinstance(n.func, ast.Name) and n.func.id in CONTAINERS and not n.args)
+            for n in ast.walk(node.value)
+        )
+        and not any(
+            isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Await)) for n in ast.walk(node.value)
+        )
+    )
 
 
 def constant(node: ast.stmt) -> bool:

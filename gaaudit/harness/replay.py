@@ -992,13 +992,19 @@ def _describe(exc: BaseException, filename: str, plan: Plan) -> str:
         for frame, line in traceback.walk_tb(exc.__traceback__)
         if frame.f_code.co_filename == filename
     ]
-    mismatch = ""  # what the user can hand in instead of the harness's model
+    mismatch = ""  # what the user can hand in instead of the harness's model or data
     if factory.current() is None and factory.current_data() is not None:
         mismatch = "; the tiny harness model was handed your batches"
     elif factory.current() is None and _model_call_refused(exc):
         mismatch = "; the loop calls its model in a way the harness's tiny model does not take"
     if mismatch:
         mismatch += ": pass your model with --model-factory"
+    elif factory.current_data() is None and plan.data_arity - plan.data_fillers not in (0, 2):
+        fields = ", ".join(key or "_" for key in plan.data_keys)
+        mismatch = (
+            f"; the harness served the {plan.data_arity} values the loop unpacks from each "
+            f"batch as ({fields}): hand in batches of your own with --data-factory"
+        )
     if not frames:
         return f"{type(exc).__name__}: {_brief(exc)}{mismatch}"
     frame, line = frames[-1]

@@ -88,12 +88,15 @@ def trainer_class(
     source: str, filename: str, name: str, loss_func: str = "", stand_ins: bool = False
 ) -> type:
     """Class (or function) `name` of `source`, defined with the file's imports that this
-    environment has and its module-level classes, functions and literal constants
-    (`project.defined`); a trainer class that cannot be imported (trl's `SFTTrainer`, say) stands
-    for the Trainer, and one the file does not define is transformers' class of that name.
-    With `loss_func`, the class is built with that function of the file as its
-    `compute_loss_func`; with `stand_ins`, the other names of imports that fail are stubs."""
-    namespace = defined(source, filename, functools.partial(_stand_in, stand_ins), {})
+    environment has and its module-level classes, functions and values that call nothing
+    (`project.defined`); a trainer class that cannot be imported (trl's `SFTTrainer`, say)
+    stands for the Trainer, and one the file does not define is transformers' class of that
+    name; a module of the project that cannot be imported is defined from its source. With
+    `loss_func`, the class is built with that function of the file as its
+    `compute_loss_func`; with `stand_ins`, the other names of imports that fail are stubs, the
+    project's too (Megatron's copy in the project is not built)."""
+    modules = None if stand_ins else {}  # stand-ins for all that fails, the project's too
+    namespace = defined(source, filename, functools.partial(_stand_in, stand_ins), modules)
     cls = _as_called_before(_named(namespace, name))
     return _given(cls, _named(namespace, loss_func)) if loss_func else cls
 
