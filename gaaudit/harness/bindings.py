@@ -322,12 +322,16 @@ class Objects:
         prefetched = self.plan.prefetch.get(chain, [])
         source = DataSource(".".join(chain), items, start=1 if prefetched else 0)
         self.sources.append(source)
-        shape = "(input_ids, labels) tuples" if self.plan.data_arity else "dict batches"
+        one, many = ("dict batch", "dict batches")
+        if self.plan.data_arity:
+            keys = self.plan.data_keys or ("input_ids", "labels")
+            fields = ", ".join(key or "_" for key in keys) + ("," if len(keys) == 1 else "")
+            one, many = (f"({fields}) tuple", f"({fields}) tuples")
         if self.user:
-            shape = "batches of the data factory"
-        text = f"{len(items)} micro-batches as {shape}"
+            one, many = ("batch of the data factory", "batches of the data factory")
+        text = f"{len(items)} micro-batches as {many}"
         if self.plan.splits_batch:
-            text = f"the whole window as one batch of {shape[:-1]} (the loop splits it)"
+            text = f"the whole window as one {one} (the loop splits it)"
         if role == "micro-batch":  # the function is called once for each, as its caller would
             engine = None
             if "engine" in self.plan.params and ("engine",) not in self.plan.roles:
