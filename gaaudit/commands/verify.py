@@ -273,7 +273,7 @@ def targets(
     # it shows neither, that of the data its project's configs build for it
     blocks = f"{evidence.blocks[1]}, line {evidence.blocks[0]}" if evidence.blocks else ""
     if not (evidence.fixed or evidence.padded):
-        blocks = _configured_blocks(path)
+        blocks = _configured_blocks(path, text.removeprefix("\ufeff"))
     # the fixed-length sign of each loop a framework runs, by its call (`pretrain(...)`)
     runners = {
         site.window.anchor: _fixed_length(domains.of(site.origin), blocks)
@@ -641,16 +641,17 @@ def _drops_last(path: Path) -> str:
     return ""
 
 
-def _configured_blocks(path: Path) -> str:
+def _configured_blocks(path: Path, text: str) -> str:
     """The sign of fixed-length blocks in the data that the project's YAML configs build for
-    the file (`hydra.utils.instantiate(self.cfg.datamodule)`): every module that their
-    `_target_`s for that key name shows one and no sign of varying counts; "" else."""
+    the file at `path` (`text`; `hydra.utils.instantiate(self.cfg.datamodule)`): every module
+    that their `_target_`s for that key name shows one and no sign of varying counts; ""
+    else."""
     from gaaudit.analysis.evidence import scan
     from gaaudit.discover.modules import configured_targets, locate, shown
 
     try:
-        module = ast.parse(path.read_bytes())
-    except (OSError, SyntaxError, ValueError):
+        module = ast.parse(text)
+    except (SyntaxError, ValueError):
         return ""
     keys = {
         node.args[0].attr if isinstance(node.args[0], ast.Attribute) else node.args[0].id

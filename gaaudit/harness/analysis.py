@@ -1420,6 +1420,21 @@ def _role(chain: Chain, usage: _Usage, divisor_names, helpers: set) -> str | Non
     return None
 
 
+def _own_methods(owner: Owner | None, lightning: bool) -> frozenset[Chain]:
+    """The methods of the class around the statement, and of the subclass its instance is
+    made of (`self.step`), as chains on its instance; with `lightning`, the instance itself
+    (`self(batch)`)."""
+    if owner is None:
+        return frozenset()
+    methods = {
+        (owner.instance, m.name)
+        for c in owner.classes
+        for m in c.body
+        if isinstance(m, ast.FunctionDef)
+    }
+    return frozenset(methods | ({(owner.instance,)} if lightning else set()))
+
+
 def _local_defs(tree: ast.Module, target: ast.stmt) -> dict[str, ast.FunctionDef]:
     """Functions defined before `target` in the blocks around it, inside functions (the
     read-ahead generator `gaaudit fix` writes above a loop); not the methods of a class around
@@ -1487,21 +1502,10 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
             f"{base[1]}: the loss, the accumulation and the optimizer step run inside {base[1]}, "
             "which statement replay does not reproduce"
         )
-    own = (
-        {
-            (owner.instance, m.name)
-            for c in owner.classes
-            for m in c.body
-            if isinstance(m, ast.FunctionDef)
-        }
-        | ({(owner.instance,)} if lightning else set())
-        if owner
-        else set()
-    )
     usage = _Usage(
         enumerations=_enumerations(tree, target, free),
         records=_records(target),
-        own=frozenset(own),
+        own=_own_methods(owner, lightning),
     )
     helpers = []
     if lightning and params and len(params) > 1:
@@ -1529,6 +1533,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
 
     gather([target])
     owner = implemented(tree, owner, [target, *helpers]) if owner else None
+    usage.own = _own_methods(owner, lightning)  # with the subclass that fills in its hooks
     methods = methods_called(owner, [target, *helpers], calls_itself=lightning) if owner else []
     for method in methods:
         inner = FreeNames()
@@ -1539,7 +1544,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
     free = [n for n in free if n not in helper_names]
     derived = assignments_before(tree, target, free, owner)
     usage.add([d.statement for d in derived])
-    roles = _roles(usage, free, params or [], own, divisor_names, helper_names)
+    roles = _roles(usage, free, params or [], usage.own, divisor_names, helper_names)
     imported = {
         (a.asname or a.name).split(".")[0] for node in _imports(tree, target) for a in node.names
     }

@@ -110,18 +110,21 @@ class Objects:
         steps = k if plan.uses_accumulate or per_call else 1
         self.accelerator, self.optimizer, text = _accelerator(roles, optimizer, device, steps)
         self.model = model
-        for name in plan.after_step - set(dir(model)):  # what it computes for a log line
+        lacking = {  # what the tiny model lacks of the user's: stubs, and why
+            **dict.fromkeys(
+                plan.model_reads,
+                "a part or a switch of your model that the harness's model does not have, "
+                "left unset",
+            ),
+            **dict.fromkeys(
+                plan.after_step,  # what it computes for a log line
+                "a method of your model, called after the optimizer step, that the harness's "
+                "model does not have",
+            ),
+        }
+        for name in lacking.keys() - set(dir(model)):
             setattr(model, name, Stub(f"model.{name}"))
-            self.bindings[f"model.{name}"] = (
-                "stub: a method of your model, called after the optimizer step, that the "
-                "harness's model does not have"
-            )
-        for name in plan.model_reads - set(dir(model)):
-            setattr(model, name, Stub(f"model.{name}"))
-            self.bindings[f"model.{name}"] = (
-                "stub: a part or a switch of your model that the harness's model does not "
-                "have, left unset"
-            )
+            self.bindings[f"model.{name}"] = f"stub: {lacking[name]}"
         fabric = Fabric(
             "fabric",
             {"clip_gradients": lambda *args, **kwargs: optimizer.clip("fabric.clip_gradients")},
@@ -414,27 +417,29 @@ class Overlay:
 
 def _samples(batch) -> int:
     """The first dimension of the first tensor in a batch (its number of samples), else 1."""
-    if isinstance(batch, torch.Tensor):
-        return len(batch) if batch.dim() else 1
-    values = list(batch.values()) if isinstance(batch, Mapping) else batch
-    if not isinstance(values, (list, tuple)):
-        return 1
-    nested = (v for v in values if isinstance(v, (torch.Tensor, Mapping, list, tuple)))
-    return next((_samples(v) for v in nested), 1)
+    tensor = _first_tensor(batch)
+    return len(tensor) if tensor is not None and tensor.dim() else 1
 
 
 def _row_length(batch) -> int | None:
     """The length of a batch's rows: the last dimension of its `input_ids`, else of its first
     tensor; None where it holds none."""
-    if isinstance(batch, Mapping) and "input_ids" in batch:
-        batch = batch["input_ids"]
+    tensor = _first_tensor(batch, "input_ids")
+    return tensor.shape[-1] if tensor is not None and tensor.dim() > 1 else None
+
+
+def _first_tensor(batch, preferred: str | None = None) -> torch.Tensor | None:
+    """The first tensor in a batch, through its first nested value (of a mapping, its
+    `preferred` field where it has one); None where that holds none."""
+    if isinstance(batch, Mapping) and preferred is not None and preferred in batch:
+        batch = batch[preferred]
     if isinstance(batch, torch.Tensor):
-        return batch.shape[-1] if batch.dim() > 1 else None
+        return batch
     values = list(batch.values()) if isinstance(batch, Mapping) else batch
     if not isinstance(values, (list, tuple)):
         return None
     nested = (v for v in values if isinstance(v, (torch.Tensor, Mapping, list, tuple)))
-    return next((_row_length(v) for v in nested), None)
+    return next((_first_tensor(v, preferred) for v in nested), None)
 
 
 def lightning_base(cls: type) -> type:

@@ -358,11 +358,7 @@ def _plan(
         if ignore_index is not None:
             plan.ignore_index = ignore_index
         plan.settings = {**(options or {}), **plan.settings}
-        if (
-            plan.data_arity - plan.data_fillers not in (0, 2)
-            and not plan.data_keys
-            and factory.current_data() is None
-        ):
+        if _beyond_pairs(plan) and not plan.data_keys and factory.current_data() is None:
             return (
                 f"the loop unpacks {plan.data_arity} values from each batch; the harness "
                 "serves dict batches or (input_ids, labels) pairs (hand in batches of your "
@@ -373,6 +369,12 @@ def _plan(
         return str(exc)
     except (RecursionError, ValueError, MemoryError) as exc:  # pathological sources
         return f"the harness could not analyse the statement ({type(exc).__name__}: {exc})"
+
+
+def _beyond_pairs(plan: Plan) -> bool:
+    """The loop unpacks other than the harness's `(input_ids, labels)` pairs from each batch
+    (values it leaves to `_` aside): three named values, say."""
+    return plan.data_arity - plan.data_fillers not in (0, 2)
 
 
 def replay(
@@ -999,7 +1001,7 @@ def _describe(exc: BaseException, filename: str, plan: Plan) -> str:
         mismatch = "; the loop calls its model in a way the harness's tiny model does not take"
     if mismatch:
         mismatch += ": pass your model with --model-factory"
-    elif factory.current_data() is None and plan.data_arity - plan.data_fillers not in (0, 2):
+    elif factory.current_data() is None and _beyond_pairs(plan):
         fields = ", ".join(key or "_" for key in plan.data_keys)
         mismatch = (
             f"; the harness served the {plan.data_arity} values the loop unpacks from each "

@@ -149,7 +149,8 @@ def methods_called(
     owner: Owner, nodes: list[ast.AST], calls_itself: bool = False
 ) -> list[ast.FunctionDef]:
     """The owner's methods (its subclass's, where it has one) that `nodes` call on the
-    instance (`self._forward(batch)`), and those they call in turn; with `calls_itself`, `self(...)` calls its `forward`."""
+    instance (`self._forward(batch)`), and those they call in turn; with `calls_itself`,
+    `self(...)` calls its `forward`."""
     methods = {m.name: m for c in owner.classes for m in c.body if isinstance(m, ast.FunctionDef)}
     found: list[ast.FunctionDef] = []
     pending = list(nodes)
