@@ -205,6 +205,22 @@ def test_forward_with_two_loss_terms_is_refused_with_a_reason():
     assert "the Trainer already divides its mean by the accumulation steps" in outcome.reason
 
 
+def test_a_compute_loss_its_own_training_step_hands_no_count_is_refused():
+    """A `training_step` override that calls `compute_loss` without the count: a sum over the
+    count would fall back to the micro-batch's own (the mean, as before), and the opt-out is
+    read by the stock `training_step` only, so no rewrite of `compute_loss` reaches the
+    backward."""
+    path = FIXTURES / "ga004_training_step_withholds_count.py"
+    result = fix_source(path.read_bytes(), path, ALL, unsafe=True)
+    ((outcome),) = result.outcomes
+    assert not outcome.applied and not result.changed
+    assert outcome.reason.startswith(
+        "`DocReaderTrainer.training_step` (line 24) calls `self.compute_loss(model, inputs)` "
+        "without `num_items_in_batch`, so neither a count nor `model_accepts_loss_kwargs = False` "
+        "reaches the loss it backpropagates: hand it `num_items_in_batch=num_items_in_batch` there"
+    ), outcome.reason
+
+
 def test_opt_out_is_unsafe_and_says_why(cli, tmp_path):
     target = tmp_path / "train.py"
     target.write_bytes((FIXTURES / "ga004_weighted_classification_compute_loss.py").read_bytes())

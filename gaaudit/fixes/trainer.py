@@ -101,6 +101,9 @@ class _ComputeLoss:
 
     def _compute_loss(self, site: Site) -> Choice:
         function = site.function
+        withheld = self._count_withheld(site.owner)
+        if withheld:
+            raise Unfixable(withheld)
         self._accept(function)
         dropped = self.audit.count_dropped(function)
         if dropped is not None:
@@ -132,6 +135,49 @@ class _ComputeLoss:
             f"the loss cannot be made a token sum ({loss}): `self.{OPT_OUT} = False` is set after "
             "`super().__init__()`",
             MEAN_OVER_K,
+        )
+
+    def _count_withheld(self, owner: cst.ClassDef) -> str:
+        """Why no rewrite of `compute_loss` would reach the backward: the class's own
+        `training_step` calls it without the count (a sum would fall back to the micro-batch's
+        own, the mean) and reads no opt-out, with no division for `_training_step_division` to
+        guard (which hands the count on); "" otherwise."""
+        for cls in self.audit.lineage(owner):
+            step = methods_of(cls).get("training_step")
+            if step is None:
+                continue
+            calls = [
+                n
+                for n in self.tree.walk(step.body)
+                if isinstance(n, cst.Call)
+                and isinstance(n.func, cst.Attribute)
+                and n.func.attr.value == "compute_loss"
+                and dotted(n.func.value) == "self"
+            ]
+            divided = any(
+                s.kind == "training-step-division" and s.function is step for s in self.sites
+            )
+            reads_opt_out = any(
+                isinstance(n, cst.Attribute) and n.attr.value == OPT_OUT
+                for n in self.tree.walk(step.body)
+            )
+            if not calls or divided or reads_opt_out or any(map(self._hands_count, calls)):
+                return ""
+            return (
+                f"`{cls.name.value}.training_step` (line {self.tree.line(step)}) calls "
+                f"`{code(calls[0])}` without `{COUNT}`, so neither a count nor "
+                f"`{OPT_OUT} = False` reaches the loss it backpropagates: hand it "
+                f"`{COUNT}={COUNT}` there and divide by the accumulation steps only when no "
+                "count is given, as the stock `training_step` does, or remove the override"
+            )
+        return ""
+
+    @staticmethod
+    def _hands_count(call: cst.Call) -> bool:
+        return (
+            keyword(call, COUNT) is not None
+            or len(positional(call)) >= 4
+            or any(a.star == "**" for a in call.args)
         )
 
     def _loss_function(self, site: Site) -> Choice:
@@ -415,7 +461,7 @@ class _Signatures:
             )
         self._under_pin("Trainer has no `compute_loss_func` or `model_accepts_loss_kwargs` to test")
         self._accept(function)
-        if keyword(call, COUNT) is None and len(positional(call)) < 4:
+        if not self._hands_count(call):
             self._add_argument(call, COUNT, keyword_name=COUNT)
         self._guard(division)
         return Choice(
@@ -539,9 +585,10 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
         self.pinned = pinned  # the project's transformers pin before 4.46, if any (GA006)
         self.text = tree.module.code
         self.edits = Edits()
+        self.sites: list[Site] = []
 
     def plan(self, sites: list[Site]) -> list[Outcome]:
-        outcomes = []
+        self.sites, outcomes = sites, []
         for site in sites:
             saved = copy_edits(self.edits)
             line, column = self.tree.span(site.node).line, self.tree.span(site.node).column
