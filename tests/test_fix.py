@@ -694,6 +694,14 @@ def train(model, loader, optimizer, accum):
                 "no `labels=` that gaaudit can count: pass them by that name"
             ),
         ),
+        (  # a model handed the batch whole finds its targets in it
+            """        loss = model(batch)["loss"]""",
+            (
+                '`model(batch)["loss"]` is the loss of `model(batch)` (line 6), which finds its '
+                "targets in `batch` itself, where gaaudit cannot count them: have the model "
+                "return its count of valid targets beside the loss"
+            ),
+        ),
         (
             """        ids, mask, segments = batch
         logits, loss = model(ids, mask, segments)""",

@@ -588,6 +588,14 @@ class _CompanionCounts:
                 spread = next((a.value for a in call.args if a.star == "**"), None)
                 if spread is not None:
                     labels = f'{code(spread)}["labels"]'
+        if labels is None and call is not None and len(call.args) == len(positional(call)) == 1:
+            raise Unfixable(
+                f"`{code(source)}` is the loss of `{code(call)}` (line {self.tree.line(call)}), "
+                f"which finds its targets in `{code(call.args[0].value)}` itself, where gaaudit "
+                "cannot count them: have the model return its count of valid targets beside the "
+                "loss, backpropagate the loss times that count and divide the gradients once by "
+                "the window's total"
+            )
         if labels is None:
             made = (
                 f"`{code(call.func)}(...)` (line {self.tree.line(call)})" if call else "the model"
