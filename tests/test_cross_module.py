@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -558,6 +559,32 @@ def test_the_callers_instance_decides_and_its_files_are_dependencies(tmp_path):
     main.write_text(main.read_text().replace("model = TinyLM()", "model = build_model()"))
     assert not current(dependencies)
     assert rows(check_file(engine, ALL)) == [(12, "GA001", "low")]
+
+
+TRIMMED = FIXTURES / "ga001_xmod_model_trims_its_labels"
+
+
+def test_a_count_the_model_makes_from_its_own_values_is_not_read_ahead_and_says_which(tmp_path):
+    """A loss scaler steps out of sight, so the window must be counted ahead, in the call's
+    arguments: `PaddedLM.forward` first cuts its targets to a width it computes, so the count
+    is refused, naming that local and its line; without the cut it is read ahead."""
+    engine = TRIMMED / "engine.py"
+    report = fix_source(engine.read_bytes(), engine, ALL, True, reach=True)
+    (outcome,) = report.outcomes
+    assert not outcome.applied and report.after == report.before and not report.companions
+    assert "reading the window ahead: the count is taken inside the loop: " in outcome.reason
+    assert (
+        "model.py) counts the loss's targets with `width` as line 15 there binds it; count each "
+        "micro-batch's valid targets from its batch before the window runs"
+    ) in outcome.reason
+    folder = tmp_path / "pkg"
+    shutil.copytree(TRIMMED, folder)
+    model = folder / "model.py"
+    model.write_text(re.sub(r"\n        (width|tokens|targets) = [^\n]*", "", model.read_text()))
+    after = fix_source((folder / "engine.py").read_bytes(), folder / "engine.py", ALL).after
+    assert "pending.append(((step, (tokens, targets)), (targets[:, 1:].flatten() != 0).sum()))" in (
+        after.decode()
+    )
 
 
 @pytest.mark.parametrize(

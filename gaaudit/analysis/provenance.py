@@ -248,7 +248,8 @@ def _along_a_dimension(call: cst.Call, tree: Tree) -> bool:
 
 
 class _Foreign(Exception):
-    """An expression reads something its function's caller cannot name."""
+    """An expression reads a name (the exception's argument) its function's caller cannot
+    name."""
 
 
 class _Calls:
@@ -635,19 +636,37 @@ class _Counts:
         return next((f for f in found if f is not None), None)
 
     def inlined(
-        self, expr: cst.BaseExpression, function: cst.FunctionDef, depth: int = 0
+        self, expr: cst.BaseExpression, function: cst.FunctionDef
     ) -> cst.BaseExpression | None:
         """`expr` in the terms of `function`'s parameters (and `torch`): each local name
         replaced by the one value it is bound to, a module constant (`IGNORE_INDEX = -100`) by
         its literal, casts dropped; None when it reads anything else (`self`, a name bound
         twice, another module global)."""
+        try:
+            return self._inlined(expr, function, 0)
+        except _Foreign:
+            return None
+
+    def uninlined(self, expr: cst.BaseExpression, function: cst.FunctionDef) -> cst.Name | None:
+        """The name that keeps `expr` from being written in `function`'s parameters (None
+        when it can be): the innermost of its locals `inlined` cannot follow to one value."""
+        try:
+            self._inlined(expr, function, 0)
+        except _Foreign as exc:
+            return exc.args[0]
+        return None
+
+    def _inlined(
+        self, expr: cst.BaseExpression, function: cst.FunctionDef, depth: int
+    ) -> cst.BaseExpression:
+        """`inlined`, raising `_Foreign` with the name it cannot follow."""
         bindings = self.tree.bindings(function)
 
         def local(name: cst.Name) -> cst.BaseExpression | None:
             if name.value in ("None", "True", "False"):
                 return None
             if name not in self.tree.order:  # substituted from another module's function
-                raise _Foreign(name.value)
+                raise _Foreign(name)
             bound = self.binding(name.value, name)
             while _reshaped(bound, name.value):  # `targets = targets.reshape(-1)`: same count
                 bound = self.binding(name.value, bound)
@@ -668,16 +687,16 @@ class _Counts:
                     and not (self.tree.contains(function, bound) and self._reaches(bound, name))
                 )
             ):
-                raise _Foreign(name.value)
-            value = self.inlined(bound.value, function, depth + 1)
-            if value is None:
-                raise _Foreign(name.value)
-            return value
+                raise _Foreign(name)
+            try:
+                return self._inlined(bound.value, function, depth + 1)
+            except _Foreign as inner:  # named by the innermost local it cannot follow
+                read = inner.args[0]
+                found = self.binding(read.value, read) if read in self.tree.order else None
+                local = isinstance(found, (cst.Assign, cst.AugAssign, cst.AnnAssign))
+                raise inner if local and self.tree.contains(function, found) else _Foreign(name)
 
-        try:
-            return _uncast(substituted(expr, local))
-        except _Foreign:
-            return None
+        return _uncast(substituted(expr, local))
 
     def _constant(self, name: str, bound: cst.CSTNode | None) -> cst.BaseExpression | None:
         """The literal a module binds `name` to, once and at its top level (`IGNORE_INDEX =

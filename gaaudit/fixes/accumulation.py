@@ -273,6 +273,7 @@ class _Counting:
                 "weight each micro-batch by its valid-target count instead of that factor"
             )
         helper = self._helper_call(site) if source is not None else None
+        self.counted_inside = ""
         if origin.count is not None:  # a masked mean: the count it divides by
             counted = (code(origin.count), ""), True
         elif origin.module:  # the other module's function returns its count too
@@ -287,6 +288,11 @@ class _Counting:
         if helper is None:
             return counted
         (count, caveat), safe = counted
+        name = self.auditor.tracer.helper(helper.value.func).name.value
+        self.counted_inside = (
+            f"`{name}()` (line {self.tree.line(helper)}) makes the loss and returns its count "
+            "when asked"
+        )
         self._return_count(helper, count, self._loss_use(site))
         return (self.micro, caveat), safe
 
@@ -517,6 +523,7 @@ class _CompanionCounts:
                 "`loss = f(...)` or `loss, ... = f(...)`; its count is not visible here"
             )
         call, index = bound
+        self.counted_inside = f"`{origin.callee}` ({origin.module}) counts the loss's targets"
         if origin.path not in self.companions:
             try:
                 data = origin.path.read_bytes()
@@ -571,6 +578,10 @@ class _CompanionCounts:
                 f"`return` of `{origin.callee}` ({origin.module}); return the loss's "
                 "valid-target count beside it"
             )
+        read = tracer.uninlined(count, function)
+        if read is not None and read in tree.order:  # why the loop cannot count it ahead
+            line = tree.line(tracer.binding(read.value, read) or read)
+            self.counted_inside += f" with `{read.value}` as line {line} there binds it"
         if function.params in edits.replace:
             self._ask_count(call, use)  # this run already changed it, for an earlier call
             return
@@ -1558,6 +1569,7 @@ class Planner(
         self.companions: dict[Path, tuple[Tree, Edits]] = {}  # other files' edits
         self.text = tree.module.code
         self.micro = self._fresh("micro_tokens")
+        self.counted_inside = ""  # who counts a micro-batch only the loop's body can count
         self.window_total = self._fresh("window_tokens")
         self.window_loss = self._fresh("window_loss")
         self.reference = self._fresh("window_reference")  # under a GradScaler

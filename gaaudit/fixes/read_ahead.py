@@ -59,7 +59,11 @@ class _ReadAhead:
         if window.anchor in self._prepared or window.anchor in self._ahead_windows:
             raise Unfixable("the window backpropagates more than one loss")
         if count == self.micro:
-            raise Unfixable("the count comes out of the loss's own function, inside the loop")
+            weigh = "" if engine else ", and backpropagate its mean times its share of their sum"
+            raise Unfixable(
+                f"the count is taken inside the loop: {self.counted_inside}; count each "
+                f"micro-batch's valid targets from its batch before the window runs{weigh}"
+            )
         if self._framework_factor(site) or self._backward_owner(site, "fabric"):
             raise Unfixable("the backward divides by the accumulation steps itself")
         if not _plain_target(loop.target):
