@@ -237,6 +237,28 @@ def test_patched_helper_loss_is_counted_on_both_branches(fp16):
     assert patched_logged == pytest.approx(logged, rel=tolerance)
 
 
+def accelerate_step(name: str, cast_loss: bool) -> tuple[float, list[torch.Tensor]]:
+    model = CausalLM()
+    optimizer = Recording(model.parameters(), lr=0.0)
+    logged = loaded(name)["train"](model, token_batches(K, -100), optimizer, K, cast_loss)
+    return logged, optimizer.seen
+
+
+@pytest.mark.parametrize("cast_loss", [False, True], ids=["as-is", "cast"])
+def test_patched_accelerate_window_divides_after_either_branch(cast_loss):
+    """accelerate's backward on two branches of an `if`: the one division follows the `if`,
+    so the window is divided whichever branch backpropagates (it once followed the first
+    branch's backward only, leaving the other branch's gradients sums)."""
+    reference = generated_reference("model", K, "cpu")
+    torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    original = "ga003_accelerate_backward_on_both_branches.py"
+    logged, grads = accelerate_step(original, cast_loss)
+    patched_logged, patched = accelerate_step(original.replace(".py", ".fixed.py"), cast_loss)
+    assert error(grads, reference) > 0.1
+    assert error(patched, reference) < 1e-6
+    assert patched_logged == pytest.approx(logged)
+
+
 # --- every division form, window shape and loss source, with and without a log --------------
 
 FORMS = {  # how the loop divides by K and backpropagates

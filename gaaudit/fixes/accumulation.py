@@ -437,8 +437,9 @@ class _Counting:
     def _return_count(self, call: cst.Assign, count: str, use: cst.CSTNode) -> None:
         """`helper` also returns the micro-batch's count when the loop asks for it."""
         helper = self.auditor.tracer.helper(call.value.func)
-        (returned,) = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
-        returns_count(self.tree, self.edits, helper, returned, count)
+        if helper.params not in self.edits.replace:  # else done for another backward of it
+            (returned,) = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
+            returns_count(self.tree, self.edits, helper, returned, count)
         self._ask_count(call, use)
 
     def _ask_count(self, call: cst.Assign, use: cst.CSTNode) -> None:
@@ -1264,6 +1265,23 @@ class _Window:
             )
             if outer is None or self._accelerator(site) is None:
                 raise Unfixable("the accumulate() window has no accelerator.backward in a loop")
+            function = self.tree.scope_of(site.backward.call)
+            if function is not self.tree.scope_of(window.anchor):
+                raise Unfixable(
+                    f"the backward is in `{function.name.value}()`, which the `accumulate()` "
+                    f"block of line {self.tree.line(window.anchor)} calls once per micro-batch, "
+                    "so the window's count must outlive each call: keep it where every call "
+                    "sees it (on `self`, say), add each micro-batch's count to it and "
+                    "backpropagate `loss * count * gradient_accumulation_steps`, then divide the "
+                    "gradients once by it where `sync_gradients` is true and reset it"
+                )
+            after = self._after_backwards(window, statement_line(self.tree, site.backward.call))
+            if self.auditor.structure.steps_in(after):
+                raise Unfixable(
+                    f"the statement on line {self.tree.line(after)} backpropagates and steps on "
+                    "each of its paths: the one division must come between the window's last "
+                    "backward and its step; backpropagate on the branches and step once after them"
+                )
         elif window.kind not in ("modulo", "micro-loop"):
             function = self.tree.scope_of(window.anchor)
             region = function.body if isinstance(function, cst.FunctionDef) else function
@@ -1362,7 +1380,7 @@ class _Window:
             )
             receiver = self._accelerator(site)
             self.edits.insert_before(statement_line(self.tree, outer), start)
-            backward = statement_line(self.tree, site.backward.call)
+            backward = self._after_backwards(window, statement_line(self.tree, site.backward.call))
             following = self._following(backward)
             if (  # the user's own `if accelerator.sync_gradients:` block, at its top
                 isinstance(following, cst.If)
@@ -1386,6 +1404,27 @@ class _Window:
         for weighted in self._weighted[window.anchor]:
             value = f"{weighted.name}.detach()" + ("" if weighted.summed else f" * {self.micro}")
             self.edits.insert_before(weighted.statement, f"{self.window_loss} += {value}\n")
+
+    def _after_backwards(self, window: Window, backward: cst.CSTNode) -> cst.CSTNode:
+        """The statement of an `accumulate()` block after which every backward of the window
+        has run: `backward`'s own, or the `if` whose branches hold the others (`if fp16:
+        accelerator.backward(loss.float())` / `else: accelerator.backward(loss)`)."""
+        structure = self.auditor.structure
+        calls = [
+            b.call
+            for b in structure.backwards()
+            if b.call is not None
+            and (found := structure.window(b)) is not None
+            and found.anchor is window.anchor
+        ]
+        statement = backward
+        while not all(self.tree.contains(statement, call) for call in calls):
+            statement = next(
+                a
+                for a in self.tree.ancestors(statement)
+                if isinstance(self.tree.parents.get(a), cst.IndentedBlock)
+            )
+        return statement
 
     def _count_home(self, window: Window, optimizer: str) -> cst.CSTNode:
         """The loop before which a counted window's count starts: its batch loop, or the loops
