@@ -1192,3 +1192,53 @@ def test_a_model_class_of_the_same_file_is_named_as_such():
     the loss the fix counts (the fixture's .fixed.py)."""
     (finding,) = check_file(FIXTURES / "ga001_seq2seq_keyword_model.py", ALL).findings
     assert finding.evidence[0].endswith("returned by `Seq2Seq.forward()` of this file")
+
+
+def test_a_loss_function_its_caller_hands_in_is_fixed_only_as_unsafe(tmp_path):
+    """`train(..., step_fn)`: main.py hands in `masked_step`, whose count the fix uses, but
+    another caller may hand a function of another count (or none: GLM's `train_step` is given
+    the pretraining and the fine-tuning forward steps), so the fix is unsafe and says why."""
+    root = write(
+        tmp_path,
+        {
+            "losses.py": """\
+                import torch.nn.functional as F
+
+
+                def masked_step(model, batch):
+                    mask = batch["mask"]
+                    logits = model(batch["input_ids"])
+                    losses = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+                    return (losses * mask.flatten()).sum() / mask.sum()
+                """,
+            "engine.py": """\
+                def train(model, loader, optimizer, step_fn, accum_steps):
+                    for i, batch in enumerate(loader):
+                        loss = step_fn(model, batch)
+                        (loss / accum_steps).backward()
+                        if (i + 1) % accum_steps == 0:
+                            optimizer.step()
+                            optimizer.zero_grad()
+                """,
+            "main.py": """\
+                from engine import train
+                from losses import masked_step
+
+
+                def main(model, loader, optimizer):
+                    train(model, loader, optimizer, masked_step, 4)
+                """,
+        },
+    )
+    engine = root / "engine.py"
+    data = engine.read_bytes()
+    safe = fix_source(data, engine, ALL, reach=True)
+    assert safe.after == data and not safe.companions
+    (outcome,) = safe.outcomes
+    assert outcome.reason.startswith(
+        "unsafe fix (`step_fn` is a parameter of `train()`: assumes every caller hands "
+        "`masked_step` ("
+    )
+    assert "losses.py), whose count this is); apply with --unsafe-fixes" in outcome.reason
+    unsafe = fix_source(data, engine, ALL, unsafe=True, reach=True)
+    assert 'micro_tokens = batch["mask"].sum()' in unsafe.after.decode()

@@ -180,6 +180,27 @@ def test_window_across_calls_is_refused_with_what_to_do(tmp_path, cli):
     assert (tmp_path / script.name).read_bytes() == script.read_bytes()
 
 
+def test_a_closure_window_across_calls_names_its_holder_and_a_clip_on_every_call():
+    """ignite's `update(engine, batch)`: the count outlives calls in a `nonlocal` of the
+    enclosing function, not on `self`; a clip on every call is named first, since no loop of
+    the file draws the calls' micro-batches to read them ahead."""
+    source = (FIXTURES / "ga001_ignite_update_per_batch.py").read_bytes()
+    clipping = source.replace(
+        b"        loss.backward()\n",
+        b"        loss.backward()\n        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n",
+    )
+    for data, clips in ((source, False), (clipping, True)):
+        result = fix_source(data, Path("x.py"), ALL, unsafe=True)
+        assert result.after == data
+        (outcome,) = result.outcomes
+        assert "a variable of `train()` that `update` declares `nonlocal`" in outcome.reason
+        assert (
+            "each call clips the gradients (`torch.nn.utils.clip_grad_norm_`, line 26)"
+            in (outcome.reason)
+        ) == clips
+        assert ("clip once, at the step, then keep" in outcome.reason) == clips
+
+
 def test_a_loss_megatron_accumulates_is_refused_with_megatron_cores_switch(tmp_path, cli):
     script = FIXTURES / "ga003_megatron_pretrain_sft_loss_mask.py"
     (tmp_path / script.name).write_bytes(script.read_bytes())

@@ -95,9 +95,14 @@ MEGATRON = (  # Megatron's schedule divides by the micro-batches; megatron-core 
 )
 ACROSS_CALLS = (
     "the window spans calls of `{function}` (as in Lightning manual optimisation), so its token "
-    "count must outlive each call: keep the window's valid-token count on `self` (add each "
-    "micro-batch's count and pass `loss * count` to backward), divide the gradients once by it "
-    "before `{optimizer}.step()`, then reset it (see `gaaudit explain {code}`)"
+    "count must outlive each call{clipped}: {first}keep the window's valid-token count {holder} "
+    "(add each micro-batch's count and pass `loss * count` to backward), divide the gradients "
+    "once by it before `{optimizer}.step()`, then reset it (see `gaaudit explain {code}`)"
+)
+CLIPPED_CALLS = (  # what ACROSS_CALLS says where each call clips, before what to do
+    ", and each call clips the gradients (`{clip}`, line {line}) before the window is "
+    "complete, which would clip a token-weighted sum far harder than the mean it replaces (nor "
+    "does a loop of the file draw the calls' micro-batches, to count them ahead)"
 )
 SUMMABLE = ("torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss")
 SUMMABLE_MODULES = ("CrossEntropyLoss", "NLLLoss")
@@ -151,6 +156,18 @@ def returns_count(
     edits.insert_before(
         line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {code(value)}, {count}"
     )
+
+
+def _clips(call: cst.Call) -> bool:
+    """`clip_grad_norm_(...)`, `fabric.clip_gradients(...)`, ..."""
+    return (dotted(call.func) or "").rsplit(".", 1)[-1] in CLIPS
+
+
+def _parameters(scope: cst.CSTNode) -> set[str]:
+    """The names of a function's parameters (none for another scope)."""
+    if not isinstance(scope, cst.FunctionDef):
+        return set()
+    return {p.name.value for p in (*scope.params.params, *scope.params.kwonly_params)}
 
 
 def _takes_return_count(tree: Tree, function: cst.FunctionDef) -> bool:
@@ -211,7 +228,32 @@ class _Counting:
     # --- the count of valid targets in one micro-batch -------------------------------------
 
     def count(self, site: Site) -> tuple[tuple[str, str], bool]:
-        """(count expression, caveat) and whether the fix is safe."""
+        """(count expression, caveat) and whether the fix is safe: not where the loss's
+        function is handed in (`train(..., step_fn)`), whose other callers may hand others."""
+        (count, caveat), safe = self._own_count(site)
+        callee = site.origin.callee
+        if not safe or not callee or "." in callee:  # no function, or a model's `forward`
+            return (count, caveat), safe
+        bound = self._binding_call(
+            self._loss_use(site),
+            lambda call, _: (
+                isinstance(call.func, cst.Name)
+                and call.func.value in _parameters(self.tree.scope_of(call))
+            ),
+            unpacked=True,
+        )
+        if bound is None:
+            return (count, caveat), safe
+        name = bound[0].value.func.value
+        function = self.tree.scope_of(bound[0]).name.value
+        where = f" ({site.origin.module})" if site.origin.module else ""
+        caveat = (
+            f"`{name}` is a parameter of `{function}()`: assumes every caller hands "
+            f"`{callee}`{where}, whose count this is"
+        )
+        return (count, caveat), False
+
+    def _own_count(self, site: Site) -> tuple[tuple[str, str], bool]:
         origin = site.origin
         source = origin.source
         if runner(site.window) == "pretrain":
@@ -224,11 +266,7 @@ class _Counting:
         ):  # a framework's returned loss, or accelerate handing the loss to DeepSpeed
             raise Unfixable(FRAMEWORK_ONLY[site.backward.call is None])
         if site.window.kind == "calls":
-            function = self.tree.scope_of(site.window.anchor).name.value
-            optimizer = self._optimizer(site.window)
-            raise Unfixable(
-                ACROSS_CALLS.format(function=function, optimizer=optimizer, code=site.code)
-            )
+            raise Unfixable(self._across_calls(site))
         if self._passes_gradients(site.window):
             raise Unfixable(
                 "a pipeline stage: the other stages get their gradients through "
@@ -296,6 +334,29 @@ class _Counting:
         self._return_count(helper, count, self._loss_use(site))
         return (self.micro, caveat), safe
 
+    def _across_calls(self, site: Site) -> str:
+        """Why a window spanning calls of one function is not fixed, and what to do: its count
+        kept on `self`, or in the enclosing function (a closure an engine calls per batch)."""
+        function = self.tree.scope_of(site.window.anchor)
+        outer = self.tree.scope_of(function)
+        holder = (
+            f"in a variable of `{outer.name.value}()` that `{function.name.value}` declares "
+            "`nonlocal`"
+            if isinstance(outer, cst.FunctionDef)
+            else "on `self`"
+        )
+        clip = self._clips_each_micro_batch(site.window)
+        return ACROSS_CALLS.format(
+            function=function.name.value,
+            clipped=CLIPPED_CALLS.format(clip=code(clip.func), line=self.tree.line(clip))
+            if clip is not None
+            else "",
+            first="clip once, at the step, then " if clip is not None else "",
+            holder=holder,
+            optimizer=self._optimizer(site.window),
+            code=site.code,
+        )
+
     @staticmethod
     def _untraced(site: Site) -> str:
         return (
@@ -335,24 +396,32 @@ class _Counting:
         return ""
 
     def _clips_each_micro_batch(self, window: Window) -> cst.Call | None:
-        """A gradient clipping the loop runs on every micro-batch, outside the step."""
+        """A gradient clipping the loop runs on every micro-batch, outside the step: itself, or
+        in a same-file function it calls there (a `backward_step(...)` that also clips)."""
         body = window.loop if window.kind in ("modulo", "micro-loop") else window.anchor
+        if window.kind == "calls":  # each call of the function holding the step's guard
+            body = self.tree.scope_of(window.anchor)
         for node in self.tree.walk(body) if body is not None else ():
-            if not (
-                isinstance(node, cst.Call) and (dotted(node.func) or "").rsplit(".", 1)[-1] in CLIPS
-            ):
+            if not isinstance(node, cst.Call) or self._at_step(window, node):
                 continue
-            if window.kind == "modulo" and any(
-                self.tree.contains(region, node) for region in window.step_region
-            ):
-                continue
-            if window.kind == "accumulate" and any(
-                isinstance(a, cst.If) and "sync_gradients" in code(a.test)
-                for a in self.tree.ancestors(node)
-            ):
-                continue
-            return node
+            if _clips(node):
+                return node
+            helper = self.auditor.tracer.helper(node.func)
+            if helper is not None and not self.tree.contains(helper, node):
+                called = (n for n in self.tree.walk(helper.body) if isinstance(n, cst.Call))
+                clip = next((n for n in called if _clips(n)), None)
+                if clip is not None:
+                    return clip
         return None
+
+    def _at_step(self, window: Window, node: cst.CSTNode) -> bool:
+        """Whether `node` runs once per window, with its step."""
+        if window.kind in ("modulo", "calls"):
+            return any(self.tree.contains(region, node) for region in window.step_region)
+        return window.kind == "accumulate" and any(
+            isinstance(a, cst.If) and "sync_gradients" in code(a.test)
+            for a in self.tree.ancestors(node)
+        )
 
     def _passes_gradients(self, window: Window) -> bool:
         """Whether the window also backpropagates a gradient handed in (a pipeline stage)."""
