@@ -314,20 +314,23 @@ class _Guards:
         self, call: cst.Call, region: cst.CSTNode, modulo: bool = True
     ) -> tuple[cst.If, cst.BaseExpression | None] | None:
         """The `if` inside `region` that holds the call and tests `a % k`, or a window's last
-        index (`a == k - 1`), with its `k` (any `if` when not `modulo`)."""
+        index (`a == k - 1`) or count (`n == k`), with its `k` (any `if` when not `modulo`)."""
         for guard in self.tree.ancestors(call):
             if guard is region:
                 return None
             if isinstance(guard, cst.If):
                 found = self._modulo(guard.test)
-                size = found.right if found is not None else self._last_index(guard.test)
+                size = found.right if found is not None else self._last_index(guard)
                 if size is not None or not modulo:
                     return guard, size
         return None
 
-    def _last_index(self, test: cst.BaseExpression) -> cst.BaseExpression | None:
+    def _last_index(self, guard: cst.If) -> cst.BaseExpression | None:
         """The accumulation name `k` of a test for a window's last index, `a == k - 1` or
-        `a + 1 == k` (minimal-llama's `batch_metadata["grad_accum_index"] == k - 1`)."""
+        `a + 1 == k` (minimal-llama's `batch_metadata["grad_accum_index"] == k - 1`), or for
+        its count of micro-batches, `n == k` with `n += 1` earlier in the guard's loop (a
+        `while True` that runs micro-batches until its counter reaches K)."""
+        test = guard.test
         if not (
             isinstance(test, cst.Comparison)
             and len(test.comparisons) == 1
@@ -339,13 +342,24 @@ class _Guards:
             one = isinstance(side, cst.BinaryOperation) and code(side.right) == "1"
             if one and isinstance(side.operator, cst.Subtract):
                 size = side.left
-            elif one and isinstance(side.operator, cst.Add):
+            elif one and isinstance(side.operator, cst.Add) or self._counts_passes(side, guard):
                 size = other
             else:
                 continue
             if self.is_accumulation_name(size):
                 return size
         return None
+
+    def _counts_passes(self, counter: cst.BaseExpression, guard: cst.If) -> bool:
+        """Whether the innermost loop holding `guard` raises the name `counter` by one
+        before the guard."""
+        loop = next((a for a in self.tree.ancestors(guard) if isinstance(a, LOOPS)), None)
+        if not isinstance(counter, cst.Name) or loop is None:
+            return False
+        return any(
+            _raises_by_one(node, counter.value) and self.tree.order[node] < self.tree.order[guard]
+            for node in self.tree.walk(loop.body, into_defs=False)
+        )
 
     def _skipping_guard(
         self, step: cst.Call, loop: cst.For | cst.While
@@ -745,6 +759,17 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
         if backward not in self._windows:
             self._windows[backward] = self._window(backward)
         return self._windows[backward]
+
+
+def _raises_by_one(node: cst.CSTNode, name: str) -> bool:
+    """`name += 1`."""
+    return (
+        isinstance(node, cst.AugAssign)
+        and isinstance(node.operator, cst.AddAssign)
+        and isinstance(node.target, cst.Name)
+        and node.target.value == name
+        and code(node.value) == "1"
+    )
 
 
 def _optimizer_of(call: cst.Call) -> str | None:
