@@ -333,13 +333,15 @@ def test_an_added_torch_import_goes_before_the_files_torch_submodule_imports():
 
 
 def test_a_window_with_a_backward_the_fix_would_not_weight_is_refused():
-    """The fp16 branch backpropagates `loss * loss_scale`, which is no mean to weight: one
-    division at the step would divide that branch's gradients too."""
+    """A branch that backpropagates the loss times a factor of each micro-batch (not a loss
+    scale the window keeps) is no mean to weight: one division at the step would divide
+    that branch's gradients too."""
     script = FIXTURES / "ga002_microbatch_slices_fp16_branch.py"
-    (outcome,) = fix_source(script.read_bytes(), script, ALL, unsafe=True).outcomes
+    text = script.read_text().replace("(loss * loss_scale)", "(loss * micro.shape[0])")
+    (outcome,) = fix_source(text.encode(), script, ALL, unsafe=True).outcomes
     assert not outcome.applied and outcome.line == 28
     assert outcome.reason.startswith(
-        "the window also backpropagates `(loss * loss_scale)` (line 26)"
+        "the window also backpropagates `(loss * micro.shape[0])` (line 26)"
     )
 
 

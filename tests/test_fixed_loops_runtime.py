@@ -76,11 +76,17 @@ class Sampler:
         return torch.ones(n, device=device), torch.ones(n, device=device)
 
 
-def slices_step(name: str) -> list[torch.Tensor]:
+def slices_step(name: str, use_fp16: bool | None = None) -> list[torch.Tensor]:
+    """The gradients the loop's optimizer steps with; with `use_fp16`, of a loop that builds
+    its own optimizer over fp32 master copies (replaced by a recording one)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(WIDTH, WIDTH)
-    optimizer = Recording(model.parameters(), lr=0.0)
-    loop = loaded(name)["TrainLoop"](model, Diffusion(), Sampler(), optimizer, MICRO)
+    if use_fp16 is None:
+        optimizer = Recording(model.parameters(), lr=0.0)
+        loop = loaded(name)["TrainLoop"](model, Diffusion(), Sampler(), optimizer, MICRO)
+    else:
+        loop = loaded(name)["TrainLoop"](model, Diffusion(), Sampler(), MICRO, use_fp16)
+        optimizer = loop.opt = Recording(loop.master, lr=0.0)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, WIDTH, generator=generator)
     loop.run_step(x, {"target": torch.randn(BATCH, WIDTH, generator=generator)})
@@ -103,6 +109,16 @@ def test_patched_slices_step_with_the_full_batch_mean(process_group):
     assert error(slices_step("ga002_microbatch_slices_weighted_mean.py"), reference) > 0.1
     assert error(slices_step("ga002_microbatch_slices_weighted_mean.fixed.py"), reference) < 1e-6
     assert error(slices_step("ok_microbatch_slices_weighted_share.py"), reference) < 1e-6
+
+
+@pytest.mark.parametrize("use_fp16", [False, True], ids=["fp32", "loss-scaled"])
+def test_patched_loss_scaled_slices_step_with_the_full_batch_mean(process_group, use_fp16):
+    """Each branch weighted, the loss-scaled one times its scale, and the gradients divided
+    where they accumulate (the model's), not in the master copies the optimizer steps."""
+    name = "ga002_microbatch_slices_master_copies"
+    reference = slices_full_batch()
+    assert error(slices_step(f"{name}.py", use_fp16), reference) > 0.1
+    assert error(slices_step(f"{name}.fixed.py", use_fp16), reference) < 1e-6
 
 
 # --- token batches: micro-batches of padded targets, each with its own count ---------------

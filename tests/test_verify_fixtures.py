@@ -98,6 +98,12 @@ MISMODELLED = {"ga001_exact_seq_classifier_attention_mask"}
 # group: here it runs as one process; `--distributed 2` proves it on two, in
 # tests/test_harness_ddp.py.)
 NOT_REPLAYABLE = {
+    # A diffusion loop that builds its own optimizer over master copies: the harness does not
+    # call it with the whole window, and its sampler's stand-in fails on the slices.
+    "ga002_microbatch_slices_master_copies": (
+        "not replayable: TypeError: randint()",
+        ("TypeError: randint()",),
+    ),
     # A Trainer given a model of the file's own class, whose `forward` computes the loss: the
     # harness's tiny language model does not stand for it.
     "ga004_forward_kwargs_ignored_regression": (
@@ -237,7 +243,6 @@ ALSO_REPLAYED = [
     "ga001_model_handed_token_counts_in_dict",
     "ga002_base_trainer_abstract_step",
     "ga003_exact_latent_diffusion_script_defaults",
-    "ga002_microbatch_slices_fp16_branch",
     "ok_microbatch_slices_weighted_share",
     "ok_window_drawn_whole_cut_by_batch_size",
     "ok_denoising_loss_sum_over_window",

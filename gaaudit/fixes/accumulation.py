@@ -24,6 +24,7 @@ from gaaudit.analysis.tree import (
     Tree,
     assigned_value,
     code,
+    depends_on,
     dotted,
     keyword,
     last_name,
@@ -870,8 +871,11 @@ class _LossRewrite:
             if kept:  # the name keeps the divided mean its readers log; the backward undoes `/ k`
                 anchor = statement_line(self.tree, site.division.node)
                 factor = f"{code(site.division.divisor)} * {factor}"
-            text = code(self._applied(node))
-            text = f"({text})" if isinstance(node, cst.BinaryOperation) else text
+            applied = self._applied(node)
+            text = code(applied)
+            if isinstance(applied, cst.BinaryOperation):  # `(loss * scale)`: `loss * scale * n`
+                product = isinstance(applied.operator, cst.Multiply)
+                text = code(applied.with_changes(lpar=[], rpar=[])) if product else f"({text})"
             new = cst.parse_expression(f"{text} * {factor}") if factor else node
             if factor and isinstance(
                 self.tree.parents[node], cst.Attribute
@@ -945,19 +949,24 @@ class _LossRewrite:
         window: averaged over the processes that average the gradients, since a reference
         that differed between them would weight their sums at different scales."""
         ref = self.reference
-        device = self._device(self._optimizer(site.window))
-        gather, world = self._gathering(site, device, [ref])
+        gather, world = self._gathering(site, self._grads_device(site), [ref])
         shared = f"{gather}{ref} = float({ref}) / {world}\n" if world else ""
-        indented = "".join(f"    {line}\n" for line in shared.splitlines())
-        return f"if {ref} is None:\n    {ref} = max(float({self.micro}), 1.0)\n{indented}"
+        return f"if {ref} is None:\n    {ref} = max(float({self.micro}), 1.0)\n{_indented(shared)}"
 
     def _scaled(self, site: Site) -> bool:
         """Whether the backward goes through a GradScaler: `scaler.scale(loss).backward()`, or
         `accelerator.backward(loss)` / `fabric.backward(loss)` of an Accelerator or Fabric
-        built with fp16 precision (or with a precision chosen at run time). Its fp16
+        built with fp16 precision (or with a precision chosen at run time), or on a branch
+        of its window times a loss scale of its own (`(loss * loss_scale).backward()`). Its fp16
         gradients must stay near the original's magnitude, so each micro-batch is weighted by
         its count over the window's first count (a constant of the window), not by its
         count, which would be thousands of times the original."""
+        if any(
+            (scaled := self._loss_scale(backward.loss, site.window))
+            and "scale" in (last_name(scaled[1]) or "").lower()
+            for backward in self._window_backwards(site.window)
+        ):
+            return True
         call = site.backward.call
         receiver = (
             call.func.value if call is not None and isinstance(call.func, cst.Attribute) else None
@@ -1637,17 +1646,48 @@ class _Window:
         the device once per parameter."""
         total = self.window_total
         count = f"{total} / {self.reference}" if self._scaled(site) else total
-        gather, world = self._gathering(site, self._device(optimizer), tracked)
+        cleared = self._cleared_params(site.window)
+        gather, world = self._gathering(site, self._grads_device(site), tracked)
         scale = f"{count} / {world}" if world else count
-        return (
-            f"{DIVIDE_NOTE}\n"
-            + gather
-            + f"{total} = max(float({total}), 1.0)\n"
-            + f"for group in {optimizer}.param_groups:\n"
-            + '    for param in group["params"]:\n'
-            + "        if param.grad is not None:\n"
-            + f"            param.grad.div_({scale})\n"
-        )
+        divide = f"if param.grad is not None:\n    param.grad.div_({scale})\n"
+        if cleared:
+            params = f"for param in {cleared}:\n" + _indented(divide)
+        else:
+            params = (
+                f"for group in {optimizer}.param_groups:\n"
+                + '    for param in group["params"]:\n'
+                + _indented(_indented(divide))
+            )
+        return f"{DIVIDE_NOTE}\n" + gather + f"{total} = max(float({total}), 1.0)\n" + params
+
+    def _grads_device(self, site: Site) -> str:
+        """Where the gradients the window divides live."""
+        cleared = self._cleared_params(site.window)
+        return f"{cleared}[0].device" if cleared else self._device(self._optimizer(site.window))
+
+    def _cleared_params(self, window: Window) -> str:
+        """`params` of the `zero_grad(params)` function that clears the gradients of a
+        micro-step loop before it, in its function: the parameters the window accumulates
+        into, which the stepped optimizer may not hold (fp16 master copies that the step fills
+        from them); "" where an optimizer or a model clears them (`opt.zero_grad()`)."""
+        if window.kind != "micro-loop":
+            return ""
+        start = self.tree.order[window.loop]
+        for node in self.tree.walk(self.tree.scope_of(window.loop), into_defs=False):
+            if (
+                isinstance(node, cst.Call)
+                and isinstance(node.func, cst.Name)
+                and node.func.value == "zero_grad"
+                and len(node.args) == 1
+                and node.args[0].keyword is None
+                and self.tree.order[node] < start
+            ):
+                return code(node.args[0].value)
+        return ""
+
+
+def _indented(lines: str) -> str:
+    return "".join(f"    {line}\n" for line in lines.splitlines())
 
 
 class Planner(
@@ -1771,13 +1811,12 @@ class Planner(
             return []
         fixed = {s.backward.call for s in sites}
         rewritten = {s.division.node for s in sites if s.kind == "loss-division"}
-        structure, tracer = self.auditor.structure, self.auditor.tracer
         siblings = []
-        for backward in structure.backwards():
-            window = structure.window(backward) if backward.call not in fixed else None
-            if window is None or window.anchor is not site.window.anchor:
+        for backward in self._window_backwards(site.window):
+            if backward.call in fixed:
                 continue
-            origin = tracer.origin(backward.loss)
+            scaled = self._loss_scale(backward.loss, site.window)
+            origin = self.auditor.tracer.origin(scaled[0] if scaled else backward.loss)
             if {d.node for d in origin.divisions} & rewritten:
                 continue  # the loss the rewrite made a sum, read on another branch
             if site.kind != "loss-division" and (origin.source, origin.divisions) == (
@@ -1792,6 +1831,36 @@ class Planner(
                 "one division at the step would divide its gradients too"
             )
         return siblings
+
+    def _loss_scale(
+        self, loss: cst.BaseExpression, window: Window
+    ) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
+        """(the loss, the factor) of a backpropagated `loss * factor` whose factor the window
+        leaves as it is (a loss scale set before it: `2 ** self.lg_loss_scale`): that loss is
+        weighted as the loss itself; else None."""
+        if not (isinstance(loss, cst.BinaryOperation) and isinstance(loss.operator, cst.Multiply)):
+            return None
+        assigned = self.tree.assigned_in(window.loop or window.anchor)
+        for scaled, factor in ((loss.left, loss.right), (loss.right, loss.left)):
+            value = factor
+            bound = (
+                self.auditor.tracer.binding(factor.value, factor)
+                if isinstance(factor, cst.Name)
+                else None
+            )
+            if isinstance(bound, cst.Assign) and len(bound.targets) == 1:
+                value = bound.value  # `loss_scale = 2 ** self.lg_loss_scale` in the micro-step
+            if not depends_on(value, assigned):
+                return scaled, factor
+        return None
+
+    def _window_backwards(self, window: Window):
+        """The backward calls of `window`."""
+        structure = self.auditor.structure
+        for backward in structure.backwards():
+            found = structure.window(backward)
+            if found is not None and found.anchor is window.anchor:
+                yield backward
 
     def _position(self, site: Site) -> tuple[int, int]:
         span = self.tree.span(site.node)
