@@ -235,17 +235,11 @@ class _Counting:
         callee = site.origin.callee
         if not safe or not callee or "." in callee:  # no function, or a model's `forward`
             return (count, caveat), safe
-        bound = self._binding_call(
-            self._loss_use(site),
-            lambda call, _: (
-                isinstance(call.func, cst.Name)
-                and call.func.value in _parameters(self.tree.scope_of(call))
-            ),
-            unpacked=True,
-        )
-        if bound is None:
-            return (count, caveat), safe
-        name = bound[0].value.func.value
+        bound = self._binding_call(self._loss_use(site), lambda call, _: True, unpacked=True)
+        func = bound[0].value.func if bound else None
+        if not (isinstance(func, cst.Name) and func.value in _parameters(self.tree.scope_of(func))):
+            return (count, caveat), safe  # the loss's own call, not one that feeds it (`model`)
+        name = func.value
         function = self.tree.scope_of(bound[0]).name.value
         where = f" ({site.origin.module})" if site.origin.module else ""
         caveat = (
