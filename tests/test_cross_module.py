@@ -1242,3 +1242,79 @@ def test_a_loss_function_its_caller_hands_in_is_fixed_only_as_unsafe(tmp_path):
     assert "losses.py), whose count this is); apply with --unsafe-fixes" in outcome.reason
     unsafe = fix_source(data, engine, ALL, unsafe=True, reach=True)
     assert 'micro_tokens = batch["mask"].sum()' in unsafe.after.decode()
+
+
+DENOISER = """\
+    from collections import namedtuple
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    Result = namedtuple("Result", ["loss", "pred"])
+
+
+    class Denoiser(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.net = nn.Linear(dim, dim)
+
+        def forward(self, x, lens):
+            keep = torch.rand(x.shape[:2]) < 0.5  # a span drawn here: its size is out of sight
+            pred = self.net(x)
+            loss = F.mse_loss(pred, x, reduction="none")[keep].mean()
+            return Result(loss, pred)
+
+
+    class DenoiserWithHub(Denoiser, HubMixin):
+        @classmethod
+        def load(cls, path):
+            return torch.load(path)
+    """
+DENOISER_TRAINER = """\
+    import torch
+
+    from pkg.model import Denoiser
+
+
+    class Trainer:
+        def __init__(self, model: Denoiser, optimizer, accum, compile=False):
+            if compile:
+                model = torch.compile(model)
+            self.model = model
+            self.optimizer = optimizer
+            self.accum = accum
+
+        def fit(self, loader):
+            for step, (x, lens) in enumerate(loader):
+                loss, pred = self.model(x, lens=lens)
+                (loss / self.accum).backward()
+                if (step + 1) % self.accum == 0:
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+    """
+
+
+def test_an_annotated_model_of_the_repository_is_named_where_its_loss_is_out_of_sight(tmp_path):
+    """Issue 17, item 4: `self.model` is the `Denoiser` its parameter is annotated with (through
+    `model = torch.compile(model)`), whose `forward` makes a mean over a span it draws itself:
+    no argument names that count, so the refusal points at `Denoiser.forward` instead of asking
+    for `labels=`. The module also defines a subclass whose one method is not the loss's: the
+    module is still read (a class emptied of its methods would not parse)."""
+    root = write(
+        tmp_path / "repo",
+        {"pkg/__init__.py": "", "pkg/model.py": DENOISER, "pkg/train.py": DENOISER_TRAINER},
+    )
+    script = root / "pkg" / "train.py"
+    report = fix_source(script.read_bytes(), script, ALL, True)
+    assert report.after == report.before
+    (outcome,) = report.outcomes
+    assert not outcome.applied
+    assert outcome.reason.startswith(
+        "`self.model(...)` (line 16) runs `Denoiser.forward` ("
+    ) and outcome.reason.endswith(
+        "pkg/model.py), which makes a loss gaaudit cannot trace to a count: have it return the "
+        "loss's valid count beside it (one per mean term if it adds means over different "
+        "counts), backpropagate the loss times that count and divide the gradients once by the "
+        "window's total"
+    ), outcome.reason

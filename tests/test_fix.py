@@ -1199,3 +1199,31 @@ def test_a_binding_on_another_branch_that_does_not_reach_the_backward_is_left_al
     assert [o.applied for o in report.outcomes] == [True, True], report.outcomes
     assert after.count("return_count=True") == 1
     compile(after, "train.py", "exec")
+
+
+@pytest.mark.parametrize(
+    "called",
+    ["self.loss(piece)", "self.loss(piece, labels=piece.masked_fill(piece == 0, -100))"],
+    ids=["no-targets", "labels"],
+)
+@pytest.mark.parametrize(
+    "decorator",
+    ["    @abstractmethod\n", "    # each objective defines it\n"],
+    ids=["abstract", "stub"],
+)
+def test_a_loss_left_to_subclasses_is_refused_even_with_labels(called, decorator):
+    """Issue 17, item 4: the base class's `loss` is abstract (or a stub with only its
+    docstring), so what it averages over is each subclass's own (a causal one shifts its
+    labels): no count written at the call is safe, however the labels are named; the refusal
+    says where the method is and what to do."""
+    script = FIXTURES / "ga002_abstract_loss_method.py"
+    source = script.read_text().replace("self.loss(piece)", called)
+    source = source.replace("    @abstractmethod\n", decorator)
+    report = fix_source(source.encode(), script, ALL, True)
+    assert report.after == report.before
+    (outcome,) = report.outcomes
+    assert not outcome.applied
+    assert outcome.reason.startswith(
+        "`self.loss(...)` (line 26) is left to subclasses (`def loss`, line 19), each making its "
+        "loss over a count of its own that this loop cannot see: have each return"
+    ), outcome.reason

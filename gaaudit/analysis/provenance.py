@@ -451,12 +451,23 @@ class _Calls:
                 for v in self.assigned(name, func)
                 if isinstance(v, cst.Name)
             ]
-        for param in params:
+        for param in map(self._unwrapped, params):
             if isinstance(param, cst.Param) and param.annotation is not None:
                 annotation = param.annotation.annotation
                 if isinstance(annotation, (cst.Name, cst.Attribute)):
                     return annotation
         return None
+
+    def _unwrapped(self, bound: cst.CSTNode | None, hops: int = 4) -> cst.CSTNode | None:
+        """The parameter a name rebound by wrappers that take it first was bound to
+        (`model = torch.compile(model)`), else `bound`."""
+        while hops and isinstance(bound, cst.Assign) and len(bound.targets) == 1:
+            name, value = bound.targets[0].target, bound.value
+            first = positional(value)[:1] if isinstance(value, cst.Call) else []
+            if not (isinstance(name, cst.Name) and first and code(first[0]) == name.value):
+                break
+            bound, hops = self.binding(name.value, first[0]), hops - 1
+        return bound
 
 
 class _Callees:

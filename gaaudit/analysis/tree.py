@@ -220,6 +220,33 @@ class _Index:
             stack.extend((kid, False, scope) for kid in reversed(kids))
 
 
+def abstract(function: cst.FunctionDef) -> bool:
+    """A method left to subclasses: `@abstractmethod`, or a body (after its docstring) of
+    nothing, or only `pass`, `...` or `raise NotImplementedError`."""
+    if any(last_name(d.decorator) == "abstractmethod" for d in function.decorators):
+        return True
+    lines = function.body.body if isinstance(function.body, cst.IndentedBlock) else [function.body]
+    if not all(
+        isinstance(line, (cst.SimpleStatementLine, cst.SimpleStatementSuite)) for line in lines
+    ):
+        return False
+    small = [s for line in lines for s in line.body]
+    if small and isinstance(small[0], cst.Expr) and isinstance(small[0].value, cst.SimpleString):
+        small = small[1:]  # the docstring
+    raised = small[0].exc if len(small) == 1 and isinstance(small[0], cst.Raise) else None
+    raised = raised.func if isinstance(raised, cst.Call) else raised
+    return (
+        not small
+        or len(small) == 1
+        and (
+            isinstance(small[0], cst.Pass)
+            or isinstance(small[0], cst.Expr)
+            and isinstance(small[0].value, cst.Ellipsis)
+            or last_name(raised) == "NotImplementedError"
+        )
+    )
+
+
 def methods_of(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
     """The methods a class body defines, by name."""
     return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}

@@ -37,6 +37,7 @@ def blank(data: bytes, lines: list[bytes], tree: ast.Module, found: dict, matter
     while True:
         kept = _with_owners(kept, found)  # a kept method keeps its classes
         kept |= {u for u, owner in found.items() if owner in kept and u.name in ALWAYS_KEPT}
+        kept |= with_members({u for u in kept if _hollow(u, kept)}, found)
         wanted = top_level.union(*map(names_of, kept))
         revived = {u for u in found if u not in kept and u.name in wanted}
         revived = with_members(revived, found)  # a named class, whole
@@ -90,6 +91,14 @@ def with_members(revived: set, found: dict) -> set:
         closed |= members
         changed = bool(members)
     return closed
+
+
+def _hollow(unit: Definition, kept: set) -> bool:
+    """A kept class whose body would be blank (all its members blanked): not Python, so it is
+    kept whole."""
+    return isinstance(unit, ast.ClassDef) and not any(
+        n in kept or not isinstance(n, DEFINITIONS) for n in unit.body
+    )
 
 
 def _span(node: Definition) -> tuple[int, int]:

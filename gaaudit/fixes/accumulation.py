@@ -22,17 +22,20 @@ from gaaudit.analysis.provenance import (
 )
 from gaaudit.analysis.tree import (
     Tree,
+    abstract,
     assigned_value,
     code,
     depends_on,
     dotted,
     keyword,
     last_name,
+    methods_of,
     positional,
     target_names,
     walk,
 )
 from gaaudit.checks.accumulation import Auditor, Site
+from gaaudit.discover.modules import shown
 from gaaudit.discover.source import SourceError, parse
 from gaaudit.findings import Finding
 from gaaudit.fixes.edits import (
@@ -770,7 +773,44 @@ class _CompanionCounts:
             return (count, f"assumes `{code(func)}` is its default, `{code(named)}`"), False
         return (count, ""), True
 
+    def _uncounted(self, call: cst.Call) -> str:
+        """Why a model's own loss has no count here: the repository class it is annotated
+        with makes it out of sight, or none of its arguments is named as its targets."""
+        made = f"`{code(call.func)}(...)` (line {self.tree.line(call)})"
+        tracer = self.auditor.tracer
+        annotated = tracer.annotated_class(call.func)
+        reference = tracer.imports.reference(annotated) if annotated and tracer.imports else None
+        found = tracer.imports.summary(reference) if reference is not None else None
+        if found is not None and found.is_class:
+            return (
+                f"{made} runs `{found.name}` ({shown(found.path)}), which makes a loss "
+                "gaaudit cannot trace to a count: have it return the loss's valid count beside "
+                "it (one per mean term if it adds means over different counts), backpropagate "
+                "the loss times that count and divide the gradients once by the window's total"
+            )
+        return (
+            f"{made} computes its own loss, and none of its arguments is named as its targets: "
+            "pass them as `labels=` or `targets=`"
+        )
+
+    def _own_method(self, call: cst.Call) -> cst.FunctionDef | None:
+        """The method of the class around `call` that a `self.name(...)` call runs."""
+        name = dotted(call.func) or ""
+        owner = next((a for a in self.tree.ancestors(call) if isinstance(a, cst.ClassDef)), None)
+        if owner is None or not name.startswith("self.") or name.count(".") != 1:
+            return None
+        return methods_of(owner).get(name.removeprefix("self."))
+
     def _returned_count(self, call: cst.Call) -> tuple[tuple[str, str], bool]:
+        method = self._own_method(call)
+        if method is not None and abstract(method):
+            raise Unfixable(
+                f"`{code(call.func)}(...)` (line {self.tree.line(call)}) is left to subclasses "
+                f"(`def {method.name.value}`, line {self.tree.line(method)}), each making its loss "
+                "over a count of its own that this loop cannot see: have each return its "
+                "micro-batch's valid-target count beside the mean, backpropagate the mean times "
+                "that count and divide the gradients once by the window's total"
+            )
         args = positional(call)
         named = [arg for arg in args if re.search(r"(?i)label|target", code(arg))]
         target = (
@@ -780,11 +820,7 @@ class _CompanionCounts:
             or (args[1] if len(args) == 2 else None)  # `model(x, y)`
         )
         if target is None:
-            raise Unfixable(
-                f"`{code(call.func)}(...)` (line {self.tree.line(call)}) computes its own loss, "
-                "and none of its arguments is named as its targets: pass them as `labels=` or "
-                "`targets=`"
-            )
+            raise Unfixable(self._uncounted(call))
         ignore = re.search(r"ignore_index\s*=\s*(-?\d+)", self.text) or re.search(
             r"(-100)\b", self.text
         )
