@@ -401,6 +401,58 @@ def test_a_conditional_labels_expression_is_counted_whole():
     compile(fixed, "train.py", "exec")
 
 
+PER_PATH = """\
+import torch.nn.functional as F
+
+
+def train(model, batches, optimizer, k, rescale):
+    for step, batch in enumerate(batches):
+        out = model(batch["input_ids"])
+        if rescale:
+            out = out * 2
+        if batch.get("labels") is not None:
+            loss = F.cross_entropy(out.flatten(0, 1), batch["labels"].flatten())
+        else:
+            loss = out.pow(2).mean()
+        (loss / k).backward()
+        if (step + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ("", ""),
+        (
+            (
+                "        if batch.get",
+                "        if rescale:\n            pass\n        elif batch.get",
+            ),
+            "and the `if` does not run on every path to it",
+        ),
+    ],
+    ids=["both-counted", "nested"],
+)
+def test_a_loss_on_two_paths_binds_each_paths_count_or_is_refused(change, reason):
+    """Each path of the `if` binds its own count before its loss, and the token loss of one
+    path stays a mean (a `reduction="sum"` there would leave the other path unweighted); an
+    `if` that not every path to the backward runs is refused, saying so."""
+    source = PER_PATH.replace(*change) if change else PER_PATH
+    result = fix_source(source.encode(), Path("train.py"), ALL, unsafe=True)
+    (outcome,) = result.outcomes
+    if not reason:
+        fixed = result.after.decode()
+        assert outcome.applied and "reduction" not in fixed
+        assert 'micro_tokens = (batch["labels"].flatten() != -100).sum()' in fixed
+        assert "micro_tokens = out.pow(2).numel()" in fixed
+        assert "(loss * micro_tokens).backward()" in fixed
+        return
+    assert not outcome.applied and reason in outcome.reason
+    assert result.after == source.encode()
+
+
 def test_a_count_rebound_before_a_skipped_backward_is_refused():
     """The next batch is fetched after the loss, then a non-finite loss skips its backward:
     counting right after the loss would count a micro-batch the window never sees."""

@@ -275,6 +275,62 @@ def test_patched_accelerate_window_divides_after_either_branch(cast_loss):
     assert patched_logged == pytest.approx(logged)
 
 
+# --- a loss bound on two paths of an `if`, each a mean over a count of its own -------------
+
+
+def frame_batches(masked: list[bool]) -> list[tuple]:
+    """Micro-batches of frames, each kept wholly (no mask) or partly by a mask that keeps
+    2, 3, 4, ... frames a row (`masked`)."""
+    generator = torch.Generator().manual_seed(3)
+    out = []
+    for i, partly in enumerate(masked):
+        frames = torch.randn(ROWS, LENGTH, WIDTH, generator=generator)
+        targets = torch.randn(ROWS, LENGTH, generator=generator)
+        keep = torch.zeros(ROWS, LENGTH) if partly else None
+        if partly:
+            keep[:, : 2 + i] = 1.0
+        out.append((frames, targets, keep))
+    return out
+
+
+def per_path_step(name: str, batches: list[tuple]) -> tuple[float, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(WIDTH, 1)
+    optimizer = Recording(model.parameters(), lr=0.0)
+    return loaded(name)["train"](model, batches, optimizer, K), optimizer.seen
+
+
+def per_path_full_batch(batches: list[tuple]) -> list[torch.Tensor]:
+    """The gradient of the squared errors' mean over every kept frame of the window."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(WIDTH, 1)
+    kept = [torch.ones_like(t) if keep is None else keep for _, t, keep in batches]
+    errors = [(model(f).squeeze(-1) - t) ** 2 * k for (f, t, _), k in zip(batches, kept)]
+    (sum(e.sum() for e in errors) / sum(k.sum() for k in kept)).backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "masked",
+    [[True, False, True, True], [True] * K, [False] * K],
+    ids=["mixed", "masked", "unmasked"],
+)
+def test_patched_loss_on_two_paths_is_counted_on_each(masked):
+    """`if keep is not None: masked mean / else: plain mean`: each path binds its own count
+    before its loss (the plain one before the name is rebound to its mean), so the window
+    steps like the full batch whichever paths its micro-batches take, and the loop returns
+    the running mean it returned."""
+    batches = frame_batches(masked)
+    reference = per_path_full_batch(batches)
+    original = "ga001_masked_or_plain_mean_per_path.py"
+    logged, grads = per_path_step(original, batches)
+    patched_logged, patched = per_path_step(original.replace(".py", ".fixed.py"), batches)
+    twin_logged, twin = per_path_step("ok_masked_or_plain_sum_per_path.py", batches)
+    assert (error(grads, reference) > 0.1) == any(masked)  # equal counts when none is masked
+    assert error(patched, reference) < 1e-6 and error(twin, reference) < 1e-6
+    assert patched_logged == pytest.approx(logged) == twin_logged
+
+
 # --- every division form, window shape and loss source, with and without a log --------------
 
 FORMS = {  # how the loop divides by K and backpropagates

@@ -591,7 +591,10 @@ class _Callees:
             earlier = [
                 node
                 for node in tree.bindings(region).get(name, ())
-                if node is not use and tree.order[node] <= where and not tree.contains(node, use)
+                if node is not use
+                and tree.order[node] <= where
+                and not tree.contains(node, use)
+                and not self._apart(node, use)
             ]
             if earlier:
                 return earlier[-1]
@@ -600,6 +603,21 @@ class _Callees:
                     if param.name.value == name:
                         return param
         return None
+
+    def _apart(self, binding: cst.CSTNode, use: cst.CSTNode) -> bool:
+        """Whether `binding` and `use` lie in two arms of one `if` (`if m: loss = a` / `else:
+        loss = loss.mean()`): the one never reaches the other, whatever their order."""
+        for branch in self.tree.ancestors(binding):
+            if isinstance(branch, (cst.FunctionDef, cst.Lambda)):
+                return False
+            if isinstance(branch, cst.If) and self.tree.contains(branch, use):
+                return not any(
+                    arm is not None
+                    and self.tree.contains(arm, binding)
+                    and self.tree.contains(arm, use)
+                    for arm in (branch.body, branch.orelse)
+                )
+        return False
 
 
 class _Counts:
@@ -922,8 +940,9 @@ class Tracer(_Calls, _Callees, _Counts):
                 return self._unpacked(name, target, value, depth)
         if _averages_itself(name, value):  # DataParallel's `loss = loss.mean()`
             previous = self.binding(name, stmt)
-            if previous is not None:
-                return self._from_binding(name, previous, depth + 1)
+            averaged = self._from_binding(name, previous, depth + 1) if previous else UNKNOWN
+            if averaged.kind != "unknown":  # else the mean of untraced elements: `x.mean()`
+                return averaged
         found = self.origin(value, depth + 1)
         if found.kind == "unknown" and "loss" in name and _calls_a_model(value):
             what = f"`{name}` returned by `{code(value.func)}(...)`, a model's mean loss"

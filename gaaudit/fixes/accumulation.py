@@ -58,6 +58,7 @@ from gaaudit.fixes.read_ahead import _ReadAhead, unmoved
 from gaaudit.vocabulary import CLIPPERS
 
 COUNT_NOTE = "# the caller weights this mean by its count: sum and count per micro-batch"
+PATH_NOTE = "# sum and count: the count this path's mean averages over"
 RETURN_COUNT = "return_count"
 MAX_REBINDINGS = 8  # how far back `labels = labels.to(device)` chains are followed
 
@@ -293,12 +294,7 @@ class _Counting:
                 f"of `{origin.beside}`"
             )
         if origin.branch is not None:
-            raise Unfixable(
-                f"the loss is defined otherwise on a path of the `if` on line "
-                f"{self.tree.line(origin.branch)}, over a count of its own, which one count "
-                "expression cannot cover: bind each path's valid-target count beside its loss, "
-                "then backpropagate the loss times that count"
-            )
+            return self._count_on_each_path(site)
         kept = [
             d for d in origin.divisions if site.division is None or d.node is not site.division.node
         ]
@@ -310,17 +306,10 @@ class _Counting:
             )
         helper = self._helper_call(site) if source is not None else None
         self.counted_inside = ""
-        if origin.count is not None:  # a masked mean: the count it divides by
-            counted = (code(origin.count), ""), True
-        elif origin.module:  # the other module's function returns its count too
+        if origin.module and origin.count is None:  # its function returns its count too
             self._companion_count(site)
             return (self.micro, ""), True
-        elif isinstance(source, (cst.Attribute, cst.Subscript)):
-            counted = self._model_count(source), True
-        elif isinstance(source, cst.Call):
-            counted = self._call_count(source, origin)
-        else:
-            raise Unfixable(self._untraced(site))
+        counted = self._mean_count(origin, site)
         if helper is None:
             return counted
         (count, caveat), safe = counted
@@ -354,6 +343,97 @@ class _Counting:
             optimizer=self._optimizer(site.window),
             code=site.code,
         )
+
+    def _mean_count(self, origin: Origin, site: Site) -> tuple[tuple[str, str], bool]:
+        """What a mean made in this file divides by: (count expression, caveat), and
+        whether that is certain."""
+        source = origin.source
+        if origin.count is not None:  # a masked mean: the count it divides by
+            return (code(origin.count), ""), True
+        if isinstance(source, (cst.Attribute, cst.Subscript)):
+            return self._model_count(source), True
+        if isinstance(source, cst.Call):
+            return self._call_count(source, origin)
+        raise Unfixable(self._untraced(site))
+
+    def _count_on_each_path(self, site: Site) -> tuple[tuple[str, str], bool]:
+        """A loss bound on both paths of an `if`, each a mean over a count of its own (`if
+        mask is not None: loss = masked mean` / `else: loss = x.mean()`): each path binds
+        its count just before its loss; the loop weights by that name."""
+        branch, tracer = site.origin.branch, self.auditor.tracer
+        use = self._loss_use(site)
+        bound = [
+            (name.value, binding)
+            for name in self.tree.walk(use)
+            if isinstance(name, cst.Name)
+            and (binding := tracer.binding(name.value, name)) is not None
+            and self.tree.contains(branch, binding)
+        ]
+        line = self.tree.line(branch)
+        refusal = (
+            f"the loss is defined otherwise on a path of the `if` on line {line}, over a "
+            "count of its own, {}: bind each path's valid-target count beside its loss, then "
+            "backpropagate the loss times that count"
+        )
+        if (
+            len(bound) != 1
+            or self.tree.scope_of(branch) is not self.tree.scope_of(use)
+            or isinstance(branch.orelse, cst.If)
+            or (site.division is not None and self.tree.contains(branch, site.division.node))
+        ):
+            raise Unfixable(refusal.format("which gaaudit cannot follow to the backward"))
+        name, binding = bound[0]
+        if not self.tree.contains(self.tree.parents[branch], use):
+            raise Unfixable(refusal.format("and the `if` does not run on every path to it"))
+        if branch.orelse is not None:
+            paths = [self._last_binding(name, branch.body), self._last_binding(name, branch.orelse)]
+        else:  # the binding before the `if` stands when its test is false
+            before = tracer.binding(name, branch)
+            beside = before is not None and self.tree.parents.get(
+                self.tree.parents.get(before)
+            ) is self.tree.parents.get(branch)
+            paths = [self._last_binding(name, branch.body), before if beside else None]
+        counts = []
+        for path in paths:
+            origin = tracer.origin(path.value) if isinstance(path, cst.Assign) else None
+            if (
+                origin is None
+                or origin.kind != "mean"
+                or origin.source is None
+                or origin.divisions
+                or origin.added
+                or origin.beside
+                or origin.branch is not None
+                or self.tree.scope_of(origin.source) is not self.tree.scope_of(path)
+            ):
+                what = f"line {self.tree.line(path)}" if path is not None else "a path"
+                raise Unfixable(refusal.format(f"and on {what} no mean gaaudit can count"))
+            counts.append(self._mean_count(origin, site))
+        for path, ((count, _), _) in zip(paths, counts):
+            self.edits.insert_before(
+                statement_line(self.tree, path), f"{PATH_NOTE}\n{self.micro} = {count}\n"
+            )
+        caveat = next((caveat for (_, caveat), _ in counts if caveat), "")
+        return (self.micro, caveat), all(safe for _, safe in counts)
+
+    def _last_binding(self, name: str, arm: cst.CSTNode) -> cst.Assign | None:
+        """The last statement of `arm` (an `if`'s body or `else`) binding `name`, when it is
+        one of the arm's own statements (`name = ...`), not nested in another block."""
+        bindings = [
+            node
+            for node in self.tree.bindings(self.tree.scope_of(arm)).get(name, ())
+            if self.tree.contains(arm, node)
+        ]
+        block = arm.body if isinstance(arm, cst.Else) else arm
+        last = bindings[-1] if bindings else None
+        if (
+            isinstance(last, cst.Assign)
+            and len(last.targets) == 1
+            and isinstance(last.targets[0].target, cst.Name)
+            and self.tree.parents.get(self.tree.parents.get(last)) is block
+        ):
+            return last
+        return None
 
     @staticmethod
     def _untraced(site: Site) -> str:
@@ -1103,8 +1183,8 @@ class _SumReduction:
         `nn.CrossEntropyLoss` instance called only here (one shared with evaluation stays a mean,
         weighted by its count)."""
         source = site.origin.source
-        if not isinstance(source, cst.Call) or site.origin.from_model:
-            return None
+        if not isinstance(source, cst.Call) or site.origin.from_model or site.origin.branch:
+            return None  # (on another path, the loss stays a mean, weighted by its count)
         if self.tree.scope_of(source) is not self.tree.scope_of(site.backward.call):
             return None  # a helper's mean: its other callers still read it
         qualified = self.tree.qualified(source.func) or ""
