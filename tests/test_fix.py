@@ -748,16 +748,18 @@ def train(model, loader, optimizer, accum):
 @pytest.mark.parametrize(
     ("body", "reason"),
     [
-        (  # a mask in one branch, none in the other
+        (  # a mask in one branch, none in the other, of an `elif` not every path runs
             """        x, y, mask = batch
         losses = F.mse_loss(model(x), y, reduction="none")
-        if mask is not None:
+        if x.dim() > 2:
+            pass
+        elif mask is not None:
             loss = (losses * mask).sum() / mask.sum()
         else:
             loss = losses.mean()""",
             (
-                "the loss is defined otherwise on a path of the `if` on line 8, over a count "
-                "of its own, which one count expression cannot cover: bind each path's "
+                "the loss is defined otherwise on a path of the `if` on line 10, over a count "
+                "of its own, and the `if` does not run on every path to it: bind each path's "
                 "valid-target count beside its loss"
             ),
         ),

@@ -252,7 +252,6 @@ ALSO_REPLAYED = [
     "ga001_mode_switched_keyword_dict",
     "ga001_model_handed_token_counts_in_dict",
     "ga002_base_trainer_abstract_step",
-    "ga003_exact_latent_diffusion_script_defaults",
     "ok_microbatch_slices_weighted_share",
     "ok_window_drawn_whole_cut_by_batch_size",
     "ok_denoising_loss_sum_over_window",

@@ -941,7 +941,7 @@ class Tracer(_Calls, _Callees, _Counts):
         if _averages_itself(name, value):  # DataParallel's `loss = loss.mean()`
             previous = self.binding(name, stmt)
             averaged = self._from_binding(name, previous, depth + 1) if previous else UNKNOWN
-            if averaged.kind != "unknown":  # else the mean of untraced elements: `x.mean()`
+            if averaged.kind != "elementwise":  # else the mean of its elements: `x.mean()`
                 return averaged
         found = self.origin(value, depth + 1)
         if found.kind == "unknown" and "loss" in name and _calls_a_model(value):
