@@ -67,6 +67,14 @@ from transformers import GPT2Config, GPT2LMHeadModel
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo, no kernel to compile
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+if os.environ.get("GA_ACCELERATE_BEFORE_1_8"):  # its DeepSpeed wrapper left the engine its window
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    def backward(self, loss, sync_gradients=True, **kwargs):
+        self.engine.backward(loss, **kwargs)
+        self.engine.step()
+
+    DeepSpeedEngineWrapper.backward = backward
 script, data, out, epochs = sys.argv[1:]
 
 
@@ -114,7 +122,9 @@ def token_mean_gradient(windows: list[list[dict]]) -> list[torch.Tensor]:
     return [p.grad for p in net.parameters()]
 
 
-def run(tmp_path: Path, source: str, world: int, per_rank: int, epochs: int) -> list:
+def run(
+    tmp_path: Path, source: str, world: int, per_rank: int, epochs: int, **environ: str
+) -> list:
     """Each optimizer step's gradients (rank 0's: the engine averages them over ranks)."""
     tmp_path.mkdir()
     script, worker, data = tmp_path / "train.py", tmp_path / "worker.py", tmp_path / "data.json"
@@ -130,6 +140,7 @@ def run(tmp_path: Path, source: str, world: int, per_rank: int, epochs: int) -> 
         "MASTER_PORT": str(29600 + world + 7 * epochs),
         "WORLD_SIZE": str(world),
         "GA_TINY_GPT2": json.dumps(TINY),
+        **environ,
     }
     processes = [
         subprocess.Popen(
@@ -248,3 +259,48 @@ def test_verify_replays_the_engine_loop_on_the_ranks():
         assert row["original_verdict"] == REPRODUCED and row["original_error"] > 0.1, row
         assert row["verdict"] == VERIFIED and row["patched_error"] < 1e-5, row
         assert row["processes"] == 2
+
+
+ACCELERATE = """\
+from accelerate import Accelerator
+from transformers import GPT2LMHeadModel
+
+
+def main(net: GPT2LMHeadModel, optimizer, loader, epochs):
+    accelerator = Accelerator()
+    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 2
+    net, optimizer = accelerator.prepare(net, optimizer)
+    for epoch in range(epochs):
+        for step, batch in enumerate(loader):
+            loss = net(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            print(f"epoch {epoch} step {step} loss {loss.item():.4f}")
+"""
+LAUNCHED = {  # `accelerate launch` with a DeepSpeed config of K = 4, as its environment says
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "0",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(K),
+    "ACCELERATE_GRADIENT_CLIPPING": "1e9",  # no clipping: 0 reads as unset, then 1.0
+}
+
+
+def test_accelerates_deepspeed_window_is_read_ahead_where_the_engine_ends_it(tmp_path):
+    """accelerate launched with DeepSpeed (one process: on CPU accelerate builds no group of
+    its own): before 1.8 its `backward` let the engine end each window of K micro-batches, and
+    the unsafe fix's steps are the windows' token means; from 1.8 on (installed here) every
+    micro-batch is a step of its own, which is why the fix is unsafe."""
+    (outcome,) = fix_source(ACCELERATE.encode(), Path("train.py"), Settings()).outcomes
+    assert not outcome.applied and "assumes accelerate before 1.8" in outcome.reason
+    fixed = fix_source(ACCELERATE.encode(), Path("train.py"), Settings(), unsafe=True).after
+    assert b"accelerator.backward(loss * window_share)" in fixed
+    data = batches(0, 2 * K)
+    before = {**LAUNCHED, "GA_ACCELERATE_BEFORE_1_8": "1"}
+    original = run(tmp_path / "original", ACCELERATE, 1, 2 * K, 1, **before)
+    patched = run(tmp_path / "patched", fixed.decode(), 1, 2 * K, 1, **before)
+    assert len(original) == len(patched) == 2
+    for old, new, window in zip(original, patched, (data[:K], data[K:]), strict=True):
+        want = token_mean_gradient([window])
+        assert distance(new, want) < 1e-4
+        assert distance(old, want) > 1e-2  # the bug the fix removes
+    assert len(run(tmp_path / "installed", ACCELERATE, 1, K, 1, **LAUNCHED)) == K

@@ -1253,9 +1253,9 @@ class _Owners:
 
     def _framework_factor(self, site: Site) -> str:
         receiver = self._accelerator(site)
-        if receiver and (
-            site.window.kind == "accumulate" or "gradient_accumulation_steps=" in self.text
-        ):
+        if receiver is None or self._engine(site):  # under DeepSpeed, its engine divides
+            return ""
+        if site.window.kind == "accumulate" or "gradient_accumulation_steps=" in self.text:
             return f" * {receiver}.gradient_accumulation_steps"
         return ""
 
@@ -1264,10 +1264,17 @@ class _Owners:
         return self._backward_owner(site, "accelerator")
 
     def _engine(self, site: Site) -> str | None:
-        """The DeepSpeed engine of `engine.backward(loss)`, else None."""
-        if site.backward.call is None or not self.auditor.structure.deepspeed_engine(site.backward):
+        """The DeepSpeed engine that backpropagates the loss: `engine` of `engine.backward(loss)`,
+        or the one an accelerator launched with DeepSpeed hands it to (`accelerator.backward`
+        runs `accelerator.deepspeed_engine_wrapped.engine`'s backward and step); else None."""
+        structure = self.auditor.structure
+        if site.backward.call is None:
             return None
-        return dotted(site.backward.call.func.value)
+        if structure.deepspeed_engine(site.backward):
+            return dotted(site.backward.call.func.value)
+        if site.window.kind == "framework" and structure.accelerate_deepspeed(site.backward):
+            return f"{self._accelerator(site)}.deepspeed_engine_wrapped.engine"
+        return None
 
     @staticmethod
     def _device(optimizer: str) -> str:

@@ -31,6 +31,11 @@ SAME_ELEMENTS = {  # a rebinding that keeps each element where it was, so the co
     "to", "cuda", "cpu", "long", "int", "float", "double", "half", "bfloat16", "detach", "clone",
     "contiguous",
 }  # fmt: skip
+ACCELERATE_WINDOW = (  # accelerate#3630: DeepSpeed's boundary set from `sync_gradients`
+    "assumes accelerate before 1.8, whose `backward` lets the DeepSpeed engine end each window "
+    "of its `gradient_accumulation_steps` micro-batches; from 1.8 on, outside "
+    "`accelerator.accumulate()`, every micro-batch is a step of its own"
+)
 READER, SHARE = "read_ahead", "window_share"  # the names it adds, suffixed where taken
 LOCALS = ("items", "pending", "item", "count", "total")  # the read-ahead functions' own names
 
@@ -98,6 +103,8 @@ class _ReadAhead:
                 "unsafe fix (a micro-batch the loop skips with `continue` before "
                 f"`{code(last.func)}(...)` still counts in its window); apply with --unsafe-fixes"
             )
+        if engine and self._accelerator(site) and not self.unsafe:
+            raise Unfixable(f"unsafe fix ({ACCELERATE_WINDOW}); apply with --unsafe-fixes")
         self.edits.replace[site.backward.loss] = term
         reader = self._write_reader(site, loop, guard, counted, targets)
         self.edits.replace[loop.target] = cst.parse_expression(f"{_packed(loop.target)}, {share}")
@@ -119,11 +126,15 @@ class _ReadAhead:
         taken = variables(counted) | targets | (variables(guard) if guard else {engine})
         items, pending, item, each, total = (_free(name, taken) for name in LOCALS)
         target, packed = code(loop.target), _packed(loop.target)
+        bound = ""  # an engine reached through attributes is named once, in the reader
         if engine:
-            device = f"{engine}.device"
+            device, named = f"{engine}.device", engine
+            if "." in engine:
+                named = _free("engine", taken | {items, pending, item, each, total})
+                bound = f"    {named} = {engine}\n"
             guard = cst.parse_expression(
-                f"({engine}.micro_steps + len({pending})) "
-                f"% {engine}.gradient_accumulation_steps() == 0"
+                f"({named}.micro_steps + len({pending})) "
+                f"% {named}.gradient_accumulation_steps() == 0"
             )
         else:
             device = self._device(self._optimizer(site.window))
@@ -134,8 +145,7 @@ class _ReadAhead:
             per_process += f" / len({pending})"
         functions = parsed_statements(
             f"{AHEAD_NOTE}\n"
-            f"def {reader}({items}):\n"
-            f"    {pending} = []\n"
+            f"def {reader}({items}):\n" + bound + f"    {pending} = []\n"
             f"    for {target} in {items}:\n"
             f"        {pending}.append(({packed}, {code(counted)}))\n"
             f"        if {code(guard)}:\n"
@@ -164,7 +174,7 @@ class _ReadAhead:
 
     def _engine_loop(self, site: Site, engine: str) -> tuple[cst.For, cst.Call]:
         """The loop whose every micro-batch a DeepSpeed engine backpropagates and steps, and
-        its `engine.step()`."""
+        the call that steps it: `engine.step()`, or `accelerator.backward(loss)` itself."""
         call = site.backward.call
         scope = self.tree.scope_of(call)
         loop = next(
@@ -177,6 +187,8 @@ class _ReadAhead:
             for node in self.tree.walk(loop.body, into_defs=False)
             if isinstance(node, cst.Call) and code(node.func) == f"{engine}.step"
         ]
+        if self._accelerator(site):  # its DeepSpeed wrapper steps the engine after the backward
+            steps = [call, *steps]
         if len(steps) != 1:
             raise Unfixable(f"the loop calls `{engine}.step()` {len(steps)} times, not once")
         for node in (call, steps[0]):
