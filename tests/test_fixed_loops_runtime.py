@@ -530,3 +530,31 @@ def test_a_scaled_loop_on_two_ranks_matches_the_full_batch_of_both(tmp_path):
     reference = generated_reference("cross-entropy", 2 * K, "cpu")
     assert error(two_rank_gradients(source, tmp_path), reference) > 0.1
     assert error(two_rank_gradients(patched, tmp_path), reference) < 1e-6
+
+
+def test_patched_window_counts_only_the_micro_batches_it_backpropagates():
+    """A micro-batch whose loss spikes is left out (`if not spike: loss.backward()`): the
+    patched window counts its tokens only where its gradient is, so it steps like the full
+    batch of the micro-batches kept."""
+    batches = token_batches(K, -100)
+    with torch.no_grad():
+        model = CausalLM()
+        losses = [
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100).item()
+            for x, y in batches
+        ]
+    second, highest = sorted(losses)[-2:]
+    limit = (highest + second) / 2  # the spike: only the highest is left out
+    reference = full_batch([b for b, loss in zip(batches, losses) if loss < limit], -100)
+    grads = {}
+    for name in (
+        "ga001_backward_skipped_on_loss_spike.py",
+        "ga001_backward_skipped_on_loss_spike.fixed.py",
+    ):
+        model = CausalLM()
+        optimizer = Recording(model.parameters(), lr=0.0)
+        loaded(name)["train"](model, batches, optimizer, K, limit)
+        grads[name] = optimizer.seen
+    original, patched = grads.values()
+    assert error(original, reference) > 0.1
+    assert error(patched, reference) < 1e-6

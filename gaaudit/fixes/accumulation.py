@@ -59,6 +59,7 @@ from gaaudit.vocabulary import CLIPPERS
 
 COUNT_NOTE = "# the caller weights this mean by its count: sum and count per micro-batch"
 PATH_NOTE = "# sum and count: the count this path's mean averages over"
+SKIPPED_NOTE = "# sum and count: a micro-batch whose backward is skipped adds no count"
 RETURN_COUNT = "return_count"
 MAX_REBINDINGS = 8  # how far back `labels = labels.to(device)` chains are followed
 
@@ -1011,12 +1012,34 @@ class _LossRewrite:
         if place not in placed:
             reference = self._reference(site) if scaled else ""
             counted = "" if count == self.micro else f"{self.micro} = {count}\n"
-            lines = f"{WEIGHT_NOTE}\n{counted}{self.window_total} += {self.micro}\n" + reference
+            added = f"{self.window_total} += {self.micro}\n"
+            backward = self._backward_when(site, place)
+            if backward is not None:  # counted only where its gradient is
+                self.edits.insert_before(backward, f"{SKIPPED_NOTE}\n{added}")
+                added = ""
+            lines = f"{WEIGHT_NOTE}\n{counted}{added}" + reference
             if place is anchor:
                 self.edits.insert_before(anchor, lines)
             else:
                 self.edits.insert_after(place, lines)
         self._prepare_window(site)
+
+    def _backward_when(self, site: Site, place: cst.CSTNode) -> cst.CSTNode | None:
+        """The statement of the window's one backward where an `if` that does not hold
+        `place` runs it (`if torch.isfinite(loss): loss.backward()`): a micro-batch it skips
+        adds no gradient, so its count joins the window's there; else None."""
+        backwards = list(self._window_backwards(site.window))
+        if len(backwards) != 1 or site.backward.call is None:
+            return None
+        statement = statement_line(self.tree, site.backward.call)
+        if self.tree.scope_of(statement) is not self.tree.scope_of(place):
+            return None
+        for ancestor in self.tree.ancestors(statement):
+            if self.tree.contains(ancestor, place):
+                return None
+            if isinstance(ancestor, cst.If):
+                return statement
+        return None
 
     def _counted_at(self, site: Site, count: str, anchor: cst.CSTNode) -> cst.CSTNode:
         """Where the count is taken: before `anchor`, unless a name it reads is bound again
@@ -1604,14 +1627,7 @@ class _Window:
         """The statement of an `accumulate()` block after which every backward of the window
         has run: `backward`'s own, or the `if` whose branches hold the others (`if fp16:
         accelerator.backward(loss.float())` / `else: accelerator.backward(loss)`)."""
-        structure = self.auditor.structure
-        calls = [
-            b.call
-            for b in structure.backwards()
-            if b.call is not None
-            and (found := structure.window(b)) is not None
-            and found.anchor is window.anchor
-        ]
+        calls = [b.call for b in self._window_backwards(window) if b.call is not None]
         statement = backward
         while not all(self.tree.contains(statement, call) for call in calls):
             statement = next(
