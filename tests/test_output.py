@@ -311,6 +311,7 @@ UNSAFE_PAIRS = (
     "ga002_nanogpt_micro_loop_no_division",
     "ga001_loss_fn_parameter_default",  # assumes the parameter's default loss function
     "ga002_denoising_loss_mean_undivided",  # counts every label: no ignore_index is visible
+    "ga003_accelerate_deepspeed_plugin_at_launch",  # assumes accelerate before 1.8
     # GA004 opt-outs: the Trainer then divides each micro-batch's mean by K
     "ga004_class_attribute_opt_out",
     "ga004_collator_pads_rows",
