@@ -243,3 +243,49 @@ def test_multisteps_fix_keeps_the_logged_loss_a_micro_batch_mean():
         assert np.allclose(logged, means, rtol=1e-5), (logged, means)
         error = relative_error(applied(initial_params(), params), window_gradient(batches))
         assert (error < 1e-5) if exact else (error > 1e-3), error
+
+
+def whole_batch(count: int, **names: str) -> tuple[dict, list[dict]]:
+    """`count` micro-batches of `micro_batches`, concatenated into one batch whose keys are
+    renamed as the fixture reads them (`names`: fixture key -> micro-batch key)."""
+    batches = micro_batches(count)
+    return {k: jnp.concatenate([b[v] for b in batches]) for k, v in names.items()}, batches
+
+
+@pytest.mark.parametrize("suffix", [".py", ".fixed.py"])
+def test_microbatch_sum_of_plain_means(suffix):
+    """`microbatch` adding up the gradients of its slices' plain means: fixed, it averages
+    them (accumulator MEAN), the whole batch's gradient."""
+    path = FIXTURES / f"ga005_optax_microbatch_sum{suffix}"
+    namespace = definitions(path.read_text(), str(path))
+    batch, _ = whole_batch(16, inputs="input_ids", labels="labels")  # 32 rows, 4 slices
+    optimizer = optax.sgd(1.0)
+    params, _ = namespace["update"](
+        initial_params(), optimizer.init(initial_params()), batch, logits_of, optimizer
+    )
+    reference = jax.grad(namespace["loss_fn"])(initial_params(), logits_of, batch)
+    error = relative_error(applied(initial_params(), params), reference)
+    assert (error < 1e-5) if suffix == ".fixed.py" else (error > 1e-3), error
+
+
+@pytest.mark.parametrize("suffix", [".py", ".fixed.py"])
+def test_microbatch_sum_of_masked_means(suffix):
+    """`microbatch` adding up the gradients of its slices' masked token means: fixed, each
+    slice's masked sum is divided by the whole batch's count, so the summed gradient and the
+    returned loss are the whole batch's token mean's."""
+    path = FIXTURES / f"ga005_optax_microbatch_sum_masked_tokens{suffix}"
+    namespace = definitions(path.read_text(), str(path))
+    batch, batches = whole_batch(32, words="input_ids", tags="labels", real="loss_mask")
+    optimizer = optax.sgd(1.0)
+    params, _, loss = namespace["train_step"](
+        initial_params(), optimizer.init(initial_params()), batch, logits_of, optimizer
+    )
+    error = relative_error(applied(initial_params(), params), window_gradient(batches))
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits_of(initial_params(), batch["words"]), batch["tags"]
+    )
+    mean = float(jnp.sum(losses * batch["real"]) / jnp.sum(batch["real"]))
+    if suffix == ".fixed.py":
+        assert error < 1e-5 and np.isclose(float(loss), mean, rtol=1e-5), (error, loss, mean)
+    else:
+        assert error > 1e-3 and not np.isclose(float(loss), mean, rtol=1e-2), (error, loss)

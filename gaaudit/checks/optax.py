@@ -299,7 +299,8 @@ class OptaxAudit(_Divisions):
     def _microbatched(self) -> Iterator[Site]:
         """`optax.microbatching.microbatch(jax.grad(loss_fn), ...)`: the gradient of each
         micro-batch's mean, summed (its default accumulator, SUM: about K times too large) or
-        averaged with equal weight (MEAN, RUNNING_MEAN)."""
+        averaged with equal weight (MEAN, RUNNING_MEAN; exact where the loss counts every
+        element, the slices sharing one shape)."""
         for node in self.tree.calls:
             qualified = self.tree.qualified(node.func) or ""
             if not (
@@ -320,7 +321,7 @@ class OptaxAudit(_Divisions):
                     f"while each micro-step's loss {MEAN}: the gradient is about K times too large"
                 )
                 yield Site(node, message, where, "microbatch-sum", node)
-            elif how in ("MEAN", "RUNNING_MEAN"):
+            elif how in ("MEAN", "RUNNING_MEAN") and not self.counts_every_element():
                 message = (
                     f"`{code(node.func)}` averages the micro-gradients with equal weight "
                     f"(accumulator {how}) while each micro-step's loss {MEAN}: micro-batches "
@@ -380,15 +381,26 @@ class OptaxAudit(_Divisions):
             return Confidence.HIGH, f"the loss is masked, so valid-token counts vary: {mask}"
         domains = Domains(self.tree, self.tracer, evidence, text)
         domain = domains.of(origin)
-        reduced = _reduced(origin.source, self.tree) if not origin.module else None
         exact = domain.varies is False  # its own reason (fixed-length data) comes first
-        if not exact and reduced is not None and ELEMENTWISE.search(domains.spelled(reduced)):
+        if not exact and self.counts_every_element():
             return Confidence.LOW, (
                 "the loss function reads no mask, padding or ignore label: its mean of an "
                 "elementwise optax loss counts every element of micro-batches of one shape "
                 "(jit's), so mean/K is exact"
             )
         return domain.confidence()
+
+    def counts_every_element(self) -> bool:
+        """The loss is an unmasked mean of an elementwise optax loss: it counts every element of
+        its micro-batch, as many in each micro-batch of one shape."""
+        origin, function = self.loss
+        if origin.kind != "mean" or origin.module or self._mask_sign(function) is not None:
+            return False
+        reduced = _reduced(origin.source, self.tree)
+        if reduced is None:
+            return False
+        spelled = Domains(self.tree, self.tracer, Evidence(), "").spelled(reduced)
+        return ELEMENTWISE.search(spelled) is not None
 
     def _mask_sign(self, function: cst.CSTNode) -> str | None:
         """A mask, padding or ignore label read by the loss function, or a `where=` reduction."""
@@ -478,7 +490,7 @@ def findings(context) -> list[Finding]:
                     f"confidence {confidence}: {why}",
                 ),
                 hint=hint,
-                fixable=site.kind not in (*SUMS, "combinator", "microbatch"),
+                fixable=site.kind not in ("multisteps-sum", "combinator", "microbatch"),
             )
         )
     return found

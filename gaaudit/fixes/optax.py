@@ -9,7 +9,11 @@ once by the total count of its micro-batches, read from their data:
 - `optax.MultiSteps`: its inner optimizer sees the summed gradient only, so the window count
   must be known first. The loop reads each window of K micro-batches ahead and counts it (as
   the HF Trainer does), the loss divides its sum by that count, and MultiSteps sums the
-  micro-gradients (`use_grad_mean=False`).
+  micro-gradients (`use_grad_mean=False`);
+- `optax.microbatching.microbatch` summing its slices' gradients (accumulator SUM): the loss
+  divides its masked sum by the whole batch's count, counted before the batch is split and
+  passed in beside it; a loss that counts every element of its slice (the slices share one
+  shape) is averaged instead (accumulator MEAN).
 
 A fix is offered only where the loss function, its mask and the window's data are visible.
 """
@@ -21,7 +25,16 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from gaaudit.analysis.tree import DEFS, Tree, code, depends_on, dotted, keyword, positional
+from gaaudit.analysis.tree import (
+    DEFS,
+    Tree,
+    code,
+    depends_on,
+    dotted,
+    keyword,
+    positional,
+    string_value,
+)
 from gaaudit.checks.optax import OptaxAudit, Site, decorated_with_gradient, takes_gradient
 from gaaudit.fixes.accumulation import Outcome
 from gaaudit.fixes.edits import (
@@ -352,15 +365,7 @@ class _MultiSteps:
                 "the loop breaks out early; reading windows ahead would change what it trains"
             )
         for function in (mean.function, step):
-            params = function.params
-            if (
-                params.star_arg is not cst.MaybeSentinel.DEFAULT
-                or params.star_kwarg is not None
-                or any(p.default is not None for p in params.params)
-            ):
-                raise Unfixable(
-                    f"`{function.name.value}` has defaults or `*args`; gaaudit adds a parameter only to plain signatures"
-                )
+            _plain_signature(function)
         steps = self._steps_at(site.node, loop)
         count = self._count_at(self._count_at(mean.count, mean.function, call), step, step_call)
         visible = self._visible(loop)
@@ -476,7 +481,127 @@ class _MultiSteps:
         )
 
 
-class OptaxPlanner(_LossFunction, _Averages, _MultiSteps):
+class _Microbatched:
+    """Part of `OptaxPlanner`: `optax.microbatching.microbatch` summing the gradients of its
+    slices' means."""
+
+    def _microbatched(self, site: Site) -> str:
+        if keyword(site.call, "num_real_microbatches") is not None:
+            raise Unfixable(
+                "`num_real_microbatches` may run fewer slices than the batch holds, so gaaudit "
+                "cannot tell the slices' count from the batch"
+            )
+        if self.audit.counts_every_element():
+            return self._microbatch_mean(site)
+        return self._microbatch_count(site, self._masked_mean())
+
+    def _microbatch_mean(self, site: Site) -> str:
+        """The slices share one shape and the loss counts every element of its slice, so the
+        average of their gradients (accumulator MEAN) is the whole batch's, and so is the
+        average of their loss values; auxiliary data stays summed, as before."""
+        call = site.call
+        args = positional(call)
+        fun = keyword(call, "fun") or args[0]
+        aux = keyword(fun, "has_aux") or (positional(fun)[2] if len(positional(fun)) > 2 else None)
+        if aux is not None and code(aux) not in ("True", "False"):
+            raise Unfixable(
+                f"gaaudit cannot tell whether the gradient function returns auxiliary data "
+                f"(`has_aux={code(aux)}`), so which of its outputs to average"
+            )
+        kind = self._accumulation_type(call)
+        value = f"{kind}.MEAN"
+        if aux is not None and code(aux) == "True":  # (gradients or loss value, aux)
+            value = f"({kind}.MEAN, {kind}.SUM)"
+            if "value" in (self.tree.qualified(fun.func) or "").rsplit(".", 1)[-1]:
+                value = f"({value}, {kind}.MEAN)"  # ((loss value, aux), gradients)
+        if keyword(call, "accumulator") is None and len(args) > 3:
+            self.edits.replace[args[3]] = cst.parse_expression(value)
+        else:
+            self.edits.replace[call] = with_argument(call, "accumulator", value)
+        return (
+            "the loss counts every element of slices of one shape: `microbatch` averages their "
+            "gradients and loss values (accumulator MEAN), the whole batch's"
+        )
+
+    def _microbatch_count(self, site: Site, mean: MaskedMean) -> str:
+        """A masked mean: the loss divides its slice's sum by the whole batch's count, counted
+        before `microbatch` splits the batch and passed in beside it, and SUM adds the slices'
+        shares up to the whole batch's mean (the loss value too)."""
+        call, function = site.call, mean.function
+        name = function.name.value
+        args = positional(call)
+        fun = keyword(call, "fun") or args[0]
+        if not (positional(fun) and dotted(positional(fun)[0]) == name) or (
+            keyword(fun, "has_aux") or len(positional(fun)) > 2
+        ):
+            raise Unfixable(f"`microbatch` is not handed the plain gradient of `{name}`")
+        uses = [n for n in self.tree.walk(self.tree.module) if isinstance(n, cst.Name)]
+        if sum(n.value == name for n in uses) != 2:  # its definition and its gradient
+            raise Unfixable(
+                f"`{name}` is also used outside its gradient; making it a sum would change that use"
+            )
+        _plain_signature(function)
+        called = self._called(call)
+        if len(called) != 1:
+            raise Unfixable("the microbatched gradient is called in more than one place (or none)")
+        parameters = [
+            p.name.value for p in (*function.params.posonly_params, *function.params.params)
+        ]
+        read = {n.value for n in _names(mean.count)}
+        unsplit = (read & set(parameters)) - self._split(call, parameters)
+        if unsplit or read - set(parameters) - self._global_names():
+            raise Unfixable(
+                f"the loss's count reads {', '.join(sorted(unsplit or read))}, not only what "
+                "`microbatch` splits, so gaaudit cannot count the whole batch at once"
+            )
+        count = self._count_at(mean.count, function, called[0])
+        if not _stackable(count):
+            raise Unfixable(
+                "the loss's count is not a sum over elementwise data (it slices or reshapes the "
+                "batch), so gaaudit cannot count the whole batch at once"
+            )
+        weight = self.weight
+        self._sum_loss(mean, weight)
+        self.edits.replace[function.params] = with_parameter(function.params, weight)
+        self.edits.replace[called[0]] = with_argument(called[0], weight, weight)
+        self.edits.insert_before(
+            statement_line(self.tree, called[0]),
+            "# the whole batch's count, taken before `microbatch` splits it\n"
+            f"{weight} = {self._jnp()}.maximum({code(count)}, 1)\n",
+        )
+        return (
+            "the loss divides its masked sum by the whole batch's mask count, counted before "
+            "`microbatch` splits the batch, and the slices' shares add up to the batch's mean"
+        )
+
+    def _split(self, call: cst.Call, parameters: list[str]) -> set[str]:
+        """The loss function's parameters that `microbatch(..., argnums, argnames=...)` splits."""
+        args = positional(call)
+        argnums = keyword(call, "argnums") or (args[1] if len(args) > 1 else None)
+        items = [e.value for e in argnums.elements] if isinstance(argnums, cst.Tuple) else [argnums]
+        names = keyword(call, "argnames")
+        named = [names] if isinstance(names, cst.SimpleString) else []
+        if not all(isinstance(i, cst.Integer) for i in items) or (names is not None and not named):
+            raise Unfixable("gaaudit cannot tell which arguments `microbatch` splits")
+        split = {parameters[int(i.value)] for i in items if int(i.value) < len(parameters)}
+        return split | {string_value(n) for n in named}
+
+    def _accumulation_type(self, call: cst.Call) -> str:
+        """`optax.microbatching.AccumulationType` as this file can name it."""
+        if isinstance(call.func, cst.Attribute):
+            return f"{code(call.func.value)}.AccumulationType"
+        for local, full in self.tree.imports.items():
+            if full.endswith("microbatching.AccumulationType"):
+                return local
+            if full in ("optax", "optax.microbatching"):
+                return f"{local}{'.microbatching' * (full == 'optax')}.AccumulationType"
+        raise Unfixable(
+            "`microbatch` is imported by name and `optax` is not: import "
+            "`optax.microbatching.AccumulationType` to average the slices' gradients (MEAN)"
+        )
+
+
+class OptaxPlanner(_LossFunction, _Averages, _MultiSteps, _Microbatched):
     """Turns the GA005 sites of one file into edits (see `edits.Edits`)."""
 
     def __init__(self, tree: Tree, audit: OptaxAudit) -> None:
@@ -514,7 +639,9 @@ class OptaxPlanner(_LossFunction, _Averages, _MultiSteps):
                 "micro-gradients, and return each micro-batch's loss sum divided by the "
                 "window's total count (counted over the whole batch before it is split)"
             )
-        if site.kind in ("microbatch", "microbatch-sum"):
+        if site.kind == "microbatch-sum":
+            return self._microbatched(site)
+        if site.kind == "microbatch":
             raise Unfixable(
                 "`microbatch` calls the gradient function on each slice of the batch: with "
                 "accumulator SUM, make the loss each slice's sum divided by the whole batch's "
@@ -624,6 +751,19 @@ def _unclamped(expr: cst.BaseExpression) -> cst.BaseExpression:
         if len(numbers) == 1 and len(others) == 1:
             return others[0]
     return expr
+
+
+def _plain_signature(function: cst.FunctionDef) -> None:
+    """Refuses a function with defaults or `*args`: a parameter is added to plain ones only."""
+    params = function.params
+    if (
+        params.star_arg is not cst.MaybeSentinel.DEFAULT
+        or params.star_kwarg is not None
+        or any(p.default is not None for p in params.params)
+    ):
+        raise Unfixable(
+            f"`{function.name.value}` has defaults or `*args`; gaaudit adds a parameter only to plain signatures"
+        )
 
 
 def _pure(expr: cst.BaseExpression) -> bool:
