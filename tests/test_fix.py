@@ -670,6 +670,21 @@ def test_a_mean_whose_weight_the_loop_changes_is_refused_with_the_term():
     assert "reading the window ahead: the mean enters the loss" in outcome.reason
 
 
+def test_a_mean_plus_a_mean_over_its_own_targets_is_weighted_whole_unless_counts_differ():
+    """`0.5 * out.loss + w * kd`, `kd` masked over `labels >= 0` by a nested helper: for a
+    sequence-to-sequence model the same labels `out.loss` counts (any negative label but -100
+    would fail its cross-entropy), so the whole loss is one token mean; a causal model counts
+    its labels shifted, another count, so the loss stays a mean plus another term."""
+    script = FIXTURES / "ga003_accelerate_distillation_ce_plus_masked_kl.py"
+    report = fix_source(script.read_bytes(), script, ALL, True)
+    assert "accelerator.backward(loss * micro_tokens * accelerator." in report.after.decode()
+    causal = script.read_text().replace("Seq2SeqLM", "CausalLM").encode()
+    report = fix_source(causal, script, ALL, True)
+    assert report.after == causal
+    (outcome,) = report.outcomes
+    assert "adds `kd_weight * kd` to its mean" in outcome.reason
+
+
 def test_a_log_between_the_steps_reports_the_micro_batch_mean():
     source = EXPLICIT.replace(
         "    loss.backward()\n",

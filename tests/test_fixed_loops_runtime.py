@@ -275,6 +275,58 @@ def test_patched_accelerate_window_divides_after_either_branch(cast_loss):
     assert patched_logged == pytest.approx(logged)
 
 
+# --- distillation: a model's token mean plus a KL divergence masked over the same labels -----
+
+
+class Seq2Seq(torch.nn.Module):
+    """For `model(input_ids=..., labels=...)`: logits at each target position and their token
+    mean over the labels that are not -100, unshifted (a sequence-to-sequence model)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
+
+    def forward(self, input_ids, labels):
+        logits = self.net(input_ids)
+        mean = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return type("Output", (), {"loss": mean, "logits": logits})
+
+
+def distillation_step(name: str) -> tuple[list[dict], list[torch.Tensor]]:
+    student, teacher = Seq2Seq(0), Seq2Seq(1)
+    optimizer = Recording(student.parameters(), lr=0.0)
+    batches = [{"input_ids": x, "labels": y} for x, y in token_batches(K, -100)]
+    history = loaded(name)["distil"](student, teacher, batches, optimizer, K)
+    return history, optimizer.seen
+
+
+def test_patched_distillation_weights_its_one_token_mean_as_a_whole():
+    """`0.5 * out.loss + w * kd`, `kd` a KL divergence a nested helper masks over the labels
+    `out.loss` counts: one token mean, weighted whole by that count (it was refused as a mean
+    plus another term), as the correct twin sums and counts; the logged metrics stay each
+    micro-batch's means."""
+    student, teacher = Seq2Seq(0), Seq2Seq(1)
+    x = torch.cat([x for x, _ in token_batches(K, -100)])
+    y = torch.cat([y for _, y in token_batches(K, -100)])
+    out, guide = student(x, y), teacher(x, y)
+    keep = (y >= 0).unsqueeze(-1)
+    kl = F.kl_div(
+        (out.logits / 2).log_softmax(-1), (guide.logits / 2).softmax(-1), reduction="none"
+    )
+    (0.5 * out.loss + 4 * (kl * keep).sum() / keep.sum()).backward()
+    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+    reference = [p.grad for p in student.parameters()]
+    original = "ga003_accelerate_distillation_ce_plus_masked_kl.py"
+    logged, grads = distillation_step(original)
+    patched_logged, patched = distillation_step(original.replace(".py", ".fixed.py"))
+    _, correct = distillation_step("ok_accelerate_distillation_sum_and_count.py")
+    assert error(grads, reference) > 0.1
+    assert error(patched, reference) < 1e-6
+    assert error(correct, reference) < 1e-6
+    assert [m["loss"] for m in patched_logged] == pytest.approx([m["loss"] for m in logged])
+
+
 # --- a loss bound on two paths of an `if`, each a mean over a count of its own -------------
 
 

@@ -20,6 +20,8 @@ from gaaudit.analysis.tree import (
     positional,
     string_value,
     substituted,
+    variables,
+    walk,
 )
 from gaaudit.discover.modules import configured_target
 
@@ -49,7 +51,9 @@ COUNT_BESIDE = re.compile(
     r"|num_\w*(?:tokens?|targets?|labels?|items|frames|elements))$"
 )
 SAYS_MEAN = re.compile(r"(?i)mean|avg|average|per_token")
-RESHAPES = {"reshape", "view", "flatten", "contiguous"}
+RESHAPES = {"reshape", "view", "flatten", "contiguous", "unsqueeze", "squeeze"}
+# casts that keep the count of a boolean mask: `(labels >= 0).float().sum()`
+MASK_CASTS = {"float", "double", "half", "bfloat16", "long", "int", "bool", "to", "type", "detach"}
 GUARDS = {"clamp", "clamp_min", "clamp_", "clamp_min_", "float", "double", "to", "item", "detach"}
 
 
@@ -85,6 +89,8 @@ class Origin:
     added: str = ""  # another term added to (or subtracted from) it: `aux_loss * coef`
     through: str = ""  # an autograd Function it passed through as it is: `L2Wrap.apply`
     beside: str = ""  # a count its call returns beside it: `loss, sample_size, log = ...`
+    # the origins of the terms `added` names, each alone: `kl_weight * kl_loss`
+    terms: tuple[Origin, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def description(self) -> str:
@@ -148,6 +154,68 @@ def unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
     return count
 
 
+def same_count(count: str, other: str, targets: bool) -> bool:
+    """Whether two count expressions count the same: alike up to the casts and reshapes of
+    what they sum (`mask.unsqueeze(-1).sum()`), and, where `count` counts the `targets` of a
+    token loss (`(t != -100).sum()`: any other negative target fails that loss),
+    `(t >= 0).sum()` as that count."""
+    first = cst.parse_expression(count)
+    ignore = None
+    summed = first.func.value if _sums(first) else None
+    if targets and isinstance(summed, cst.Comparison) and len(summed.comparisons) == 1:
+        compared = summed.comparisons[0]
+        value = compared.comparator
+        if (
+            isinstance(compared.operator, cst.NotEqual)
+            and isinstance(value, cst.UnaryOperation)
+            and isinstance(value.operator, cst.Minus)
+            and isinstance(value.expression, cst.Integer)
+        ):
+            ignore = compared
+
+    class Alike(cst.CSTTransformer):
+        def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+            if not _sums(updated):
+                return updated
+            summed, cast = updated.func.value, False
+            while (
+                isinstance(summed, cst.Call)
+                and isinstance(summed.func, cst.Attribute)
+                and summed.func.attr.value in MASK_CASTS | RESHAPES
+            ):
+                cast = cast or summed.func.attr.value in MASK_CASTS
+                summed = summed.func.value
+            if cast and not isinstance(summed, cst.Comparison):  # a value cast of a non-mask
+                return updated
+            return updated.with_changes(func=updated.func.with_changes(value=summed))
+
+        def leave_Comparison(self, original, updated: cst.Comparison) -> cst.Comparison:
+            (compared, *more) = updated.comparisons
+            if (
+                ignore is not None
+                and not more
+                and isinstance(compared.operator, cst.GreaterThanEqual)
+                and code(compared.comparator) == "0"
+            ):
+                return updated.with_changes(comparisons=[ignore])
+            return updated
+
+    def spelled(expr: cst.BaseExpression) -> str:
+        return re.sub(r"\s+", "", code(expr.visit(Alike())))
+
+    return spelled(first) == spelled(cst.parse_expression(other))
+
+
+def _sums(expr: cst.BaseExpression) -> bool:
+    """`x.sum()`: every element of `x`."""
+    return (
+        isinstance(expr, cst.Call)
+        and isinstance(expr.func, cst.Attribute)
+        and expr.func.attr.value == "sum"
+        and not expr.args
+    )
+
+
 def _per_window(count: cst.Subscript) -> bool:
     """Whether a subscript reads one entry per window: its index is a floor division
     (`totals[step // accum_iter]`), the same for the K micro-steps of a window."""
@@ -157,11 +225,14 @@ def _per_window(count: cst.Subscript) -> bool:
 
 
 def _is_weight(factor: cst.BaseExpression) -> bool:
-    """A number, a configured loss weight (`args.loss_multiplier`, `self.aux_weight`) or the
-    process count (`dp_size`, `dist.get_world_size()`, undoing data parallelism's average): a
-    factor that keeps a mean a mean, unlike a count."""
+    """A number, a configured loss weight (`args.loss_multiplier`, `self.aux_weight`, or a
+    power of one: distillation's `temperature ** 2`) or the process count (`dp_size`,
+    `dist.get_world_size()`, undoing data parallelism's average): a factor that keeps a mean a
+    mean, unlike a count."""
     if isinstance(factor, (cst.Integer, cst.Float)):
         return True
+    if isinstance(factor, cst.BinaryOperation) and isinstance(factor.operator, cst.Power):
+        return isinstance(factor.right, (cst.Integer, cst.Float)) and _is_weight(factor.left)
     if isinstance(factor, cst.Subscript):  # one of several weights: `loss_weights[dataset_idx]`
         factor = factor.value
     name = last_name(factor.func if isinstance(factor, cst.Call) else factor) or ""
@@ -676,6 +747,27 @@ class _Counts:
         except _Foreign:
             return None
 
+    def at_call(
+        self, expr: cst.BaseExpression, function: cst.FunctionDef, call: cst.Call
+    ) -> cst.BaseExpression | None:
+        """`expr`, read in `function`, as `call` of it sees it: `inlined`, then each parameter
+        swapped for the argument passed (`(labels >= 0).sum()` for `f(x, batch["labels"])`);
+        None unless each is passed as a name, attribute or subscript, safe to read again."""
+        inner = self.inlined(expr, function)
+        if inner is None:
+            return None
+        names = [p.name.value for p in function.params.params]
+        names = names[1:] if names[:1] == ["self"] else names
+        passed = {
+            name: argument
+            for index, name in enumerate(names)
+            if (argument := argument_for(call, index, name)) is not None
+            and not any(isinstance(n, cst.Call) for n in walk(argument))
+        }
+        if not variables(inner) - {"torch"} <= passed.keys():
+            return None
+        return substituted(inner, lambda name: passed.get(name.value))
+
     def uninlined(self, expr: cst.BaseExpression, function: cst.FunctionDef) -> cst.Name | None:
         """The name that keeps `expr` from being written in `function`'s parameters (None
         when it can be): the innermost of its locals `inlined` cannot follow to one value."""
@@ -829,9 +921,11 @@ class Tracer(_Calls, _Callees, _Counts):
             return self._times(expr, loss, other)
         if isinstance(expr.operator, (cst.Add, cst.Subtract)):
             for kind in ("mean", "sum", "elementwise"):
-                for side, other in ((left, expr.right), (right, expr.left)):
+                for side, other, term in ((left, expr.right, right), (right, expr.left, left)):
                     if side.kind == kind:
-                        return replace(side, added=side.added or code(other))
+                        alone = replace(term, added="", terms=())
+                        terms = (*side.terms, alone, *term.terms)
+                        return replace(side, added=side.added or code(other), terms=terms)
         return UNKNOWN
 
     def _times(self, node: cst.CSTNode, loss: Origin, factor: cst.BaseExpression) -> Origin:

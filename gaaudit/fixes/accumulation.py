@@ -18,6 +18,7 @@ from gaaudit.analysis.provenance import (
     argument_for,
     averaged_mean,
     loss_target,
+    same_count,
     valid_targets,
 )
 from gaaudit.analysis.tree import (
@@ -32,6 +33,7 @@ from gaaudit.analysis.tree import (
     methods_of,
     positional,
     target_names,
+    variables,
     walk,
 )
 from gaaudit.checks.accumulation import Auditor, Site
@@ -252,6 +254,63 @@ class _Counting:
             f"`{callee}`{where}, whose count this is"
         )
         return (count, caveat), False
+
+    def one_mean(self, site: Site) -> Site:
+        """`site` with a loss that adds means over its own mean's count (`0.8 * ce + w * kl`,
+        `kl` masked over the same targets) seen as one mean, weighted as a whole by that
+        count; else `site` as it is."""
+        origin = site.origin
+        if not origin.terms or origin.source is None or origin.branch is not None:
+            return site
+        try:
+            (count, _), safe = self._mean_count(origin, site)
+        except Unfixable:
+            return site
+        for term in origin.terms:
+            other = self._term_count(term, origin, site) if safe else None
+            if other is None or not same_count(count, other, targets=origin.count is None):
+                return site
+        return replace(site, origin=replace(origin, added="", terms=()))
+
+    def _term_count(self, term: Origin, mean: Origin, site: Site) -> str | None:
+        """What a mean added to `mean` divides by, as the code beside `mean` reads it: made
+        there, or a masked mean of a same-file function called there once (written in the
+        call's arguments); None where gaaudit cannot tell, or its names are bound again."""
+        if (
+            term.kind != "mean"
+            or term.source is None
+            or term.divisions
+            or term.through
+            or term.beside
+            or term.branch is not None
+        ):
+            return None
+        tracer, scope = self.auditor.tracer, self.tree.scope_of(mean.source)
+        made = self.tree.scope_of(term.source)
+        if made is scope:
+            try:
+                (count, _), safe = self._mean_count(term, site)
+            except Unfixable:
+                return None
+            at = term.source
+        else:
+            calls = [
+                c
+                for c in self.tree.calls
+                if tracer.helper(c.func) is made and self.tree.scope_of(c) is scope
+            ]
+            if term.count is None or len(calls) != 1:
+                return None
+            lifted = tracer.at_call(term.count, made, calls[0])
+            if lifted is None:
+                return None
+            count, safe, at = code(lifted), True, calls[0]
+        read = variables(cst.parse_expression(count))
+        if not safe or any(
+            tracer.binding(n, at) is not tracer.binding(n, mean.source) for n in read
+        ):
+            return None
+        return count
 
     def _own_count(self, site: Site) -> tuple[tuple[str, str], bool]:
         origin = site.origin
@@ -1906,24 +1965,25 @@ class Planner(
         it cannot be fixed."""
         saved = self._snapshot()
         try:
-            count, safe = self.count(site)
+            seen = self.one_mean(site)  # the finding stays `site`
+            count, safe = self.count(seen)
             if not safe and not self.unsafe:
                 raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
-            siblings = self._siblings(site, sites)
-            blocker = self._window_blocker(site)
-            if self.lightning_module(site) is not None:
+            siblings = self._siblings(seen, sites)
+            blocker = self._window_blocker(seen)
+            if self.lightning_module(seen) is not None:
                 if blocker:  # Lightning draws the batches: nothing can read them ahead
                     raise Unfixable(blocker)
-                self._rewrite_returned(site, count[0])
+                self._rewrite_returned(seen, count[0])
             elif blocker and siblings:
                 raise Unfixable(
                     f"the loss is backpropagated on {len(siblings) + 1} branches of a window "
                     f"that must be read ahead ({blocker})"
                 )
             elif blocker:
-                self._read_ahead(site, count[0], blocker)
+                self._read_ahead(seen, count[0], blocker)
             else:
-                for each in (site, *siblings):
+                for each in (seen, *siblings):
                     self._rewrite(each, count[0])
             return Outcome(site, *self._position(site), True)
         except (Unfixable, cst.ParserSyntaxError) as exc:
