@@ -1162,6 +1162,33 @@ def test_an_optimizer_that_backpropagates_itself_is_not_divided_before_its_step(
     assert all(o.applied for o in fix_source(plain.read_bytes(), plain, ALL).outcomes)
 
 
+def test_a_window_read_ahead_weights_the_backward_on_each_branch():
+    """`if fp16: optimizer.backward(loss)` / `else: loss.backward()` of a window read ahead:
+    the division stays (the name keeps its mean), so each branch's backward takes the
+    weighted term, not only the finding's."""
+    source = textwrap.dedent(
+        """\
+        from transformers import GPT2LMHeadModel
+
+
+        def train(model: GPT2LMHeadModel, loader, optimizer, args):
+            for i, (input_ids, labels) in enumerate(loader):
+                loss = model(input_ids, labels=labels).loss
+                loss = loss / args.accumulation_steps
+                if args.fp16:
+                    optimizer.backward(loss)
+                else:
+                    loss.backward()
+                if (i + 1) % args.accumulation_steps == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        """
+    )
+    after = fixed(source.encode(), unsafe=False).decode()
+    term = "loss * window_share * args.accumulation_steps"
+    assert f"optimizer.backward({term})" in after and f"({term}).backward()" in after
+
+
 def test_a_sum_divided_by_its_count_and_k_at_once_backpropagates_the_sum():
     """`loss_sum / (n_tokens * k)` is the mean over K, made in one division: unlogged, the sum
     is backpropagated as it is (never the sum times its count); logged, the name keeps its

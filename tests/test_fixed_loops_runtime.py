@@ -207,6 +207,31 @@ def test_patched_loss_scaler_window_is_read_ahead():
     assert error(patched, reference) < 1e-6 and patched_logged == logged
 
 
+def scaled_optim_step(name: str) -> tuple[list[float], list[torch.Tensor]]:
+    """What the wrapper's loop logged over two windows, and the gradient of its first step."""
+    model, logged = CausalLM(), []
+    optimizer = Recording(model.parameters(), lr=0.0)
+    batches = [{"input_ids": x, "labels": y} for x, y in token_batches(K + 2, -100)]
+    loaded(name)["finetune"](model, batches, optimizer, K, logged)
+    return logged, optimizer.seen
+
+
+def test_patched_loss_scaling_optimizer_window_is_read_ahead():
+    """A wrapper that backpropagates the loss itself and unscales only inside its step has no
+    gradients to divide before it: each micro-batch's mean weighted by its share of the
+    window's tokens, counted ahead, steps like the full batch, and the loop logs the same
+    token means."""
+    model, window = CausalLM(), token_batches(K, -100)
+    joined = [torch.cat(side) for side in zip(*window)]
+    model(input_ids=joined[0], labels=joined[1]).loss.backward()  # the shifted labels' mean
+    reference = [p.grad for p in model.parameters()]
+    original = "ga002_loss_scaling_optimizer_backward.py"
+    logged, grads = scaled_optim_step(original)
+    assert error(grads, reference) > 0.1
+    patched_logged, patched = scaled_optim_step(original.replace(".py", ".fixed.py"))
+    assert error(patched, reference) < 1e-6 and patched_logged == logged
+
+
 def no_sync_step(name: str) -> list[torch.Tensor]:
     model = torch.nn.parallel.DistributedDataParallel(CausalLM())
     optimizer = Recording(model.parameters(), lr=0.0)

@@ -524,6 +524,9 @@ class _Counting:
                 "whose `backward` may add gradients of its own, which one division at the step "
                 "would divide too"
             )
+        wrapper = self._backward_outside_grads(site.window)
+        if wrapper is not None:
+            return wrapper
         clip = self._clips_each_micro_batch(site.window)
         if clip is not None:
             return (
@@ -1754,7 +1757,6 @@ class _Window:
         if stepped:
             name, (optimizer, call, region) = next(iter(stepped.items()))
             self._bound_before(optimizer, call, region)
-            self._backward_outside_grads(name, window)
             return name
         for call in helpers:
             optimizer = self._stepped_by(call)
@@ -1772,12 +1774,15 @@ class _Window:
             "there"
         )
 
-    def _backward_outside_grads(self, optimizer: str, window: Window) -> None:
-        """Refuse a window whose stepping object also backpropagates (`optimizer.backward(loss)`):
-        a loss-scaling wrapper such as apex's `FP16_Optimizer` (its `param_groups` hold fp32
-        master copies whose gradients it fills only inside `step()`) or BMTrain's
-        `OptimManager` (no `param_groups` at all), so a division of its `param_groups`'
-        gradients before the step divides nothing, or fails."""
+    def _backward_outside_grads(self, window: Window) -> str | None:
+        """Why a window whose stepping object also backpropagates (`optimizer.backward(loss)`)
+        cannot be divided at its step, else None: a loss-scaling wrapper such as apex's
+        `FP16_Optimizer` (its `param_groups` hold fp32 master copies whose gradients it fills
+        only inside `step()`) or BMTrain's `OptimManager` (no `param_groups` at all)."""
+        try:
+            optimizer = self._optimizer(window)
+        except Unfixable:
+            return None  # the division at the step says why it cannot be written
         scope = window.loop or self.tree.scope_of(window.anchor)
         for node in self.tree.walk(scope):
             if (
@@ -1786,13 +1791,15 @@ class _Window:
                 and node.func.attr.value == "backward"
                 and code(node.func.value) == optimizer
             ):
-                raise Unfixable(
+                return (
                     f"`{optimizer}.backward(...)` (line {self.tree.line(node)}): what steps "
                     "also backpropagates, a loss-scaling wrapper (apex's `FP16_Optimizer`, "
                     "BMTrain's `OptimManager`) whose gradients are not the `param_groups`' "
-                    "before its `step()`; count the window's valid tokens N before it runs "
-                    "and backpropagate each micro-batch's loss sum divided by N"
+                    "before its `step()`, so each micro-batch's loss must be weighted before "
+                    "its backward: count the window's valid tokens N before it runs and "
+                    "backpropagate each micro-batch's loss sum divided by N"
                 )
+        return None
 
     def _bound_before(self, optimizer: cst.BaseExpression, step: cst.Call, region) -> None:
         """Refuse an optimizer the step reaches as a loop's target (`for opt, sched in
@@ -1969,19 +1976,14 @@ class Planner(
             count, safe = self.count(seen)
             if not safe and not self.unsafe:
                 raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
-            siblings = self._siblings(seen, sites)
             blocker = self._window_blocker(seen)
+            siblings = self._siblings(seen, sites, ahead=bool(blocker))
             if self.lightning_module(seen) is not None:
                 if blocker:  # Lightning draws the batches: nothing can read them ahead
                     raise Unfixable(blocker)
                 self._rewrite_returned(seen, count[0])
-            elif blocker and siblings:
-                raise Unfixable(
-                    f"the loss is backpropagated on {len(siblings) + 1} branches of a window "
-                    f"that must be read ahead ({blocker})"
-                )
             elif blocker:
-                self._read_ahead(seen, count[0], blocker)
+                self._read_ahead(seen, count[0], blocker, siblings)
             else:
                 for each in (seen, *siblings):
                     self._rewrite(each, count[0])
@@ -1995,11 +1997,12 @@ class Planner(
             )
             return Outcome(site, *self._position(site), False, reason)
 
-    def _siblings(self, site: Site, sites: list[Site]) -> list[Site]:
+    def _siblings(self, site: Site, sites: list[Site], ahead: bool = False) -> list[Site]:
         """The site again at each other backward call of its window that backpropagates the
         same loss (`with model.no_sync(): loss.backward()` / `else: loss.backward()`), where
-        the rewrite weights each backward call; a window with a backward of another loss is
-        refused: the one division at the step would divide its gradients too."""
+        the rewrite weights each backward call (read `ahead`, also each backward of the divided
+        loss, which stays a mean); a window with a backward of another loss is refused: the one
+        division at the step would divide its gradients too."""
         if site.backward.call is None:
             return []
         fixed = {s.backward.call for s in sites}
@@ -2010,7 +2013,11 @@ class Planner(
                 continue
             scaled = self._loss_scale(backward.loss, site.window)
             origin = self.auditor.tracer.origin(scaled[0] if scaled else backward.loss)
-            if {d.node for d in origin.divisions} & rewritten:
+            divided = {d.node for d in origin.divisions}
+            if ahead and site.division is not None and site.division.node in divided:
+                siblings.append(replace(site, backward=backward))
+                continue
+            if divided & rewritten:
                 continue  # the loss the rewrite made a sum, read on another branch
             if site.kind != "loss-division" and (origin.source, origin.divisions) == (
                 site.origin.source,

@@ -44,14 +44,15 @@ class _ReadAhead:
     """Part of `Planner`: the loop reads each window ahead and weights each micro-batch's mean
     by its share of the window's count; the user's names keep what they held."""
 
-    def _read_ahead(self, site: Site, count: str, blocker: str) -> None:
-        """Rewrite `site`'s loop to read its windows ahead, or raise `blocker` and why not."""
+    def _read_ahead(self, site: Site, count: str, blocker: str, siblings: list[Site]) -> None:
+        """Rewrite `site`'s loop to read its windows ahead (weighting the backward at `site`
+        and at each of its `siblings`), or raise `blocker` and why not."""
         try:
-            self._plan_read_ahead(site, count)
+            self._plan_read_ahead(site, count, siblings)
         except Unfixable as exc:
             raise Unfixable(f"{blocker}; reading the window ahead: {exc}") from None
 
-    def _plan_read_ahead(self, site: Site, count: str) -> None:
+    def _plan_read_ahead(self, site: Site, count: str, siblings: list[Site]) -> None:
         window, engine = site.window, self._engine(site)
         loop, last = self._engine_loop(site, engine) if engine else (window.loop, None)
         stepping = window.kind == "callable"  # `loss_scaler(loss, opt, update_grad=i % k == 0)`
@@ -106,6 +107,8 @@ class _ReadAhead:
         if engine and self._accelerator(site) and not self.unsafe:
             raise Unfixable(f"unsafe fix ({ACCELERATE_WINDOW}); apply with --unsafe-fixes")
         self.edits.replace[site.backward.loss] = term
+        for sibling in siblings:  # `if fp16: optimizer.backward(loss)` / `else: loss.backward()`
+            self.edits.replace[sibling.backward.loss] = self._weighted_term(sibling, share, loop)
         reader = self._write_reader(site, loop, guard, counted, targets)
         self.edits.replace[loop.target] = cst.parse_expression(f"{_packed(loop.target)}, {share}")
         self.edits.replace[loop.iter] = cst.parse_expression(f"{reader}({code(loop.iter)})")
