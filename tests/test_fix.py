@@ -345,14 +345,35 @@ def test_a_window_with_a_backward_the_fix_would_not_weight_is_refused():
     )
 
 
-def test_a_backward_in_a_function_the_window_loop_calls_is_refused():
-    """`train_step` backpropagates and the loop calling it steps: a count kept in the loop's
-    function cannot be raised inside `train_step` (it would be another function's local)."""
+def test_a_backward_in_a_function_the_window_loop_calls_is_refused_where_it_cannot_count():
+    """`train_step` backpropagates through a GradScaler, whose reference count lives in the
+    window's loop; the verl-shaped helper whose loop adds up a running total of what it returns
+    (`total += f(...).item()`) binds no name the count could join."""
     script = FIXTURES / "ga001_step_function_divides_by_its_k.py"
     (outcome,) = fix_source(script.read_bytes(), script, ALL, unsafe=True).outcomes
     assert not outcome.applied and outcome.line == 20
     assert outcome.reason.startswith(
-        "the backward is in `train_step()`, which the loop of line 35 calls once per micro-batch"
+        "the backward in `train_step()` (line 16), which the loop of line 35 calls once per "
+        "micro-batch, goes through a GradScaler"
+    )
+    script = FIXTURES / "ga001_helper_masked_mean_world_size.py"
+    (outcome,) = fix_source(script.read_bytes(), script, ALL, unsafe=True).outcomes
+    assert not outcome.applied and outcome.reason.startswith(
+        "`self._loss_and_backward(...)` is called inside a larger statement (line 37)"
+    )
+
+
+def test_a_backward_under_a_flag_the_loop_passes_false_is_refused():
+    """The loop's call turns the method's backward off (`backward=False`): its micro-batches
+    would add their counts to a window with no gradient of theirs."""
+    script = FIXTURES / "ga001_backward_in_micro_step_method.py"
+    text = script.read_text().replace(
+        "micro_batches=len(chunks))", "micro_batches=len(chunks), backward=self.training)"
+    )
+    assert text != script.read_text()
+    (outcome,) = fix_source(text.encode(), script, ALL, unsafe=True).outcomes
+    assert not outcome.applied and outcome.reason.startswith(
+        "the backward in `_micro_step()` runs only when `backward` (line 23)"
     )
 
 

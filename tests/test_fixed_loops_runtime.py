@@ -635,3 +635,36 @@ def test_patched_window_counts_only_the_micro_batches_it_backpropagates():
     original, patched = grads.values()
     assert error(original, reference) > 0.1
     assert error(patched, reference) < 1e-6
+
+
+def micro_step_method_run(name: str) -> tuple[float, float, float]:
+    """What `train_step` and `evaluate` return, and the error of the gradient the step sees
+    against the full batch's: rows with prompts of different lengths, micro-batches of 2."""
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randint(1, VOCAB, (BATCH, LENGTH), generator=generator)
+    targets = torch.randint(1, VOCAB, (BATCH, LENGTH), generator=generator)
+    response = torch.arange(LENGTH) >= torch.arange(BATCH)[:, None] % (LENGTH - 1)
+    model = CausalLM()
+    optimizer = Recording(model.parameters(), lr=0.0)
+    tuner = loaded(name)["ResponseTuner"](model, optimizer, micro_size=2, max_norm=1e6)
+    logged = tuner.train_step(inputs, targets, response)
+    evaluated = tuner.evaluate(inputs, targets, response)
+    model.zero_grad()
+    losses = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="none")
+    mask = response.flatten().float()
+    ((losses * mask).sum() / mask.sum()).backward()
+    return logged, evaluated, error(optimizer.seen, [p.grad for p in model.parameters()])
+
+
+def test_patched_micro_step_method_weights_its_backward_and_the_caller_divides_once():
+    """A method backpropagates each micro-batch's mean over K and its caller steps once after
+    the loop: asked for its count, the method backpropagates the micro-batch's sum and the
+    caller divides the window once, so the step sees the full batch's token mean; the logged
+    running total and the evaluation (which asks for no count) stay what they were."""
+    original = "ga001_backward_in_micro_step_method.py"
+    logged, evaluated, before = micro_step_method_run(original)
+    patched_logged, patched_evaluated, after = micro_step_method_run(
+        original.replace(".py", ".fixed.py")
+    )
+    assert before > 0.1 and after < 1e-6
+    assert (patched_logged, patched_evaluated) == pytest.approx((logged, evaluated), rel=1e-6)

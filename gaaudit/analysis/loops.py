@@ -262,15 +262,21 @@ class _WindowFinding:
     def _caller_window(self, function: cst.FunctionDef) -> Window | None:
         """The window of a loop of the file that calls `function`, a function that
         backpropagates and does not step, once per micro-batch and steps under `if <a % k>:`
-        (`train_step(model, batch, K)`, then `if i % K == 0: update_step(...)`)."""
+        (`train_step(model, batch, K)`, then `if i % K == 0: update_step(...)`), or steps once
+        after the loop (`for micro in micro_batches: loss = self.backward_step(micro)`)."""
         if self.steps_in(function):
             return None
         for call in self.calls_of(function):
             scope = self.tree.scope_of(call)
             loop = next((a for a in self.tree.ancestors(call) if isinstance(a, LOOPS)), None)
-            if loop is None or not self._inside(loop, scope) or not self.steps_in(loop):
+            if loop is None or not self._inside(loop, scope):
                 continue
-            found = self._modulo_window(loop, call)
+            if self.steps_in(loop):
+                found = self._modulo_window(loop, call)
+            elif not self._zeroes_gradients(loop):
+                found = self._micro_window(loop)
+            else:
+                found = None
             if found is not None:
                 return found
         return None

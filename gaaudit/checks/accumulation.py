@@ -225,7 +225,7 @@ class _Divisors:
         if self.structure.is_accumulation_name(divisor) or _example_share(divisor):
             return True
         if window.size is not None:
-            return self._same_value(divisor, window.size) or self._given(divisor, window.size)
+            return self._same_value(divisor, window.size) or self._given(divisor, window)
         if window.loop is None:
             return False
         return not depends_on(divisor, self.tree.assigned_in(window.loop))
@@ -234,9 +234,10 @@ class _Divisors:
         """Equal code, or one is a name bound to the other (`k = args.accum`)."""
         return bool({_canonical(a), self._alias(a)} & {_canonical(b), self._alias(b)} - {""})
 
-    def _given(self, divisor: cst.BaseExpression, size: cst.BaseExpression) -> bool:
+    def _given(self, divisor: cst.BaseExpression, window: Window) -> bool:
         """A parameter of the function holding the division that every call of the file
-        passes K (`train_step(model, batch, args.accum)` dividing by its `accum`)."""
+        passes K (`train_step(model, batch, args.accum)` dividing by its `accum`): every call
+        in the window's loop, where there is one (an evaluation's call may keep the default)."""
         function = self.tree.scope_of(divisor) if divisor in self.tree.order else None
         if not isinstance(divisor, cst.Name) or not isinstance(function, cst.FunctionDef):
             return False
@@ -245,8 +246,13 @@ class _Divisors:
         if divisor.value not in names:
             return False
         index = names.index(divisor.value)
-        given = [argument_for(c, index, divisor.value) for c in self.structure.calls_of(function)]
-        return bool(given) and all(a is not None and self._same_value(a, size) for a in given)
+        calls = self.structure.calls_of(function)
+        loop = window.loop
+        calls = [c for c in calls if loop is not None and self.tree.contains(loop, c)] or calls
+        given = [argument_for(c, index, divisor.value) for c in calls]
+        return bool(given) and all(
+            a is not None and self._same_value(a, window.size) for a in given
+        )
 
     def _alias(self, expr: cst.BaseExpression) -> str:
         if (

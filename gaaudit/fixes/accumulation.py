@@ -62,6 +62,12 @@ from gaaudit.vocabulary import CLIPPERS
 COUNT_NOTE = "# the caller weights this mean by its count: sum and count per micro-batch"
 PATH_NOTE = "# sum and count: the count this path's mean averages over"
 SKIPPED_NOTE = "# sum and count: a micro-batch whose backward is skipped adds no count"
+HELPER_NOTE = (
+    "# sum and count: asked for its count, backpropagate the micro-batch's sum; "
+    "the caller divides once"
+)
+RETURNED_NOTE = "# sum and count: the caller adds this count to its window's"
+ADDED_NOTE = "# sum and count: the window's total, to divide its gradients once at the step"
 RETURN_COUNT = "return_count"
 MAX_REBINDINGS = 8  # how far back `labels = labels.to(device)` chains are followed
 
@@ -140,7 +146,12 @@ def fresh(tree: Tree, name: str) -> str:
 
 
 def returns_count(
-    tree: Tree, edits: Edits, function: cst.FunctionDef, returned: cst.Return, count: str
+    tree: Tree,
+    edits: Edits,
+    function: cst.FunctionDef,
+    returned: cst.Return,
+    count: str,
+    note: str = COUNT_NOTE,
 ) -> None:
     """`function` also returns the count beside its mean at `returned` when its caller asks
     (`return_count=True`); its other callers get the mean as before."""
@@ -152,18 +163,14 @@ def returns_count(
             f"*{code(e.value)}" if isinstance(e, cst.StarredElement) else code(e.value)
             for e in value.elements
         )
-        edits.insert_before(
-            line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {elements}, {count}"
-        )
+        edits.insert_before(line, f"{note}\nif {RETURN_COUNT}:\n    return {elements}, {count}")
         return
     if not isinstance(value, cst.Name):
         mean = cst.Name(fresh(tree, "mean_loss"))
         bind = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(mean)], value)])
         edits.before.setdefault(line, []).append(bind)  # the value's layout kept
         edits.replace[value] = value = mean
-    edits.insert_before(
-        line, f"{COUNT_NOTE}\nif {RETURN_COUNT}:\n    return {code(value)}, {count}"
-    )
+    edits.insert_before(line, f"{note}\nif {RETURN_COUNT}:\n    return {code(value)}, {count}")
 
 
 def _clips(call: cst.Call) -> bool:
@@ -989,6 +996,10 @@ class _LossRewrite:
         """Make the micro-batch's loss its token sum, then prepare the window's one division."""
         if site.window.anchor in self._ahead_windows:
             raise Unfixable("the window is read ahead for another loss of it")
+        call, loop = site.backward.call, site.window.loop
+        if call is not None and loop is not None and not self.tree.contains(loop, call):
+            self._rewrite_in_helper(site, count)
+            return
         kept = self._kept_for_reads(site)
         scaled = self._scaled(site)
         first = self._prepared.get(site.window.anchor)
@@ -1256,6 +1267,157 @@ class _LossRewrite:
                 break
             statement = owner
         self.edits.replace[statement] = cst.RemovalSentinel.REMOVE
+
+
+class _HelperWindow:
+    """Part of `Planner`: a backward in a same-file function that the window's loop calls once
+    per micro-batch (`for micro in micro_batches: loss = self.backward_step(micro)`): asked for
+    its count, the function backpropagates its micro-batch's sum and returns that count, which
+    the loop adds to the window's."""
+
+    def _rewrite_in_helper(self, site: Site, count: str) -> None:
+        """Weight the backward in the function by the count when the loop asks for it
+        (`return_count=True`; its other calls backpropagate as before), return the count
+        beside what it returns, and add it to the window's after the loop's call."""
+        helper = self.tree.scope_of(site.backward.call)
+        name, loop = helper.name.value, site.window.loop
+        where = f"`{name}()` (line {self.tree.line(helper)}), which the loop of line "
+        where += f"{self.tree.line(loop)} calls once per micro-batch"
+        calls = [c for c in self.auditor.structure.calls_of(helper) if self.tree.contains(loop, c)]
+        returns = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
+        if len(calls) != 1:
+            raise Unfixable(f"the loop calls {where}, {len(calls)} times; call it once")
+        if len(returns) != 1 or returns[0].value is None:
+            raise Unfixable(
+                f"the backward is in {where}, and returns from other than one `return` of a "
+                "value; return its loss from one place so that it can return its count beside"
+            )
+        if _takes_return_count(self.tree, helper):
+            raise Unfixable(f"`{name}` already takes a `{RETURN_COUNT}` parameter")
+        if self._scaled(site):
+            raise Unfixable(
+                f"the backward in {where}, goes through a GradScaler, whose fp16 gradients a "
+                "micro-batch's sum would scale up: weight each micro-batch by its count over a "
+                "reference count of the window, and divide once by the window's total over it"
+            )
+        weighted = self._weighted_in_helper(site, helper, calls[0])
+        place = self._count_binding(site, helper, returns[0])
+        statement = statement_line(self.tree, calls[0])
+        if helper.params not in self.edits.replace:  # else done for another backward of it
+            bare = code(cst.parse_expression(count).with_changes(lpar=[], rpar=[]))
+            self.edits.insert_before(place, f"{HELPER_NOTE}\n{self.micro} = {bare}\n")
+            returns_count(self.tree, self.edits, helper, returns[0], self.micro, RETURNED_NOTE)
+            self._ask_in_loop(statement, calls[0])
+            self.edits.insert_after(
+                statement, f"{ADDED_NOTE}\n{self.window_total} += {self.micro}\n"
+            )
+        node = site.backward.loss
+        new = cst.parse_expression(f"{weighted} if {RETURN_COUNT} else {code(node)}")
+        if isinstance(self.tree.parents[node], cst.Attribute):  # `(... else loss).backward()`
+            new = new.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        self.edits.replace[node] = new
+        if site.kind == "gradient-division":
+            self._remove(site.division.node, site.window)
+        self._prepare_window(site)
+
+    def _weighted_in_helper(self, site: Site, helper: cst.FunctionDef, call: cst.Call) -> str:
+        """The micro-batch's sum the function backpropagates when asked: its loss divided by
+        K, times K and its count, or its undivided mean times its count; refused where the
+        backward may not run on a pass that adds the count (an `if` other than on a parameter
+        the loop's call leaves at a true default)."""
+        backward = site.backward.call
+        for guard in self.tree.ancestors(backward):
+            if guard is helper:
+                break
+            if isinstance(guard, cst.If) and not self._runs_when_called(guard, helper, call):
+                raise Unfixable(
+                    f"the backward in `{helper.name.value}()` runs only when `{code(guard.test)}` "
+                    f"(line {self.tree.line(guard)}): a micro-batch it skips would still add its "
+                    "count to the window's; count each micro-batch where its backward runs"
+                )
+        loss = site.backward.loss
+        factor = self.micro + self._framework_factor(site)
+        if site.kind != "loss-division":
+            return f"{atom(loss)} * {factor}"
+        division = site.division
+        if not self.tree.contains(helper, division.node) or not self._unchanged(
+            division.divisor, division.node, backward
+        ):
+            raise Unfixable(
+                f"the loss is divided by `{code(division.divisor)}` (line "
+                f"{self.tree.line(division.node)}) other than in `{helper.name.value}()` as it "
+                "stands at the backward; divide by it where the backward is, or not at all"
+            )
+        if division.node is loss and isinstance(loss, cst.BinaryOperation):  # `(loss / k)`
+            return f"{atom(loss.left)} * {factor}"
+        return f"{atom(loss)} * {atom(division.divisor)} * {factor}"
+
+    def _runs_when_called(self, guard: cst.If, helper: cst.FunctionDef, call: cst.Call) -> bool:
+        """Whether `guard` tests a parameter of `helper` that `call` leaves at a true
+        constant default (`if do_backward:` with `do_backward=True`), or passes as True."""
+        test = guard.test
+        params = {p.name.value: p for p in (*helper.params.params, *helper.params.kwonly_params)}
+        if not isinstance(test, cst.Name) or test.value not in params:
+            return False
+        passed = keyword(call, test.value)
+        if passed is None and any(arg.star for arg in call.args):
+            return False  # `**options` may pass it
+        positional_names = [p.name.value for p in helper.params.params]
+        if passed is None and test.value in positional_names:
+            index = positional_names.index(test.value) - (positional_names[:1] == ["self"])
+            passed = argument_for(call, index, test.value)
+        value = passed if passed is not None else params[test.value].default
+        return isinstance(value, cst.Name) and value.value == "True"
+
+    def _count_binding(
+        self, site: Site, helper: cst.FunctionDef, returned: cst.Return
+    ) -> cst.CSTNode:
+        """The statement of `helper` before which its count is bound: the one holding the
+        loss's division by K (else its backward) that runs whenever its `return` does, where
+        the names the count reads are what they were at the loss."""
+        node = site.division.node if site.kind == "loss-division" else site.backward.call
+        statement = statement_line(self.tree, node)
+        while not self.tree.contains(self.tree.parents[statement], returned):
+            statement = statement_line(self.tree, self.tree.parents[statement])
+        source = site.origin.source
+        count = site.origin.count
+        if (
+            count is not None
+            and source in self.tree.order
+            and not self._unchanged(count, source, statement)
+        ):
+            raise Unfixable(
+                f"a name the count `{code(count)}` reads is bound again between the loss (line "
+                f"{self.tree.line(source)}) and line {self.tree.line(statement)} in "
+                f"`{helper.name.value}()`; count the targets where the loss is computed"
+            )
+        return statement
+
+    def _unchanged(self, expr: cst.BaseExpression, a: cst.CSTNode, b: cst.CSTNode) -> bool:
+        """Whether each variable `expr` reads has the same binding at `a` and at `b`."""
+        tracer = self.auditor.tracer
+        return all(
+            tracer.binding(n.value, a) is tracer.binding(n.value, b)
+            for n in walk(expr)
+            if isinstance(n, cst.Name)
+        )
+
+    def _ask_in_loop(self, statement: cst.CSTNode, call: cst.Call) -> None:
+        """The loop's `loss = f(...)` (or a bare `f(...)`) also binds the micro-batch's count."""
+        small = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) else None
+        if isinstance(small, cst.Assign) and small.value is call and len(small.targets) == 1:
+            self._ask_count(small, small)
+        elif isinstance(small, cst.Expr) and small.value is call:
+            self.edits.replace[small] = cst.Assign(
+                [cst.AssignTarget(cst.parse_expression(f"_, {self.micro}"))],
+                with_argument(call, RETURN_COUNT, "True"),
+            )
+        else:
+            raise Unfixable(
+                f"`{code(call.func)}(...)` is called inside a larger statement (line "
+                f"{self.tree.line(call)}); bind what it returns (`loss = {code(call.func)}(...)`) "
+                "so that the loop can ask it for its count"
+            )
 
 
 class _SumReduction:
@@ -1586,20 +1748,6 @@ class _Window:
                 "the one division after the window: sum the window's valid-target count where "
                 "it steps and divide the gradients there"
             )
-        call = site.backward.call
-        if (
-            window.loop is not None
-            and call is not None
-            and not self.tree.contains(window.loop, call)
-        ):
-            function = self.tree.scope_of(call)
-            raise Unfixable(
-                f"the backward is in `{function.name.value}()`, which the loop of line "
-                f"{self.tree.line(window.loop)} calls once per micro-batch; gaaudit rewrites a "
-                "window whose backward it sees in the loop: return the micro-batch's valid-target "
-                "count beside its loss sum, and divide the gradients once by the window's total at "
-                "the step"
-            )
         if window.kind == "micro-loop":
             self._cleared_before(window)
         self._prepared[window.anchor] = (site, self._optimizer(window))
@@ -1894,6 +2042,7 @@ class Planner(
     _Counting,
     _CompanionCounts,
     _LossRewrite,
+    _HelperWindow,
     _SumReduction,
     _Owners,
     _LoggedReads,
