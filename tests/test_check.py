@@ -114,6 +114,41 @@ def test_step_after_a_skipping_guard_is_a_window(tmp_path):
     assert any("after `if (step + 1) % k != 0: continue` (line 4)" in e for e in finding.evidence)
 
 
+def test_a_mean_on_the_first_arm_of_an_elif_chain_is_traced_through_its_helper(tmp_path):
+    """A helper whose `if` arm averages, an `elif` sums and an `else` keeps the elements, and
+    that returns the loss after the chain: the mean arm still reaches that return."""
+    path = tmp_path / "train.py"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            import torch.nn.functional as F
+
+
+            def reduced(losses, lengths, reduction="mean"):
+                if reduction == "mean":
+                    loss = (losses / lengths).mean()
+                elif reduction == "sum":
+                    loss = losses.sum()
+                else:
+                    loss = losses
+                return loss
+
+
+            for step, (x, y, lengths) in enumerate(loader):
+                losses = F.cross_entropy(model(x), y, reduction="none").sum(-1)
+                loss = reduced(losses, lengths, reduction="mean") / k
+                loss.backward()
+                if (step + 1) % k == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            """
+        )
+    )
+    (finding,) = check_file(path, ALL).findings
+    assert (finding.code, finding.span.line) == ("GA001", 16)
+    assert any("(losses / lengths).mean()" in e for e in finding.evidence)
+
+
 @pytest.mark.parametrize(
     "comment, reported",
     [
