@@ -354,7 +354,7 @@ def test_a_backward_in_a_function_the_window_loop_calls_is_refused_where_it_cann
     assert not outcome.applied and outcome.line == 20
     assert outcome.reason.startswith(
         "the backward in `train_step()` (line 16), which the loop of line 35 calls once per "
-        "micro-batch, goes through a GradScaler"
+        "micro-batch goes through a GradScaler"
     )
     script = FIXTURES / "ga001_helper_masked_mean_world_size.py"
     (outcome,) = fix_source(script.read_bytes(), script, ALL, unsafe=True).outcomes

@@ -1286,7 +1286,10 @@ class _HelperWindow:
         calls = [c for c in self.auditor.structure.calls_of(helper) if self.tree.contains(loop, c)]
         returns = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
         if len(calls) != 1:
-            raise Unfixable(f"the loop calls {where}, {len(calls)} times; call it once")
+            raise Unfixable(
+                f"the loop of line {self.tree.line(loop)} calls `{name}()` (line "
+                f"{self.tree.line(helper)}) {len(calls)} times; call it once per micro-batch"
+            )
         if len(returns) != 1 or returns[0].value is None:
             raise Unfixable(
                 f"the backward is in {where}, and returns from other than one `return` of a "
@@ -1296,7 +1299,7 @@ class _HelperWindow:
             raise Unfixable(f"`{name}` already takes a `{RETURN_COUNT}` parameter")
         if self._scaled(site):
             raise Unfixable(
-                f"the backward in {where}, goes through a GradScaler, whose fp16 gradients a "
+                f"the backward in {where} goes through a GradScaler, whose fp16 gradients a "
                 "micro-batch's sum would scale up: weight each micro-batch by its count over a "
                 "reference count of the window, and divide once by the window's total over it"
             )
