@@ -653,9 +653,8 @@ class _Callees:
             if isinstance(node, cst.Return) and node.value is not None
         ]
 
-    def binding(self, name: str, use: cst.CSTNode, arms: bool = False) -> cst.CSTNode | None:
-        """The last statement before `use` in its scope (then the module) that binds `name`;
-        with `arms`, also one in another arm of an `if` around `use` (an `elif`'s rival)."""
+    def binding(self, name: str, use: cst.CSTNode) -> cst.CSTNode | None:
+        """The last statement before `use` in its scope (then the module) that binds `name`."""
         tree = self.tree
         scope = tree.scope_of(use)
         where = tree.order[use]
@@ -666,7 +665,7 @@ class _Callees:
                 if node is not use
                 and tree.order[node] <= where
                 and not tree.contains(node, use)
-                and (arms or not self._apart(node, use))
+                and not self._apart(node, use)
             ]
             if earlier:
                 return earlier[-1]
@@ -1009,7 +1008,7 @@ class Tracer(_Calls, _Callees, _Counts):
         )
         if not isinstance(branch, cst.If) or self.tree.contains(branch, use):
             return None
-        earlier = self.binding(name, branch, arms=True)  # an `if` before an `elif` holding it
+        earlier = self.binding(name, branch)
         return earlier if isinstance(earlier, (cst.Assign, cst.AnnAssign)) else None
 
     def _from_binding(self, name: str, stmt: cst.CSTNode, depth: int) -> Origin:
