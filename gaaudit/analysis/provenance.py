@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from ast import literal_eval
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -262,6 +264,56 @@ def _calls_a_model(value: cst.BaseExpression) -> bool:
     return asks or bool(MODEL.search(last_name(value.func) or ""))
 
 
+def _settled(
+    helper: cst.FunctionDef, call: cst.Call | None, rebound: Iterable[str]
+) -> tuple[cst.FunctionDef | None, dict[str, object]]:
+    """The helper and the literals (strings, numbers, booleans, None) its parameters hold at
+    `call`: passed there, or their defaults; not those it `rebound`s. Nothing without a call."""
+    if call is None:
+        return None, {}
+    names = [p.name.value for p in helper.params.params]
+    skip = 1 if names[:1] == ["self"] else 0
+    values = {}
+    for param in (*helper.params.params, *helper.params.kwonly_params):
+        name = param.name.value
+        index = names.index(name) - skip if name in names else -1
+        passed = argument_for(call, index, name) if index >= 0 else keyword(call, name)
+        if passed is None and any(a.star for a in call.args):
+            continue  # perhaps in `*args` or `**kwargs`
+        value = passed or param.default
+        if value is not None and name not in rebound and (literal := _evaluated(value)):
+            values[name] = literal[0]
+    return helper, values
+
+
+def _evaluated(expr: cst.BaseExpression) -> tuple[object] | None:
+    """`(value,)` for a literal expression, else None."""
+    try:
+        return (literal_eval(code(expr)),)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+
+
+def _decided(test: cst.BaseExpression, values: dict[str, object]) -> bool | None:
+    """The value of an `if` test on settled parameters (`mode == "sum"`, `not flag`, `flag`),
+    or None when it reads anything else."""
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        inner = _decided(test.expression, values)
+        return None if inner is None else not inner
+    if isinstance(test, cst.Name) and test.value in values:
+        return bool(values[test.value])
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
+        (target,) = test.comparisons
+        right = _evaluated(target.comparator)
+        if not (isinstance(test.left, cst.Name) and test.left.value in values and right):
+            return None
+        if isinstance(target.operator, cst.Equal):
+            return values[test.left.value] == right[0]
+        if isinstance(target.operator, cst.NotEqual):
+            return values[test.left.value] != right[0]
+    return None
+
+
 def argument_for(call: cst.Call, index: int, name: str) -> cst.BaseExpression | None:
     """The argument a call passes for its `index`-th parameter (`self` left out), `name`,
     when it can be told."""
@@ -405,10 +457,16 @@ class _Calls:
         helper = self.helper(func)
         if helper is not None:
             label = f"`{helper.name.value}()`"
-            return [
-                (r, self._at_call(self._returned(r, depth, label), helper, call))
-                for r in self.returns(helper)
-            ]
+            settled = _settled(helper, call, self.tree.bindings(helper))
+            saved, self._settled = self._settled, settled
+            try:
+                return [
+                    (r, self._at_call(self._returned(r, depth, label), helper, call))
+                    for r in self.returns(helper)
+                    if not self._ruled_out(r)
+                ]
+            finally:
+                self._settled = saved
         value = self.bound_value(func) if isinstance(func, (cst.Name, cst.Attribute)) else func
         if isinstance(value, cst.Lambda):
             return [(value.body, self._returned(value.body, depth, "the lambda"))]
@@ -666,6 +724,7 @@ class _Callees:
                 and tree.order[node] <= where
                 and not tree.contains(node, use)
                 and not self._apart(node, use)
+                and not self._ruled_out(node)
             ]
             if earlier:
                 return earlier[-1]
@@ -688,6 +747,22 @@ class _Callees:
                     and self.tree.contains(arm, use)
                     for arm in (branch.body, branch.orelse)
                 )
+        return False
+
+    def _ruled_out(self, node: cst.CSTNode) -> bool:
+        """Whether `node` lies in an arm of an `if` that the helper's call being traced rules
+        out (`if reduction == "sum": ...` when the call passes `reduction="mean"`)."""
+        function, values = self._settled
+        if not values or self.tree.scope_of(node) is not function:
+            return False
+        for branch in self.tree.ancestors(node):
+            if branch is function:
+                break
+            if isinstance(branch, cst.If):
+                taken = _decided(branch.test, values)
+                arm = branch.body if taken is False else branch.orelse if taken else None
+                if arm is not None and self.tree.contains(arm, node):
+                    return True
         return False
 
 
@@ -866,6 +941,8 @@ class Tracer(_Calls, _Callees, _Counts):
     def __init__(self, tree: Tree, imports=None) -> None:
         self.tree = tree
         self.imports = imports
+        # the helper being traced from a call, and the literals its parameters hold there
+        self._settled: tuple[cst.FunctionDef | None, dict[str, object]] = (None, {})
 
     def origin(self, expr: cst.BaseExpression, depth: int = 0) -> Origin:
         if depth > MAX_DEPTH:
