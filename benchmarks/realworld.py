@@ -365,7 +365,7 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
             continue
         root = tree_of(trees, row.repo)
         kept = {path: path.read_bytes() for path in root.rglob("*.py") if path.is_file()}
-        before = target.read_bytes()
+        before = kept[target] = target.read_bytes()  # a notebook too
         try:
             result = subprocess.run(
                 [*GAAUDIT, "fix", "--ignore", ",".join(WINDOW_RULES), row.path],
