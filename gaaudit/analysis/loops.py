@@ -363,7 +363,7 @@ class _Guards:
         if not isinstance(counter, cst.Name) or loop is None:
             return False
         return any(
-            _raises_by_one(node, counter.value) and self.tree.order[node] < self.tree.order[guard]
+            raises_by_one(node, counter.value) and self.tree.order[node] < self.tree.order[guard]
             for node in self.tree.walk(loop.body, into_defs=False)
         )
 
@@ -767,7 +767,7 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
         return self._windows[backward]
 
 
-def _raises_by_one(node: cst.CSTNode, name: str) -> bool:
+def raises_by_one(node: cst.CSTNode, name: str) -> bool:
     """`name += 1`."""
     return (
         isinstance(node, cst.AugAssign)

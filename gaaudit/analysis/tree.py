@@ -247,6 +247,14 @@ def abstract(function: cst.FunctionDef) -> bool:
     )
 
 
+def parameter_names(scope: cst.CSTNode) -> set[str]:
+    """The names a function's callers may pass by keyword: its plain and keyword-only
+    parameters (none for another scope)."""
+    if not isinstance(scope, cst.FunctionDef):
+        return set()
+    return {p.name.value for p in (*scope.params.params, *scope.params.kwonly_params)}
+
+
 def methods_of(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
     """The methods a class body defines, by name."""
     return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from gaaudit import catalogue
-from gaaudit.analysis.loops import Structure, Window
+from gaaudit.analysis.loops import Structure, Window, raises_by_one
 from gaaudit.analysis.tree import Tree, assigned_value, code, keyword, last_name, positional
 from gaaudit.findings import Confidence, Finding
 
@@ -136,7 +136,7 @@ class Windows:
             return None
         resets = [b for b in inside if _sets_zero(b, name)]  # each starts the count again
         raises = [b for b in inside if b not in resets]
-        if not raises or not all(_adds_one(b) for b in raises):
+        if not raises or not all(raises_by_one(b, name) for b in raises):
             return None
         if any(self.tree.contains(window.anchor, b) for b in raises):
             return None  # raised only when the optimizer steps
@@ -243,15 +243,6 @@ def _nonzero(node: cst.BaseExpression, name: str) -> bool:
 def _sets_zero(statement: cst.CSTNode, name: str) -> bool:
     """`name = 0`, also among others: `steps, total = 0, 0.0`."""
     return _is_zero(assigned_value(statement, name))
-
-
-def _adds_one(statement: cst.CSTNode) -> bool:
-    return (
-        isinstance(statement, cst.AugAssign)
-        and isinstance(statement.operator, cst.AddAssign)
-        and isinstance(statement.value, cst.Integer)
-        and statement.value.evaluated_value == 1
-    )
 
 
 def findings(context) -> list[Finding]:

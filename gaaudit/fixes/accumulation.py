@@ -31,6 +31,7 @@ from gaaudit.analysis.tree import (
     keyword,
     last_name,
     methods_of,
+    parameter_names,
     positional,
     target_names,
     variables,
@@ -49,6 +50,7 @@ from gaaudit.fixes.edits import (
     atom,
     bound_torch,
     copy_edits,
+    indented,
     may_be_fp16,
     statement_line,
     torch_module,
@@ -178,13 +180,6 @@ def _clips(call: cst.Call) -> bool:
     return (dotted(call.func) or "").rsplit(".", 1)[-1] in CLIPS
 
 
-def _parameters(scope: cst.CSTNode) -> set[str]:
-    """The names of a function's parameters (none for another scope)."""
-    if not isinstance(scope, cst.FunctionDef):
-        return set()
-    return {p.name.value for p in (*scope.params.params, *scope.params.kwonly_params)}
-
-
 def _takes_return_count(tree: Tree, function: cst.FunctionDef) -> bool:
     """Whether `function` already has a `return_count` parameter."""
     return any(
@@ -251,7 +246,9 @@ class _Counting:
             return (count, caveat), safe
         bound = self._binding_call(self._loss_use(site), lambda call, _: True, unpacked=True)
         func = bound[0].value.func if bound else None
-        if not (isinstance(func, cst.Name) and func.value in _parameters(self.tree.scope_of(func))):
+        if not (
+            isinstance(func, cst.Name) and func.value in parameter_names(self.tree.scope_of(func))
+        ):
             return (count, caveat), safe  # the loss's own call, not one that feeds it (`model`)
         name = func.value
         function = self.tree.scope_of(bound[0]).name.value
@@ -1157,7 +1154,7 @@ class _LossRewrite:
         ref = self.reference
         gather, world = self._gathering(site, self._grads_device(site), [ref])
         shared = f"{gather}{ref} = float({ref}) / {world}\n" if world else ""
-        return f"if {ref} is None:\n    {ref} = max(float({self.micro}), 1.0)\n{_indented(shared)}"
+        return f"if {ref} is None:\n    {ref} = max(float({self.micro}), 1.0)\n{indented(shared)}"
 
     def _scaled(self, site: Site) -> bool:
         """Whether the backward goes through a GradScaler: `scaler.scale(loss).backward()`, or
@@ -2001,12 +1998,12 @@ class _Window:
         scale = f"{count} / {world}" if world else count
         divide = f"if param.grad is not None:\n    param.grad.div_({scale})\n"
         if cleared:
-            params = f"for param in {cleared}:\n" + _indented(divide)
+            params = f"for param in {cleared}:\n" + indented(divide)
         else:
             params = (
                 f"for group in {optimizer}.param_groups:\n"
                 + '    for param in group["params"]:\n'
-                + _indented(_indented(divide))
+                + indented(indented(divide))
             )
         return f"{DIVIDE_NOTE}\n" + gather + f"{total} = max(float({total}), 1.0)\n" + params
 
@@ -2034,10 +2031,6 @@ class _Window:
             ):
                 return code(node.args[0].value)
         return ""
-
-
-def _indented(lines: str) -> str:
-    return "".join(f"    {line}\n" for line in lines.splitlines())
 
 
 class Planner(

@@ -50,6 +50,11 @@ def parsed_statements(source: str) -> list[cst.BaseStatement]:
 NO_SPACE = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
 
 
+def indented(lines: str) -> str:
+    """`lines`, each indented one level."""
+    return "".join(f"    {line}\n" for line in lines.splitlines())
+
+
 def with_argument(call: cst.Call, name: str | None, value: str) -> cst.Call:
     """`call` with one more argument, `name=value` or positional `value`; an existing `name=`
     is replaced. A one-per-line layout with a trailing comma stays one per line."""

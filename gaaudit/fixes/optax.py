@@ -32,6 +32,7 @@ from gaaudit.analysis.tree import (
     depends_on,
     dotted,
     keyword,
+    parameter_names,
     positional,
     string_value,
 )
@@ -468,7 +469,7 @@ class _MultiSteps:
         scope = self.tree.scope_of(loop)
         names = {n.value for n in _names(loop.target)}
         if isinstance(scope, cst.FunctionDef):
-            names |= {p.name.value for p in (*scope.params.params, *scope.params.kwonly_params)}
+            names |= parameter_names(scope)
             names |= set(self.tree.bindings(scope))
         return names
 

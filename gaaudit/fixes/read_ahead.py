@@ -23,7 +23,7 @@ from gaaudit.analysis.tree import (
     variables,
 )
 from gaaudit.checks.accumulation import Site
-from gaaudit.fixes.edits import Unfixable, atom, parsed_statements, statement_line
+from gaaudit.fixes.edits import Unfixable, atom, indented, parsed_statements, statement_line
 from gaaudit.vocabulary import MOVERS
 
 AHEAD_NOTE = "# read ahead: each micro-batch's share of its window's valid targets, before backward"
@@ -142,7 +142,7 @@ class _ReadAhead:
         else:
             device = self._device(self._optimizer(site.window))
         gather, world = self._gathering(site, device, [total])
-        gather = "".join(f"    {line}\n" for line in gather.splitlines())
+        gather = indented(gather)
         per_process = f" / {world}" if world else ""  # the processes' gradients are averaged
         if engine:  # the engine divides by its steps: a window cut short by the epoch weighs less
             per_process += f" / len({pending})"
