@@ -289,3 +289,40 @@ def test_microbatch_sum_of_masked_means(suffix):
         assert error < 1e-5 and np.isclose(float(loss), mean, rtol=1e-5), (error, loss, mean)
     else:
         assert error > 1e-3 and not np.isclose(float(loss), mean, rtol=1e-2), (error, loss)
+
+
+DECORATED = FIXTURES / "ga005_xmod_decorated_loss_imported_masked_mean"
+
+
+def test_multisteps_fix_of_a_decorated_loss_over_an_imported_masked_mean(monkeypatch):
+    """A loss decorated with `jax.value_and_grad` (a keyword-only parameter after a bare `*`)
+    unpacks its micro-batch tuple and returns the masked token mean of a helper of another
+    module (losses.py): fixed, it returns that mean times its kept count over the window's,
+    MultiSteps sums, and the logged loss stays the micro-batch's mean."""
+    from gaaudit.config import Settings
+    from gaaudit.fixes.fixer import fix_source
+
+    train = DECORATED / "train.py"
+    fixed = fix_source(train.read_bytes(), train, Settings())
+    assert [o.applied for o in fixed.outcomes] == [True]
+    after = fixed.after.decode()
+    assert "masked_token_nll(logits, tags, keep=keep) * keep.sum() / window_weight" in after
+    assert "sum(micro_batch[2].sum() for micro_batch in window)" in after
+    batches = micro_batches(4)
+    tuples = [(b["input_ids"], b["labels"], b["loss_mask"] > 0) for b in batches]
+    means = []
+    for tokens, tags, keep in tuples:
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            logits_of(initial_params(), tokens), tags
+        )
+        means.append(float(jnp.mean(losses, where=keep)))
+    monkeypatch.syspath_prepend(str(DECORATED))
+    monkeypatch.delitem(__import__("sys").modules, "losses", raising=False)
+    for source, exact in ((train.read_text(), False), (after, True)):
+        logged: list[float] = []
+        params = definitions(source, "train.py")["train"](
+            initial_params(), logits_of, tuples, logged
+        )
+        assert np.allclose(logged, means, rtol=1e-5), (logged, means)
+        error = relative_error(applied(initial_params(), params), window_gradient(batches))
+        assert (error < 1e-5) if exact else (error > 1e-3), error

@@ -729,7 +729,8 @@ class _Callees:
             if earlier:
                 return earlier[-1]
             if isinstance(region, cst.FunctionDef):
-                for param in region.params.params:
+                params = region.params
+                for param in (*params.posonly_params, *params.params, *params.kwonly_params):
                     if param.name.value == name:
                         return param
         return None

@@ -23,6 +23,7 @@ from pathlib import Path
 import libcst as cst
 
 from gaaudit.analysis.evidence import scan
+from gaaudit.analysis.jaxtrace import tracer_for
 from gaaudit.analysis.provenance import Division, Kind, Origin, Tracer, argument_for, unguarded
 from gaaudit.analysis.tree import Tree, code, dotted, positional, substituted, variables, walk
 from gaaudit.discover.focus import focus
@@ -153,8 +154,8 @@ class Repository:
         function = _loss_method(definition) if is_class else definition
         if function is None:
             return None, frozenset(imports.dependencies)
-        tracer = Tracer(tree, imports)
-        parameters = tuple(p.name.value for p in function.params.params if p.name.value != "self")
+        tracer = tracer_for(tree, imports)
+        parameters = _parameters(function)
         values = [_tupled(tracer, value) for value in tracer.returns(function)]
         returned = [_returned(tracer, value, function, parameters) for value in values]
         tuples = [v for v in values if isinstance(v, (cst.Tuple, cst.List))]
@@ -191,6 +192,16 @@ def _top_level(tree: Tree, name: str) -> cst.FunctionDef | cst.ClassDef | None:
         if isinstance(statement, (cst.FunctionDef, cst.ClassDef)) and statement.name.value == name:
             return statement
     return None
+
+
+def _parameters(function: cst.FunctionDef) -> tuple[str, ...]:
+    """The parameters a call can pass, in call order, `self` left out: the keyword-only ones
+    last, unless `*args` stands before them (it takes the extra positional arguments)."""
+    params = function.params
+    named = [*params.posonly_params, *params.params]
+    if not isinstance(params.star_arg, cst.Param):
+        named += params.kwonly_params
+    return tuple(p.name.value for p in named if p.name.value != "self")
 
 
 def _loss_method(cls: cst.ClassDef) -> cst.FunctionDef | None:

@@ -12,7 +12,8 @@ import libcst as cst
 from gaaudit import catalogue
 from gaaudit.analysis.domain import Domains
 from gaaudit.analysis.evidence import Evidence
-from gaaudit.analysis.provenance import MASKED_MEAN, Origin, Tracer, averaged_mean
+from gaaudit.analysis.jaxtrace import OPTAX_LOSSES, JaxTracer
+from gaaudit.analysis.provenance import MASKED_MEAN, Origin, averaged_mean
 from gaaudit.analysis.tree import (
     Tree,
     code,
@@ -31,61 +32,12 @@ MEAN = "is a mean"
 # Function transforms whose first argument is the loss function.
 GRADS = {"grad", "value_and_grad", "filter_grad", "filter_value_and_grad"}
 JAX_HOMES = ("jax", "flax", "equinox")
-# optax losses that return one value per example or token (reduced later by the caller).
-OPTAX_LOSSES = {
-    "softmax_cross_entropy",
-    "softmax_cross_entropy_with_integer_labels",
-    "sigmoid_binary_cross_entropy",
-    "l2_loss",
-    "squared_error",
-    "huber_loss",
-    "log_cosh",
-    "kl_divergence",
-    "cosine_distance",
-    "sigmoid_focal_loss",
-    "poly_loss_cross_entropy",
-    "safe_softmax_cross_entropy",
-}
-# One of them called on what a mean reduces: `optax.l2_loss(pred, y).mean()`.
+# One of optax's per-example losses called on what a mean reduces: `optax.l2_loss(pred, y).mean()`.
 ELEMENTWISE = re.compile(rf"^(?:\w+\.)*(?:{'|'.join(sorted(OPTAX_LOSSES))})\(")
-COUNTS = {"sum", "nansum", "count_nonzero"}
 SUMS = ("multisteps-sum", "microbatch-sum")  # sites summing micro-gradients of means
 STEPS = re.compile(r"accum|micro|(?:num|n)_?mini_?batches", re.IGNORECASE)
 MASK = re.compile(r"mask|pad|ignore", re.IGNORECASE)
 NO_LOSS = Origin("unknown", "no loss function gaaudit could find (passed to `jax.value_and_grad`)")
-
-
-class JaxTracer(Tracer):
-    """A Tracer that also knows `jax.numpy` reductions and optax's per-example losses."""
-
-    def _call(self, call: cst.Call, depth: int) -> Origin:
-        func = call.func
-        if isinstance(func, cst.Attribute) and func.attr.value == "astype":
-            return self.origin(func.value, depth + 1)
-        qualified = self.tree.qualified(func) or ""
-        home, _, name = qualified.rpartition(".")
-        if home == "jax.numpy" and keyword(call, "axis") is None:
-            if name in ("mean", "nanmean", "average"):
-                return self._mean(call, f"`{code(call)}`")
-            if name in ("sum", "nansum"):
-                return self._sum(call, f"`{code(call)}`")
-        if home.startswith("optax") and name in OPTAX_LOSSES:
-            return Origin("elementwise", f"`{name}`, one loss per example or token", call)
-        return super()._call(call, depth)
-
-    def _per_micro_batch(self, expr: cst.CSTNode, divisor: cst.BaseExpression) -> bool:
-        """In a loss function: a count reduced from the batch (`jnp.sum(mask)`, `n = mask.sum()`),
-        not a count passed in (`window_tokens`, `batch["window_tokens"]`)."""
-        function = next(
-            (a for a in self.tree.ancestors(expr) if isinstance(a, cst.FunctionDef)), None
-        )
-        if function is None:
-            return super()._per_micro_batch(expr, divisor)
-        counted = any(
-            isinstance(node, cst.Call) and last_name(node.func) in COUNTS
-            for node in self.tree.walk(divisor)
-        )
-        return counted or depends_on(divisor, self.tree.assigned_in(function.body))
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,8 @@ class _LossFunction:
     def _masked_mean(self) -> MaskedMean:
         origin, function = self.audit.loss
         source = origin.source
+        if origin.kind == "mean" and isinstance(function, cst.FunctionDef) and origin.module:
+            return self._imported_mean(function)
         if origin.kind != "mean" or not isinstance(function, cst.FunctionDef) or source is None:
             raise Unfixable("gaaudit could not find the mean that the loss function returns")
         jnp = self._jnp()
@@ -98,6 +100,26 @@ class _LossFunction:
             )
         return MaskedMean(function, source, summed, count, divisor)
 
+    def _imported_mean(self, function: cst.FunctionDef) -> MaskedMean:
+        """The mean a helper of another module returns, called in the loss function: its sum is
+        the mean times the count the helper divides by, read at the call."""
+        origin = self.audit.loss[0]
+        returns = self.tracer.returns(function)
+        call = self._resolve(returns[0], function) if len(returns) == 1 else None
+        if not isinstance(call, cst.Call) or self.tracer.origin(call).kind != "mean":
+            raise Unfixable(
+                "the loss function returns more than the mean of "
+                f"`{origin.callee}()` (auxiliary outputs)"
+            )
+        if origin.count is None or origin.divisions:
+            raise Unfixable(
+                f"gaaudit cannot tell what `{origin.callee}()` ({origin.module}) divides its "
+                "loss by: make it return the masked sum and its count"
+            )
+        count = self._inline(origin.count, function, at=call)
+        summed = cst.BinaryOperation(_atom(call), cst.Multiply(), _atom(origin.count))
+        return MaskedMean(function, call, summed, count, count)
+
     def _resolve(self, expr: cst.BaseExpression, function: cst.FunctionDef) -> cst.BaseExpression:
         """`loss` -> the value of its one binding in `function`."""
         if isinstance(expr, cst.Name):
@@ -107,28 +129,29 @@ class _LossFunction:
         return expr
 
     def _inline(
-        self, expr: cst.BaseExpression, function: cst.FunctionDef, depth: int = 0
+        self,
+        expr: cst.BaseExpression,
+        function: cst.FunctionDef,
+        depth: int = 0,
+        at: cst.CSTNode | None = None,
     ) -> cst.BaseExpression:
-        """`expr` with the function's locals replaced by their (single) values."""
+        """`expr` with the function's locals replaced by their (single) values; `at`, for an
+        expression built apart from the file (another module's count), is where it is read."""
         if depth > 8:
             raise Unfixable("the loss's count goes through too many assignments")
         values: dict[str, cst.BaseExpression] = {}
-        for node in self.tree.walk(expr):
-            if (
-                not isinstance(node, cst.Name)
-                or node.value in values
-                or not self.tree.is_variable(node)
-            ):
+        for node in _names(expr):
+            if node.value in values:
                 continue
-            stmt = self.tracer.binding(node.value, node)
+            stmt = self.tracer.binding(node.value, node if node in self.tree.order else at)
             if (
                 stmt is None
                 or isinstance(stmt, cst.Param)
                 or self.tree.scope_of(stmt) is not function
             ):
                 continue
-            single = isinstance(stmt, cst.Assign) and len(stmt.targets) == 1
-            if not (single and isinstance(stmt.targets[0].target, cst.Name)):
+            value = _bound_value(stmt, node.value)
+            if value is None:
                 raise Unfixable(
                     f"the loss's count reads `{node.value}`, which gaaudit cannot follow"
                 )
@@ -136,7 +159,7 @@ class _LossFunction:
                 raise Unfixable(
                     f"the loss's count reads `{node.value}`, which is assigned more than once"
                 )
-            values[node.value] = self._inline(stmt.value, function, depth + 1)
+            values[node.value] = self._inline(value, function, depth + 1)
         return _renamed(expr, values)
 
     def _invocations(self, function: cst.FunctionDef) -> list[cst.Call]:
@@ -144,10 +167,7 @@ class _LossFunction:
         `grad_fn(...)` after `grad_fn = jax.jit(jax.value_and_grad(f))`."""
         name = function.name.value
         if decorated_with_gradient(self.tree, function):
-            raise Unfixable(
-                f"`{name}` is decorated (`@jax.value_and_grad` and kin); gaaudit rewrites a loss "
-                "function whose gradient is taken by a call, `jax.value_and_grad(f)`"
-            )
+            return self._decorated_calls(function)
         transforms, found = [], []
         for call in self.tree.calls:
             if (
@@ -167,6 +187,31 @@ class _LossFunction:
         if len(uses) != 1 + len(transforms):
             raise Unfixable(
                 f"`{name}` is also used outside its gradient; making it a sum would change that use"
+            )
+        if len(found) != 1:
+            raise Unfixable(
+                "the loss gradient is evaluated in more than one place (or in none gaaudit can follow)"
+            )
+        return found
+
+    def _decorated_calls(self, function: cst.FunctionDef) -> list[cst.Call]:
+        """The calls of a loss function decorated with its gradient (`@jax.value_and_grad`):
+        each evaluates the gradient."""
+        name = function.name.value
+        if any(
+            isinstance(d.decorator, cst.Call) and keyword(d.decorator, "has_aux") is not None
+            for d in function.decorators
+        ):
+            raise Unfixable("the loss function already returns auxiliary data")
+        found = [c for c in self.tree.calls if dotted(c.func) == name]
+        uses = [
+            n
+            for n in self.tree.walk(self.tree.module)
+            if isinstance(n, cst.Name) and n.value == name
+        ]
+        if len(uses) != 1 + len(found):
+            raise Unfixable(
+                f"`{name}` is also used outside its calls; making it a sum would change that use"
             )
         if len(found) != 1:
             raise Unfixable(
@@ -216,8 +261,8 @@ class _LossFunction:
     ) -> cst.BaseExpression:
         """The count with the function's parameters replaced by the call's arguments."""
         values = self._arguments(function, call)
-        parameters = {
-            p.name.value for p in (*function.params.posonly_params, *function.params.params)
+        parameters = parameter_names(function) | {
+            p.name.value for p in function.params.posonly_params
         }
         needed = {n.value for n in _names(count)} & parameters
         for name in needed:
@@ -233,7 +278,11 @@ class _LossFunction:
         """The loss's masked mean becomes its sum (over `divisor` when given)."""
         summed = mean.summed
         if divisor is not None:
-            summed = cst.BinaryOperation(_atom(summed), cst.Divide(), cst.Name(divisor))
+            product = isinstance(summed, cst.BinaryOperation) and isinstance(
+                summed.operator, (cst.Multiply, cst.Divide)
+            )  # `a * n / w` reads as `(a * n) / w`
+            left = summed if product else _atom(summed)
+            summed = cst.BinaryOperation(left, cst.Divide(), cst.Name(divisor))
         self.edits.replace[mean.node] = summed.with_changes(
             lpar=mean.node.lpar, rpar=mean.node.rpar
         )
@@ -754,11 +803,29 @@ def _unclamped(expr: cst.BaseExpression) -> cst.BaseExpression:
     return expr
 
 
+def _bound_value(stmt: cst.CSTNode, name: str) -> cst.BaseExpression | None:
+    """What `name = value` binds, or `a, name = batch`: `batch[1]` (a sequence unpacked; read
+    by index so the count can be taken from the batch itself); None for anything else."""
+    if not (isinstance(stmt, cst.Assign) and len(stmt.targets) == 1):
+        return None
+    target = stmt.targets[0].target
+    if isinstance(target, cst.Name):
+        return stmt.value
+    if not (isinstance(target, (cst.Tuple, cst.List)) and _pure(stmt.value)):
+        return None
+    names = [e.value.value if isinstance(e.value, cst.Name) else None for e in target.elements]
+    if any(isinstance(e, cst.StarredElement) for e in target.elements) or names.count(name) != 1:
+        return None
+    index = cst.Index(cst.Integer(str(names.index(name))))
+    return cst.Subscript(stmt.value, [cst.SubscriptElement(index)])
+
+
 def _plain_signature(function: cst.FunctionDef) -> None:
-    """Refuses a function with defaults or `*args`: a parameter is added to plain ones only."""
+    """Refuses a function with defaults or `*args`: a parameter is added to plain ones only (a
+    keyword-only one after a bare `*`)."""
     params = function.params
     if (
-        params.star_arg is not cst.MaybeSentinel.DEFAULT
+        isinstance(params.star_arg, cst.Param)
         or params.star_kwarg is not None
         or any(p.default is not None for p in params.params)
     ):
