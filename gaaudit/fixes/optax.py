@@ -501,6 +501,7 @@ class _MultiSteps:
             f"    {window}.append({item})\n"
             f"    if len({window}) < {steps}:\n"
             f"        continue\n"
+            f"    # read ahead: the window's valid count, so each micro-batch's sum weighs by it\n"
             f"    {weight} = {jnp}.maximum(sum({code(count)} for {target} in {window}), 1)\n"
             f"    for _ in {window}:\n"
             f"        pass\n"
