@@ -14,6 +14,7 @@ import libcst as cst
 
 from gaaudit.analysis.tree import (
     ATOMS,
+    DEFS,
     assigned_value,
     code,
     dotted,
@@ -106,6 +107,16 @@ class _ReadAhead:
             )
         if engine and self._accelerator(site) and not self.unsafe:
             raise Unfixable(f"unsafe fix ({ACCELERATE_WINDOW}); apply with --unsafe-fixes")
+        outer = None if engine else self._carried_into(site, loop)
+        if outer is not None and not self.unsafe:
+            raise Unfixable(
+                f"unsafe fix (the loop on line {self.tree.line(outer)} runs this one again and "
+                "does not clear the gradients between its passes, so a pass's last window, cut "
+                "short, goes on into the next pass's first; reading ahead counts the two parts "
+                "as two windows, right only where every pass holds whole windows (a loader "
+                "whose length is a multiple of the accumulation steps)); apply with "
+                "--unsafe-fixes, or step or clear the gradients after each pass"
+            )
         self.edits.replace[site.backward.loss] = term
         for sibling in siblings:  # `if fp16: optimizer.backward(loss)` / `else: loss.backward()`
             self.edits.replace[sibling.backward.loss] = self._weighted_term(sibling, share, loop)
@@ -174,6 +185,20 @@ class _ReadAhead:
             functions[0] = first.with_changes(leading_lines=[blank, *first.leading_lines])
         self.edits.before.setdefault(line, []).extend(functions)
         return reader
+
+    def _carried_into(self, site: Site, loop: cst.For) -> cst.For | cst.While | None:
+        """The loop around `loop` (of the same function) whose next turn goes on with the
+        window a turn's end cut short, its gradients left in place; None if there is none.
+        (A DeepSpeed engine's window goes on by its own count of micro-steps, which the reader
+        follows: each part then weighs as its micro-batches do in the original.)"""
+        outer = next(
+            (a for a in self.tree.ancestors(loop) if isinstance(a, (cst.For, cst.While, *DEFS))),
+            None,
+        )
+        if not isinstance(outer, (cst.For, cst.While)):
+            return None
+        home = self._count_home(site.window, self._optimizer(site.window))
+        return None if home is loop else outer
 
     def _engine_loop(self, site: Site, engine: str) -> tuple[cst.For, cst.Call]:
         """The loop whose every micro-batch a DeepSpeed engine backpropagates and steps, and
