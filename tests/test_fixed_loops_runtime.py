@@ -573,16 +573,16 @@ def epochs_steps(source: str, length: int) -> tuple[list[float], list[list[torch
     return logged, optimizer.seen
 
 
-def epochs_windows(length: int, cleared: bool) -> list[list[torch.Tensor]]:
+def epochs_windows(length: int, tail: str) -> list[list[torch.Tensor]]:
     """The token mean's gradient of each window the original steps on over two epochs: an
-    epoch's short last window dropped where each epoch clears the gradients, else carried
-    into the next epoch's first."""
+    epoch's short last window "dropped" (each epoch clears the gradients first), "stepped"
+    alone, or "carried" into the next epoch's first."""
     batches, windows, pending = token_batches(length, -100), [], []
     for _ in range(2):
-        pending = [] if cleared else pending
+        pending = [] if tail == "dropped" else pending
         for index, batch in enumerate(batches):
             pending.append(batch)
-            if (index + 1) % K == 0:
+            if (index + 1) % K == 0 or (tail == "stepped" and index == length - 1):
                 windows.append(full_batch(pending, -100))
                 pending = []
     return windows
@@ -592,13 +592,14 @@ def test_a_window_carried_across_epochs_makes_the_read_ahead_unsafe():
     """Two epochs of 10 micro-batches at K = 4: the original's third window is the first
     epoch's last 2 and the second's first 4. Reading ahead per epoch counts those as two
     windows, so the fix is unsafe; it is right where every epoch holds whole windows (8),
-    and, safe, where each epoch clears the gradients first (its short last window dropped)."""
+    and, safe, where each epoch clears the gradients first (its short last window dropped)
+    or steps at its last micro-batch."""
     name = "ga001_read_ahead_window_carried_across_epochs"
     source, patched = ((FIXTURES / f"{name}{end}").read_text() for end in (".py", ".fixed.py"))
     (outcome,) = fix_source(source.encode(), Path("x.py"), Settings(), False).outcomes
     assert not outcome.applied and "goes on into the next pass's first" in outcome.reason
     logged, original = epochs_steps(source, 10)
-    carried = epochs_windows(10, cleared=False)
+    carried = epochs_windows(10, "carried")
     assert max(error(g, r) for g, r in zip(original, carried)) > 0.1
     patched_logged, fixed = epochs_steps(patched, 10)
     assert patched_logged == logged and len(fixed) == len(carried) == 4
@@ -606,7 +607,7 @@ def test_a_window_carried_across_epochs_makes_the_read_ahead_unsafe():
     assert all(error(fixed[i], carried[i]) < 1e-6 for i in (0, 1, 3))
     _, whole = epochs_steps(patched, 8)
     assert len(whole) == 4 and all(
-        error(g, r) < 1e-6 for g, r in zip(whole, epochs_windows(8, cleared=False))
+        error(g, r) < 1e-6 for g, r in zip(whole, epochs_windows(8, "carried"))
     )
     clearing = source.replace(
         "        for index,", "        optimizer.zero_grad()\n        for index,"
@@ -614,9 +615,17 @@ def test_a_window_carried_across_epochs_makes_the_read_ahead_unsafe():
     result = fix_source(clearing.encode(), Path("x.py"), Settings(), False)
     assert result.outcomes[0].applied, result.outcomes[0].reason
     _, cleared = epochs_steps(result.after.decode(), 10)
-    windows = epochs_windows(10, cleared=True)
+    windows = epochs_windows(10, "dropped")
     assert len(cleared) == len(windows) == 4
     assert all(error(g, r) < 1e-6 for g, r in zip(cleared, windows))
+    step = "(index + 1) % accumulation == 0"
+    ending = source.replace(step, f"({step} or index == len(loader) - 1)")
+    result = fix_source(ending.encode(), Path("x.py"), Settings(), False)
+    assert result.outcomes[0].applied, result.outcomes[0].reason  # no window goes on
+    _, stepped = epochs_steps(result.after.decode(), 10)
+    windows = epochs_windows(10, "stepped")
+    assert len(stepped) == len(windows) == 6
+    assert all(error(g, r) < 1e-6 for g, r in zip(stepped, windows))
 
 
 # --- a GradScaler loop on two processes: one reference count for all ranks -------------------

@@ -107,7 +107,7 @@ class _ReadAhead:
             )
         if engine and self._accelerator(site) and not self.unsafe:
             raise Unfixable(f"unsafe fix ({ACCELERATE_WINDOW}); apply with --unsafe-fixes")
-        outer = None if engine else self._carried_into(site, loop)
+        outer = None if engine else self._carried_into(site, loop, test)
         if outer is not None and not self.unsafe:
             raise Unfixable(
                 f"unsafe fix (the loop on line {self.tree.line(outer)} runs this one again and "
@@ -186,9 +186,12 @@ class _ReadAhead:
         self.edits.before.setdefault(line, []).extend(functions)
         return reader
 
-    def _carried_into(self, site: Site, loop: cst.For) -> cst.For | cst.While | None:
+    def _carried_into(
+        self, site: Site, loop: cst.For, test: cst.BaseExpression
+    ) -> cst.For | cst.While | None:
         """The loop around `loop` (of the same function) whose next turn goes on with the
-        window a turn's end cut short, its gradients left in place; None if there is none.
+        window a turn's end cut short, its gradients left in place; None if there is none or
+        the step's `test` also holds at a turn's last micro-batch (`or i == len(loader) - 1`).
         (A DeepSpeed engine's window goes on by its own count of micro-steps, which the reader
         follows: each part then weighs as its micro-batches do in the original.)"""
         outer = next(
@@ -196,6 +199,8 @@ class _ReadAhead:
             None,
         )
         if not isinstance(outer, (cst.For, cst.While)):
+            return None
+        if any(_at_length(term, loop) for term in _disjuncts(test)):
             return None
         home = self._count_home(site.window, self._optimizer(site.window))
         return None if home is loop else outer
@@ -383,6 +388,25 @@ def _without(summed: cst.BaseExpression, term: cst.BaseExpression, tree) -> cst.
         return summed.left
     side = "left" if tree.contains(summed.left, term) else "right"
     return summed.with_changes(**{side: _without(getattr(summed, side), term, tree)})
+
+
+def _disjuncts(test: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """The operands of a test's `or`s: `a` and `b` of `a or b`."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.Or):
+        return [*_disjuncts(test.left), *_disjuncts(test.right)]
+    return [test]
+
+
+def _at_length(term: cst.BaseExpression, loop: cst.For) -> bool:
+    """`i == len(loader) - 1` (an equality reading the length of what the loop draws from)."""
+    items = loop.iter
+    if isinstance(items, cst.Call) and code(items.func) == "enumerate" and items.args:
+        items = items.args[0].value
+    return (
+        isinstance(term, cst.Comparison)
+        and all(isinstance(c.operator, cst.Equal) for c in term.comparisons)
+        and f"len({code(items)})" in code(term)
+    )
 
 
 def _factor(term: cst.BaseExpression) -> str:
