@@ -937,8 +937,6 @@ def test_the_models_forward_returns_its_count_when_the_loop_asks(
     the call, so `forward` returns it beside the mean when asked (`return_count=True`), in
     model.py, and the loop weights each micro-batch by it. `fix` changes both files; a second
     run changes nothing; the result is clean and steps like the full batch."""
-    import torch
-
     model_py = OWN_IGNORE_MODEL.replace("return loss\n", f"return {returned}\n")
     train_py = MICRO_LOOP.replace("loss = model(", f"{bound} = model(")
     root = write(tmp_path / "repo", {"model.py": model_py, "train.py": train_py})
@@ -961,6 +959,15 @@ def test_the_models_forward_returns_its_count_when_the_loop_asks(
     clean = gaaudit("check", ".", "--no-cache", "--min-confidence", "low", cwd=root)
     assert clean.returncode == 0, clean.stdout
 
+    original, patched = _full_batch_errors(root, before, fixed)
+    assert original > 0.5 and patched < 1e-4  # no normalisation: about K times too far
+
+
+def _full_batch_errors(root: Path, before: dict, fixed: dict) -> tuple[float, float]:
+    """How far the step of `root`'s loop (its files as `before`, then as `fixed`) is from the
+    full batch's, relative to it."""
+    import torch
+
     model = _built(root, "TinyLM")
     torch.save(model.state_dict(), root / "init.pt")
     torch.save(_micro_batches(), root / "batches.pt")
@@ -975,8 +982,7 @@ def test_the_models_forward_returns_its_count_when_the_loop_asks(
         moved = _update(root)
         return float((moved - reference).norm() / reference.norm())
 
-    assert update(before) > 0.5  # no normalisation: about K times the full batch's step
-    assert update(fixed) < 1e-4
+    return update(before), update(fixed)
 
 
 def test_verify_holds_back_a_fix_that_also_changes_the_model_module(tmp_path):
@@ -1012,26 +1018,102 @@ def test_standard_input_changes_no_other_file(tmp_path):
     assert "return_count" not in (root / "model.py").read_text()
 
 
-def test_a_count_made_in_another_method_is_not_returned_from_forward(tmp_path):
-    """`forward` returns `self._loss(...)`: the targets the count reads are `_loss`'s own
-    names, not `forward`'s, so the count cannot be returned there: refused, saying why."""
-    model_py = OWN_IGNORE_MODEL.replace(
-        "            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), "
-        "ignore_index=self.pad_id)\n            return loss\n",
-        "            return self._loss(logits, labels)\n\n"
-        "        def _loss(self, logits, targets):\n"
-        "            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), "
-        "ignore_index=self.pad_id)\n",
-    )
-    assert "def _loss" in model_py
+PASSED_ON = (
+    "            return self._loss(logits, labels)\n\n"
+    "        def _loss(self, logits, targets):\n"
+    "            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), "
+    "ignore_index=self.pad_id)\n"
+)
+OWN_LOSS = (
+    "            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), "
+    "ignore_index=self.pad_id)\n            return loss\n"
+)
+
+
+def _fixed_repo(tmp_path: Path, model_py: str, *options: str) -> tuple[Path, dict, dict, str]:
+    """model.py and the micro-step loop fixed (with `options`): the folder, both files
+    before and after, and what `fix` said."""
     root = write(tmp_path / "repo", {"model.py": model_py, "train.py": MICRO_LOOP})
-    train = root / "train.py"
-    result = fix_source(train.read_bytes(), train, ALL, reach=True)
-    (outcome,) = result.outcomes
-    assert not outcome.applied and not result.companions
-    assert "`targets`, which the loss's count reads, is not what it was at the `return`" in (
-        outcome.reason
+    before = {name: (root / name).read_bytes() for name in ("model.py", "train.py")}
+    result = gaaudit("fix", ".", "--no-cache", *options, cwd=root)
+    return root, before, {name: (root / name).read_bytes() for name in before}, result.stdout
+
+
+def test_a_count_made_in_the_method_forward_returns_is_returned_through_forward(tmp_path):
+    """`forward` returns `self._loss(...)` as it is: the targets the count reads are `_loss`'s
+    own names, so `_loss` returns the count when asked and `forward` passes the request on;
+    the fixed loop steps like the full batch, and a second run changes nothing."""
+    root, before, fixed, said = _fixed_repo(tmp_path, OWN_IGNORE_MODEL.replace(OWN_LOSS, PASSED_ON))
+    assert "Fixed 1 finding in 2 files (train.py, model.py)" in said, said
+    model = fixed["model.py"].decode()
+    assert "def forward(self, ids, labels, *, return_loss=False, return_count=False):" in model
+    assert "return self._loss(logits, labels, return_count=return_count)" in model
+    assert "def _loss(self, logits, targets, return_count=False):" in model
+    assert "if return_count:\n            return mean_loss, (targets.flatten() != self.pad_id)" in (
+        model
     )
+    again = gaaudit("fix", ".", "--no-cache", cwd=root)
+    assert "Fixed 0 findings" in again.stdout
+    assert {name: (root / name).read_bytes() for name in before} == fixed
+    original, patched = _full_batch_errors(root, before, fixed)
+    assert original > 0.5 and patched < 1e-4
+
+
+def test_a_decorated_function_that_would_return_the_count_makes_the_fix_unsafe(tmp_path):
+    """A decorator gaaudit does not read may drop the new keyword or change what comes back:
+    the fix is unsafe, saying which; with --unsafe-fixes it is applied."""
+    wrapped = PASSED_ON.replace("        def _loss", "        @keep_dtype\n        def _loss")
+    model_py = OWN_IGNORE_MODEL.replace(OWN_LOSS, wrapped).replace(
+        "import torch.nn.functional as F\n",
+        "import torch.nn.functional as F\n    from wrappers import keep_dtype\n",
+    )
+    root, before, after, said = _fixed_repo(tmp_path, model_py)
+    assert after == before and "Fixed 0 findings" in said
+    told = gaaudit("fix", "--diff", ".", "--no-cache", cwd=root)
+    assert (
+        "unsafe fix (`@keep_dtype` wraps `_loss` (model.py), which gaaudit does not read: "
+        "assumes it passes `return_count` on and returns what `_loss` returns)" in told.stderr
+    ), told.stderr
+    shutil.rmtree(root)
+    _, before, after, said = _fixed_repo(tmp_path, model_py, "--unsafe-fixes")
+    assert "Fixed 1 finding in 2 files" in said and b"return_count" in after["model.py"]
+
+
+SEVERAL_RETURNS = (
+    "            if self.pad_id is None:\n"
+    "                return F.cross_entropy(logits.flatten(0, 1), labels.flatten())\n" + OWN_LOSS
+)
+
+
+def test_a_loss_returned_from_several_places_returns_each_ones_count(tmp_path):
+    """`forward` returns a mean from two places, each over its own traced count: each
+    `return` gets the count of its own mean beside it; the loop steps like the full batch."""
+    root, before, fixed, said = _fixed_repo(
+        tmp_path, OWN_IGNORE_MODEL.replace(OWN_LOSS, SEVERAL_RETURNS)
+    )
+    assert "Fixed 1 finding in 2 files (train.py, model.py)" in said, said
+    model = fixed["model.py"].decode()
+    assert model.count("if return_count:") == 2
+    assert "return mean_loss, (labels.flatten() != -100).sum()" in model
+    assert "return loss, (labels.flatten() != self.pad_id).sum()" in model
+    original, patched = _full_batch_errors(root, before, fixed)
+    assert original > 0.5 and patched < 1e-4
+
+
+def test_a_return_that_adds_a_mean_of_another_count_is_refused(tmp_path):
+    """One of the `return`s adds a mean over every position to the token mean: the sum of
+    means over two counts has no one count to weight it by, so nothing changes, and the
+    reason names that `return`."""
+    mixed = SEVERAL_RETURNS.replace(
+        "            return loss\n", "            return loss + logits.pow(2).mean() * 0.1\n"
+    )
+    root, before, after, _ = _fixed_repo(tmp_path, OWN_IGNORE_MODEL.replace(OWN_LOSS, mixed))
+    assert after == before
+    told = gaaudit("fix", "--diff", ".", "--no-cache", cwd=root)
+    assert (
+        "`TinyLM.forward` (model.py) returns on line 18 a loss that adds "
+        "`logits.pow(2).mean() * 0.1` to a mean" in told.stderr
+    ), told.stderr
 
 
 # A count lifted through a helper that averages on several paths ---------------------------

@@ -199,6 +199,57 @@ def _element(
     return None
 
 
+def _loss_returns(
+    tree: Tree, tracer: Tracer, function: cst.FunctionDef, index: int | None, arity: int | None
+) -> list[tuple[cst.Return, Origin]]:
+    """The `return`s of `function` whose value (its element `index` of `arity`) is a mean
+    loss, with what that mean is."""
+    return [
+        (node, found)
+        for node in tree.in_scope(function)
+        if isinstance(node, cst.Return)
+        and (value := _element(node.value, index, arity)) is not None
+        and (found := tracer.origin(value)).kind == "mean"
+    ]
+
+
+def _passed_on(
+    tree: Tree,
+    tracer: Tracer,
+    function: cst.FunctionDef,
+    losses: list[tuple[cst.Return, Origin]],
+) -> cst.Call | None:
+    """The call of another function of the module that `function` returns as it is
+    (`return self._loss(logits, labels)`) where that is its one loss and made there."""
+    if len(losses) != 1:
+        return None
+    returned, found = losses[0]
+    value = returned.value
+    inner = tracer.helper(value.func) if isinstance(value, cst.Call) else None
+    if (
+        not isinstance(inner, cst.FunctionDef)
+        or inner is function
+        or found.source is None
+        or not tree.contains(inner, found.source)
+    ):
+        return None
+    return value
+
+
+def _wrapped(tree: Tree, functions: set[cst.FunctionDef], module: str) -> str:
+    """Why a fix that has `functions` return a count when asked is unsafe: a decorator wraps
+    one, which gaaudit does not read; else ""."""
+    for function in sorted(functions, key=tree.order.__getitem__):
+        if function.decorators:
+            name = function.name.value
+            return (
+                f"`@{code(function.decorators[0].decorator)}` wraps `{name}` ({module}), which "
+                f"gaaudit does not read: assumes it passes `{RETURN_COUNT}` on and returns what "
+                f"`{name}` returns"
+            )
+    return ""
+
+
 def _defined(tree: Tree, name: str) -> cst.FunctionDef | None:
     """The top-level function `name`, or the method of `Class.method`."""
     owner, _, method = name.rpartition(".")
@@ -371,8 +422,8 @@ class _Counting:
         helper = self._helper_call(site) if source is not None else None
         self.counted_inside = ""
         if origin.module and origin.count is None:  # its function returns its count too
-            self._companion_count(site)
-            return (self.micro, ""), True
+            caveat = self._companion_count(site)
+            return (self.micro, caveat), not caveat
         counted = self._mean_count(origin, site)
         if helper is None:
             return counted
@@ -719,10 +770,13 @@ class _CompanionCounts:
     """Part of `Planner`: a count made by a model or function of another module: written at the call
     in its arguments, or returned by that function when the loop asks."""
 
-    def _companion_count(self, site: Site) -> None:
+    def _companion_count(self, site: Site) -> str:
         """The loss comes from a function (or a model's `forward`) of another module of the
         repository: that function also returns the count its mean divides by when the loop
-        asks for it (`return_count=True`, planned in `companions`); the loop binds it."""
+        asks for it (`return_count=True`, planned in `companions`); the loop binds it. Where
+        it returns the call of a function of its module as it is (`return self._loss(...)`),
+        that function returns the count and the caller passes the request on. Returns a
+        caveat where the fix is unsafe, else ""."""
         origin, use = site.origin, self._loss_use(site)
         bound = self._binding_call(
             use,
@@ -749,32 +803,64 @@ class _CompanionCounts:
         function = _defined(tree, origin.callee)
         if function is None:
             raise Unfixable(f"cannot find `{origin.callee}` in {origin.module}")
-        if _takes_return_count(tree, function):
-            if f"if {RETURN_COUNT}:" not in tree.module.code_for_node(function):
-                raise Unfixable(f"`{origin.callee}` already takes a `{RETURN_COUNT}` parameter")
-            self._ask_count(call, use)  # fixed for another caller already
-            return
         tracer = Tracer(tree)
         arity = None if index is None else len(call.targets[0].target.elements)
-        losses = [
-            (node, found)
-            for node in tree.in_scope(function)
-            if isinstance(node, cst.Return)
-            and (value := _element(node.value, index, arity)) is not None
-            and (found := tracer.origin(value)).kind == "mean"
-        ]
-        if len(losses) != 1:
+        losses = _loss_returns(tree, tracer, function, index, arity)
+        passed = _passed_on(tree, tracer, function, losses)
+        counter = function if passed is None else tracer.helper(passed.func)
+        if passed is not None:
+            losses = _loss_returns(tree, tracer, counter, index, arity)
+        owner = origin.callee.rpartition(".")[0]
+        named = f"`{owner + '.' if owner else ''}{counter.name.value}` ({origin.module})"
+        caveat = _wrapped(tree, {function, counter}, origin.module)
+        if _takes_return_count(tree, function) or _takes_return_count(tree, counter):
+            if f"if {RETURN_COUNT}:" not in tree.module.code_for_node(counter) or (
+                passed is not None and keyword(passed, RETURN_COUNT) is None
+            ):
+                raise Unfixable(f"{named} already takes a `{RETURN_COUNT}` parameter")
+            self._ask_count(call, use)  # fixed for another caller already
+            return caveat
+        if not losses:
             raise Unfixable(
-                f"`{origin.callee}` ({origin.module}) returns its loss from "
-                f"{'several places' if losses else 'no place gaaudit can trace'}; return the "
-                "loss's valid-target count beside it"
+                f"{named} returns its loss from no place gaaudit can trace; return the loss's "
+                "valid-target count beside it"
             )
-        returned, found = losses[0]
-        count = tracer.valid_count(found)
-        if count is None or found.added or found.divisions:
+        counts = [self._count_at_return(tree, tracer, counter, each, named) for each in losses]
+        if counter.params in edits.replace:
+            self._ask_count(call, use)  # this run already changed it, for an earlier call
+            return caveat
+        for (returned, _), count in zip(losses, counts):
+            returns_count(tree, edits, counter, returned, code(count))
+        if passed is not None:  # the caller passes the request on to `counter`
+            edits.replace[function.params] = with_parameter(function.params, RETURN_COUNT, "False")
+            edits.replace[passed] = with_argument(passed, RETURN_COUNT, RETURN_COUNT)
+        self._ask_count(call, use)
+        return caveat
+
+    def _count_at_return(
+        self,
+        tree: Tree,
+        tracer: Tracer,
+        function: cst.FunctionDef,
+        loss: tuple[cst.Return, Origin],
+        named: str,
+    ) -> cst.BaseExpression:
+        """The count of the mean that `function` returns at one `return`, in the names it has
+        there; refused where a term of another count is added to it, or the count is not
+        visible or its names are bound again before that `return`."""
+        returned, found = loss
+        line = tree.line(returned)
+        if found.added:
             raise Unfixable(
-                f"the loss is computed in {origin.module}; gaaudit cannot tell what "
-                f"`{origin.callee}` averages over there"
+                f"{named} returns on line {line} a loss that adds `{found.added}` to a mean, "
+                "each term over a count of its own as far as gaaudit can tell; return each "
+                "term's valid count beside it and weight each term by its own"
+            )
+        count = tracer.valid_count(found)
+        if count is None or found.divisions:
+            raise Unfixable(
+                f"gaaudit cannot tell what the loss {named} returns on line {line} averages "
+                "over; return the loss's valid-target count beside it"
             )
         moved = [
             n.value
@@ -790,18 +876,14 @@ class _CompanionCounts:
         if moved:
             raise Unfixable(
                 f"`{moved[0]}`, which the loss's count reads, is not what it was at the "
-                f"`return` of `{origin.callee}` ({origin.module}); return the loss's "
-                "valid-target count beside it"
+                f"`return` of {named} (line {line}); return the loss's valid-target count "
+                "beside it"
             )
         read = tracer.uninlined(count, function)
         if read is not None and read in tree.order:  # why the loop cannot count it ahead
-            line = tree.line(tracer.binding(read.value, read) or read)
-            self.counted_inside += f" with `{read.value}` as line {line} there binds it"
-        if function.params in edits.replace:
-            self._ask_count(call, use)  # this run already changed it, for an earlier call
-            return
-        returns_count(tree, edits, function, returned, code(count))
-        self._ask_count(call, use)
+            at = tree.line(tracer.binding(read.value, read) or read)
+            self.counted_inside += f" with `{read.value}` as line {at} there binds it"
+        return count
 
     def _model_count(self, source: cst.CSTNode) -> tuple[str, str]:
         call = self.auditor.tracer.origin_call(source.value)
