@@ -474,6 +474,51 @@ def test_a_loss_on_two_paths_binds_each_paths_count_or_is_refused(change, reason
     assert result.after == source.encode()
 
 
+ONE_PATH = (FIXTURES / "ga001_aux_loss_on_one_path.py").read_text()
+ARMS = (
+    "            loss = token_mean + 0.01 * out.balance_loss\n"
+    "        else:\n"
+    "            loss = token_mean\n"
+)
+
+
+@pytest.mark.parametrize(
+    "arms",
+    [
+        ARMS,
+        (
+            "            loss = token_mean\n        else:\n"
+            "            loss = token_mean + 0.01 * out.balance_loss\n"
+        ),
+        None,  # on one line each: `if experts: loss = ...` / `else: loss = ...`
+    ],
+    ids=["term-in-if", "term-in-else", "one-line-arms"],
+)
+def test_a_term_added_on_one_path_only_is_refused_and_on_every_path_weighted_alone(arms):
+    """A term the loss adds on one path of an `if` only is not weighted by the mean's count
+    (the term-in-if loop was weighted as a whole, the term-in-else one read ahead with the term
+    added on both paths); written on every path, the mean's term is weighted alone."""
+    if arms is None:
+        source = ONE_PATH.replace(
+            "        if experts:\n" + ARMS,
+            "        if experts: loss = token_mean + 0.01 * out.balance_loss\n"
+            "        else: loss = token_mean\n",
+        )
+    else:
+        source = ONE_PATH.replace(ARMS, arms)
+    result = fix_source(source.encode(), Path("train.py"), ALL, unsafe=True)
+    (outcome,) = result.outcomes
+    assert not outcome.applied and result.after == source.encode()
+    assert "adds `0.01 * out.balance_loss` to its mean on one path of the `if`" in outcome.reason
+    every = ONE_PATH.replace(
+        "        if experts:\n" + ARMS,
+        "        loss = token_mean + (0.01 * out.balance_loss if experts else 0)\n",
+    )
+    fixed = fix_source(every.encode(), Path("train.py"), ALL).after.decode()
+    assert "(0.01 * out.balance_loss if experts else 0) / accumulation" in fixed
+    assert "token_mean * window_share" in fixed
+
+
 def test_a_count_rebound_before_a_skipped_backward_is_refused():
     """The next batch is fetched after the loss, then a non-finite loss skips its backward:
     counting right after the loss would count a micro-batch the window never sees."""

@@ -1053,12 +1053,15 @@ class Tracer(_Calls, _Callees, _Counts):
         rival = self._rival(expr.value, binding) if found.kind == "mean" else None
         if rival is not None:  # `if mask: loss = masked mean / else: loss = x.mean()`
             other = self._from_binding(expr.value, rival, depth)
+            block = next(a for a in self.tree.ancestors(binding) if isinstance(a, cst.Else))
+            branch = self.tree.parents[block]  # `if labels: ce(...) / else: out.loss`
+            if other.kind == "mean" and bool(other.added) != bool(found.added):
+                # `if moe: loss = lm + aux / else: loss = lm`: a term added on one path only
+                return replace(found if found.added else other, branch=branch)
             if other.kind == "mean" and (
                 (MASKED_MEAN in other.what and MASKED_MEAN not in found.what)
                 or (other.configured is not None and found.configured is None)
             ):  # the one over its own count can vary, or the one whose loss is in sight:
-                block = next(a for a in self.tree.ancestors(binding) if isinstance(a, cst.Else))
-                branch = self.tree.parents[block]  # `if labels: ce(...) / else: out.loss`
                 return replace(other, branch=branch)
         return found
 

@@ -476,6 +476,13 @@ class _Counting:
         mask is not None: loss = masked mean` / `else: loss = x.mean()`): each path binds
         its count just before its loss; the loop weights by that name."""
         branch, tracer = site.origin.branch, self.auditor.tracer
+        if site.origin.added:
+            raise Unfixable(
+                f"the loss adds `{site.origin.added}` to its mean on one path of the `if` on line "
+                f"{self.tree.line(branch)} only: weighting the loss by the mean's count would "
+                "weight that term too; add the term on every path (zero where it is absent), so "
+                "the mean's term can be weighted alone"
+            )
         use = self._loss_use(site)
         bound = [
             (name.value, binding)
