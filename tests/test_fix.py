@@ -519,6 +519,50 @@ def test_a_term_added_on_one_path_only_is_refused_and_on_every_path_weighted_alo
     assert "token_mean * window_share" in fixed
 
 
+def test_a_lightning_loss_a_function_adds_gradients_to_is_refused_saying_why():
+    """Lightning divides the returned loss by K and draws the batches itself: the penalty a
+    torch.autograd.Function adds in its `backward` would be divided by the window's count at
+    the step, and the window cannot be read ahead, so the fix is refused, saying both."""
+    source = textwrap.dedent(
+        """\
+        import lightning as L
+        import torch
+        import torch.nn.functional as F
+
+
+        class Penalised(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, loss, logits):
+                ctx.save_for_backward(logits)
+                return loss
+
+            @staticmethod
+            def backward(ctx, grad_output):
+                (logits,) = ctx.saved_tensors
+                return grad_output, 1e-4 * logits / logits.numel()
+
+
+        class Tagger(L.LightningModule):
+            def __init__(self, net):
+                super().__init__()
+                self.net = net
+
+            def training_step(self, batch, batch_idx):
+                logits = self.net(batch["tokens"])
+                loss = F.cross_entropy(logits.flatten(0, 1), batch["tags"].flatten())
+                return Penalised.apply(loss, logits)
+
+
+        L.Trainer(accumulate_grad_batches=4).fit(Tagger(torch.nn.Linear(8, 5)))
+        """
+    )
+    result = fix_source(source.encode(), Path("train.py"), ALL, unsafe=True)
+    (outcome,) = result.outcomes
+    assert not outcome.applied and result.after == source.encode()
+    assert "`Penalised.apply(...)`" in outcome.reason
+    assert "the window cannot be read ahead" in outcome.reason
+
+
 def test_a_count_rebound_before_a_skipped_backward_is_refused():
     """The next batch is fetched after the loss, then a non-finite loss skips its backward:
     counting right after the loss would count a micro-batch the window never sees."""

@@ -2213,8 +2213,11 @@ class Planner(
             blocker = self._window_blocker(seen)
             siblings = self._siblings(seen, sites, ahead=bool(blocker))
             if self.lightning_module(seen) is not None:
-                if blocker:  # Lightning draws the batches: nothing can read them ahead
-                    raise Unfixable(blocker)
+                if blocker:
+                    raise Unfixable(
+                        f"{blocker}; the Trainer draws the batches, so the window cannot be read "
+                        "ahead to weight each micro-batch before its backward"
+                    )
                 self._rewrite_returned(seen, count[0])
             elif blocker:
                 self._read_ahead(seen, count[0], blocker, siblings)
