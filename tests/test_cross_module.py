@@ -587,6 +587,31 @@ def test_a_count_the_model_makes_from_its_own_values_is_not_read_ahead_and_says_
     )
 
 
+ONE_PATH = FIXTURES / "ga001_xmod_model_loss_on_one_path"
+
+
+def test_a_mean_the_model_returns_on_one_path_only_is_not_counted(tmp_path):
+    """`TwoTaskLM.forward` returns its LM mean only when `task == "lm"` and a zero otherwise:
+    counting its targets on every micro-batch would put the tagging micro-batches' targets in
+    the window's total, so neither the call's arguments nor the model's return give a count;
+    with the mean made on every path, the count is lifted to the call."""
+    train = ONE_PATH / "train.py"
+    report = fix_source(train.read_bytes(), train, ALL, True, reach=True)
+    (outcome,) = report.outcomes
+    assert not outcome.applied and report.after == report.before and not report.companions
+    assert (
+        "model.py) returns `lm_loss` as a mean (line 21) only on one path "
+        "of the `if` on line 19; on the other it is what line 18 binds"
+    ) in outcome.reason
+    folder = tmp_path / "pkg"
+    shutil.copytree(ONE_PATH, folder)
+    model = folder / "model.py"
+    text = model.read_text().replace('        if task == "lm":\n', "        if True:\n")
+    model.write_text(text.replace("        lm_loss = torch.zeros(())\n", ""))
+    after = fix_source((folder / "train.py").read_bytes(), folder / "train.py", ALL).after
+    assert 'micro_tokens = (batch["targets"][:, 1:].flatten() != 0).sum()' in after.decode()
+
+
 @pytest.mark.parametrize(
     "line, found",
     [

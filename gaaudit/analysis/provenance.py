@@ -1080,6 +1080,12 @@ class Tracer(_Calls, _Callees, _Counts):
         ]
         return bound[-1] if bound else None
 
+    def bypassed(self, name: cst.Name) -> cst.CSTNode | None:
+        """The earlier binding that reaches the read `name` when its last one sits in an `if`
+        the read lies outside (`loss = zero` / `if mode == "lm": loss = ce(...)`), else None."""
+        binding = self.binding(name.value, name)
+        return self._bypassed(name.value, binding, name) if binding is not None else None
+
     def _bypassed(self, name: str, binding: cst.CSTNode, use: cst.CSTNode) -> cst.CSTNode | None:
         """The binding before `binding` that also reaches `use`, when `binding` sits in an `if`
         that does not hold `use` (`loss = out[0]` / `if loss_fct: loss = loss_fct(...)`)."""

@@ -247,6 +247,8 @@ def _returned(
 ) -> Returned:
     origin = tracer.origin(expr)
     count = tracer.valid_count(origin)
+    if isinstance(expr, cst.Name) and tracer.bypassed(expr) is not None:
+        count = None  # the mean on one path, another value on the other: no one count
     lifted = tracer.inlined(count, function) if count is not None else None
     line = tracer.tree.line(origin.source) if origin.source is not None and origin.tree else None
     divisors = tuple(

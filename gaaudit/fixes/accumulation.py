@@ -236,6 +236,22 @@ def _passed_on(
     return value
 
 
+def _made_on_every_path(tree: Tree, tracer: Tracer, value: cst.BaseExpression, named: str) -> None:
+    """Refuse a returned name bound to its mean in an `if` without `else`, which a placeholder
+    bound before it (no mean, so no counted targets) bypasses on the other path."""
+    other = tracer.bypassed(value) if isinstance(value, cst.Name) else None
+    if other is None:
+        return
+    made = tracer.binding(value.value, value)
+    branch = next(a for a in tree.ancestors(made) if isinstance(a, cst.If))
+    raise Unfixable(
+        f"{named} returns `{value.value}` as a mean (line {tree.line(made)}) only on one path "
+        f"of the `if` on line {tree.line(branch)}; on the other it is what line "
+        f"{tree.line(other)} binds, over no counted targets: return beside the loss the count "
+        "of valid targets it averages over on each path (0 where it makes no mean)"
+    )
+
+
 def _wrapped(tree: Tree, functions: set[cst.FunctionDef], module: str) -> str:
     """Why a fix that has `functions` return a count when asked is unsafe: a decorator wraps
     one, which gaaudit does not read; else ""."""
@@ -832,6 +848,8 @@ class _CompanionCounts:
                 f"{named} returns its loss from no place gaaudit can trace; return the loss's "
                 "valid-target count beside it"
             )
+        for returned, _ in losses:
+            _made_on_every_path(tree, tracer, _element(returned.value, index, arity), named)
         counts = [self._count_at_return(tree, tracer, counter, each, named) for each in losses]
         if counter.params in edits.replace:
             self._ask_count(call, use)  # this run already changed it, for an earlier call
