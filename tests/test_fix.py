@@ -1433,3 +1433,16 @@ def test_a_loss_left_to_subclasses_is_refused_even_with_labels(called, decorator
         "`self.loss(...)` (line 26) is left to subclasses (`def loss`, line 19), each making its "
         "loss over a count of its own that this loop cannot see: have each return"
     ), outcome.reason
+
+
+def test_a_mean_made_on_one_path_only_is_not_weighted_by_every_micro_batchs_count():
+    """`loss = zero` / `if scheduled(step): loss = ce(...)`: the skipped micro-batches make no
+    mean, so counting their targets too would dilute the window; the fix is refused, naming the
+    `if` and the placeholder's line."""
+    script = FIXTURES / "ga001_loss_on_one_path_placeholder.py"
+    (outcome,) = fix_source(script.read_bytes(), script, ALL, unsafe=True).outcomes
+    assert not outcome.applied
+    assert outcome.reason.startswith(
+        "the loss is defined otherwise on a path of the `if` on line 14, over a count of its "
+        "own, and on line 13 no mean gaaudit can count"
+    ), outcome.reason

@@ -1050,6 +1050,9 @@ class Tracer(_Calls, _Callees, _Counts):
                 return found
             taken = next(a for a in self.tree.ancestors(binding) if isinstance(a, cst.If))
             return replace(untaken, branch=taken)  # `if loss_fct: loss = loss_fct(...)`
+        if found.kind == "mean" and found.branch is None and self.bypassed(expr) is not None:
+            taken = next(a for a in self.tree.ancestors(binding) if isinstance(a, cst.If))
+            return replace(found, branch=taken)  # `loss = zero` / `if lm: loss = ce(...)`
         rival = self._rival(expr.value, binding) if found.kind == "mean" else None
         if rival is not None:  # `if mask: loss = masked mean / else: loss = x.mean()`
             other = self._from_binding(expr.value, rival, depth)
@@ -1082,9 +1085,24 @@ class Tracer(_Calls, _Callees, _Counts):
 
     def bypassed(self, name: cst.Name) -> cst.CSTNode | None:
         """The earlier binding that reaches the read `name` when its last one sits in an `if`
-        the read lies outside (`loss = zero` / `if mode == "lm": loss = ce(...)`), else None."""
+        with neither `else` nor `elif` that the read lies outside (`loss = zero` / `if mode ==
+        "lm": loss = ce(...)`), else None; never a `None`, which no backward takes."""
         binding = self.binding(name.value, name)
-        return self._bypassed(name.value, binding, name) if binding is not None else None
+        if binding is None:
+            return None
+        branch = next(
+            (a for a in self.tree.ancestors(binding) if isinstance(a, (cst.If, cst.FunctionDef))),
+            None,
+        )
+        if not isinstance(branch, cst.If) or branch.orelse is not None:
+            return None
+        if isinstance(self.tree.parents.get(branch), cst.If):  # an `elif`
+            return None
+        if name.value in variables(getattr(binding, "value", None) or cst.Name("_")):
+            return None  # `if k > 1: loss = loss / k`: the one value on both paths
+        earlier = self._bypassed(name.value, binding, name)
+        none = earlier is not None and code(earlier.value) == "None"  # no loss to backpropagate
+        return None if none else earlier
 
     def _bypassed(self, name: str, binding: cst.CSTNode, use: cst.CSTNode) -> cst.CSTNode | None:
         """The binding before `binding` that also reaches `use`, when `binding` sits in an `if`
