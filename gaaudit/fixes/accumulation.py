@@ -513,9 +513,17 @@ class _Counting:
             "count of its own, {}: bind each path's valid-target count beside its loss, then "
             "backpropagate the loss times that count"
         )
+        made = self.tree.scope_of(branch)
+        if made is not self.tree.scope_of(use) and isinstance(made, cst.FunctionDef):
+            raise Unfixable(  # a helper's `if a: loss = ...` / `elif b: loss = ...`
+                f"the loss `{made.name.value}()` returns is defined on several paths of the `if` "
+                f"on line {line}, each over a count of its own: have `{made.name.value}()` "
+                "return each path's valid-target count beside its loss, then backpropagate the "
+                "loss times that count"
+            )
         if (
             len(bound) != 1
-            or self.tree.scope_of(branch) is not self.tree.scope_of(use)
+            or made is not self.tree.scope_of(use)
             or isinstance(branch.orelse, cst.If)
             or (site.division is not None and self.tree.contains(branch, site.division.node))
         ):
