@@ -451,15 +451,15 @@ def train(model, batches, optimizer, k, rescale):
                 "        if batch.get",
                 "        if rescale:\n            pass\n        elif batch.get",
             ),
-            "and the `if` does not run on every path to it",
+            "and a path reaches the backward with no loss bound in sight",
         ),
     ],
-    ids=["both-counted", "nested"],
+    ids=["both-counted", "a-path-binds-none"],
 )
 def test_a_loss_on_two_paths_binds_each_paths_count_or_is_refused(change, reason):
     """Each path of the `if` binds its own count before its loss, and the token loss of one
-    path stays a mean (a `reduction="sum"` there would leave the other path unweighted); an
-    `if` that not every path to the backward runs is refused, saying so."""
+    path stays a mean (a `reduction="sum"` there would leave the other path unweighted); a
+    path that binds no loss in sight is refused, saying so."""
     source = PER_PATH.replace(*change) if change else PER_PATH
     result = fix_source(source.encode(), Path("train.py"), ALL, unsafe=True)
     (outcome,) = result.outcomes

@@ -408,6 +408,51 @@ def test_patched_loss_on_two_paths_is_counted_on_each(masked):
     assert patched_logged == pytest.approx(logged) == twin_logged
 
 
+def nested_path_batches(paths: list[str]) -> list[tuple]:
+    """Frame batches for the four paths of nested `if`s: each micro-batch masked ("m") or
+    not, weighted per row ("w") or not ("mw": both)."""
+    generator = torch.Generator().manual_seed(5)
+    out = []
+    for (frames, targets, keep), path in zip(frame_batches(["m" in p for p in paths]), paths):
+        weights = torch.rand(ROWS, generator=generator) + 0.5 if "w" in path else None
+        out.append((frames, targets, keep, weights))
+    return out
+
+
+def nested_path_full_batch(batches: list[tuple]) -> list[torch.Tensor]:
+    """The gradient of the weighted squared errors' sum over every kept frame of the window,
+    divided by the number of kept frames."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(WIDTH, 1)
+    total, count = 0.0, 0.0
+    for frames, targets, keep, weights in batches:
+        keep = torch.ones_like(targets) if keep is None else keep
+        weights = torch.ones(ROWS) if weights is None else weights
+        errors = (model(frames).squeeze(-1) - targets) ** 2
+        total, count = total + (errors * keep * weights[:, None]).sum(), count + keep.sum()
+    (total / count).backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "paths",
+    [["m", "", "mw", "w"], ["mw", "m", "mw", "w"], ["", "", "", ""]],
+    ids=["every-path", "mixed", "unmasked"],
+)
+def test_patched_loss_on_nested_paths_is_counted_on_each(paths):
+    """Four paths of nested `if`s in a `with` block, each a mean over its own count: each binds
+    its count, so the window steps like the full batch whichever paths it takes, and the
+    running loss it returns is the original's."""
+    batches = nested_path_batches(paths)
+    reference = nested_path_full_batch(batches)
+    original = "ga001_loss_on_nested_paths.py"
+    logged, grads = per_path_step(original, batches)
+    patched_logged, patched = per_path_step(original.replace(".py", ".fixed.py"), batches)
+    assert (error(grads, reference) > 0.1) == any(p != "" for p in paths)
+    assert error(patched, reference) < 1e-6
+    assert patched_logged == pytest.approx(logged)
+
+
 # --- every division form, window shape and loss source, with and without a log --------------
 
 FORMS = {  # how the loop divides by K and backpropagates

@@ -513,35 +513,29 @@ class _Counting:
             "count of its own, {}: bind each path's valid-target count beside its loss, then "
             "backpropagate the loss times that count"
         )
-        made = self.tree.scope_of(branch)
-        if made is not self.tree.scope_of(use) and isinstance(made, cst.FunctionDef):
-            raise Unfixable(  # a helper's `if a: loss = ...` / `elif b: loss = ...`
-                f"the loss `{made.name.value}()` returns is defined on several paths of the `if` "
-                f"on line {line}, each over a count of its own: have `{made.name.value}()` "
-                "return each path's valid-target count beside its loss, then backpropagate the "
-                "loss times that count"
-            )
+        top = self._arms_holding(branch, use) if len(bound) == 1 else None
         if (
             len(bound) != 1
-            or made is not self.tree.scope_of(use)
-            or isinstance(branch.orelse, cst.If)
-            or (site.division is not None and self.tree.contains(branch, site.division.node))
+            or self.tree.scope_of(branch) is not self.tree.scope_of(use)
+            or (site.division is not None and self.tree.contains(top or branch, site.division.node))
         ):
             raise Unfixable(refusal.format("which gaaudit cannot follow to the backward"))
-        name, binding = bound[0]
-        if not self.tree.contains(self.tree.parents[branch], use):
+        if top is None:
             raise Unfixable(refusal.format("and the `if` does not run on every path to it"))
-        if branch.orelse is not None:
-            paths = [self._last_binding(name, branch.body), self._last_binding(name, branch.orelse)]
-        else:  # the binding before the `if` stands when its test is false
-            before = tracer.binding(name, branch)
-            beside = before is not None and self.tree.parents.get(
-                self.tree.parents.get(before)
-            ) is self.tree.parents.get(branch)
-            paths = [self._last_binding(name, branch.body), before if beside else None]
+        name, binding = bound[0]
+        statements = list(self.tree.parents[top].body)
+        bindings = self.tree.bindings(self.tree.scope_of(use)).get(name, [])
+        paths = list(dict.fromkeys(self._paths(bindings, statements[: statements.index(top) + 1])))
+        if binding not in paths:
+            raise Unfixable(refusal.format("which gaaudit cannot follow to the backward"))
         counts = []
         for path in paths:
-            origin = tracer.origin(path.value) if isinstance(path, cst.Assign) else None
+            single = (
+                isinstance(path, cst.Assign)
+                and len(path.targets) == 1
+                and isinstance(path.targets[0].target, cst.Name)
+            )
+            origin = tracer.origin(path.value) if single else None
             if (
                 origin is None
                 or origin.kind != "mean"
@@ -552,8 +546,13 @@ class _Counting:
                 or origin.branch is not None
                 or self.tree.scope_of(origin.source) is not self.tree.scope_of(path)
             ):
-                what = f"line {self.tree.line(path)}" if path is not None else "a path"
-                raise Unfixable(refusal.format(f"and on {what} no mean gaaudit can count"))
+                raise Unfixable(
+                    refusal.format(
+                        f"and on line {self.tree.line(path)} no mean gaaudit can count"
+                        if path is not None
+                        else "and a path reaches the backward with no loss bound in sight"
+                    )
+                )
             counts.append(self._mean_count(origin, site))
         for path, ((count, _), _) in zip(paths, counts):
             self.edits.insert_before(
@@ -562,24 +561,48 @@ class _Counting:
         caveat = next((caveat for (_, caveat), _ in counts if caveat), "")
         return (self.micro, caveat), all(safe for _, safe in counts)
 
-    def _last_binding(self, name: str, arm: cst.CSTNode) -> cst.Assign | None:
-        """The last statement of `arm` (an `if`'s body or `else`) binding `name`, when it is
-        one of the arm's own statements (`name = ...`), not nested in another block."""
-        bindings = [
-            node
-            for node in self.tree.bindings(self.tree.scope_of(arm)).get(name, ())
-            if self.tree.contains(arm, node)
-        ]
-        block = arm.body if isinstance(arm, cst.Else) else arm
-        last = bindings[-1] if bindings else None
-        if (
-            isinstance(last, cst.Assign)
-            and len(last.targets) == 1
-            and isinstance(last.targets[0].target, cst.Name)
-            and self.tree.parents.get(self.tree.parents.get(last)) is block
-        ):
-            return last
+    def _arms_holding(self, branch: cst.If, use: cst.CSTNode) -> cst.CSTNode | None:
+        """The statement of the block holding `use` that holds `branch` through `if` arms and
+        `with` blocks only, and runs before `use`; None when a loop or a `try` lies between,
+        or `use` is inside it."""
+        node = branch
+        while not self.tree.contains(self.tree.parents[node], use):
+            node = self.tree.parents[node]
+            if not isinstance(node, (cst.If, cst.Else, cst.IndentedBlock, cst.With)):
+                return None
+        if isinstance(node, (cst.If, cst.With)) and not self.tree.contains(node, use):
+            return node
         return None
+
+    def _paths(
+        self, bindings: list[cst.CSTNode], statements: list[cst.CSTNode], before: tuple = (None,)
+    ) -> list[cst.CSTNode | None]:
+        """Of `bindings` (a name's), the last on each path through `statements` (nested `if`
+        arms, `elif`s and `with` blocks followed; an arm that leaves the step skipped); the
+        statement holding it when that is another block, None when a path binds none in sight;
+        `before`: the paths that reach `statements` without binding the name there."""
+        for index in range(len(statements) - 1, -1, -1):
+            statement = statements[index]
+            inside = [node for node in bindings if self.tree.contains(statement, node)]
+            if not inside:
+                continue
+            earlier = tuple(self._paths(bindings, statements[:index], before))
+            if isinstance(statement, cst.If):
+                orelse = statement.orelse
+                arms = [statement.body.body]
+                arms.append(
+                    [orelse] if isinstance(orelse, cst.If) else orelse.body.body if orelse else []
+                )
+                return [
+                    path
+                    for arm in arms
+                    if not _ends_in_exit(arm)
+                    for path in self._paths(bindings, list(arm), earlier)
+                ]
+            if isinstance(statement, cst.With):
+                return self._paths(bindings, list(statement.body.body), earlier)
+            return [inside[-1] if isinstance(statement, cst.SimpleStatementLine) else statement]
+        return list(before)
 
     @staticmethod
     def _untraced(site: Site) -> str:
@@ -636,7 +659,7 @@ class _Counting:
             helper = self.auditor.tracer.helper(node.func)
             if helper is not None and not self.tree.contains(helper, node):
                 called = (n for n in self.tree.walk(helper.body) if isinstance(n, cst.Call))
-                clip = next((n for n in called if _clips(n)), None)
+                clip = next((n for n in called if _clips(n) and not self._at_step(window, n)), None)
                 if clip is not None:
                     return clip
         return None
