@@ -563,6 +563,64 @@ def test_a_lightning_loss_a_function_adds_gradients_to_is_refused_saying_why():
     assert "the window cannot be read ahead" in outcome.reason
 
 
+PATHS_HEAD = """\
+def train(model, batches, optimizer, k, c, d):
+    for step, (x, y, keep) in enumerate(batches):
+        err = (model(x) - y) ** 2
+"""
+PATHS_TAIL = """\
+        (loss / k).backward()
+        if (step + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    "paths, counts",
+    [
+        (  # the binding before an `if` without `else` stands on two of the three paths
+            (
+                "        loss = err.mean()\n        if c:\n            if d:\n"
+                "                loss = (err * keep).sum() / keep.sum()\n"
+            ),
+            ["err.numel()", "keep.sum()"],
+        ),
+        (  # an `elif` path, and one that raises
+            (
+                "        if c:\n            loss = (err * keep).sum() / keep.sum()\n"
+                "        elif d:\n            loss = err.mean()\n        else:\n"
+                "            raise ValueError(c)\n"
+            ),
+            ["keep.sum()", "err.numel()"],
+        ),
+        (  # the `if` in a loop, which may bind the loss more than once or not at all
+            (
+                "        for part in range(2):\n            if c:\n"
+                "                loss = (err * keep).sum() / keep.sum()\n            else:\n"
+                "                loss = err.mean()\n"
+            ),
+            [],
+        ),
+    ],
+    ids=["nested-without-else", "elif-and-raise", "in-a-loop"],
+)
+def test_every_path_to_the_backward_binds_its_count_or_is_refused(paths, counts):
+    """Where the loss the backward reads is bound in an `if`, every path to the backward binds
+    its own count (one count for all of them would weight the other paths wrongly), or the
+    fix is refused."""
+    source = PATHS_HEAD + paths + PATHS_TAIL
+    result = fix_source(source.encode(), Path("train.py"), ALL, unsafe=True)
+    (outcome,) = result.outcomes
+    fixed = result.after.decode()
+    assert outcome.applied is bool(counts), outcome.reason
+    assert [
+        line.split(" = ")[1] for line in fixed.splitlines() if "micro_" in line and " = " in line
+    ] == counts
+    if not counts:
+        assert "does not run on every path to it" in outcome.reason
+
+
 def test_a_count_rebound_before_a_skipped_backward_is_refused():
     """The next batch is fetched after the loss, then a non-finite loss skips its backward:
     counting right after the loss would count a micro-batch the window never sees."""

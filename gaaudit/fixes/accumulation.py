@@ -424,8 +424,9 @@ class _Counting:
                 f"`loss * {origin.beside}` and divide the gradients once by the window's total "
                 f"of `{origin.beside}`"
             )
-        if origin.branch is not None:
-            return self._count_on_each_path(site)
+        branch = origin.branch or self._bound_in_if(site)
+        if branch is not None:
+            return self._count_on_each_path(site, branch)
         kept = [
             d for d in origin.divisions if site.division is None or d.node is not site.division.node
         ]
@@ -487,11 +488,31 @@ class _Counting:
             return self._call_count(source, origin)
         raise Unfixable(self._untraced(site))
 
-    def _count_on_each_path(self, site: Site) -> tuple[tuple[str, str], bool]:
-        """A loss bound on both paths of an `if`, each a mean over a count of its own (`if
-        mask is not None: loss = masked mean` / `else: loss = x.mean()`): each path binds
-        its count just before its loss; the loop weights by that name."""
-        branch, tracer = site.origin.branch, self.auditor.tracer
+    def _bound_in_if(self, site: Site) -> cst.If | None:
+        """The innermost `if` not holding the loss's use whose arm binds the mean the loss is
+        (`if c: loss = masked mean` / `elif d: loss = x.mean()`): other paths to the use may
+        bind it otherwise."""
+        source, use = site.origin.source, self._loss_use(site)
+        for name in self.tree.walk(use):
+            binding = (
+                self.auditor.tracer.binding(name.value, name)
+                if isinstance(name, cst.Name)
+                else None
+            )
+            if binding is None or source is None or not self.tree.contains(binding, source):
+                continue
+            for node in self.tree.ancestors(binding):
+                if isinstance(node, (cst.FunctionDef, cst.Lambda)) or self.tree.contains(node, use):
+                    break
+                if isinstance(node, cst.If):
+                    return node
+        return None
+
+    def _count_on_each_path(self, site: Site, branch: cst.If) -> tuple[tuple[str, str], bool]:
+        """A loss bound on the paths of an `if` (nested ones, `elif`s), each a mean over a count
+        of its own (`if mask is not None: loss = masked mean` / `else: loss = x.mean()`): each
+        path binds its count just before its loss; the loop weights by that name."""
+        tracer = self.auditor.tracer
         if site.origin.added:
             raise Unfixable(
                 f"the loss adds `{site.origin.added}` to its mean on one path of the `if` on line "
