@@ -163,7 +163,7 @@ def test_unfixable_finding_says_why_with_its_position(tmp_path, cli):
     assert result.exit_code == 1
     assert (
         f"{script.name}:31:24: GA001 not fixed: the loss is defined otherwise on a path of the "
-        "`if` on line 21, over a count of its own" in result.output
+        "`if` on line 21 of `_calculate_loss()`, over a count of its own" in result.output
     )
     assert "Fixed 0 findings in 0 files; 1 not fixed." in result.output
 

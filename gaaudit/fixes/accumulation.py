@@ -528,7 +528,9 @@ class _Counting:
             and (binding := tracer.binding(name.value, name)) is not None
             and self.tree.contains(branch, binding)
         ]
-        line = self.tree.line(branch)
+        line, scope = self.tree.line(branch), self.tree.scope_of(branch)
+        if isinstance(scope, cst.FunctionDef) and scope is not self.tree.scope_of(use):
+            line = f"{line} of `{scope.name.value}()`"
         refusal = (
             f"the loss is defined otherwise on a path of the `if` on line {line}, over a "
             "count of its own, {}: bind each path's valid-target count beside its loss, then "
@@ -537,7 +539,7 @@ class _Counting:
         top = self._arms_holding(branch, use) if len(bound) == 1 else None
         if (
             len(bound) != 1
-            or self.tree.scope_of(branch) is not self.tree.scope_of(use)
+            or scope is not self.tree.scope_of(use)
             or (site.division is not None and self.tree.contains(top or branch, site.division.node))
         ):
             raise Unfixable(refusal.format("which gaaudit cannot follow to the backward"))
