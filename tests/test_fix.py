@@ -564,6 +564,9 @@ def test_a_lightning_loss_a_function_adds_gradients_to_is_refused_saying_why():
 
 
 PATHS_HEAD = """\
+import torch
+
+
 def train(model, batches, optimizer, k, c, d):
     for step, (x, y, keep) in enumerate(batches):
         err = (model(x) - y) ** 2
@@ -577,7 +580,7 @@ PATHS_TAIL = """\
 
 
 @pytest.mark.parametrize(
-    "paths, counts",
+    "paths, expected",
     [
         (  # the binding before an `if` without `else` stands on two of the three paths
             (
@@ -600,25 +603,35 @@ PATHS_TAIL = """\
                 "                loss = (err * keep).sum() / keep.sum()\n            else:\n"
                 "                loss = err.mean()\n"
             ),
-            [],
+            "and the `if` does not run on every path to it",
+        ),
+        (  # in a `with` block, one path's loss returned by the model with other outputs
+            (
+                "        with torch.autocast('cpu', enabled=d):\n            if c:\n"
+                "                loss = (err * keep).sum() / keep.sum()\n            else:\n"
+                "                loss, parts = model.losses(x, y)\n"
+            ),
+            "and on line 11 no mean gaaudit can count",
         ),
     ],
-    ids=["nested-without-else", "elif-and-raise", "in-a-loop"],
+    ids=["nested-without-else", "elif-and-raise", "in-a-loop", "model-loss-in-with"],
 )
-def test_every_path_to_the_backward_binds_its_count_or_is_refused(paths, counts):
+def test_every_path_to_the_backward_binds_its_count_or_is_refused(paths, expected):
     """Where the loss the backward reads is bound in an `if`, every path to the backward binds
     its own count (one count for all of them would weight the other paths wrongly), or the
-    fix is refused."""
+    fix is refused (`expected`: the counts bound, or the reason)."""
     source = PATHS_HEAD + paths + PATHS_TAIL
     result = fix_source(source.encode(), Path("train.py"), ALL, unsafe=True)
     (outcome,) = result.outcomes
     fixed = result.after.decode()
-    assert outcome.applied is bool(counts), outcome.reason
+    if isinstance(expected, str):  # refused, saying why
+        assert not outcome.applied and expected in outcome.reason
+        assert result.after == source.encode()
+        return
+    assert outcome.applied, outcome.reason
     assert [
         line.split(" = ")[1] for line in fixed.splitlines() if "micro_" in line and " = " in line
-    ] == counts
-    if not counts:
-        assert "does not run on every path to it" in outcome.reason
+    ] == expected
 
 
 def test_a_count_rebound_before_a_skipped_backward_is_refused():
