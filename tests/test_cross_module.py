@@ -1136,7 +1136,7 @@ def test_a_return_that_adds_a_mean_of_another_count_is_refused(tmp_path):
     assert after == before
     told = gaaudit("fix", "--diff", ".", "--no-cache", cwd=root)
     assert (
-        "`TinyLM.forward` (model.py) returns on line 18 a loss that adds "
+        "`TinyLM.forward` (model.py) returns on line 19 a loss that adds "
         "`logits.pow(2).mean() * 0.1` to a mean" in told.stderr
     ), told.stderr
 

@@ -944,7 +944,7 @@ def train(model, loader, optimizer, accum):
 @pytest.mark.parametrize(
     ("body", "reason"),
     [
-        (  # a mask in one branch, none in the other, of an `elif` not every path runs
+        (  # a mask in one branch, none in the other, of an `elif`; the first binds no loss
             """        x, y, mask = batch
         losses = F.mse_loss(model(x), y, reduction="none")
         if x.dim() > 2:
@@ -955,8 +955,8 @@ def train(model, loader, optimizer, accum):
             loss = losses.mean()""",
             (
                 "the loss is defined otherwise on a path of the `if` on line 10, over a count "
-                "of its own, and the `if` does not run on every path to it: bind each path's "
-                "valid-target count beside its loss"
+                "of its own, and a path reaches the backward with no loss bound in sight: bind "
+                "each path's valid-target count beside its loss"
             ),
         ),
         (
