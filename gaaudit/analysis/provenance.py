@@ -1070,35 +1070,7 @@ class Tracer(_Calls, _Callees, _Counts):
                 or (other.configured is not None and found.configured is None)
             ):  # the one over its own count can vary, or the one whose loss is in sight:
                 return replace(other, branch=branch)
-        if found.kind == "mean" and found.branch is None and not found.via:  # helpers: see fix
-            split = self._split(expr.value, binding, expr, found, depth)
-            if split is not None:  # `if a: loss = m(x, labels=y).loss` / `elif b: loss = ...`
-                return replace(found, branch=split)
         return found
-
-    def _split(
-        self, name: str, binding: cst.CSTNode, use: cst.CSTNode, found: Origin, depth: int
-    ) -> cst.If | None:
-        """The `if` (the head of its `elif` chain, not holding `use`) another arm of which binds
-        `name` to a loss other than `found`: the loss that reaches `use` then differs by path."""
-        branch = next(
-            (a for a in self.tree.ancestors(binding) if isinstance(a, (cst.If, cst.FunctionDef))),
-            None,
-        )
-        if not isinstance(branch, cst.If) or self.tree.contains(branch, use):
-            return None
-        while isinstance(head := self.tree.parents.get(branch), cst.If) and head.orelse is branch:
-            branch = head
-        others = self.tree.bindings(self.tree.scope_of(binding)).get(name, ())
-        if any(
-            node is not binding
-            and self.tree.contains(branch, node)
-            and self._apart(node, binding)
-            and _other_loss(self._from_binding(name, node, depth + 1), found)
-            for node in others
-        ):
-            return branch
-        return None
 
     def _rival(self, name: str, binding: cst.CSTNode) -> cst.CSTNode | None:
         """The last binding of `name` in the `if` body whose `else` holds `binding`."""
@@ -1223,13 +1195,6 @@ class Tracer(_Calls, _Callees, _Counts):
             if outputs is not None and self._passes_labels(outputs):
                 return self._mean(expr, f"`{code(expr)}`, the loss of a model called with labels")
         return UNKNOWN
-
-
-def _other_loss(origin: Origin, found: Origin) -> bool:
-    """Whether `origin` is another loss than `found`: made by other code, or not a mean."""
-    if origin.kind != found.kind or origin.source is None or found.source is None:
-        return True
-    return code(origin.source) != code(found.source) or origin.divisions != found.divisions
 
 
 def _unpacks_to(target: cst.BaseExpression, name: str) -> bool:
