@@ -1050,13 +1050,6 @@ class Tracer(_Calls, _Callees, _Counts):
                 return found
             taken = next(a for a in self.tree.ancestors(binding) if isinstance(a, cst.If))
             return replace(untaken, branch=taken)  # `if loss_fct: loss = loss_fct(...)`
-        placeholder = self.bypassed(expr) if found.kind == "mean" and found.branch is None else None
-        if (
-            placeholder is not None
-            and self._from_binding(expr.value, placeholder, depth).kind != "mean"
-        ):
-            taken = next(a for a in self.tree.ancestors(binding) if isinstance(a, cst.If))
-            return replace(found, branch=taken)  # `loss = zero` / `if lm: loss = ce(...)`
         rival = self._rival(expr.value, binding) if found.kind == "mean" else None
         if rival is not None:  # `if mask: loss = masked mean / else: loss = x.mean()`
             other = self._from_binding(expr.value, rival, depth)
