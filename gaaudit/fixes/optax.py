@@ -179,20 +179,7 @@ class _LossFunction:
                     raise Unfixable("the loss function already returns auxiliary data")
                 transforms.append(call)
                 found.extend(self._called(call))
-        uses = [
-            n
-            for n in self.tree.walk(self.tree.module)
-            if isinstance(n, cst.Name) and n.value == name
-        ]
-        if len(uses) != 1 + len(transforms):
-            raise Unfixable(
-                f"`{name}` is also used outside its gradient; making it a sum would change that use"
-            )
-        if len(found) != 1:
-            raise Unfixable(
-                "the loss gradient is evaluated in more than one place (or in none gaaudit can follow)"
-            )
-        return found
+        return self._only(name, transforms, found, "its gradient")
 
     def _decorated_calls(self, function: cst.FunctionDef) -> list[cst.Call]:
         """The calls of a loss function decorated with its gradient (`@jax.value_and_grad`):
@@ -204,14 +191,21 @@ class _LossFunction:
         ):
             raise Unfixable("the loss function already returns auxiliary data")
         found = [c for c in self.tree.calls if dotted(c.func) == name]
-        uses = [
+        return self._only(name, found, found, "its calls")
+
+    def _only(
+        self, name: str, uses: list[cst.Call], found: list[cst.Call], where: str
+    ) -> list[cst.Call]:
+        """`found`, the one evaluation of the loss gradient, when `name` appears nowhere but in
+        its definition and `uses`."""
+        named = [
             n
             for n in self.tree.walk(self.tree.module)
             if isinstance(n, cst.Name) and n.value == name
         ]
-        if len(uses) != 1 + len(found):
+        if len(named) != 1 + len(uses):
             raise Unfixable(
-                f"`{name}` is also used outside its calls; making it a sum would change that use"
+                f"`{name}` is also used outside {where}; making it a sum would change that use"
             )
         if len(found) != 1:
             raise Unfixable(
