@@ -519,6 +519,22 @@ def test_a_term_added_on_one_path_only_is_refused_and_on_every_path_weighted_alo
     assert "token_mean * window_share" in fixed
 
 
+def test_a_term_added_on_every_path_of_an_if_is_not_called_one_paths():
+    """Where each arm adds the term to a mean over a count of its own, the refusal does not
+    say the term is added on one path only (the advice to add it on every path would be
+    moot)."""
+    source = ONE_PATH.replace(
+        ARMS,
+        "            loss = token_mean + 0.01 * out.balance_loss\n        else:\n"
+        "            loss = per_token.mean() + 0.01 * out.balance_loss\n",
+    )
+    result = fix_source(source.encode(), Path("train.py"), ALL, unsafe=True)
+    (outcome,) = result.outcomes
+    assert not outcome.applied and result.after == source.encode()
+    assert "on one path of the `if`" not in outcome.reason
+    assert "no mean gaaudit can count" in outcome.reason
+
+
 def test_a_lightning_loss_a_function_adds_gradients_to_is_refused_saying_why():
     """Lightning divides the returned loss by K and draws the batches itself: the penalty a
     torch.autograd.Function adds in its `backward` would be divided by the window's count at

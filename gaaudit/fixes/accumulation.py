@@ -513,13 +513,6 @@ class _Counting:
         of its own (`if mask is not None: loss = masked mean` / `else: loss = x.mean()`): each
         path binds its count just before its loss; the loop weights by that name."""
         tracer = self.auditor.tracer
-        if site.origin.added:
-            raise Unfixable(
-                f"the loss adds `{site.origin.added}` to its mean on one path of the `if` on line "
-                f"{self.tree.line(branch)} only: weighting the loss by the mean's count would "
-                "weight that term too; add the term on every path (zero where it is absent), so "
-                "the mean's term can be weighted alone"
-            )
         use = self._loss_use(site)
         bound = [
             (name.value, binding)
@@ -551,14 +544,24 @@ class _Counting:
         paths = list(dict.fromkeys(self._paths(bindings, statements[: statements.index(top) + 1])))
         if binding not in paths:
             raise Unfixable(refusal.format("which gaaudit cannot follow to the backward"))
-        counts = []
-        for path in paths:
-            single = (
-                isinstance(path, cst.Assign)
-                and len(path.targets) == 1
-                and isinstance(path.targets[0].target, cst.Name)
+        origins = [
+            tracer.origin(path.value)
+            if isinstance(path, cst.Assign)
+            and len(path.targets) == 1
+            and isinstance(path.targets[0].target, cst.Name)
+            else None
+            for path in paths
+        ]
+        added = [o.added for o in origins if o is not None and o.kind == "mean"]
+        if any(added) and not all(added):
+            raise Unfixable(
+                f"the loss adds `{next(a for a in added if a)}` to its mean on one path of the "
+                f"`if` on line {self.tree.line(branch)} only: weighting the loss by the mean's "
+                "count would weight that term too; add the term on every path (zero where it is "
+                "absent), so the mean's term can be weighted alone"
             )
-            origin = tracer.origin(path.value) if single else None
+        counts = []
+        for path, origin in zip(paths, origins):
             if (
                 origin is None
                 or origin.kind != "mean"
