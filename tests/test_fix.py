@@ -1533,3 +1533,41 @@ def test_a_mean_made_on_one_path_only_is_not_weighted_by_every_micro_batchs_coun
         "the loss is defined otherwise on a path of the `if` on line 14, over a count of its "
         "own, and on line 13 no mean gaaudit can count"
     ), outcome.reason
+
+
+ACCUMULATE_UNDER_DEEPSPEED = """\
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+
+def main(model, loader, optimizer):
+    accelerator = Accelerator()
+    if accelerator.state.deepspeed_plugin is not None:
+        accelerator.print("micro-batches per step:", accelerator.gradient_accumulation_steps)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            logits = model(batch["input_ids"])
+            loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix():
+    """A file that reads `deepspeed_plugin` may run under ZeRO, whose gradients are not in
+    `param.grad`: the one division at `sync_gradients` would miss them while the backward is
+    weighted by the count, so the fix is unsafe, saying so; without the plugin it is safe."""
+    source = ACCUMULATE_UNDER_DEEPSPEED.encode()
+    (outcome,) = fix_source(source, Path("train.py"), ALL).outcomes
+    assert not outcome.applied
+    assert outcome.reason.startswith("unsafe fix (the file runs its accelerator with DeepSpeed")
+    unsafe = fix_source(source, Path("train.py"), ALL, unsafe=True)
+    assert "param.grad.div_(" in unsafe.after.decode()
+    plain = ACCUMULATE_UNDER_DEEPSPEED.replace(
+        "    if accelerator.state.deepspeed_plugin is not None:\n"
+        '        accelerator.print("micro-batches per step:", accelerator.gradient_accumulation_steps)\n',
+        "",
+    )
+    assert fix_source(plain.encode(), Path("train.py"), ALL).outcomes[0].applied

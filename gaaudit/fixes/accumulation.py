@@ -1881,6 +1881,13 @@ class _Window:
                     "backpropagate `loss * count * gradient_accumulation_steps`, then divide the "
                     "gradients once by it where `sync_gradients` is true and reset it"
                 )
+            if self.auditor.structure.accelerate_deepspeed(site.backward) and not self.unsafe:
+                raise Unfixable(
+                    "unsafe fix (the file runs its accelerator with DeepSpeed when launched so "
+                    "(`deepspeed_plugin`), whose ZeRO keeps the gradients outside `param.grad`, "
+                    "where the one division at `sync_gradients` would not reach them: assumes a "
+                    "run without DeepSpeed); apply with --unsafe-fixes"
+                )
             after = self._after_backwards(window, statement_line(self.tree, site.backward.call))
             if self.auditor.structure.steps_in(after):
                 raise Unfixable(
