@@ -198,20 +198,25 @@ class _LossFunction:
     ) -> list[cst.Call]:
         """`found`, the one evaluation of the loss gradient, when `name` appears nowhere but in
         its definition and `uses`."""
-        named = [
-            n
-            for n in self.tree.walk(self.tree.module)
-            if isinstance(n, cst.Name) and n.value == name
-        ]
-        if len(named) != 1 + len(uses):
-            raise Unfixable(
-                f"`{name}` is also used outside {where}; making it a sum would change that use"
-            )
+        self._used_only_in(name, len(uses), where)
         if len(found) != 1:
             raise Unfixable(
                 "the loss gradient is evaluated in more than one place (or in none gaaudit can follow)"
             )
         return found
+
+    def _used_only_in(self, name: str, uses: int, where: str) -> None:
+        """Refuse when the loss function `name` appears elsewhere than in its definition and
+        its `uses` (its gradient's transforms or calls)."""
+        named = [
+            n
+            for n in self.tree.walk(self.tree.module)
+            if isinstance(n, cst.Name) and n.value == name
+        ]
+        if len(named) != 1 + uses:
+            raise Unfixable(
+                f"`{name}` is also used outside {where}; making it a sum would change that use"
+            )
 
     def _called(self, transform: cst.Call) -> list[cst.Call]:
         parent = self.tree.parents.get(transform)
@@ -580,11 +585,7 @@ class _Microbatched:
             keyword(fun, "has_aux") or len(positional(fun)) > 2
         ):
             raise Unfixable(f"`microbatch` is not handed the plain gradient of `{name}`")
-        uses = [n for n in self.tree.walk(self.tree.module) if isinstance(n, cst.Name)]
-        if sum(n.value == name for n in uses) != 2:  # its definition and its gradient
-            raise Unfixable(
-                f"`{name}` is also used outside its gradient; making it a sum would change that use"
-            )
+        self._used_only_in(name, 1, "its gradient")
         _plain_signature(function)
         called = self._called(call)
         if len(called) != 1:
