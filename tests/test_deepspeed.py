@@ -285,6 +285,28 @@ LAUNCHED = {  # `accelerate launch` with a DeepSpeed config of K = 4, as its env
 }
 
 
+@pytest.mark.parametrize(
+    ("requirements", "safe"),
+    [
+        ("torch==1.13.1\naccelerate\n", True),  # accelerate from 1.8 on needs torch 2.0
+        ("accelerate==0.34.2\n", True),
+        ("torch>=2.0\naccelerate>=0.34\n", False),
+        ("", False),
+    ],
+)
+def test_accelerates_deepspeed_read_ahead_is_safe_where_the_project_keeps_accelerate_before_1_8(
+    tmp_path, monkeypatch, requirements, safe
+):
+    """The read-ahead assumes accelerate before 1.8: a safe fix where the project's
+    requirements admit no later release, directly or through torch."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "requirements.txt").write_text(requirements)
+    (tmp_path / "train.py").write_text(ACCELERATE)
+    (outcome,) = fix_source(ACCELERATE.encode(), tmp_path / "train.py", Settings()).outcomes
+    assert outcome.applied is safe
+    assert safe or "pin `accelerate<1.8` in the project's requirements" in outcome.reason
+
+
 def test_accelerates_deepspeed_window_is_read_ahead_where_the_engine_ends_it(tmp_path):
     """accelerate launched with DeepSpeed (one process: on CPU accelerate builds no group of
     its own): before 1.8 its `backward` let the engine end each window of K micro-batches, and

@@ -949,6 +949,28 @@ def test_the_nearest_requirement_governs_check_fix_and_verify_alike(
     assert later or reported[0] in shown  # the requirement that rules it out, with where
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "later"),
+    [
+        ("requirements.txt", "torch==1.13.1\naccelerate\n", True),
+        ("requirements.txt", "accelerate<1.9\n", True),  # admits 1.8 itself
+        ("requirements.txt", "accelerate<1.8\n", False),
+        ("pyproject.toml", '[project]\ndependencies = ["accelerate==0.34.2"]\n', False),
+        ("pyproject.toml", '[tool.poetry.dependencies]\naccelerate = "^0.34"\n', False),
+        ("environment.yml", "dependencies:\n  - accelerate=0.34\n", False),
+        ("pyproject.toml", '[project]\ndependencies = ["accelerate-extra==0.1"]\n', True),
+    ],
+)
+def test_admits_reads_the_requirements_of_any_package(tmp_path, monkeypatch, name, text, later):
+    """`admits` reads a package's requirements as GA006 reads transformers' (a fix's
+    assumption about an accelerate release rests on them)."""
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, {name: text, "train.py": TRAIN})
+    admitted, shown, _ = admits(tmp_path / "train.py", "1.8", "accelerate")
+    assert admitted is later
+    assert later or name in shown
+
+
 def test_inline_script_metadata_is_checked_per_file(tmp_path):
     rule = catalogue.load()["GA006"]
     assert found(tmp_path, rule.bad) == [(6, "GA006", "high")]

@@ -14,7 +14,9 @@ import re
 import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from gaaudit import catalogue
@@ -43,17 +45,10 @@ WANTED = (*CONFIGS, ".txt", ".md", ".rst", "setup.py")  # the endings of every f
 MAX_BYTES = 1 << 20
 # `gradient_accumulation_steps: 8`, `"gradient_accumulation_steps": 8`, `= 8`, `--gradient-accumulation-steps 8`
 SETTING = re.compile(r"""gradient[_-]accumulation[_-]steps["']?\s*(?:[:=]|\s)\s*["']?(\d+)\b""")
-QUOTED = re.compile(r"""(["'])\s*(transformers(?![\w-])[^"']*)\1""", re.IGNORECASE)
-POETRY = re.compile(r"""^(\s*["']?)transformers["']?\s*=(?!=)\s*(.+?)\s*$""", re.IGNORECASE)
-CONDA = re.compile(r"^(?:[\w-]+::)?transformers\s*(?:=|\s)\s*(\d[\w.*]*)$", re.IGNORECASE)
 # The ref of a git URL of transformers itself: a release tag (`@v4.28.0`) or a commit.
 GIT_REF = re.compile(
     r"huggingface/transformers(?:\.git)?@(?:v(?P<release>\d+\.\d+\.\d+)|[0-9a-f]{7,40})(?:[#&]|$)"
 )
-TRANSFORMERS = re.compile(r"(?i)transformers(?![\w-])")  # a requirement that names it
-# A README's pin, in a `pip install` line or a code span: `transformers==4.29.2` (a lower
-# bound alone never excludes the fix).
-README_PIN = re.compile(r"\btransformers(?:\[[\w,]+\])?\s*(?:==|<=|<|~=)\s*\d[\w.*]*")
 SCRIPT = re.compile(r"(?m)^# /// script\s*$")  # PEP 723 inline script metadata
 FRAMEWORK = re.compile(rb"\b(?:transformers|trl)\b")
 # `transformers.Trainer(`, `SFTTrainer(`; not Lightning's `L.Trainer(` / `pl.Trainer(`
@@ -79,6 +74,27 @@ PROBES = (
     "4.46.3",
     *(f"{major}.0.0" for major in range(5, 10)),
 )
+
+
+@cache
+def patterns(package: str) -> SimpleNamespace:
+    """How a requirement of `package` is written: `named`, a requirement that names it;
+    `quoted`, a quoted PEP 508 string; `poetry`, `conda`; `readme`, a README's pin in a `pip
+    install` line or a code span (`transformers==4.29.2`: a lower bound alone excludes no later
+    release)."""
+    name = re.escape(package)
+    return SimpleNamespace(
+        package=package,
+        named=re.compile(rf"(?i){name}(?![\w-])"),
+        quoted=re.compile(rf"""(["'])\s*({name}(?![\w-])[^"']*)\1""", re.IGNORECASE),
+        poetry=re.compile(rf"""^(\s*["']?){name}["']?\s*=(?!=)\s*(.+?)\s*$""", re.IGNORECASE),
+        conda=re.compile(rf"^(?:[\w-]+::)?{name}\s*(?:=|\s)\s*(\d[\w.*]*)$", re.IGNORECASE),
+        readme=re.compile(rf"\b{name}(?:\[[\w,]+\])?\s*(?:==|<=|<|~=)\s*\d[\w.*]*"),
+    )
+
+
+TRANSFORMERS = patterns("transformers")
+QUOTED, POETRY, CONDA = TRANSFORMERS.quoted, TRANSFORMERS.poetry, TRANSFORMERS.conda
 
 
 @dataclass(frozen=True)
@@ -175,20 +191,22 @@ def _git_ref(url: str) -> str | None:
 # Pins -------------------------------------------------------------------------------------
 
 
-def pins(path: Path, text: str) -> list[Pin]:
-    """The transformers requirements of one dependency file."""
+def pins(path: Path, text: str, package: str = "transformers") -> list[Pin]:
+    """The requirements of `package` of one dependency file (and, in a requirements file or
+    setup.cfg, its other requirements)."""
     lines = text.splitlines()
     name = path.name.lower()
+    written = patterns(package)
     if name == "pyproject.toml":
-        return [*_quoted(lines), *_poetry(lines)]
+        return [*_quoted(lines, written=written), *_poetry(lines, written)]
     if name == "setup.py":
-        return list(_quoted(lines))
+        return list(_quoted(lines, written=written))
     if name == "setup.cfg":
         return list(_setup_cfg(lines))
     if name.startswith("environment"):
-        return list(_environment(lines))
+        return list(_environment(lines, written))
     if is_readme(path):
-        return list(_readme(lines))
+        return list(_readme(lines, written))
     return [
         pin for number, raw in enumerate(lines, 1) if (pin := _requirement_line(number, raw, 0))
     ]
@@ -212,10 +230,10 @@ def is_readme(path: Path) -> bool:
     return path.name.lower().startswith("readme") and path.suffix in (".md", ".rst", ".txt")
 
 
-def _readme(lines: list[str]) -> Iterator[Pin]:
-    """The transformers versions a README tells its users to install."""
+def _readme(lines: list[str], written: SimpleNamespace = TRANSFORMERS) -> Iterator[Pin]:
+    """The versions of a package (`patterns`) a README tells its users to install."""
     for number, raw in enumerate(lines, 1):
-        for match in README_PIN.finditer(raw):
+        for match in written.readme.finditer(raw):
             text = match.group(0)
             yield Pin(number, match.start() + 1, text, text.replace(" ", ""), raw)
 
@@ -230,18 +248,22 @@ def _requirement_line(number: int, raw: str, start: int) -> Pin | None:
     return Pin(number, column, stripped, stripped, raw)
 
 
-def _quoted(lines: Iterable[str], first: int = 1) -> Iterator[Pin]:
-    """Quoted PEP 508 strings naming transformers: PEP 621 arrays, setup.py lists, PEP 723."""
+def _quoted(
+    lines: Iterable[str], first: int = 1, written: SimpleNamespace = TRANSFORMERS
+) -> Iterator[Pin]:
+    """Quoted PEP 508 strings naming a package (`patterns`): PEP 621 arrays, setup.py lists,
+    PEP 723."""
     for number, raw in enumerate(lines, first):
-        for match in QUOTED.finditer(raw):
+        for match in written.quoted.finditer(raw):
             text = match.group(2).strip()
             yield Pin(number, match.start(2) + 1, text, text, raw)
 
 
-def _poetry(lines: list[str]) -> Iterator[Pin]:
-    """`transformers = "^4.40"` or `transformers = { version = "4.45.2", ... }`."""
+def _poetry(lines: list[str], written: SimpleNamespace = TRANSFORMERS) -> Iterator[Pin]:
+    """`transformers = "^4.40"` or `transformers = { version = "4.45.2", ... }` (of the
+    package of `patterns`)."""
     for number, raw in enumerate(lines, 1):
-        match = POETRY.match(raw)
+        match = written.poetry.match(raw)
         if match is None:
             continue
         value = match.group(2)
@@ -252,7 +274,8 @@ def _poetry(lines: list[str]) -> Iterator[Pin]:
         converted = _poetry_constraint(constraint)
         if converted is not None:
             shown = raw.strip()
-            yield Pin(number, len(match.group(1)) + 1, shown, f"transformers{converted}", raw)
+            requirement = f"{written.package}{converted}"
+            yield Pin(number, len(match.group(1)) + 1, shown, requirement, raw)
 
 
 def _poetry_constraint(constraint: str) -> str | None:
@@ -289,22 +312,20 @@ def _setup_cfg(lines: list[str]) -> Iterator[Pin]:
             yield pin
 
 
-def _environment(lines: list[str]) -> Iterator[Pin]:
-    """`- transformers=4.45` (conda) and `- transformers==4.45.2` (pip) list items."""
+def _environment(lines: list[str], written: SimpleNamespace = TRANSFORMERS) -> Iterator[Pin]:
+    """`- transformers=4.45` (conda) and `- transformers==4.45.2` (pip) list items (conda's
+    of the package of `patterns`)."""
     for number, raw in enumerate(lines, 1):
         item = re.match(r"""(\s*-\s*["']?)([^"'#]+?)["']?\s*(?:#.*)?$""", raw)
         if item is None:
             continue
         text = item.group(2)
-        conda = CONDA.match(text)
+        conda = written.conda.match(text)
         requirement = text
         if conda:
             version = conda.group(1)
-            requirement = (
-                f"transformers=={version}"
-                if version.endswith("*")
-                else f"transformers=={version}.*"
-            )
+            wildcard = "" if version.endswith("*") else ".*"
+            requirement = f"{written.package}=={version}{wildcard}"
         yield Pin(number, len(item.group(1)) + 1, text, requirement, raw)
 
 
@@ -596,7 +617,7 @@ def _bad_pins(
         text = _read(path).decode("utf-8", "replace")
         named = pins(path, text)
         if not is_readme(path):
-            if any(TRANSFORMERS.match(pin.requirement) for pin in named):
+            if any(TRANSFORMERS.named.match(pin.requirement) for pin in named):
                 declared.add(_owner(path))
         elif any(_owner(path).is_relative_to(folder) for folder in declared):
             continue  # a dependency file rules; a README's version is advice
@@ -644,21 +665,23 @@ def governing_pin(path: Path, kinds=OLD) -> tuple[str, str]:
     return pinned_for(path, search_root(path), kinds) or ("", "")
 
 
-def governing(path: Path, root: Path) -> tuple[list[tuple[Path, Pin]], list[Path]]:
-    """The transformers requirements that govern `path`, with where each is written: those of
+def governing(
+    path: Path, root: Path, package: str = "transformers"
+) -> tuple[list[tuple[Path, Pin]], list[Path]]:
+    """The requirements of `package` that govern `path`, with where each is written: those of
     its inline script metadata, else those of the dependency files of the nearest folder, from
-    its own up to `root`, that names transformers (GA006 reads them so: `_governs`), else the
-    first pin of the nearest README; and the dependency files read."""
-    here, read, readmes = _real(path), [], []
+    its own up to `root`, that names it (GA006 reads them so: `_governs`), else the first pin
+    of the nearest README; and the dependency files read."""
+    here, read, readmes, names = _real(path), [], [], patterns(package).named
     text = _read(here).decode("utf-8", "replace")
-    named = [(here, p) for p in script_pins(text) if TRANSFORMERS.match(p.requirement)]
+    named = [(here, p) for p in script_pins(text, package) if names.match(p.requirement)]
     folders = [f for f in here.parents if f.is_relative_to(_real(root))]
     for folder in folders if not named else ():
         for pin_file in _pin_files(folder):
             read.append(pin_file)
             text = _read(pin_file).decode("utf-8", "replace")
             found = [
-                (pin_file, p) for p in pins(pin_file, text) if TRANSFORMERS.match(p.requirement)
+                (pin_file, p) for p in pins(pin_file, text, package) if names.match(p.requirement)
             ]
             (readmes if is_readme(pin_file) else named).extend(found)
         if named:
@@ -666,12 +689,12 @@ def governing(path: Path, root: Path) -> tuple[list[tuple[Path, Pin]], list[Path
     return named or readmes[:1], read
 
 
-def admits(path: Path, release: str) -> tuple[bool, str, list[Path]]:
-    """Whether the transformers requirements that govern `path` (`governing`, up to its
+def admits(path: Path, release: str, package: str = "transformers") -> tuple[bool, str, list[Path]]:
+    """Whether the requirements of `package` that govern `path` (`governing`, up to its
     repository: `search_root`) admit `release` or a later one; the first that does not, else
-    the first, as written with where ("" where none names transformers: any release); and the
+    the first, as written with where ("" where none names it: any release); and the
     dependency files read."""
-    named, read = governing(path, search_root(path))
+    named, read = governing(path, search_root(path), package)
     for where, pin in named:
         if not _admits_from(pin, release):
             return False, _written(where, pin), read
@@ -698,7 +721,10 @@ def _admits_from(pin: Pin, release: str) -> bool:
         return _version(ref) >= _version(release)
     if requirement.url or not requirement.specifier:
         return True
-    return any(v >= _version(release) for v in _admitted(requirement.specifier))
+    earliest, specifier = _version(release), requirement.specifier
+    return specifier.contains(earliest, prereleases=True) or any(
+        v >= earliest for v in _admitted(specifier)
+    )
 
 
 def _pin_files(folder: Path) -> list[Path]:
@@ -897,8 +923,8 @@ def findings(context) -> list[Finding]:
     ]
 
 
-def script_pins(text: str) -> list[Pin]:
-    """The requirements of a script's PEP 723 inline metadata (`# /// script`)."""
+def script_pins(text: str, package: str = "transformers") -> list[Pin]:
+    """The requirements of `package` in a script's PEP 723 inline metadata (`# /// script`)."""
     start = SCRIPT.search(text)
     if start is None:
         return []
@@ -908,7 +934,7 @@ def script_pins(text: str) -> list[Pin]:
         if line.rstrip() == "# ///":
             break
         block.append(line)
-    return list(_quoted(block, first + 1))
+    return list(_quoted(block, first + 1, patterns(package)))
 
 
 def _has_script(module) -> bool:

@@ -2225,9 +2225,11 @@ class Planner(
         unsafe: bool = False,
         domains: Domains | None = None,
         reach: bool = False,
+        path: Path | None = None,
     ) -> None:
         self.tree, self.auditor, self.unsafe, self.domains = tree, auditor, unsafe, domains
         self.reach = reach  # whether other files of the repository may change too
+        self.path = path  # the file's, whose requirements govern what its fix may assume
         self.edits = Edits()
         self.companions: dict[Path, tuple[Tree, Edits]] = {}  # other files' edits
         self.text = tree.module.code

@@ -57,7 +57,7 @@ def fix_source(
     companions = []
     if sites:
         domains = Domains(tree, auditor.tracer, context.evidence, text)
-        planner = Planner(tree, auditor, unsafe, domains, reach)
+        planner = Planner(tree, auditor, unsafe, domains, reach, path)
         outcomes += planner.plan(sites)
         edits = _merged(edits, planner.edits)
         companions = [_rewritten(p, t, e) for p, (t, e) in planner.companions.items()]

@@ -24,6 +24,7 @@ from gaaudit.analysis.tree import (
     variables,
 )
 from gaaudit.checks.accumulation import Site
+from gaaudit.checks.versions import admits
 from gaaudit.fixes.edits import Unfixable, atom, indented, parsed_statements, statement_line
 from gaaudit.vocabulary import MOVERS
 
@@ -105,8 +106,11 @@ class _ReadAhead:
                 "unsafe fix (a micro-batch the loop skips with `continue` before "
                 f"`{code(last.func)}(...)` still counts in its window); apply with --unsafe-fixes"
             )
-        if engine and self._accelerator(site) and not self.unsafe:
-            raise Unfixable(f"unsafe fix ({ACCELERATE_WINDOW}); apply with --unsafe-fixes")
+        if engine and self._accelerator(site) and not self.unsafe and not self._older_accelerate():
+            raise Unfixable(
+                f"unsafe fix ({ACCELERATE_WINDOW}); apply with --unsafe-fixes, or pin "
+                "`accelerate<1.8` in the project's requirements"
+            )
         outer = None if engine else self._carried_into(site, loop, test)
         if outer is not None and not self.unsafe:
             raise Unfixable(
@@ -124,6 +128,18 @@ class _ReadAhead:
         self.edits.replace[loop.target] = cst.parse_expression(f"{_packed(loop.target)}, {share}")
         self.edits.replace[loop.iter] = cst.parse_expression(f"{reader}({code(loop.iter)})")
         self._ahead_windows.add(window.anchor)
+
+    def _older_accelerate(self) -> str:
+        """The requirement that keeps the file's accelerate before 1.8 (`ACCELERATE_WINDOW`),
+        as written with where: a pin of accelerate, or of torch before 2.0 (accelerate's
+        releases from 1.8 on require torch 2.0 or later); "" where none does."""
+        if self.path is None:
+            return ""
+        for package, release in (("accelerate", "1.8"), ("torch", "2.0")):
+            later, pin, _ = admits(self.path, release, package)
+            if not later:
+                return pin
+        return ""
 
     def _write_reader(
         self,
