@@ -293,6 +293,34 @@ def test_multisteps_fix_is_refused_with_a_reason(loss, after, reason):
     assert code == "GA005" and not applied and reason in why
 
 
+@pytest.mark.parametrize(
+    "stem, reason",
+    [
+        (
+            "ga005_multisteps_sums_mean_losses",
+            (
+                "the loss averages per-row means (`(per_sequence / lengths)`, line 15), so each "
+                "micro-batch counts its rows: pass `use_grad_mean=True`"
+            ),
+        ),
+        (
+            "ga005_multisteps_grads_normalised_per_micro_batch",
+            (
+                "the gradients are divided by `num_labels` (line 33), the count each micro-batch "
+                "returns beside its summed loss: divide them by the window's total count instead"
+            ),
+        ),
+    ],
+    ids=["per-row-means-summed", "gradients-divided-by-own-count"],
+)
+def test_multisteps_refusal_names_what_the_loss_counts(stem, reason):
+    """A refusal says what the micro-batch's loss counts and what MultiSteps needs instead."""
+    path = FIXTURES / f"{stem}.py"
+    result = fix_source(path.read_bytes(), path, ALL, unsafe=True)
+    ((outcome,),) = [result.outcomes]
+    assert not outcome.applied and reason in outcome.reason
+
+
 def test_multisteps_where_mean_reads_windows_ahead(tmp_path):
     text, outcomes = fix(
         OPTAX.format(loss='jnp.mean(losses, where=batch["valid"])', after=""), unsafe=False

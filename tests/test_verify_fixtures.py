@@ -168,6 +168,11 @@ NOT_REPLAYABLE = {
         name: ("not replayable: KeyError: 'old_logps'", ("KeyError: 'old_logps'",))
         for name in ("ga001_exact_grpo_sequence_level_mean", "ga001_grpo_token_level_mean")
     },
+    # Audio batches, which the harness's token data do not hold.
+    "ga001_exact_ctc_normalised_per_utterance": (
+        "not replayable: KeyError: 'audio'",
+        ("KeyError: 'audio'",),
+    ),
     # Batches with keys the harness's data does not hold (`chosen`).
     "ga001_exact_dpo_named_logsigmoid": (
         "not replayable: KeyError: 'chosen'",

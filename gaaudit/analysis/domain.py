@@ -80,6 +80,8 @@ PER_ROW = re.compile(
 SQUARED = re.compile(r"\*\*\s*2\b|\.pow\(\s*2\s*\)|\.abs\(\)|\btorch\.abs\(|\.square\(\)")
 # How another module's loss is described when it is a plain `.mean()` there: its code first.
 RETURNED_MEAN = re.compile(r"`([^`]*)\.mean\(\)`")
+# Functions that average every element of their first argument.
+MEANS = ("torch.mean", "torch.nanmean", "jax.numpy.mean", "jax.numpy.nanmean")
 FLATTENED = re.compile(r"\.(?:view|reshape)\(\s*-1\s*\)|\.flatten\(\)|\.view\(\s*-1\s*,")
 
 
@@ -201,9 +203,11 @@ class Domains:
             return self.model_loss(self._model_call(source), returned)
         if isinstance(source, cst.Call) and isinstance(source.func, cst.Attribute):
             reduced = source.func.value  # `x.mean()`, or `torch.mean(x)`'s `x`
-            if self.tree.qualified(source.func) in ("torch.mean", "torch.nanmean"):
+            if self.tree.qualified(source.func) in MEANS:
                 reduced = next(iter(positional(source)), reduced)
             found = _reduced(self.spelled(reduced), code(source))
+            if found is None and self.tracer.per_row(reduced) is not None:
+                found = _per_row(code(source))
             if found is not None:
                 return found
         if MASKED_MEAN in origin.what:
@@ -401,12 +405,14 @@ def _reduced(reduced: str, mean: str) -> Domain | None:
     if PAIRWISE.search(reduced):
         return Domain("examples", False, "a pairwise preference loss, one element per pair")
     if PER_ROW.search(reduced):
-        return Domain(
-            "examples", False, f"`{_short(mean)}` averages per-row means, one per sequence"
-        )
+        return _per_row(mean)
     if SQUARED.search(reduced):
         return Domain("dense", False, f"`{_short(mean)}` averages a dense tensor")
     return None
+
+
+def _per_row(mean: str) -> Domain:
+    return Domain("examples", False, f"`{_short(mean)}` averages per-row means, one per sequence")
 
 
 def _short(text: str, limit: int = 60) -> str:

@@ -359,14 +359,18 @@ def averaged_mean(call: cst.Call, tree: Tree) -> cst.BaseExpression | None:
     return None
 
 
-def _along_a_dimension(call: cst.Call, tree: Tree) -> bool:
-    """Whether `call` is a mean along a dimension: `x.mean(1)`, `torch.mean(x, dim=-1)`."""
-    if tree.qualified(call.func) in ("torch.mean", "torch.nanmean"):
-        return len(positional(call)) > 1 or keyword(call, "dim") is not None
+def _along_a_dimension(call: cst.Call, tree: Tree, names=("mean", "nanmean")) -> bool:
+    """Whether `call` is a mean (or another reduction of `names`) along a dimension:
+    `x.mean(1)`, `torch.mean(x, dim=-1)`, `jnp.sum(x, axis=-1)`."""
+    qualified = tree.qualified(call.func) or ""
+    if qualified.split(".")[0] in ("torch", "jax", "numpy") and last_name(call.func) in names:
+        return len(positional(call)) > 1 or any(
+            keyword(call, k) is not None for k in ("dim", "axis")
+        )
     return (
         isinstance(call.func, cst.Attribute)
-        and call.func.attr.value in ("mean", "nanmean")
-        and (bool(positional(call)) or keyword(call, "dim") is not None)
+        and call.func.attr.value in names
+        and (bool(positional(call)) or any(keyword(call, k) is not None for k in ("dim", "axis")))
     )
 
 
@@ -798,8 +802,7 @@ class _Counts:
         if depth > MAX_DEPTH:
             return None
         if isinstance(expr, cst.Name) and expr in self.tree.order:
-            stmt = self.binding(expr.value, expr)
-            value = stmt.value if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 else None
+            value = self._value(expr)
             return self.mean_along(value, depth + 1) if value is not None else None
         if not isinstance(expr, cst.Call):
             return None
@@ -810,6 +813,36 @@ class _Counts:
             return None
         found = (self.mean_along(r, depth + 1) for r in self.returns(helper))
         return next((f for f in found if f is not None), None)
+
+    def per_row(self, expr: cst.BaseExpression, depth: int = 0) -> cst.BinaryOperation | None:
+        """The quotient by a count per row that `expr` is (`per_row / lengths`, `lengths` being
+        `mask.sum(-1)`): each of its elements is a row normalised by its own count, so a mean of
+        them counts rows."""
+        if isinstance(expr, cst.Name) and expr in self.tree.order and depth <= MAX_DEPTH:
+            value = self._value(expr)
+            return self.per_row(value, depth + 1) if value is not None else None
+        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Divide):
+            return expr if self._counted_along(expr.right, depth + 1) else None
+        return None
+
+    def _counted_along(self, divisor: cst.BaseExpression, depth: int) -> bool:
+        """Whether a divisor is a count per row: it sums along a dimension (`mask.sum(-1)`,
+        `width - paddings.sum(axis=-1)`), here or in a value one of its names is bound to."""
+        if depth > MAX_DEPTH:
+            return False
+        for node in walk(divisor):
+            if isinstance(node, cst.Call) and _along_a_dimension(node, self.tree, ("sum",)):
+                return True
+            if isinstance(node, cst.Name) and node in self.tree.order:
+                value = self._value(node)
+                if value is not None and self._counted_along(value, depth + 1):
+                    return True
+        return False
+
+    def _value(self, name: cst.Name) -> cst.BaseExpression | None:
+        """The value `name = value` binds where `name` is read, else None."""
+        stmt = self.binding(name.value, name)
+        return stmt.value if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 else None
 
     def inlined(
         self, expr: cst.BaseExpression, function: cst.FunctionDef

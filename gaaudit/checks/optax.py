@@ -157,13 +157,14 @@ class OptaxAudit(_Divisions):
         ]
         for kind in ("mean", "sum"):
             for origin, function in origins:
-                if origin.kind == kind == "sum" and (normalised := self._normalised_grads()):
+                if origin.kind == kind == "sum" and (normalised := self.normalised_grads):
                     return normalised, function
                 if origin.kind == kind:
                     return origin, function
         return origins[0] if origins else (NO_LOSS, None)
 
-    def _normalised_grads(self) -> Origin | None:
+    @cached_property
+    def normalised_grads(self) -> Origin | None:
         """A summed loss whose gradients are then divided by the micro-batch's own count,
         returned beside the loss: `(loss, n), grads = grad_fn(...)`, then
         `tree_map(lambda g: g / n, grads)` (`n` perhaps `psum`-ed over devices first)."""
@@ -321,7 +322,8 @@ class OptaxAudit(_Divisions):
         (jit's micro-batches share one shape, so it counts as many elements in each), else as
         the loss's domain says."""
         origin, function = self.loss
-        mask = self._mask_sign(function) if origin.kind in ("mean", "unknown") else None
+        masked = origin.kind in ("mean", "unknown") and self.per_row() is None
+        mask = self._mask_sign(function) if masked else None
         if origin.kind == "unknown" and mask is not None:
             return Confidence.MEDIUM, (
                 f"the micro-step loss is computed under a mask ({mask}), so counts can vary; "
@@ -353,6 +355,12 @@ class OptaxAudit(_Divisions):
             return False
         spelled = Domains(self.tree, self.tracer, Evidence(), "").spelled(reduced)
         return ELEMENTWISE.search(spelled) is not None
+
+    def per_row(self) -> cst.BaseExpression | None:
+        """The per-row means the loss averages (`per_row / lengths` of `(per_row /
+        lengths).mean()`): a mask it reads is spent within each row, and it counts rows."""
+        reduced = _reduced(self.loss[0].source, self.tree)
+        return self.tracer.per_row(reduced) if reduced is not None else None
 
     def _mask_sign(self, function: cst.CSTNode) -> str | None:
         """A mask, padding or ignore label read by the loss function, or a `where=` reduction."""

@@ -693,10 +693,24 @@ class OptaxPlanner(_LossFunction, _Averages, _MultiSteps, _Microbatched):
                 "accumulator SUM, make the loss each slice's sum divided by the whole batch's "
                 "count (counted before the batch is split and passed in beside it)"
             )
+        if site.kind == "multisteps-sum" and (rows := self.audit.per_row()) is not None:
+            raise Unfixable(
+                f"the loss averages per-row means (`{code(rows)}`, line {self.tree.line(rows)}), "
+                "so each micro-batch counts its rows: pass `use_grad_mean=True`, exact while the "
+                "micro-batches hold as many rows (gaaudit cannot see that a last one is not shorter)"
+            )
         if site.kind == "multisteps-sum":
             raise Unfixable(
                 "MultiSteps already sums the micro-gradients: return each micro-batch's loss sum "
                 "divided by the window's total count (counted before the window runs)"
+            )
+        if (normalised := self.audit.loss[0]) is self.audit.normalised_grads:
+            count = code(normalised.source.right)
+            raise Unfixable(
+                f"the gradients are divided by `{count}` (line {self.tree.line(normalised.source)}), "
+                "the count each micro-batch returns beside its summed loss: divide them by the "
+                "window's total count instead, counted over its micro-batches before they run "
+                "(for MultiSteps, passed to the step, with `use_grad_mean=False`)"
             )
         mean = self._masked_mean()
         (call,) = self._invocations(mean.function)
