@@ -359,7 +359,8 @@ class OptaxAudit(_Divisions):
     def per_row(self) -> cst.BaseExpression | None:
         """The per-row means the loss averages (`per_row / lengths` of `(per_row /
         lengths).mean()`): a mask it reads is spent within each row, and it counts rows."""
-        reduced = _reduced(self.loss[0].source, self.tree)
+        origin = self.loss[0]
+        reduced = None if origin.module else _reduced(origin.source, self.tree)
         return self.tracer.per_row(reduced) if reduced is not None else None
 
     def _mask_sign(self, function: cst.CSTNode) -> str | None:
