@@ -408,6 +408,26 @@ def test_patched_loss_on_two_paths_is_counted_on_each(masked):
     assert patched_logged == pytest.approx(logged) == twin_logged
 
 
+@pytest.mark.parametrize(
+    "masked",
+    [[True, False, True, True], [True] * K, [False] * K],
+    ids=["mixed", "masked", "unmasked"],
+)
+def test_patched_helper_counts_the_path_its_mean_took(masked):
+    """A helper binds a plain mean, then a masked one under an `if` with no `else`: the fix
+    binds a count before each inside the helper and returns the one of the path taken (it
+    once returned the masked path's count on both, a NameError where no mask came)."""
+    batches = frame_batches(masked)
+    reference = per_path_full_batch(batches)
+    original = "ga001_helper_mean_rebound_on_one_path.py"
+    logged, grads = per_path_step(original, batches)
+    patched_logged, patched = per_path_step(original.replace(".py", ".fixed.py"), batches)
+    twin_logged, twin = per_path_step("ok_helper_sum_and_count_on_each_path.py", batches)
+    assert (error(grads, reference) > 0.1) == any(masked)  # equal counts when none is masked
+    assert error(patched, reference) < 1e-6 and error(twin, reference) < 1e-6
+    assert patched_logged == pytest.approx(logged) == pytest.approx(twin_logged)
+
+
 def nested_path_batches(paths: list[str]) -> list[tuple]:
     """Frame batches for the four paths of nested `if`s: each micro-batch masked ("m") or
     not, weighted per row ("w") or not ("mw": both)."""

@@ -196,13 +196,17 @@ NOT_REPLAYABLE = {
         "not replayable: no backward pass",
         ("no backward pass and no optimizer step was reached",),
     ),
-    # A loss bound on two (or four) paths, a masked mean or a plain one, over frames or latents the
-    # harness's token batches do not hold.
+    # A loss bound on two (or four) paths (in the loop or a helper), a masked mean or a plain
+    # one, over frames or latents the harness's token batches do not hold.
     "ga001_masked_or_plain_mean_per_path": (
         "not replayable: RuntimeError: The size of tensor a",
         ("hand in batches of your own with --data-factory",),
     ),
     "ga001_loss_on_nested_paths": (
+        "not replayable: RuntimeError: The size of tensor a",
+        ("hand in batches of your own with --data-factory",),
+    ),
+    "ga001_helper_mean_rebound_on_one_path": (
         "not replayable: RuntimeError: The size of tensor a",
         ("hand in batches of your own with --data-factory",),
     ),

@@ -489,10 +489,12 @@ class _Counting:
         raise Unfixable(self._untraced(site))
 
     def _bound_in_if(self, site: Site) -> cst.If | None:
-        """The innermost `if` not holding the loss's use whose arm binds the mean the loss is
-        (`if c: loss = masked mean` / `elif d: loss = x.mean()`): other paths to the use may
-        bind it otherwise."""
+        """The innermost `if` not holding the loss's use (in the loop, or the `return` of the
+        helper that makes it) whose arm binds the mean the loss is (`if c: loss = masked mean`
+        / `elif d: loss = x.mean()`): other paths to the use may bind it otherwise."""
         source, use = site.origin.source, self._loss_use(site)
+        if source is not None and self.tree.scope_of(source) is not self.tree.scope_of(use):
+            use = self._return_of(self.tree.scope_of(source)) or use  # a helper's `return loss`
         for name in self.tree.walk(use):
             binding = (
                 self.auditor.tracer.binding(name.value, name)
@@ -511,9 +513,16 @@ class _Counting:
     def _count_on_each_path(self, site: Site, branch: cst.If) -> tuple[tuple[str, str], bool]:
         """A loss bound on the paths of an `if` (nested ones, `elif`s), each a mean over a count
         of its own (`if mask is not None: loss = masked mean` / `else: loss = x.mean()`): each
-        path binds its count just before its loss; the loop weights by that name."""
+        path binds its count just before its loss; the loop weights by that name, which a helper
+        of this file that makes the loss (`loss = helper(...)`) returns beside it when asked."""
         tracer = self.auditor.tracer
-        use = self._loss_use(site)
+        use = looped = self._loss_use(site)
+        call = None
+        if self.tree.scope_of(branch) is not self.tree.scope_of(use):
+            call = self._helper_call(site)
+            helper = self.auditor.tracer.helper(call.value.func) if call is not None else None
+            if helper is self.tree.scope_of(branch):
+                use = self._return_of(helper)
         bound = [
             (name.value, binding)
             for name in self.tree.walk(use)
@@ -522,7 +531,7 @@ class _Counting:
             and self.tree.contains(branch, binding)
         ]
         line, scope = self.tree.line(branch), self.tree.scope_of(branch)
-        if isinstance(scope, cst.FunctionDef) and scope is not self.tree.scope_of(use):
+        if isinstance(scope, cst.FunctionDef) and scope is not self.tree.scope_of(looped):
             line = f"{line} of `{scope.name.value}()`"
         refusal = (
             f"the loss is defined otherwise on a path of the `if` on line {line}, over a "
@@ -584,6 +593,9 @@ class _Counting:
             self.edits.insert_before(
                 statement_line(self.tree, path), f"{PATH_NOTE}\n{self.micro} = {count}\n"
             )
+        self.counted_inside = f"each path of the `if` on line {line} binds its count"
+        if call is not None:
+            self._return_count(call, self.micro, looped)
         caveat = next((caveat for (_, caveat), _ in counts if caveat), "")
         return (self.micro, caveat), all(safe for _, safe in counts)
 
@@ -723,7 +735,6 @@ class _Counting:
             unpacked=True,
         )
         call = found[0] if found is not None else None
-        returns = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
         if not isinstance(helper, cst.FunctionDef) or call is None:
             if not isinstance(helper, cst.FunctionDef):
                 raise Unfixable(
@@ -736,7 +747,7 @@ class _Counting:
                 f"the loop other than as `loss = {name}(...)` or `loss, ... = {name}(...)`, "
                 "so the loop cannot ask it for its count; call it so"
             )
-        if len(returns) != 1 or returns[0].value is None:
+        if self._return_of(helper) is None:
             raise Unfixable(
                 f"`{helper.name.value}` has more than one `return`; make it return its loss "
                 "from one place, or return the loss's valid-target count beside it"
@@ -744,6 +755,11 @@ class _Counting:
         if _takes_return_count(self.tree, helper):
             raise Unfixable(f"`{helper.name.value}` already takes a `{RETURN_COUNT}` parameter")
         return call
+
+    def _return_of(self, function: cst.CSTNode) -> cst.Return | None:
+        """The one `return` of `function`, when it has one and it returns a value."""
+        returns = [n for n in self.tree.in_scope(function) if isinstance(n, cst.Return)]
+        return returns[0] if len(returns) == 1 and returns[0].value is not None else None
 
     @staticmethod
     def _loss_use(site: Site) -> cst.CSTNode:
@@ -783,8 +799,7 @@ class _Counting:
         """`helper` also returns the micro-batch's count when the loop asks for it."""
         helper = self.auditor.tracer.helper(call.value.func)
         if helper.params not in self.edits.replace:  # else done for another backward of it
-            (returned,) = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
-            returns_count(self.tree, self.edits, helper, returned, count)
+            returns_count(self.tree, self.edits, helper, self._return_of(helper), count)
         self._ask_count(call, use)
 
     def _ask_count(self, call: cst.Assign, use: cst.CSTNode) -> None:
@@ -1445,13 +1460,13 @@ class _HelperWindow:
         where = f"`{name}()` (line {self.tree.line(helper)}), which the loop of line "
         where += f"{self.tree.line(loop)} calls once per micro-batch"
         calls = [c for c in self.auditor.structure.calls_of(helper) if self.tree.contains(loop, c)]
-        returns = [n for n in self.tree.in_scope(helper) if isinstance(n, cst.Return)]
+        returned = self._return_of(helper)
         if len(calls) != 1:
             raise Unfixable(
                 f"the loop of line {self.tree.line(loop)} calls `{name}()` (line "
                 f"{self.tree.line(helper)}) {len(calls)} times; call it once per micro-batch"
             )
-        if len(returns) != 1 or returns[0].value is None:
+        if returned is None:
             raise Unfixable(
                 f"the backward is in {where}, and returns from other than one `return` of a "
                 "value; return its loss from one place so that it can return its count beside"
@@ -1465,12 +1480,12 @@ class _HelperWindow:
                 "reference count of the window, and divide once by the window's total over it"
             )
         weighted = self._weighted_in_helper(site, helper, calls[0])
-        place = self._count_binding(site, helper, returns[0])
+        place = self._count_binding(site, helper, returned)
         statement = statement_line(self.tree, calls[0])
         if helper.params not in self.edits.replace:  # else done for another backward of it
             bare = code(cst.parse_expression(count).with_changes(lpar=[], rpar=[]))
             self.edits.insert_before(place, f"{HELPER_NOTE}\n{self.micro} = {bare}\n")
-            returns_count(self.tree, self.edits, helper, returns[0], self.micro, RETURNED_NOTE)
+            returns_count(self.tree, self.edits, helper, returned, self.micro, RETURNED_NOTE)
             self._ask_in_loop(statement, calls[0])
             self.edits.insert_after(
                 statement, f"{ADDED_NOTE}\n{self.window_total} += {self.micro}\n"
