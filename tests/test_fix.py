@@ -991,6 +991,15 @@ def train(model, loader, optimizer, accum):
                 "return its count of valid targets beside the loss"
             ),
         ),
+        (  # a model handed a spread dict picks its targets out of it
+            """        logits, loss = model(**batch)""",
+            (
+                "`model(...)` (line 6) finds its targets in `**batch`, where gaaudit cannot "
+                "count them: have the model return its count of valid targets beside the loss, "
+                "backpropagate the loss times that count and divide the gradients once by the "
+                "window's total"
+            ),
+        ),
         (
             """        ids, mask, segments = batch
         logits, loss = model(ids, mask, segments)""",

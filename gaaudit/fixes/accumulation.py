@@ -62,6 +62,12 @@ from gaaudit.fixes.read_ahead import _ReadAhead, unmoved
 from gaaudit.vocabulary import CLIPPERS
 
 COUNT_NOTE = "# the caller weights this mean by its count: sum and count per micro-batch"
+# why a model that takes its targets out of what it is handed is not fixed, and what to do
+COUNTED_INSIDE = (
+    "where gaaudit cannot count them: have the model return its count of valid targets beside "
+    "the loss, backpropagate the loss times that count and divide the gradients once by the "
+    "window's total"
+)
 PATH_NOTE = "# sum and count: the count this path's mean averages over"
 SKIPPED_NOTE = "# sum and count: a micro-batch whose backward is skipped adds no count"
 HELPER_NOTE = (
@@ -996,10 +1002,7 @@ class _CompanionCounts:
         if labels is None and call is not None and len(call.args) == len(positional(call)) == 1:
             raise Unfixable(
                 f"`{code(source)}` is the loss of `{code(call)}` (line {self.tree.line(call)}), "
-                f"which finds its targets in `{code(call.args[0].value)}` itself, where gaaudit "
-                "cannot count them: have the model return its count of valid targets beside the "
-                "loss, backpropagate the loss times that count and divide the gradients once by "
-                "the window's total"
+                f"which finds its targets in `{code(call.args[0].value)}` itself, {COUNTED_INSIDE}"
             )
         if labels is None:
             made = (
@@ -1101,7 +1104,8 @@ class _CompanionCounts:
 
     def _uncounted(self, call: cst.Call) -> str:
         """Why a model's own loss has no count here: the repository class it is annotated
-        with makes it out of sight, or none of its arguments is named as its targets."""
+        with makes it out of sight, it picks its targets out of a spread dict, or none of its
+        arguments is named as its targets."""
         made = f"`{code(call.func)}(...)` (line {self.tree.line(call)})"
         tracer = self.auditor.tracer
         annotated = tracer.annotated_class(call.func)
@@ -1114,6 +1118,9 @@ class _CompanionCounts:
                 "it (one per mean term if it adds means over different counts), backpropagate "
                 "the loss times that count and divide the gradients once by the window's total"
             )
+        spread = next((a.value for a in call.args if a.star == "**"), None)
+        if spread is not None:  # `model(**inputs)`: the model picks its targets out
+            return f"{made} finds its targets in `**{code(spread)}`, {COUNTED_INSIDE}"
         return (
             f"{made} computes its own loss, and none of its arguments is named as its targets: "
             "pass them as `labels=` or `targets=`"
