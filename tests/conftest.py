@@ -47,16 +47,18 @@ def devices(needed: int = 1) -> list:
 
 
 def clipping_unfixed() -> str:
-    """ga001_clip_every_micro_batch with its step counted in the body: a window `fix` cannot
-    read ahead (its step test is not known before the body runs), so it is left as it is."""
+    """ga001_clip_every_micro_batch with its step counted in the body after its test: a window
+    `fix` cannot read ahead (the reader follows a counter raised before the test only), so it
+    is left as it is."""
     source = (FIXTURES / "ga001_clip_every_micro_batch.py").read_text()
     counted = source.replace(
         "    model.train()\n", "    model.train()\n    updates = 0\n", 1
     ).replace(
         "        if (batch_idx + 1) % args.gradient_accumulation_steps == 0:\n",
-        "        updates += 1\n        if updates % args.gradient_accumulation_steps == 0:\n",
+        "        if (updates + 1) % args.gradient_accumulation_steps == 0:\n",
         1,
     )
+    counted += "        updates += 1\n"
     assert counted.count("updates") == 3
     return counted
 

@@ -1317,10 +1317,27 @@ def train(model: GPT2LMHeadModel, loader, optimizer, args):
 """
 
 
-def test_a_window_whose_guard_reads_a_counter_of_the_body_is_not_read_ahead():
-    """The read-ahead generator evaluates the step's guard before the body runs: a counter the
-    body increments is not known there, so the fix is refused and says both why."""
-    (outcome,) = fix_source(READ_AHEAD_GUARD.encode(), Path("x.py"), ALL, True).outcomes
+def test_a_counter_raised_once_per_micro_batch_is_raised_ahead_by_the_reader():
+    """`updates += 1; if updates % k == 0:`: the reader is handed the counter as the loop starts
+    and raises it for each micro-batch it reads, so its windows end where the loop steps."""
+    after = fixed(READ_AHEAD_GUARD.encode(), unsafe=False).decode()
+    assert "def read_ahead(items, updates):" in after
+    assert "            updates += 1\n            pending.append(" in after
+    assert "for (input_ids, labels), window_share in read_ahead(loader, updates):" in after
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        "        if out.loss.isfinite():\n            updates += 1\n",  # not for every one
+        "        updates += 1\n        if args.reset:\n            updates = 0\n",  # rebound
+    ],
+)
+def test_a_counter_not_raised_once_per_micro_batch_is_not_read_ahead(raised):
+    """The reader cannot tell how a counter moves that some micro-batches skip or that the
+    body rebinds: the fix is refused and says both why."""
+    source = READ_AHEAD_GUARD.replace("        updates += 1\n", raised)
+    (outcome,) = fix_source(source.encode(), Path("x.py"), ALL, True).outcomes
     assert not outcome.applied
     assert "adds `out.aux_loss` to its mean" in outcome.reason
     assert "reading the window ahead: the step's guard reads `updates`" in outcome.reason
@@ -1358,14 +1375,31 @@ def test_a_step_test_bound_once_in_the_loop_is_read_ahead_as_its_value():
 def test_an_optimizer_that_backpropagates_itself_is_not_divided_before_its_step():
     """apex's `FP16_Optimizer` (`optimizer.backward(loss)`) fills the gradients it steps on
     inside `step()`: a division of `param_groups`' gradients before it would divide nothing,
-    so the fix is refused and says why; without that branch the same loop is fixed."""
+    so the window is read ahead (its guard's counter raised by the reader), unsafe as the
+    `while` loop carries a short window into its next pass, and the reason says both; without
+    that branch the same loop is fixed."""
     script = FIXTURES / "ga001_apex_fp16_optimizer_backward.py"
-    result = fix_source(script.read_bytes(), script, ALL, unsafe=True)
-    (outcome,) = result.outcomes
-    assert not outcome.applied and "`optimizer.backward(...)` (line 42)" in outcome.reason
+    (outcome,) = fix_source(script.read_bytes(), script, ALL).outcomes
+    assert not outcome.applied and "`optimizer.backward(...)` (line 44)" in outcome.reason
     assert "loss-scaling wrapper (apex's `FP16_Optimizer`" in outcome.reason
+    assert "reading the window ahead: unsafe fix (the loop on line 37 runs" in outcome.reason
+    after = script.with_name(script.stem + ".fixed.py").read_text()
+    assert "for batch, window_share in read_ahead(train_dataloader, step):" in after
     plain = FIXTURES / "ga001_example_share_divisor.py"
     assert all(o.applied for o in fix_source(plain.read_bytes(), plain, ALL).outcomes)
+
+
+def test_a_batch_moved_and_unpacked_in_the_loop_is_counted_ahead_as_drawn():
+    """`batch = tuple(t.cuda() for t in batch)` then `ids, labels, *_ = batch`: the reader
+    counts `batch[1]`, the same elements as the loop's `labels`, on the batch as drawn."""
+    source = READ_AHEAD_GUARD.replace(
+        "    for input_ids, labels in loader:\n",
+        "    for batch in loader:\n"
+        "        batch = tuple(t.cuda() for t in batch)\n"
+        "        input_ids, labels, *_ = batch\n",
+    )
+    after = fixed(source.encode(), unsafe=False).decode()
+    assert "pending.append((batch, (batch[1][..., 1:] != -100).sum()))" in after
 
 
 def test_a_window_read_ahead_weights_the_backward_on_each_branch():

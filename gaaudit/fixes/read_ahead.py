@@ -77,6 +77,7 @@ class _ReadAhead:
         if not _plain_target(loop.target):
             raise Unfixable(f"the loop's target `{code(loop.target)}` is not plain names")
         targets = target_names(loop.target)
+        counters: list[cst.AugAssign] = []  # `step += 1` of the guard's counter, raised ahead
         if engine:  # DeepSpeed's own boundary test, written by the reader
             guard = None
         elif not self._every_item_reaches(statement_line(self.tree, window.anchor), loop):
@@ -87,17 +88,22 @@ class _ReadAhead:
                 if stepping
                 else window.anchor.test
             )
-            guard = self._ahead_of(test, loop, targets, False, window.anchor)
+            guard = self._ahead_of(test, loop, targets, False, window.anchor, counters)
             if isinstance(test, cst.Name):  # `if boundary:`, its value inlined
                 guard = guard.with_changes(lpar=[], rpar=[])
         counted = self._ahead_of(
             cst.parse_expression(count), loop, targets, True, site.backward.call
         ).visit(_Unmoved())
         divisor = site.division.divisor if site.division is not None else None
-        if site.kind == "gradient-division" or (
-            divisor is not None and self._bound_in(loop, variables(divisor))
+        if site.kind == "gradient-division":
+            raise Unfixable("the gradients are divided, not the loss")
+        if divisor is not None and self._bound_in(  # the backward undoes it as it stands there
+            loop, variables(divisor), after=site.division.node, before=site.backward.call
         ):
-            raise Unfixable("the divisor changes inside the loop")
+            raise Unfixable(
+                f"a name the divisor `{code(divisor)}` reads is bound again between the loss's "
+                "division and its backward"
+            )
         share = self._fresh(SHARE)
         term = self._weighted_term(site, share, loop)
         last = last or site.backward.call  # the engine counts a micro-batch at its step
@@ -124,9 +130,11 @@ class _ReadAhead:
         self.edits.replace[site.backward.loss] = term
         for sibling in siblings:  # `if fp16: optimizer.backward(loss)` / `else: loss.backward()`
             self.edits.replace[sibling.backward.loss] = self._weighted_term(sibling, share, loop)
-        reader = self._write_reader(site, loop, guard, counted, targets)
+        reader = self._write_reader(site, loop, guard, counted, targets, counters)
         self.edits.replace[loop.target] = cst.parse_expression(f"{_packed(loop.target)}, {share}")
-        self.edits.replace[loop.iter] = cst.parse_expression(f"{reader}({code(loop.iter)})")
+        self.edits.replace[loop.iter] = cst.parse_expression(
+            f"{reader}({code(loop.iter)}{_handed(counters)})"
+        )
         self._ahead_windows.add(window.anchor)
 
     def _older_accelerate(self) -> str:
@@ -148,9 +156,11 @@ class _ReadAhead:
         guard: cst.BaseExpression | None,
         counted: cst.BaseExpression,
         targets: set[str],
+        counters: list[cst.AugAssign],
     ) -> str:
         """Write the generator that reads the loop's windows ahead just above the loop, with a
-        blank line on either side; its name. With no `guard`, a DeepSpeed engine's windows."""
+        blank line on either side; its name. With no `guard`, a DeepSpeed engine's windows;
+        the guard's `counters` are handed in as the loop starts and raised for each item."""
         reader, shares = self._fresh(READER), self._fresh(f"{SHARE}s")
         engine = self._engine(site)
         taken = variables(counted) | targets | (variables(guard) if guard else {engine})
@@ -175,9 +185,10 @@ class _ReadAhead:
             per_process += f" / len({pending})"
         functions = parsed_statements(
             f"{AHEAD_NOTE}\n"
-            f"def {reader}({items}):\n" + bound + f"    {pending} = []\n"
+            f"def {reader}({items}{_handed(counters)}):\n" + bound + f"    {pending} = []\n"
             f"    for {target} in {items}:\n"
-            f"        {pending}.append(({packed}, {code(counted)}))\n"
+            + "".join(f"        {code(c)}\n" for c in counters)
+            + f"        {pending}.append(({packed}, {code(counted)}))\n"
             f"        if {code(guard)}:\n"
             f"            yield from {shares}({pending})\n"
             f"            {pending} = []\n"
@@ -309,10 +320,12 @@ class _ReadAhead:
         targets: set[str],
         counted: bool,
         before: cst.CSTNode,
+        counters: list[cst.AugAssign] | None = None,
     ) -> cst.BaseExpression:
         """`expr` written in the loop's target and the names the loop leaves alone; a local
         every micro-batch binds once from them before `before` is inlined (its moves to a
-        device dropped, for a count)."""
+        device dropped, for a count). A counter every micro-batch raises once before `before`
+        (`step += 1`) is kept and its raise added to `counters`, where they are taken."""
 
         def replace(name: cst.Name) -> cst.BaseExpression | None:
             bound = self._bindings_in(loop, name.value)
@@ -324,13 +337,26 @@ class _ReadAhead:
                 raise Unfixable(f"the loop rebinds `{name.value}`, which the {what} reads")
             (binding, *more) = bound
             if (
+                counters is not None
+                and not more
+                and _raised(binding, name.value)
+                and self._every_item_reaches(binding, loop)
+                and not self._skips_before(binding, loop)
+                and self.tree.order[binding] < self.tree.order[before]
+            ):
+                counters.extend([] if binding in counters else [binding])
+                return None
+            index = _unpacked(binding, name.value)
+            if (
                 more
-                or not _single(binding, name.value)
+                or not (_single(binding, name.value) or index is not None)
                 or not self._every_item_reaches(binding, loop)
                 or self.tree.order[binding] > self.tree.order[before]
             ):
                 raise Unfixable(f"the {what} reads `{name.value}`, which the loop computes")
             value = unmoved(binding.value) if counted else binding.value
+            if index is not None:  # `ids, labels, *_ = batch`: `batch[1]`
+                value = cst.parse_expression(f"{atom(value)}[{index}]")
             return self._ahead_of(value, loop, targets, counted, before)
 
         what = "count" if counted else "step's guard"
@@ -371,10 +397,13 @@ class _ReadAhead:
                 return False
         return False
 
-    def _skips_before(self, backward: cst.Call, loop: cst.For) -> bool:
-        """A `continue` of this loop before the backward."""
+    def _skips_before(self, statement: cst.CSTNode, loop: cst.For) -> bool:
+        """A `continue` of this loop before `statement` (the backward, a counter's raise)."""
         for node in self.tree.walk(loop.body, into_defs=False):
-            if isinstance(node, cst.Continue) and self.tree.order[node] < self.tree.order[backward]:
+            if (
+                isinstance(node, cst.Continue)
+                and self.tree.order[node] < self.tree.order[statement]
+            ):
                 inner = next(
                     a for a in self.tree.ancestors(node) if isinstance(a, (cst.For, cst.While))
                 )
@@ -445,6 +474,22 @@ def _plain_target(target: cst.BaseExpression) -> bool:
     return isinstance(target, cst.Name)
 
 
+def _handed(counters: list[cst.AugAssign]) -> str:
+    """The counters the reader is handed after the items, as they stand when the loop starts."""
+    return "".join(f", {code(c.target)}" for c in counters)
+
+
+def _raised(binding: cst.CSTNode, name: str) -> bool:
+    """`name += 1` (by any integer): a counter of the micro-batches."""
+    return (
+        isinstance(binding, cst.AugAssign)
+        and isinstance(binding.operator, cst.AddAssign)
+        and isinstance(binding.target, cst.Name)
+        and binding.target.value == name
+        and isinstance(binding.value, cst.Integer)
+    )
+
+
 def _single(binding: cst.CSTNode, name: str) -> bool:
     """`name = value`, one plain target."""
     return (
@@ -455,9 +500,26 @@ def _single(binding: cst.CSTNode, name: str) -> bool:
     )
 
 
+def _unpacked(binding: cst.CSTNode, name: str) -> int | None:
+    """`i` where `binding` unpacks one value into names and `name` is its `i`-th, before any
+    starred one (`ids, labels, *_ = batch`: 1 for `labels`); else None."""
+    if not (isinstance(binding, cst.Assign) and len(binding.targets) == 1):
+        return None
+    target = binding.targets[0].target
+    if not isinstance(target, (cst.Tuple, cst.List)):
+        return None
+    for index, element in enumerate(target.elements):
+        if not isinstance(element.value, cst.Name) or isinstance(element, cst.StarredElement):
+            return None
+        if element.value.value == name:
+            return index
+    return None
+
+
 def _moves(binding: cst.CSTNode, name: str) -> bool:
     """`name = name.to(device)`, `name = to_device(name, device)`, or
-    `name = {k: v.cuda() for k, v in name.items()}`: the same elements, moved or cast."""
+    `name = {k: v.cuda() for k, v in name.items()}` or `name = tuple(t.cuda() for t in name)`:
+    the same elements, moved or cast."""
     if not _single(binding, name):
         return False
     value = unmoved(binding.value)
@@ -466,8 +528,8 @@ def _moves(binding: cst.CSTNode, name: str) -> bool:
 
 def unmoved(value: cst.BaseExpression) -> cst.BaseExpression:
     """`value` without its outer moves and casts: `batch["labels"]` for
-    `batch["labels"].to(device)`, `batch` for `to_device(batch, device)` and for
-    `{k: v.cuda() for k, v in batch.items()}`."""
+    `batch["labels"].to(device)`, `batch` for `to_device(batch, device)`, for
+    `{k: v.cuda() for k, v in batch.items()}` and for `tuple(t.cuda() for t in batch)`."""
     while True:
         func = value.func if isinstance(value, cst.Call) else None
         if isinstance(func, cst.Attribute) and func.attr.value in SAME_ELEMENTS:
@@ -478,6 +540,8 @@ def unmoved(value: cst.BaseExpression) -> cst.BaseExpression:
             value = positional(value)[0]
         elif _moved_dict(value) is not None:
             value = _moved_dict(value)
+        elif _moved_sequence(value) is not None:
+            value = _moved_sequence(value)
         else:
             return value
 
@@ -503,6 +567,31 @@ def _moved_dict(value: cst.BaseExpression) -> cst.BaseExpression | None:
     ):
         return None
     return items.func.value
+
+
+def _moved_sequence(value: cst.BaseExpression) -> cst.BaseExpression | None:
+    """`batch` of `tuple(t.cuda() for t in batch)` or `[t.cuda() for t in batch]`, else None."""
+    if (
+        isinstance(value, cst.Call)
+        and code(value.func) in ("tuple", "list")
+        and len(value.args) == 1
+        and not value.args[0].keyword
+        and not value.args[0].star
+    ):
+        value = value.args[0].value
+    if not isinstance(value, (cst.GeneratorExp, cst.ListComp)):
+        return None
+    loop = value.for_in
+    if (
+        loop.inner_for_in is not None
+        or loop.ifs
+        or not isinstance(loop.target, cst.Name)
+        or not isinstance(loop.iter, cst.Name)
+        or code(unmoved(value.elt)) != loop.target.value
+        or value.elt is unmoved(value.elt)
+    ):
+        return None
+    return loop.iter
 
 
 class _Unmoved(cst.CSTTransformer):
@@ -532,7 +621,7 @@ def reads_ahead(text: str, header: str) -> bool:
     target, items, colon = match.groups()
     pattern = (
         rf"for \(?{re.escape(target)}\)?, {SHARE}(_\d+)? in {READER}(_\d+)?\({re.escape(items)}"
-        + (r"\):" if colon else "")
+        + (r"(, \w+)*\):" if colon else "")  # the guard's counters after the items
     )
     return re.fullmatch(pattern, text) is not None
 
