@@ -1343,6 +1343,23 @@ def test_a_counter_not_raised_once_per_micro_batch_is_not_read_ahead(raised):
     assert "reading the window ahead: the step's guard reads `updates`" in outcome.reason
 
 
+@pytest.mark.parametrize("rebound", [False, True])
+def test_a_divisor_the_loop_computes_is_undone_unless_rebound_before_the_backward(rebound):
+    """The weighted term undoes the divisor as it stands at the backward: a divisor bound
+    before the division is read ahead; one bound again between the division and the backward
+    no longer holds what divided the loss, and the fix is refused, saying so."""
+    divided = "        loss = (out.loss + out.aux_loss) / parts\n"
+    source = READ_AHEAD_GUARD.replace(
+        "        loss = (out.loss + out.aux_loss) / args.k\n",
+        "        parts = args.k\n" + divided + ("        parts = 1\n" if rebound else ""),
+    )
+    assert divided in source
+    (outcome,) = fix_source(source.encode(), Path("x.py"), ALL, False).outcomes
+    assert outcome.applied is not rebound, outcome.reason
+    if rebound:
+        assert "the divisor `parts` reads is bound again between" in outcome.reason
+
+
 def test_a_micro_batch_skipped_before_its_backward_makes_the_read_ahead_unsafe():
     """A `continue` before the backward drops a micro-batch its window has already counted."""
     skipping = (
