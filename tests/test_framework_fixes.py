@@ -326,12 +326,26 @@ def test_multisteps_where_mean_reads_windows_ahead(tmp_path):
         OPTAX.format(loss='jnp.mean(losses, where=batch["valid"])', after=""), unsafe=False
     )
     assert 'return jnp.sum(losses, where=batch["valid"]) / window_weight' in text
-    assert (
-        'window_weight = jnp.maximum(sum(jnp.sum(batch["valid"]) for batch in window), 1)' in text
-    )
+    assert 'total = jnp.maximum(sum(jnp.sum(batch["valid"]) for batch in window), 1)' in text
+    assert "for batch, window_weight in read_ahead(batches):" in text
     assert "every_k_schedule=k, use_grad_mean=False)" in text
-    assert outcomes[0][2] and "an incomplete last window is not trained" in outcomes[0][3]
+    assert outcomes[0][2] and "a last window cut short is counted alone" in outcomes[0][3]
     assert clean(text, tmp_path)
+
+
+def test_multisteps_loop_run_again_by_an_outer_loop_is_an_unsafe_fix():
+    """MultiSteps carries a pass's last, short window into the next pass; reading ahead per
+    pass would count the two parts as two windows."""
+    source = OPTAX.format(loss='jnp.mean(losses, where=batch["valid"])', after="").replace(
+        "for batch in batches:\n            params",
+        "for epoch in range(2):\n            for batch in batches:\n                params",
+    )
+    text, outcomes = fix(source, unsafe=False)
+    ((_, code, applied, why),) = outcomes
+    assert code == "GA005" and not applied and "carries a pass's last window" in why
+    assert text == textwrap.dedent(source)
+    text, outcomes = fix(source, unsafe=True)
+    assert outcomes[0][2] and "read_ahead(batches)" in text
 
 
 def test_the_readme_test_command_is_what_ci_runs():

@@ -119,7 +119,7 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool,
     if any(code == "GA005" for code, _, _ in reported):
         optax_audit = OptaxAudit(tree, context.accumulation_names, context.imports)
         sites = [s for s in optax_audit.sites() if ("GA005", *_start(tree, s.node)) in reported]
-        planner = OptaxPlanner(tree, optax_audit)
+        planner = OptaxPlanner(tree, optax_audit, unsafe)
         outcomes += planner.plan(sites)
         edits = _merged(edits, planner.edits)
     return edits, outcomes

@@ -42,6 +42,7 @@ from gaaudit.fixes.edits import (
     Edits,
     Unfixable,
     copy_edits,
+    parsed_statements,
     statement_line,
     with_argument,
     with_parameter,
@@ -413,6 +414,18 @@ class _MultiSteps:
             raise Unfixable(
                 "the loop breaks out early; reading windows ahead would change what it trains"
             )
+        outer = next(
+            (a for a in self.tree.ancestors(loop) if isinstance(a, (cst.For, cst.While, *DEFS))),
+            None,
+        )
+        if isinstance(outer, (cst.For, cst.While)) and not self.unsafe:
+            raise Unfixable(
+                f"unsafe fix (the loop on line {self.tree.line(outer)} runs this one again, and "
+                "MultiSteps carries a pass's last window, cut short, into the next pass's first; "
+                "reading ahead counts the two parts as two windows, right only where every pass "
+                "holds whole windows (a loader whose length is a multiple of the accumulation "
+                "steps)); apply with --unsafe-fixes"
+            )
         for function in (mean.function, step):
             _plain_signature(function)
         steps = self._steps_at(site.node, loop)
@@ -436,8 +449,8 @@ class _MultiSteps:
             self._read_ahead(loop, steps, count)
         return (
             "the loop reads each window of micro-batches ahead and counts its mask, the loss divides "
-            "its masked sum by that count, and MultiSteps sums (`use_grad_mean=False`); an "
-            "incomplete last window is not trained"
+            "its masked sum by that count, and MultiSteps sums (`use_grad_mean=False`); a last "
+            "window cut short is counted alone"
         )
 
     def _keep_value(self, mean: MaskedMean, call: cst.Call, weight: str) -> None:
@@ -491,27 +504,36 @@ class _MultiSteps:
         raise Unfixable("gaaudit cannot tell the accumulation steps where the training loop runs")
 
     def _read_ahead(self, loop: cst.For, steps: str, count: cst.BaseExpression) -> None:
-        """`for x in xs: body` -> windows of `steps` items, counted, then `body` for each."""
+        """`for x in xs:` -> `for x, weight in read_ahead(xs):`, a generator above the loop that
+        reads each window of `steps` items ahead and hands each item its window's count; a last
+        window cut short is counted alone, as MultiSteps accumulates it."""
         target = code(loop.target)
         item = f"({target})" if isinstance(loop.target, cst.Tuple) else target
+        reader, counted = _fresh("read_ahead", self._taken), _fresh("counted", self._taken)
+        items, each, total = (_fresh(name, self._taken) for name in ("items", "item", "total"))
         window, weight, jnp = self.window, self.weight, self._jnp()
-        template = cst.parse_module(
-            f"for _ in _:\n"
-            f"    {window}.append({item})\n"
-            f"    if len({window}) < {steps}:\n"
-            f"        continue\n"
-            f"    # read ahead: the window's valid count, so each micro-batch's sum weighs by it\n"
-            f"    {weight} = {jnp}.maximum(sum({code(count)} for {target} in {window}), 1)\n"
-            f"    for _ in {window}:\n"
-            f"        pass\n"
+        functions = parsed_statements(
+            "# read ahead: each window's valid count, so each micro-batch's sum weighs by it\n"
+            f"def {reader}({items}):\n"
             f"    {window} = []\n"
-        ).body[0]
-        inner = template.body.body[3].with_changes(
-            target=loop.target, body=loop.body.visit(_Replace(self.edits.replace))
+            f"    for {each} in {items}:\n"
+            f"        {window}.append({each})\n"
+            f"        if len({window}) == {steps}:\n"
+            f"            yield from {counted}({window})\n"
+            f"            {window} = []\n"
+            f"    if {window}:\n"
+            f"        yield from {counted}({window})\n"
+            f"def {counted}({window}):\n"
+            f"    {total} = {jnp}.maximum(sum({code(count)} for {target} in {window}), 1)\n"
+            f"    return [({each}, {total}) for {each} in {window}]\n"
         )
-        body = [*template.body.body[:3], inner, template.body.body[4]]
-        self.edits.replace[loop] = loop.with_changes(body=template.body.with_changes(body=body))
-        self.edits.insert_before(statement_line(self.tree, loop), f"{window} = []\n")
+        blank = cst.EmptyLine(indent=False)  # a blank line between the two and after them
+        functions[1] = functions[1].with_changes(
+            leading_lines=[blank], body=functions[1].body.with_changes(footer=[blank])
+        )
+        self.edits.before.setdefault(statement_line(self.tree, loop), []).extend(functions)
+        self.edits.replace[loop.target] = cst.parse_expression(f"{item}, {weight}")
+        self.edits.replace[loop.iter] = cst.parse_expression(f"{reader}({code(loop.iter)})")
 
     def _visible(self, loop: cst.For) -> set[str]:
         """Names the loop's body may read: its target, and its function's parameters and locals."""
@@ -650,13 +672,13 @@ class _Microbatched:
 class OptaxPlanner(_LossFunction, _Averages, _MultiSteps, _Microbatched):
     """Turns the GA005 sites of one file into edits (see `edits.Edits`)."""
 
-    def __init__(self, tree: Tree, audit: OptaxAudit) -> None:
-        self.tree, self.audit = tree, audit
+    def __init__(self, tree: Tree, audit: OptaxAudit, unsafe: bool = False) -> None:
+        self.tree, self.audit, self.unsafe = tree, audit, unsafe
         self.tracer = audit.tracer
         self.edits = Edits()
-        taken = {n.value for n in tree.walk(tree.module) if isinstance(n, cst.Name)}
-        self.weight = _fresh("window_weight", taken)
-        self.window = _fresh("window", taken)
+        self._taken = {n.value for n in tree.walk(tree.module) if isinstance(n, cst.Name)}
+        self.weight = _fresh("window_weight", self._taken)
+        self.window = _fresh("window", self._taken)
         self._counted: set[cst.CSTNode] = set()  # accumulations that already count their window
 
     def plan(self, sites: list[Site]) -> list[Outcome]:
@@ -754,16 +776,6 @@ class _Rename(cst.CSTTransformer):
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
         value = self.values.get(updated_node.value)
         return _atom(value) if value is not None else updated_node
-
-
-class _Replace(cst.CSTTransformer):
-    """Applies node-keyed replacements inside a subtree that is itself being replaced."""
-
-    def __init__(self, replacements: dict[cst.CSTNode, cst.CSTNode]) -> None:
-        self.replacements = replacements
-
-    def on_leave(self, original_node, updated_node):
-        return self.replacements.get(original_node, updated_node)
 
 
 def _renamed(expr: cst.BaseExpression, values: dict[str, cst.BaseExpression]) -> cst.BaseExpression:
