@@ -26,6 +26,9 @@ LOOP_RUNNERS = frozenset({"pretrain", "training_main"})
 # DeepSpeed's PipelineModule takes a loss_fn too
 PIPELINE_CLASSES = TORCH_SCHEDULES | {"PipelineModule"} | LOOP_RUNNERS
 
+# Calls that start a distributed runtime, and the packages whose collectives the fixes write.
+DISTRIBUTED_STARTS = frozenset({"init_distributed", "init_process_group"})
+GATHERED_PACKAGES = frozenset({"torch", "accelerate", "lightning", "deepspeed"})
 TRAINER_MODULES = ("transformers.", "trl.")  # a `...Trainer` qualified under these is one
 
 # Default names of accumulation divisors; extend with `accumulation-names` in the config.

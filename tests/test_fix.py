@@ -1631,3 +1631,17 @@ def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix():
         "",
     )
     assert fix_source(plain.encode(), Path("train.py"), ALL).outcomes[0].applied
+
+
+def test_a_distributed_runtime_whose_collectives_fix_cannot_write_makes_it_unsafe():
+    """A file started on the processes of a runtime gaaudit does not gather for (BMTrain's
+    `bmt.init_distributed`) would count each process's window alone: the fix is unsafe, saying
+    what to gather; the same loop without that start is a safe fix."""
+    script = FIXTURES / "ga002_count_per_process_other_runtime.py"
+    source = script.read_bytes()
+    (outcome,) = fix_source(source, script, ALL).outcomes
+    assert not outcome.applied
+    assert outcome.reason.startswith("unsafe fix (the file runs on the processes of `bmt` (line")
+    assert "`bmt`'s all-reduce" in outcome.reason
+    single = source.replace(b"    bmt.init_distributed(seed=1)\n", b"")
+    assert fix_source(single, script, ALL).outcomes[0].applied

@@ -59,7 +59,7 @@ from gaaudit.fixes.edits import (
 )
 from gaaudit.fixes.lightning import _LightningWindow
 from gaaudit.fixes.read_ahead import _ReadAhead, unmoved
-from gaaudit.vocabulary import CLIPPERS
+from gaaudit.vocabulary import CLIPPERS, DISTRIBUTED_STARTS, GATHERED_PACKAGES
 
 COUNT_NOTE = "# the caller weights this mean by its count: sum and count per micro-batch"
 # why a model that takes its targets out of what it is handed is not fixed, and what to do
@@ -1764,6 +1764,22 @@ class _Owners:
             return gather, f"({dist}.get_world_size() if {dist}.is_initialized() else 1)"
         return "", ""
 
+    def _other_runtime(self) -> tuple[str, int] | None:
+        """The imported module and line of a distributed runtime the file starts, other than
+        those whose collectives the fixes write (`bmt.init_distributed(...)`); None if none."""
+        for call in self.tree.calls:
+            func = call.func
+            if not (
+                isinstance(func, cst.Attribute)
+                and func.attr.value in DISTRIBUTED_STARTS
+                and isinstance(func.value, cst.Name)
+            ):
+                continue
+            package = self.tree.imports.get(func.value.value, "").split(".")[0]
+            if package and package not in GATHERED_PACKAGES:
+                return func.value.value, self.tree.line(call)
+        return None
+
     def _distributed(self) -> str | None:
         """The local name of torch.distributed when the file trains with it, else None."""
         if "DistributedDataParallel" not in self.text and "torch.distributed" not in self.text:
@@ -2316,6 +2332,16 @@ class Planner(
             count, safe = self.count(seen)
             if not safe and not self.unsafe:
                 raise Unfixable(f"unsafe fix ({count[1]}); apply with --unsafe-fixes")
+            runtime = self._other_runtime()
+            if runtime and not self.unsafe:
+                raise Unfixable(
+                    f"unsafe fix (the file runs on the processes of `{runtime[0]}` (line "
+                    f"{runtime[1]}), whose reduction of the gradients gaaudit does not know: "
+                    "each process would count only its own window, so the processes would weigh "
+                    "equally, not by their counts); apply with --unsafe-fixes, or sum the "
+                    f"window's count over the processes with `{runtime[0]}`'s all-reduce before "
+                    "the division (and divide by their number where the gradients are averaged)"
+                )
             blocker = self._window_blocker(seen)
             siblings = self._siblings(seen, sites, ahead=bool(blocker))
             if self.lightning_module(seen) is not None:
