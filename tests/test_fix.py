@@ -1645,3 +1645,17 @@ def test_a_distributed_runtime_whose_collectives_fix_cannot_write_makes_it_unsaf
     assert "`bmt`'s all-reduce" in outcome.reason
     single = source.replace(b"    bmt.init_distributed(seed=1)\n", b"")
     assert fix_source(single, script, ALL).outcomes[0].applied
+
+
+def test_a_refusal_that_says_to_divide_the_gradients_warns_of_deepspeed():
+    """Where the file may train under DeepSpeed (it reads `deepspeed_plugin`), ZeRO keeps the
+    gradients outside `param.grad`: the refusal says to weight each backward instead."""
+    script = FIXTURES / "ga003_accelerate_step_in_helper_may_run_deepspeed.py"
+    source = script.read_bytes()
+    advice = "but under DeepSpeed, which this file may train with, ZeRO keeps the gradients"
+    (outcome,) = fix_source(source, script, ALL, unsafe=True).outcomes
+    assert not outcome.applied and advice in outcome.reason
+    assert "times the accumulation steps (DeepSpeed's backward divides by them)" in outcome.reason
+    plain = source[: source.index(b"    if accelerator.state.deepspeed_plugin")]
+    (outcome,) = fix_source(plain, script, ALL, unsafe=True).outcomes
+    assert not outcome.applied and "DeepSpeed" not in outcome.reason

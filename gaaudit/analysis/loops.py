@@ -479,12 +479,25 @@ class _Frameworks:
         )
 
     @cached_property
-    def _deepspeed_plugin_at_launch(self) -> bool:
-        plugin = any(
+    def may_run_deepspeed(self) -> bool:
+        """Whether the file may train under DeepSpeed, whose ZeRO keeps the gradients outside
+        `param.grad`: it reads an accelerator's `deepspeed_plugin`, or makes an engine."""
+        return self._reads_plugin or bool(self._deepspeed_engines)
+
+    @cached_property
+    def _reads_plugin(self) -> bool:
+        return any(
             isinstance(node, cst.Attribute) and node.attr.value == "deepspeed_plugin"
             for node in self.tree.walk(self.tree.module)
         )
-        return plugin and not self._configured_accelerator() and not self._deepspeed_config[0]
+
+    @cached_property
+    def _deepspeed_plugin_at_launch(self) -> bool:
+        return (
+            self._reads_plugin
+            and not self._configured_accelerator()
+            and not self._deepspeed_config[0]
+        )
 
     def deepspeed_engine(self, backward: Backward) -> bool:
         """Whether the backward's receiver was unpacked from `deepspeed.initialize(...)`."""

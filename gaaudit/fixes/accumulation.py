@@ -1918,6 +1918,7 @@ class _Window:
                     "sees it (on `self`, say), add each micro-batch's count to it and "
                     "backpropagate `loss * count * gradient_accumulation_steps`, then divide the "
                     "gradients once by it where `sync_gradients` is true and reset it"
+                    + self._under_deepspeed()
                 )
             if self.auditor.structure.accelerate_deepspeed(site.backward) and not self.unsafe:
                 raise Unfixable(
@@ -1955,11 +1956,24 @@ class _Window:
                 "backpropagated (it knows a step by its optimizer's name: `optimizer.step()`, "
                 "`opt_g.step()`, `adam.step()`, `scaler.step(optimizer)`), so it cannot place "
                 "the one division after the window: sum the window's valid-target count where "
-                "it steps and divide the gradients there"
+                "it steps and divide the gradients there" + self._under_deepspeed()
             )
         if window.kind == "micro-loop":
             self._cleared_before(window)
         self._prepared[window.anchor] = (site, self._optimizer(window))
+
+    def _under_deepspeed(self) -> str:
+        """What a refusal that says to divide the gradients at the step adds where the file may
+        train under DeepSpeed, whose ZeRO keeps the gradients outside `param.grad`."""
+        if not self.auditor.structure.may_run_deepspeed:
+            return ""
+        return (
+            "; but under DeepSpeed, which this file may train with, ZeRO keeps the gradients "
+            "outside `param.grad`, where no division reaches them: count the window's valid "
+            "targets before it runs instead, and backpropagate each micro-batch's loss sum "
+            "divided by that count, times the accumulation steps (DeepSpeed's backward divides "
+            "by them)"
+        )
 
     def _cleared_before(self, window: Window) -> None:
         """Refuse a micro-step loop whose gradients its function's caller steps (`_after_calls`)
@@ -2109,7 +2123,7 @@ class _Window:
             names = " and ".join(f"`{name}`" for name in stepped)
             raise Unfixable(
                 f"the window steps {len(stepped)} optimizers, {names}: divide the gradients "
-                "of each once, before their steps, by the window's count"
+                "of each once, before their steps, by the window's count" + self._under_deepspeed()
             )
         if stepped:
             name, (optimizer, call, region) = next(iter(stepped.items()))
@@ -2124,6 +2138,7 @@ class _Window:
                 f"the optimizer steps inside `{code(helpers[0].func)}()` (line "
                 f"{self.tree.line(helpers[0])}); gaaudit rewrites a window whose step it sees "
                 "in the same function: divide the gradients there by the window's token count"
+                + self._under_deepspeed()
             )
         raise Unfixable(
             f"no optimizer step is visible in the window of line {self.tree.line(window.anchor)}, "
