@@ -1615,14 +1615,18 @@ def main(model, loader, optimizer):
 """
 
 
-def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix():
+@pytest.mark.parametrize(
+    "accelerator", ["Accelerator()", "Accelerator(gradient_accumulation_steps=4)"]
+)
+def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix(accelerator):
     """A file that reads `deepspeed_plugin` may run under ZeRO, whose gradients are not in
-    `param.grad`: the one division at `sync_gradients` would miss them while the backward is
-    weighted by the count, so the fix is unsafe, saying so; without the plugin it is safe."""
-    source = ACCUMULATE_UNDER_DEEPSPEED.encode()
+    `param.grad`, whether or not it sets K itself: the one division at `sync_gradients` would
+    miss them while the backward is weighted by the count, so the fix is unsafe, saying so;
+    without the plugin it is safe."""
+    source = ACCUMULATE_UNDER_DEEPSPEED.replace("Accelerator()", accelerator).encode()
     (outcome,) = fix_source(source, Path("train.py"), ALL).outcomes
     assert not outcome.applied
-    assert outcome.reason.startswith("unsafe fix (the file runs its accelerator with DeepSpeed")
+    assert outcome.reason.startswith("unsafe fix (the file may train under DeepSpeed")
     unsafe = fix_source(source, Path("train.py"), ALL, unsafe=True)
     assert "param.grad.div_(" in unsafe.after.decode()
     plain = ACCUMULATE_UNDER_DEEPSPEED.replace(

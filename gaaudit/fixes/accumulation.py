@@ -1920,10 +1920,10 @@ class _Window:
                     "gradients once by it where `sync_gradients` is true and reset it"
                     + self._under_deepspeed()
                 )
-            if self.auditor.structure.accelerate_deepspeed(site.backward) and not self.unsafe:
+            if self.auditor.structure.may_run_deepspeed and not self.unsafe:
                 raise Unfixable(
-                    "unsafe fix (the file runs its accelerator with DeepSpeed when launched so "
-                    "(`deepspeed_plugin`), whose ZeRO keeps the gradients outside `param.grad`, "
+                    "unsafe fix (the file may train under DeepSpeed (it reads `deepspeed_plugin` "
+                    "or makes an engine), whose ZeRO keeps the gradients outside `param.grad`, "
                     "where the one division at `sync_gradients` would not reach them: assumes a "
                     "run without DeepSpeed); apply with --unsafe-fixes"
                 )
