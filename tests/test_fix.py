@@ -1406,6 +1406,56 @@ def test_an_optimizer_that_backpropagates_itself_is_not_divided_before_its_step(
     assert all(o.applied for o in fix_source(plain.read_bytes(), plain, ALL).outcomes)
 
 
+READ_AHEAD_EPOCH = """
+from transformers import GPT2LMHeadModel
+
+K = 4
+
+
+def train_epoch(model: GPT2LMHeadModel, loader, optimizer):
+    for i, (input_ids, labels) in enumerate(loader):
+        out = model(input_ids, labels=labels)
+        loss = (out.loss + out.aux_loss) / K
+        loss.backward()
+        if (i + 1) % K == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def main(model, loader, optimizer, epochs):
+    for epoch in range(epochs):
+        train_epoch(model, loader, optimizer)
+"""
+
+
+@pytest.mark.parametrize(
+    "old, new, safe",
+    [
+        ("", "", False),  # a pass's short last window goes on into the next call's first
+        ("    for i,", "    optimizer.zero_grad()\n    for i,", True),  # cleared first
+        ("(i + 1) % K == 0", "(i + 1) % K == 0 or i == len(loader) - 1", True),  # steps at its end
+        ("        train_epoch(", "        optimizer.zero_grad()\n        train_epoch(", True),
+        ("    for epoch in range(epochs):\n    ", "", True),  # called once
+    ],
+    ids=["carried", "cleared-first", "steps-at-end", "caller-clears", "no-caller-loop"],
+)
+def test_a_window_read_ahead_in_a_function_its_caller_runs_again(old, new, safe):
+    """`train_epoch(model, loader, optimizer)`, called by an epoch loop: where neither it nor
+    the caller's loop clears the gradients between passes and the step's guard does not hold at
+    a pass's end, a short last window goes on into the next pass, which reading ahead per pass
+    counts as two windows: the fix is unsafe, naming the caller's loop and the call."""
+    source = READ_AHEAD_EPOCH.replace(old, new)
+    assert source != READ_AHEAD_EPOCH or not safe
+    (outcome,) = fix_source(source.encode(), Path("x.py"), ALL, False).outcomes
+    assert outcome.applied is safe, outcome.reason
+    if not safe:
+        assert (
+            "reading the window ahead: unsafe fix (the loop on line 18 runs this one again by "
+            "calling `train_epoch()` and does not clear the gradients" in outcome.reason
+        )
+    assert "read_ahead(enumerate(loader))" in fixed(source.encode(), unsafe=True).decode()
+
+
 def test_a_batch_moved_and_unpacked_in_the_loop_is_counted_ahead_as_drawn():
     """`batch = tuple(t.cuda() for t in batch)` then `ids, labels, *_ = batch`: the reader
     counts `batch[1]`, the same elements as the loop's `labels`, on the batch as drawn."""

@@ -348,6 +348,56 @@ def test_multisteps_loop_run_again_by_an_outer_loop_is_an_unsafe_fix():
     assert outcomes[0][2] and "read_ahead(batches)" in text
 
 
+OPTAX_EPOCHS = """\
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def loss_fn(params, batch):
+        losses = per_token(params, batch)
+        return jnp.mean(losses, where=batch["valid"])
+
+    def step(params, state, batch, tx):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    def run_epoch(params, state, batches, tx):
+        for batch in batches:
+            params, state, loss = step(params, state, batch, tx)
+        return params, state
+
+    def train(params, batches, epochs):
+        tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)
+        state = tx.init(params)
+        for epoch in range(epochs):{fresh}
+            params, state = run_epoch(params, state, batches, tx)
+        return params
+    """
+
+
+@pytest.mark.parametrize(
+    "fresh", ["", "\n            state = tx.init(params)"], ids=["carried", "fresh"]
+)
+def test_multisteps_loop_in_a_function_its_caller_runs_again(fresh):
+    """`run_epoch(params, state, ...)`, handed the MultiSteps state and returning it, called by
+    an epoch loop: a pass's short last window goes on into the next pass, so reading ahead per
+    pass is an unsafe fix, naming the caller's loop and the call; where the caller's loop starts
+    the state anew (`tx.init`) before each pass, the short window is dropped and the fix is safe."""
+    source = OPTAX_EPOCHS.format(fresh=fresh)
+    text, outcomes = fix(source, unsafe=False)
+    ((_, code, applied, why),) = outcomes
+    assert code == "GA005" and applied is bool(fresh), why
+    if not fresh:
+        assert (
+            "unsafe fix (the loop on line 22 runs this one again by calling `run_epoch()`, and "
+            "MultiSteps carries a pass's last window" in why
+        )
+        assert text == textwrap.dedent(source)
+    text, outcomes = fix(source, unsafe=True)
+    assert outcomes[0][2] and "read_ahead(batches)" in text
+
+
 def test_the_readme_test_command_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     command = next(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -12,6 +12,7 @@ from typing import Literal
 import libcst as cst
 
 from gaaudit.analysis.tree import (
+    DEFS,
     LOOPS,
     Tree,
     code,
@@ -180,7 +181,7 @@ class _WindowFinding:
         function = self.tree.scope_of(node)
         if not isinstance(function, cst.FunctionDef):
             return ()
-        return tuple(s for call in self.calls_of(function) for s in self._after(call))
+        return tuple(s for call in calls_of(self.tree, function) for s in self._after(call))
 
     def _reads_grad(self, region: cst.CSTNode, activations: bool = True) -> bool:
         """Whether `region` reads a `.grad`; not `activations`: leave out a micro-batch's
@@ -266,7 +267,7 @@ class _WindowFinding:
         after the loop (`for micro in micro_batches: loss = self.backward_step(micro)`)."""
         if self.steps_in(function):
             return None
-        for call in self.calls_of(function):
+        for call in calls_of(self.tree, function):
             scope = self.tree.scope_of(call)
             loop = next((a for a in self.tree.ancestors(call) if isinstance(a, LOOPS)), None)
             if loop is None or not self._inside(loop, scope):
@@ -281,22 +282,10 @@ class _WindowFinding:
                 return found
         return None
 
-    def calls_of(self, function: cst.FunctionDef) -> list[cst.Call]:
-        """The calls of the file, outside `function`, of that function (`helper(...)`,
-        `self.helper(...)`) where the file defines it once."""
-        name = function.name.value
-        if self.tree.functions.get(name) is not function:
-            return []
-        return [
-            call
-            for call in self.tree.calls
-            if _helper_name(call.func) == name and not self._inside(call, function)
-        ]
-
     def _accumulating_call(self, function: cst.FunctionDef) -> cst.With | None:
         """The `with accelerator.accumulate(...)` block holding a call of `function`, a
         same-file function that computes the loss and calls backward itself."""
-        for call in self.calls_of(function):
+        for call in calls_of(self.tree, function):
             block = next((a for a in self.tree.ancestors(call) if self._is_accumulate(a)), None)
             if block is not None:
                 return block
@@ -887,6 +876,57 @@ def _range_length(args: list[cst.BaseExpression]) -> cst.BaseExpression | None:
     ):
         return stop.left
     return None
+
+
+def calls_of(tree: Tree, function: cst.FunctionDef) -> list[cst.Call]:
+    """The calls of the file, outside `function`, of that function (`helper(...)`,
+    `self.helper(...)`) where the file defines it once."""
+    name = function.name.value
+    if tree.functions.get(name) is not function:
+        return []
+    return [
+        call
+        for call in tree.calls
+        if _helper_name(call.func) == name and not tree.contains(function, call)
+    ]
+
+
+def run_again(
+    tree: Tree, loop: cst.CSTNode, clears: Callable[[cst.CSTNode], bool]
+) -> cst.For | cst.While | None:
+    """The loop that runs `loop` again with nothing between two passes that `clears` (the
+    gradients, the accumulator's state): the loop around it in its function or, where there is
+    none, a loop around a same-file call of that function (`for epoch in range(E):
+    train_epoch(model, loader, optimizer)`), as far up the callers as they go; None where
+    every pass starts anew."""
+    return _run_again(tree, loop, clears, set())
+
+
+def _run_again(
+    tree: Tree,
+    inner: cst.CSTNode,
+    clears: Callable[[cst.CSTNode], bool],
+    seen: set[cst.FunctionDef],
+) -> cst.For | cst.While | None:
+    outer = next((a for a in tree.ancestors(inner) if isinstance(a, (*LOOPS, *DEFS))), None)
+    if not isinstance(outer, (*LOOPS, cst.FunctionDef)) or any(
+        clears(node) and not tree.contains(inner, node)
+        for node in tree.walk(outer, into_defs=False)
+    ):
+        return None
+    if isinstance(outer, LOOPS):
+        return outer
+    if outer in seen:
+        return None
+    seen.add(outer)
+    return next(
+        (
+            found
+            for call in calls_of(tree, outer)
+            if (found := _run_again(tree, call, clears, seen))
+        ),
+        None,
+    )
 
 
 def _helper_name(func: cst.BaseExpression) -> str | None:

@@ -13,7 +13,15 @@ import libcst as cst
 from gaaudit import catalogue
 from gaaudit.analysis.domain import Domains
 from gaaudit.analysis.evidence import Evidence
-from gaaudit.analysis.loops import Backward, Pipeline, Structure, Window, accumulates, runner
+from gaaudit.analysis.loops import (
+    Backward,
+    Pipeline,
+    Structure,
+    Window,
+    accumulates,
+    calls_of,
+    runner,
+)
 from gaaudit.analysis.provenance import Division, Origin, Tracer, argument_for
 from gaaudit.analysis.repository import Imports
 from gaaudit.analysis.tree import Tree, code, depends_on, dotted, keyword, last_name, string_value
@@ -246,7 +254,7 @@ class _Divisors:
         if divisor.value not in names:
             return False
         index = names.index(divisor.value)
-        calls = self.structure.calls_of(function)
+        calls = calls_of(self.tree, function)
         loop = window.loop
         calls = [c for c in calls if loop is not None and self.tree.contains(loop, c)] or calls
         given = [argument_for(c, index, divisor.value) for c in calls]

@@ -10,7 +10,7 @@ from pathlib import Path
 import libcst as cst
 
 from gaaudit.analysis.domain import Domains, shifts_labels
-from gaaudit.analysis.loops import Window, is_step, runner
+from gaaudit.analysis.loops import Window, calls_of, is_step, run_again, runner
 from gaaudit.analysis.provenance import (
     TOKEN_LOSSES,
     Origin,
@@ -1466,7 +1466,7 @@ class _HelperWindow:
         name, loop = helper.name.value, site.window.loop
         where = f"`{name}()` (line {self.tree.line(helper)}), which the loop of line "
         where += f"{self.tree.line(loop)} calls once per micro-batch"
-        calls = [c for c in self.auditor.structure.calls_of(helper) if self.tree.contains(loop, c)]
+        calls = [c for c in calls_of(self.tree, helper) if self.tree.contains(loop, c)]
         returned = self._return_of(helper)
         if len(calls) != 1:
             raise Unfixable(
@@ -2075,17 +2075,11 @@ class _Window:
         around it (epochs) whose turns leave a short last window's gradients in place (no
         `zero_grad`, no new optimizer), where that window goes on into the next turn and so
         must its count."""
-        home = window.loop
-        for outer in self.tree.ancestors(window.loop):
-            if isinstance(outer, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-                break
-            if isinstance(outer, (cst.For, cst.While)):
-                if any(
-                    not self.tree.contains(home, node) and self._clears(node, optimizer)
-                    for node in self.tree.walk(outer, into_defs=False)
-                ):
-                    break
-                home = outer
+        home, scope = window.loop, self.tree.scope_of(window.loop)
+        while (
+            outer := run_again(self.tree, home, lambda node: self._clears(node, optimizer))
+        ) is not None and self.tree.scope_of(outer) is scope:
+            home = outer
         return home
 
     @staticmethod

@@ -135,6 +135,16 @@ def statement_line(tree: Tree, node: cst.CSTNode) -> cst.CSTNode:
     raise Unfixable("cannot find the statement to rewrite")
 
 
+def runs_again(tree: Tree, outer: cst.CSTNode, loop: cst.CSTNode) -> str:
+    """Says that the loop `outer` (`loops.run_again`) runs `loop` again, and through which
+    call of `loop`'s function where it is in another function."""
+    said = f"the loop on line {tree.line(outer)} runs this one again"
+    function = tree.scope_of(loop)
+    if isinstance(function, cst.FunctionDef) and not tree.contains(function, outer):
+        said += f" by calling `{function.name.value}()`"
+    return said
+
+
 def copy_edits(edits: Edits) -> Edits:
     """A copy to restore when a finding turns out unfixable half-way through planning."""
     return Edits(

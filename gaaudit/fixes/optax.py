@@ -21,10 +21,12 @@ A fix is offered only where the loss function, its mask and the window's data ar
 from __future__ import annotations
 
 import builtins
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import libcst as cst
 
+from gaaudit.analysis.loops import run_again
 from gaaudit.analysis.tree import (
     DEFS,
     Tree,
@@ -43,6 +45,7 @@ from gaaudit.fixes.edits import (
     Unfixable,
     copy_edits,
     parsed_statements,
+    runs_again,
     statement_line,
     with_argument,
     with_parameter,
@@ -414,17 +417,14 @@ class _MultiSteps:
             raise Unfixable(
                 "the loop breaks out early; reading windows ahead would change what it trains"
             )
-        outer = next(
-            (a for a in self.tree.ancestors(loop) if isinstance(a, (cst.For, cst.While, *DEFS))),
-            None,
-        )
-        if isinstance(outer, (cst.For, cst.While)) and not self.unsafe:
+        outer = run_again(self.tree, loop, self._fresh_state(site.node))
+        if outer is not None and not self.unsafe:
             raise Unfixable(
-                f"unsafe fix (the loop on line {self.tree.line(outer)} runs this one again, and "
-                "MultiSteps carries a pass's last window, cut short, into the next pass's first; "
-                "reading ahead counts the two parts as two windows, right only where every pass "
-                "holds whole windows (a loader whose length is a multiple of the accumulation "
-                "steps)); apply with --unsafe-fixes"
+                f"unsafe fix ({runs_again(self.tree, outer, loop)}, and MultiSteps carries a "
+                "pass's last window, cut short, into the next pass's first; reading ahead counts "
+                "the two parts as two windows, right only where every pass holds whole windows "
+                "(a loader whose length is a multiple of the accumulation steps)); apply with "
+                "--unsafe-fixes"
             )
         for function in (mean.function, step):
             _plain_signature(function)
@@ -451,6 +451,22 @@ class _MultiSteps:
             "the loop reads each window of micro-batches ahead and counts its mask, the loss divides "
             "its masked sum by that count, and MultiSteps sums (`use_grad_mean=False`); a last "
             "window cut short is counted alone"
+        )
+
+    def _fresh_state(self, multisteps: cst.Call) -> Callable[[cst.CSTNode], bool]:
+        """Whether a node starts the MultiSteps state anew (`state = tx.init(params)` of
+        `tx = optax.MultiSteps(...)`), dropping a window a pass's end cut short."""
+        statement = self.tree.parents.get(multisteps)
+        names = (
+            {code(t.target) for t in statement.targets}
+            if isinstance(statement, cst.Assign)
+            else set()
+        )
+        return lambda node: (
+            isinstance(node, cst.Call)
+            and isinstance(node.func, cst.Attribute)
+            and node.func.attr.value == "init"
+            and code(node.func.value) in names
         )
 
     def _keep_value(self, mean: MaskedMean, call: cst.Call, weight: str) -> None:

@@ -12,9 +12,9 @@ import re
 
 import libcst as cst
 
+from gaaudit.analysis.loops import run_again
 from gaaudit.analysis.tree import (
     ATOMS,
-    DEFS,
     assigned_value,
     code,
     dotted,
@@ -25,7 +25,14 @@ from gaaudit.analysis.tree import (
 )
 from gaaudit.checks.accumulation import Site
 from gaaudit.checks.versions import admits
-from gaaudit.fixes.edits import Unfixable, atom, indented, parsed_statements, statement_line
+from gaaudit.fixes.edits import (
+    Unfixable,
+    atom,
+    indented,
+    parsed_statements,
+    runs_again,
+    statement_line,
+)
 from gaaudit.vocabulary import MOVERS
 
 AHEAD_NOTE = "# read ahead: each micro-batch's share of its window's valid targets, before backward"
@@ -120,12 +127,12 @@ class _ReadAhead:
         outer = None if engine else self._carried_into(site, loop, test)
         if outer is not None and not self.unsafe:
             raise Unfixable(
-                f"unsafe fix (the loop on line {self.tree.line(outer)} runs this one again and "
-                "does not clear the gradients between its passes, so a pass's last window, cut "
-                "short, goes on into the next pass's first; reading ahead counts the two parts "
-                "as two windows, right only where every pass holds whole windows (a loader "
-                "whose length is a multiple of the accumulation steps)); apply with "
-                "--unsafe-fixes, or step or clear the gradients after each pass"
+                f"unsafe fix ({runs_again(self.tree, outer, loop)} and does not clear the "
+                "gradients between its passes, so a pass's last window, cut short, goes on into "
+                "the next pass's first; reading ahead counts the two parts as two windows, right "
+                "only where every pass holds whole windows (a loader whose length is a multiple "
+                "of the accumulation steps)); apply with --unsafe-fixes, or step or clear the "
+                "gradients after each pass"
             )
         self.edits.replace[site.backward.loss] = term
         for sibling in siblings:  # `if fp16: optimizer.backward(loss)` / `else: loss.backward()`
@@ -216,21 +223,16 @@ class _ReadAhead:
     def _carried_into(
         self, site: Site, loop: cst.For, test: cst.BaseExpression
     ) -> cst.For | cst.While | None:
-        """The loop around `loop` (of the same function) whose next turn goes on with the
-        window a turn's end cut short, its gradients left in place; None if there is none or
-        the step's `test` also holds at a turn's last micro-batch (`or i == len(loader) - 1`).
-        (A DeepSpeed engine's window goes on by its own count of micro-steps, which the reader
-        follows: each part then weighs as its micro-batches do in the original.)"""
-        outer = next(
-            (a for a in self.tree.ancestors(loop) if isinstance(a, (cst.For, cst.While, *DEFS))),
-            None,
-        )
-        if not isinstance(outer, (cst.For, cst.While)):
-            return None
+        """The loop that runs `loop` again (`run_again`: around it, or around a same-file call
+        of its function) whose next pass goes on with the window a pass's end cut short, its
+        gradients left in place; None if there is none or the step's `test` also holds at a
+        pass's last micro-batch (`or i == len(loader) - 1`). (A DeepSpeed engine's window goes
+        on by its own count of micro-steps, which the reader follows: each part then weighs as
+        its micro-batches do in the original.)"""
         if any(_at_length(term, loop) for term in _disjuncts(test)):
             return None
-        home = self._count_home(site.window, self._optimizer(site.window))
-        return None if home is loop else outer
+        optimizer = self._optimizer(site.window)
+        return run_again(self.tree, loop, lambda node: self._clears(node, optimizer))
 
     def _engine_loop(self, site: Site, engine: str) -> tuple[cst.For, cst.Call]:
         """The loop whose every micro-batch a DeepSpeed engine backpropagates and steps, and
