@@ -11,10 +11,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import libcst as cst
 import pytest
 from conftest import FIXTURES, gaaudit
 
-from gaaudit.analysis.tree import Tree
+from gaaudit.analysis.provenance import Tracer
+from gaaudit.analysis.tree import Tree, argument_for, call_parameters, code, methods_of
 from gaaudit.checks.context import Context, run
 from gaaudit.checks.engine import check_file
 from gaaudit.config import Settings
@@ -561,6 +563,31 @@ def test_the_callers_instance_decides_and_its_files_are_dependencies(tmp_path):
     assert rows(check_file(engine, ALL)) == [(12, "GA001", "low")]
 
 
+def test_a_keyword_only_parameter_is_found_in_its_callers_call(tmp_path):
+    """`train_one_epoch(..., *, model)`, called with `model=model`: the caller's instance is
+    read as for a positional one (it was an internal error)."""
+    folder = tmp_path / "pkg"
+    shutil.copytree(FIXTURES / "ga001_xmod_loss_scaler_callers", folder)
+    for name, old, new in (
+        (
+            "engine.py",
+            "(model: torch.nn.Module, loader, optimizer, loss_scaler, accum_iter)",
+            "(loader, optimizer, loss_scaler, accum_iter, *, model: torch.nn.Module)",
+        ),
+        (
+            "main.py",
+            "(model, loader, optimizer, LossScaler(), args.accum_iter)",
+            "(loader, optimizer, LossScaler(), args.accum_iter, model=model)",
+        ),
+    ):
+        path = folder / name
+        assert old in path.read_text()
+        path.write_text(path.read_text().replace(old, new))
+    report = check_file(folder / "engine.py", ALL)
+    assert rows(report) == [(12, "GA001", "medium")]
+    assert "returned by `TinyLM.forward()` imported from `model`" in report.findings[0].evidence[0]
+
+
 TRIMMED = FIXTURES / "ga001_xmod_model_trims_its_labels"
 
 
@@ -866,10 +893,23 @@ LIFTED_LOOP = """\
     ],
 )
 def test_a_count_is_lifted_only_when_the_call_can_name_it(tmp_path, body, call, count):
+    _lifted(tmp_path, LIFTED_MODEL.format(body=body), call, count)
+
+
+def test_a_keyword_only_parameter_after_args_is_lifted_from_its_keyword(tmp_path):
+    """`forward(self, features, *extra, labels)`: `labels` is passed by keyword only."""
+    body = "return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1)"
+    model = LIFTED_MODEL.format(body=body).replace("features, labels)", "features, *extra, labels)")
+    call = 'loss = model(batch["x"], labels=batch["y"])'
+    _lifted(tmp_path, model, call, '(batch["y"].flatten() != -1).sum()')
+
+
+def _lifted(tmp_path: Path, model: str, call: str, count: str | None) -> None:
+    """The fix of LIFTED_LOOP with `call` of `model`: counts `count` at the call, or refused."""
     root = write(
         tmp_path,
         {
-            "model.py": LIFTED_MODEL.format(body=body),
+            "model.py": model,
             "train.py": LIFTED_LOOP.format(call=call),
         },
     )
@@ -880,6 +920,67 @@ def test_a_count_is_lifted_only_when_the_call_can_name_it(tmp_path, body, call, 
         assert not outcome.applied and outcome.reason
     else:
         assert outcome.applied and f"micro_tokens = {count}\n" in result.after.decode()
+
+
+# Parameters a call passes ------------------------------------------------------------------
+
+SIGNATURES = b"""\
+def plain(a, /, b, *rest, c, **options): ...
+
+
+class Owner:
+    def method(self, a, b): ...
+
+    @classmethod
+    def build(klass, a, b): ...
+
+    @staticmethod
+    def static(a, b): ...
+
+    @classmethod
+    def kl(cls, p, /, q, *, mask):
+        return (p * mask).sum() / mask.sum()
+
+
+Owner.kl(a, b, mask=batch["mask"])
+"""
+
+
+def _function(tree: Tree, name: str) -> cst.FunctionDef:
+    owner = next(s for s in tree.module.body if isinstance(s, cst.ClassDef))
+    return tree.functions.get(name) or methods_of(owner)[name]
+
+
+@pytest.mark.parametrize(
+    "name, call, passed",
+    [
+        ("plain", "plain(1, 2, 3, c=4)", {"a": "1", "b": "2", "c": "4"}),
+        ("plain", "plain(1, 2, a=5, c=4)", {"a": "1", "b": "2", "c": "4"}),  # `a=5`: `options`
+        ("plain", "plain(1, 2, 4)", {"a": "1", "b": "2"}),  # `c` is never positional
+        ("plain", "plain(*xs, b=2)", {"b": "2"}),  # `*xs` may hold `a`
+        ("method", "owner.method(1, 2)", {"a": "1", "b": "2"}),
+        ("build", "Owner.build(1, b=2)", {"a": "1", "b": "2"}),
+        ("static", "Owner.static(1, 2)", {"a": "1", "b": "2"}),
+    ],
+)
+def test_each_parameter_is_the_argument_a_call_passes_for_it(name, call, passed):
+    function = _function(Tree(parse(SIGNATURES), SIGNATURES), name)
+    found = {
+        parameter.name: code(argument)
+        for parameter in call_parameters(function).values()
+        if (argument := argument_for(cst.parse_expression(call), parameter)) is not None
+    }
+    assert found == passed
+
+
+def test_a_count_is_read_at_the_call_of_a_classmethod_through_every_kind_of_parameter():
+    """`kl(cls, p, /, q, *, mask)`: `cls` is the receiver's, `mask` passed by keyword."""
+    tree = Tree(parse(SIGNATURES), SIGNATURES)
+    function = _function(tree, "kl")
+    (returned,) = (n.value for n in tree.walk(function) if isinstance(n, cst.Return))
+    call = tree.module.body[-1].body[0].value
+    lifted = Tracer(tree).at_call(returned, function, call)
+    assert lifted is not None and code(lifted) == '(a * batch["mask"]).sum() / batch["mask"].sum()'
 
 
 # A loss function of another module returns its count too ----------------------------------

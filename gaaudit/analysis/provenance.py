@@ -14,6 +14,8 @@ import libcst as cst
 
 from gaaudit.analysis.tree import (
     Tree,
+    argument_for,
+    call_parameters,
     code,
     dotted,
     keyword,
@@ -271,16 +273,12 @@ def _settled(
     `call`: passed there, or their defaults; not those it `rebound`s. Nothing without a call."""
     if call is None:
         return None, {}
-    names = [p.name.value for p in helper.params.params]
-    skip = 1 if names[:1] == ["self"] else 0
     values = {}
-    for param in (*helper.params.params, *helper.params.kwonly_params):
-        name = param.name.value
-        index = names.index(name) - skip if name in names else -1
-        passed = argument_for(call, index, name) if index >= 0 else keyword(call, name)
+    for name, parameter in call_parameters(helper).items():
+        passed = argument_for(call, parameter)
         if passed is None and any(a.star for a in call.args):
             continue  # perhaps in `*args` or `**kwargs`
-        value = passed or param.default
+        value = passed or parameter.default
         if value is not None and name not in rebound and (literal := _evaluated(value)):
             values[name] = literal[0]
     return helper, values
@@ -312,16 +310,6 @@ def _decided(test: cst.BaseExpression, values: dict[str, object]) -> bool | None
         if isinstance(target.operator, cst.NotEqual):
             return values[test.left.value] != right[0]
     return None
-
-
-def argument_for(call: cst.Call, index: int, name: str) -> cst.BaseExpression | None:
-    """The argument a call passes for its `index`-th parameter (`self` left out), `name`,
-    when it can be told."""
-    by_name = keyword(call, name)
-    if by_name is not None or any(arg.star for arg in call.args):
-        return by_name
-    args = positional(call)
-    return args[index] if index < len(args) else None
 
 
 TOKEN_LOSSES = ("cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss")
@@ -496,12 +484,12 @@ class _Calls:
         its micro-batch (`masked_nll(lp, m, m.sum())`) is a mean."""
         if call is None or not found.divisions:
             return found
-        names = [p.name.value for p in helper.params.params]
-        names = names[1:] if names[:1] == ["self"] else names
+        parameters = call_parameters(helper)
         divisions = []
         for division in found.divisions:
             name = division.divisor.value if isinstance(division.divisor, cst.Name) else None
-            passed = argument_for(call, names.index(name), name) if name in names else None
+            parameter = parameters.get(name)
+            passed = argument_for(call, parameter) if parameter is not None else None
             if passed is None:
                 divisions.append(division)
             elif found.kind == "sum" and self._per_micro_batch(call, passed):
@@ -565,10 +553,10 @@ class _Calls:
             return None
         if self.tree.module.body.count(function) == 0:  # a method or a nested function
             return None
-        names = [p.name.value for p in function.params.params]
-        return self.imports.passed_origin(
-            function.name.value, names.index(func.value), func.value, call, index
-        )
+        parameter = call_parameters(function).get(func.value)
+        if parameter is None:  # `*args`, `**kwargs`
+            return None
+        return self.imports.passed_origin(function.name.value, parameter, call, index)
 
     def annotated_class(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
         """The class a callee's parameter is annotated with (`model: SoundStorm`), followed
@@ -865,12 +853,10 @@ class _Counts:
         inner = self.inlined(expr, function)
         if inner is None:
             return None
-        names = [p.name.value for p in function.params.params]
-        names = names[1:] if names[:1] == ["self"] else names
         passed = {
             name: argument
-            for index, name in enumerate(names)
-            if (argument := argument_for(call, index, name)) is not None
+            for name, parameter in call_parameters(function).items()
+            if (argument := argument_for(call, parameter)) is not None
             and not any(isinstance(n, cst.Call) for n in walk(argument))
         }
         if not variables(inner) - {"torch"} <= passed.keys():

@@ -24,8 +24,19 @@ import libcst as cst
 
 from gaaudit.analysis.evidence import scan
 from gaaudit.analysis.jaxtrace import tracer_for
-from gaaudit.analysis.provenance import Division, Kind, Origin, Tracer, argument_for, unguarded
-from gaaudit.analysis.tree import Tree, code, dotted, positional, substituted, variables, walk
+from gaaudit.analysis.provenance import Division, Kind, Origin, Tracer, unguarded
+from gaaudit.analysis.tree import (
+    Parameter,
+    Tree,
+    argument_for,
+    call_parameters,
+    code,
+    dotted,
+    positional,
+    substituted,
+    variables,
+    walk,
+)
 from gaaudit.discover.focus import focus
 from gaaudit.discover.modules import MAX_HOPS, Dependency, file_digest, locate, shown
 from gaaudit.discover.source import SourceError, parse
@@ -60,10 +71,9 @@ class Summary:
     is_class: bool
     value: Returned | None  # the first return value that is a loss
     items: tuple[Returned, ...]  # the elements of a returned tuple
-    parameters: tuple[str, ...]  # in call order, `self` left out
+    parameters: tuple[Parameter, ...]  # those a call passes, in order
     variable: str  # a sign of variable valid-token counts in the helper's code, and where
     passes: int | None = None  # the parameter it returns as it came (`return model`)
-    defaults: tuple[tuple[str, str], ...] = ()  # parameters with a literal default, its code
 
 
 @dataclass(frozen=True)
@@ -155,7 +165,7 @@ class Repository:
         if function is None:
             return None, frozenset(imports.dependencies)
         tracer = tracer_for(tree, imports)
-        parameters = _parameters(function)
+        parameters = tuple(call_parameters(function).values())
         values = [_tupled(tracer, value) for value in tracer.returns(function)]
         returned = [_returned(tracer, value, function, parameters) for value in values]
         tuples = [v for v in values if isinstance(v, (cst.Tuple, cst.List))]
@@ -176,14 +186,7 @@ class Repository:
             (i for v in values if (i := _passed_through(tracer, v, parameters)) is not None),
             None,
         )
-        defaults = tuple(
-            (p.name.value, code(p.default))
-            for p in function.params.params
-            if p.default is not None and _literal(p.default)
-        )
-        summary = Summary(
-            path, label, is_class, value, items, parameters, variable, passes, defaults
-        )
+        summary = Summary(path, label, is_class, value, items, parameters, variable, passes)
         return summary, frozenset(imports.dependencies)
 
 
@@ -194,16 +197,6 @@ def _top_level(tree: Tree, name: str) -> cst.FunctionDef | cst.ClassDef | None:
     return None
 
 
-def _parameters(function: cst.FunctionDef) -> tuple[str, ...]:
-    """The parameters a call can pass, in call order, `self` left out: the keyword-only ones
-    last, unless `*args` stands before them (it takes the extra positional arguments)."""
-    params = function.params
-    named = [*params.posonly_params, *params.params]
-    if not isinstance(params.star_arg, cst.Param):
-        named += params.kwonly_params
-    return tuple(p.name.value for p in named if p.name.value != "self")
-
-
 def _loss_method(cls: cst.ClassDef) -> cst.FunctionDef | None:
     """The `forward` (or `__call__`) of a loss class."""
     methods = {m.name.value: m for m in cls.body.body if isinstance(m, cst.FunctionDef)}
@@ -211,7 +204,7 @@ def _loss_method(cls: cst.ClassDef) -> cst.FunctionDef | None:
 
 
 def _passed_through(
-    tracer: Tracer, value: cst.BaseExpression, parameters: tuple[str, ...], hops: int = 4
+    tracer: Tracer, value: cst.BaseExpression, parameters: tuple[Parameter, ...], hops: int = 4
 ) -> int | None:
     """The parameter a returned value is, through the names it is bound to and wrappers that
     take it first (`model = DataParallel(model)`; `return model`)."""
@@ -224,7 +217,7 @@ def _passed_through(
         return None
     bound = tracer.binding(value.value, value)
     if isinstance(bound, cst.Param):
-        return parameters.index(value.value) if value.value in parameters else None
+        return _parameter_index(value, parameters)
     if isinstance(bound, cst.Assign) and len(bound.targets) == 1:
         return _passed_through(tracer, bound.value, parameters, hops - 1)
     return None
@@ -243,7 +236,7 @@ def _returned(
     tracer: Tracer,
     expr: cst.BaseExpression,
     function: cst.FunctionDef,
-    parameters: tuple[str, ...],
+    parameters: tuple[Parameter, ...],
 ) -> Returned:
     origin = tracer.origin(expr)
     count = tracer.valid_count(origin)
@@ -252,11 +245,7 @@ def _returned(
     lifted = tracer.inlined(count, function) if count is not None else None
     line = tracer.tree.line(origin.source) if origin.source is not None and origin.tree else None
     divisors = tuple(
-        (
-            code(d.divisor),
-            parameters.index(d.divisor.value) if _names_parameter(d.divisor, parameters) else None,
-        )
-        for d in origin.divisions
+        (code(d.divisor), _parameter_index(d.divisor, parameters)) for d in origin.divisions
     )
     return Returned(
         origin.kind,
@@ -286,8 +275,10 @@ def _averaged_over(
     return code(lifted) if lifted is not None else "?"
 
 
-def _names_parameter(expr: cst.BaseExpression, parameters: tuple[str, ...]) -> bool:
-    return isinstance(expr, cst.Name) and expr.value in parameters
+def _parameter_index(expr: cst.BaseExpression, parameters: tuple[Parameter, ...]) -> int | None:
+    """Which of `parameters` the name `expr` is, if any."""
+    names = [p.name for p in parameters]
+    return names.index(expr.value) if isinstance(expr, cst.Name) and expr.value in names else None
 
 
 def _variable_sign(tree: Tree, function: cst.FunctionDef, label: str, path: Path) -> str:
@@ -307,7 +298,7 @@ class _Callers:
     it."""
 
     def passed_origin(
-        self, function: str, position: int, parameter: str, call: cst.Call, index: int | None
+        self, function: str, parameter: Parameter, call: cst.Call, index: int | None
     ) -> Origin | None:
         """What calling the instance that callers of this file's `function` pass for its
         `parameter` returns (element `index` of a returned tuple): callers are the modules
@@ -332,7 +323,7 @@ class _Callers:
             if tree is None:
                 continue
             caller = Imports(tree, path.parent, self.repository, self.hops + 1, path.name)
-            found = caller._passed(function, position, parameter, self, call, index)
+            found = caller._passed(function, parameter, self, call, index)
             self.dependencies |= caller.dependencies
             if found is not None:
                 return found
@@ -341,8 +332,7 @@ class _Callers:
     def _passed(
         self,
         function: str,
-        position: int,
-        parameter: str,
+        parameter: Parameter,
         callee: Imports,
         call: cst.Call,
         index: int | None,
@@ -358,7 +348,7 @@ class _Callers:
             module = locate(self.directory, reference.level, reference.module, self.dependencies)
             if module is None or module.resolve() != target.resolve():
                 continue
-            argument = argument_for(site, position, parameter)
+            argument = argument_for(site, parameter)
             if argument is None:
                 continue
             built = _constructor(tracer, argument, self)
@@ -600,7 +590,7 @@ def _constructor(
     if found is not None and found.is_class:
         return imports, reference, value
     if found is not None and found.passes is not None:  # `load_model(Model(cfg), path)`
-        passed = argument_for(value, found.passes, found.parameters[found.passes])
+        passed = argument_for(value, found.parameters[found.passes])
         return _constructor(tracer, passed, imports, hops - 1) if passed is not None else None
     if found is not None:
         return imports.built_by(found, hops - 1, index)
@@ -641,16 +631,15 @@ def lifted_count(
     if call is None or not returned.count:
         return None
     spread = next((a.value for a in call.args if a.star == "**"), None)
-    defaults = dict(found.defaults)
     passed = {}
-    for index, parameter in enumerate(found.parameters):
-        argument = argument_for(call, index, parameter)
-        if argument is None and spread is not None:  # `model(**batch)`
-            argument = cst.parse_expression(f'{code(spread)}["{parameter}"]')
-        elif argument is None and parameter in defaults:  # `ignore_index=-100`, not passed
-            argument = cst.parse_expression(defaults[parameter])
+    for parameter in found.parameters:
+        argument = argument_for(call, parameter)
+        if argument is None and spread is not None and parameter.keyword:  # `model(**batch)`
+            argument = cst.parse_expression(f'{code(spread)}["{parameter.name}"]')
+        elif argument is None and parameter.default is not None and _literal(parameter.default):
+            argument = parameter.default  # `ignore_index=-100`, not passed
         if argument is not None and not any(isinstance(n, cst.Call) for n in walk(argument)):
-            passed[parameter] = argument
+            passed[parameter.name] = argument
     count = cst.parse_expression(returned.count)
     if not variables(count) - {"torch"} <= passed.keys():
         return None
@@ -682,7 +671,7 @@ def _division(
     text, parameter = divisor
     node = call if call is not None else func
     if call is not None and parameter is not None:
-        argument = argument_for(call, parameter, found.parameters[parameter])
+        argument = argument_for(call, found.parameters[parameter])
         if argument is not None:
             return Division(node, argument)
     return Division(node, cst.parse_expression(text))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from functools import cached_property
+from typing import NamedTuple
 
 import libcst as cst
 
@@ -248,11 +249,52 @@ def abstract(function: cst.FunctionDef) -> bool:
 
 
 def parameter_names(scope: cst.CSTNode) -> set[str]:
-    """The names a function's callers may pass by keyword: its plain and keyword-only
-    parameters (none for another scope)."""
+    """The names a function's parameters bind, `self`, `*args` and `**kwargs` included (none
+    for another scope)."""
     if not isinstance(scope, cst.FunctionDef):
         return set()
-    return {p.name.value for p in (*scope.params.params, *scope.params.kwonly_params)}
+    params = scope.params
+    stars = [p for p in (params.star_arg, params.star_kwarg) if isinstance(p, cst.Param)]
+    every = (*params.posonly_params, *params.params, *params.kwonly_params, *stars)
+    return {p.name.value for p in every}
+
+
+class Parameter(NamedTuple):
+    """A parameter as a call passes it: `position` among the call's positional arguments (None
+    for a keyword-only one); `keyword` False for a positional-only one."""
+
+    name: str
+    position: int | None
+    keyword: bool
+    default: cst.BaseExpression | None
+
+
+def call_parameters(function: cst.FunctionDef) -> dict[str, Parameter]:
+    """The parameters a call of `function` passes, by name in order: not the `self` or `cls`
+    the call's receiver passes (of a method or classmethod; a staticmethod has none), nor
+    `*args` and `**kwargs`; those after `*` or `*args` keyword-only."""
+    params = function.params
+    named = [(p, False) for p in params.posonly_params] + [(p, True) for p in params.params]
+    decorators = {last_name(d.decorator) for d in function.decorators}
+    receiver = named and (named[0][0].name.value in ("self", "cls") or "classmethod" in decorators)
+    if receiver and "staticmethod" not in decorators:
+        named = named[1:]
+    found = [
+        Parameter(p.name.value, index, by_keyword, p.default)
+        for index, (p, by_keyword) in enumerate(named)
+    ]
+    found += [Parameter(p.name.value, None, True, p.default) for p in params.kwonly_params]
+    return {p.name: p for p in found}
+
+
+def argument_for(call: cst.Call, parameter: Parameter) -> cst.BaseExpression | None:
+    """The argument `call` passes for `parameter`, when it can be told (not past a `*args` or
+    `**kwargs` of the call, which may hold it)."""
+    by_name = keyword(call, parameter.name) if parameter.keyword else None
+    if by_name is not None or parameter.position is None or any(a.star for a in call.args):
+        return by_name
+    args = positional(call)
+    return args[parameter.position] if parameter.position < len(args) else None
 
 
 def methods_of(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:

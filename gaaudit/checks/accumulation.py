@@ -22,9 +22,19 @@ from gaaudit.analysis.loops import (
     calls_of,
     runner,
 )
-from gaaudit.analysis.provenance import Division, Origin, Tracer, argument_for
+from gaaudit.analysis.provenance import Division, Origin, Tracer
 from gaaudit.analysis.repository import Imports
-from gaaudit.analysis.tree import Tree, code, depends_on, dotted, keyword, last_name, string_value
+from gaaudit.analysis.tree import (
+    Tree,
+    argument_for,
+    call_parameters,
+    code,
+    depends_on,
+    dotted,
+    keyword,
+    last_name,
+    string_value,
+)
 from gaaudit.discover.modules import evaluation_only, shown
 from gaaudit.findings import Confidence, Finding
 
@@ -206,12 +216,12 @@ class _Frameworks:
         init = self.tracer.method(constructor.func, "__init__")
         if init is None:
             return None
-        parameters = [p.name.value for p in init.params.params][1:]
+        parameters = call_parameters(init)
         for stmt in self.tree.walk(init.body, into_defs=False):
             if isinstance(stmt, cst.Assign) and any(dotted(t.target) == name for t in stmt.targets):
                 source = stmt.value.value if isinstance(stmt.value, cst.Name) else None
                 if source in parameters:
-                    return argument_for(constructor, parameters.index(source), source)
+                    return argument_for(constructor, parameters[source])
         return None
 
 
@@ -249,15 +259,13 @@ class _Divisors:
         function = self.tree.scope_of(divisor) if divisor in self.tree.order else None
         if not isinstance(divisor, cst.Name) or not isinstance(function, cst.FunctionDef):
             return False
-        names = [p.name.value for p in function.params.params]
-        names = names[1:] if names[:1] == ["self"] else names
-        if divisor.value not in names:
+        parameter = call_parameters(function).get(divisor.value)
+        if parameter is None:
             return False
-        index = names.index(divisor.value)
         calls = calls_of(self.tree, function)
         loop = window.loop
         calls = [c for c in calls if loop is not None and self.tree.contains(loop, c)] or calls
-        given = [argument_for(c, index, divisor.value) for c in calls]
+        given = [argument_for(c, parameter) for c in calls]
         return bool(given) and all(
             a is not None and self._same_value(a, window.size) for a in given
         )

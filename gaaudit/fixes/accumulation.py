@@ -15,7 +15,6 @@ from gaaudit.analysis.provenance import (
     TOKEN_LOSSES,
     Origin,
     Tracer,
-    argument_for,
     averaged_mean,
     loss_target,
     same_count,
@@ -24,7 +23,9 @@ from gaaudit.analysis.provenance import (
 from gaaudit.analysis.tree import (
     Tree,
     abstract,
+    argument_for,
     assigned_value,
+    call_parameters,
     code,
     depends_on,
     dotted,
@@ -1542,17 +1543,13 @@ class _HelperWindow:
         """Whether `guard` tests a parameter of `helper` that `call` leaves at a true
         constant default (`if do_backward:` with `do_backward=True`), or passes as True."""
         test = guard.test
-        params = {p.name.value: p for p in (*helper.params.params, *helper.params.kwonly_params)}
-        if not isinstance(test, cst.Name) or test.value not in params:
+        parameter = call_parameters(helper).get(test.value) if isinstance(test, cst.Name) else None
+        if parameter is None:
             return False
-        passed = keyword(call, test.value)
+        passed = argument_for(call, parameter)
         if passed is None and any(arg.star for arg in call.args):
             return False  # `**options` may pass it
-        positional_names = [p.name.value for p in helper.params.params]
-        if passed is None and test.value in positional_names:
-            index = positional_names.index(test.value) - (positional_names[:1] == ["self"])
-            passed = argument_for(call, index, test.value)
-        value = passed if passed is not None else params[test.value].default
+        value = passed if passed is not None else parameter.default
         return isinstance(value, cst.Name) and value.value == "True"
 
     def _count_binding(
@@ -2196,14 +2193,11 @@ class _Window:
             return None
         root = stepped.pop()
         first, _, rest = root.partition(".")
-        names = [p.name.value for p in helper.params.params]
         if first == "self":
             return root if dotted(call.func).startswith("self.") else None
-        if first in names:
-            index = names.index(first) - (names[:1] == ["self"])
-            passed = argument_for(call, index, first)
-            return None if passed is None else code(passed) + (f".{rest}" if rest else "")
-        return None
+        parameter = call_parameters(helper).get(first)
+        passed = argument_for(call, parameter) if parameter is not None else None
+        return None if passed is None else code(passed) + (f".{rest}" if rest else "")
 
     def _normalization(self, site: Site, optimizer: str, tracked: list[str]) -> str:
         """Divide the window's gradients once by its token count (gathered across processes),

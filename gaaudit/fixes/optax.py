@@ -30,6 +30,8 @@ from gaaudit.analysis.loops import run_again
 from gaaudit.analysis.tree import (
     DEFS,
     Tree,
+    argument_for,
+    call_parameters,
     code,
     depends_on,
     dotted,
@@ -254,20 +256,18 @@ class _LossFunction:
             raise Unfixable(
                 "the loss is called with `*args`/`**kwargs`; gaaudit cannot map its parameters"
             )
-        names = [p.name.value for p in (*function.params.posonly_params, *function.params.params)]
-        values = dict(zip(names, positional(call)))
-        values.update({a.keyword.value: a.value for a in call.args if a.keyword is not None})
-        return values
+        return {
+            name: argument
+            for name, parameter in call_parameters(function).items()
+            if (argument := argument_for(call, parameter)) is not None
+        }
 
     def _count_at(
         self, count: cst.BaseExpression, function: cst.FunctionDef, call: cst.Call
     ) -> cst.BaseExpression:
         """The count with the function's parameters replaced by the call's arguments."""
         values = self._arguments(function, call)
-        parameters = parameter_names(function) | {
-            p.name.value for p in function.params.posonly_params
-        }
-        needed = {n.value for n in _names(count)} & parameters
+        needed = {n.value for n in _names(count)} & parameter_names(function)
         for name in needed:
             if name not in values:
                 raise Unfixable(f"the call does not pass `{name}`, which the loss's count reads")
@@ -505,16 +505,13 @@ class _MultiSteps:
                 return code(every)
         elif isinstance(every, cst.Name) and isinstance(holder, cst.FunctionDef):
             calls = [c for c in self.tree.calls if dotted(c.func) == holder.name.value]
-            names = [p.name.value for p in holder.params.params]
+            parameter = call_parameters(holder).get(every.value)
             if (
                 len(calls) == 1
                 and self.tree.scope_of(calls[0]) is loop_scope
-                and every.value in names
+                and parameter is not None
             ):
-                given = keyword(calls[0], every.value)
-                index = names.index(every.value)
-                if given is None and index < len(positional(calls[0])):
-                    given = positional(calls[0])[index]
+                given = argument_for(calls[0], parameter)
                 if given is not None and _pure(given):
                     return code(given)
         raise Unfixable("gaaudit cannot tell the accumulation steps where the training loop runs")
