@@ -388,43 +388,34 @@ def per_path_full_batch(batches: list[tuple]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "masked",
-    [[True, False, True, True], [True] * K, [False] * K],
-    ids=["mixed", "masked", "unmasked"],
+    "original, twin",
+    [
+        # `if keep is not None: masked mean / else: plain mean`: each path binds its own count
+        # before its loss (the plain one before the name is rebound to its mean)
+        ("ga001_masked_or_plain_mean_per_path.py", "ok_masked_or_plain_sum_per_path.py"),
+        # a helper binds a plain mean, then a masked one under an `if` with no `else`: the fix
+        # binds a count before each inside the helper and returns the one of the path taken
+        # (it once returned the masked path's count on both, a NameError where no mask came)
+        ("ga001_helper_mean_rebound_on_one_path.py", "ok_helper_sum_and_count_on_each_path.py"),
+    ],
+    ids=["in-the-loop", "in-a-helper"],
 )
-def test_patched_loss_on_two_paths_is_counted_on_each(masked):
-    """`if keep is not None: masked mean / else: plain mean`: each path binds its own count
-    before its loss (the plain one before the name is rebound to its mean), so the window
-    steps like the full batch whichever paths its micro-batches take, and the loop returns
-    the running mean it returned."""
-    batches = frame_batches(masked)
-    reference = per_path_full_batch(batches)
-    original = "ga001_masked_or_plain_mean_per_path.py"
-    logged, grads = per_path_step(original, batches)
-    patched_logged, patched = per_path_step(original.replace(".py", ".fixed.py"), batches)
-    twin_logged, twin = per_path_step("ok_masked_or_plain_sum_per_path.py", batches)
-    assert (error(grads, reference) > 0.1) == any(masked)  # equal counts when none is masked
-    assert error(patched, reference) < 1e-6 and error(twin, reference) < 1e-6
-    assert patched_logged == pytest.approx(logged) == twin_logged
-
-
 @pytest.mark.parametrize(
     "masked",
     [[True, False, True, True], [True] * K, [False] * K],
     ids=["mixed", "masked", "unmasked"],
 )
-def test_patched_helper_counts_the_path_its_mean_took(masked):
-    """A helper binds a plain mean, then a masked one under an `if` with no `else`: the fix
-    binds a count before each inside the helper and returns the one of the path taken (it
-    once returned the masked path's count on both, a NameError where no mask came)."""
+def test_patched_loss_on_two_paths_is_counted_on_each(original, twin, masked):
+    """A loss bound on two paths, each over a count of its own: the window steps like the full
+    batch whichever paths its micro-batches take, and the loop returns the running mean it
+    returned."""
     batches = frame_batches(masked)
     reference = per_path_full_batch(batches)
-    original = "ga001_helper_mean_rebound_on_one_path.py"
     logged, grads = per_path_step(original, batches)
     patched_logged, patched = per_path_step(original.replace(".py", ".fixed.py"), batches)
-    twin_logged, twin = per_path_step("ok_helper_sum_and_count_on_each_path.py", batches)
+    twin_logged, twin_grads = per_path_step(twin, batches)
     assert (error(grads, reference) > 0.1) == any(masked)  # equal counts when none is masked
-    assert error(patched, reference) < 1e-6 and error(twin, reference) < 1e-6
+    assert error(patched, reference) < 1e-6 and error(twin_grads, reference) < 1e-6
     assert patched_logged == pytest.approx(logged) == pytest.approx(twin_logged)
 
 

@@ -12,7 +12,7 @@ import re
 
 import libcst as cst
 
-from gaaudit.analysis.loops import run_again
+from gaaudit.analysis.loops import raises_by_one, run_again
 from gaaudit.analysis.tree import (
     ATOMS,
     assigned_value,
@@ -341,7 +341,7 @@ class _ReadAhead:
             if (
                 counters is not None
                 and not more
-                and _raised(binding, name.value)
+                and raises_by_one(binding, name.value)
                 and self._every_item_reaches(binding, loop)
                 and not self._skips_before(binding, loop)
                 and self.tree.order[binding] < self.tree.order[before]
@@ -479,17 +479,6 @@ def _plain_target(target: cst.BaseExpression) -> bool:
 def _handed(counters: list[cst.AugAssign]) -> str:
     """The counters the reader is handed after the items, as they stand when the loop starts."""
     return "".join(f", {code(c.target)}" for c in counters)
-
-
-def _raised(binding: cst.CSTNode, name: str) -> bool:
-    """`name += 1` (by any integer): a counter of the micro-batches."""
-    return (
-        isinstance(binding, cst.AugAssign)
-        and isinstance(binding.operator, cst.AddAssign)
-        and isinstance(binding.target, cst.Name)
-        and binding.target.value == name
-        and isinstance(binding.value, cst.Integer)
-    )
 
 
 def _single(binding: cst.CSTNode, name: str) -> bool:
