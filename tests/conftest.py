@@ -68,6 +68,11 @@ def fixture_scripts() -> list[Path]:
     return sorted(p for p in FIXTURES.glob("*.py") if p.with_suffix(".expected").exists())
 
 
+def flat(code: str) -> str:
+    """`code` without whitespace: a fix's text, however its long lines were wrapped."""
+    return "".join(code.split())
+
+
 def expected(path: Path) -> list[tuple[int, str, str]]:
     rows = []
     for line in path.with_suffix(".expected").read_text().splitlines():

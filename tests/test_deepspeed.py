@@ -10,12 +10,11 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, gaaudit
+from conftest import FIXTURES, flat, gaaudit
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from gaaudit.commands.verify import REPRODUCED, VERIFIED
@@ -206,14 +205,9 @@ def test_a_window_an_epoch_cuts_in_two_keeps_the_original_weight(tmp_path, fixed
 
 
 def test_the_fix_reads_deepspeeds_own_window_boundary(fixed):
-    assert (
-        textwrap.dedent(
-            """\
-        if (engine.micro_steps + len(pending)) % engine.gradient_accumulation_steps() == 0:
-        """
-        ).strip()
-        in fixed
-    )
+    assert flat(
+        "if ((engine.micro_steps + len(pending)) % engine.gradient_accumulation_steps() == 0):"
+    ) in flat(fixed)
     assert "torch.distributed.all_reduce(total)" in fixed
 
 

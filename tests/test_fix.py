@@ -418,7 +418,8 @@ def test_a_conditional_labels_expression_is_counted_whole():
     )
     result = fix_source(source.encode(), Path("train.py"), ALL, unsafe=False)
     fixed = result.after.decode()
-    assert '((batch["labels"] if mask_prompts else batch["input_ids"])[..., 1:] != -100)' in fixed
+    assert '(batch["labels"] if mask_prompts else batch["input_ids"])[..., 1:] != -100\n' in fixed
+    assert "micro_tokens = (\n" in fixed  # the count's line, too long, split black's way
     compile(fixed, "train.py", "exec")
 
 
@@ -800,7 +801,9 @@ def test_explicit_token_loss_becomes_a_sum_and_the_log_the_window_mean():
     mean = "(window_loss / window_tokens)"
     # `loss.item() * accum` read the mean: now the window's; `float(loss)` read the mean over
     # `accum`: now the window's over `accum`, the scale the user had
-    assert f'print(f"loss {{{mean}.item():.3f}}", float({mean[1:-1]} / accum))' in after
+    assert (
+        f'    f"loss {{{mean}.item():.3f}}",\n            float({mean[1:-1]} / accum),\n' in after
+    )
     # the counts are reset after the step's log has read them, not before
     assert (
         after.index("float(") < after.rindex("window_tokens = 0") < after.rindex("window_loss = 0")
@@ -843,8 +846,9 @@ def test_a_mean_mixed_with_another_term_weights_only_the_mean_by_its_share():
     assert outcome.applied, outcome.reason
     after = report.after.decode()
     assert (
-        "(lm_loss * args.lm_coef * window_share + mc_loss * args.mc_coef"
-        " / args.gradient_accumulation_steps).backward()" in after
+        "    lm_loss * args.lm_coef * window_share\n"
+        "            + mc_loss * args.mc_coef / args.gradient_accumulation_steps\n"
+        "        ).backward()" in after
     )
     assert 'pending.append(((step, batch), (batch["lm_labels"][..., 1:] != -100).sum()))' in after
 
@@ -1713,3 +1717,55 @@ def test_a_refusal_that_says_to_divide_the_gradients_warns_of_deepspeed():
     plain = source[: source.index(b"    if accelerator.state.deepspeed_plugin")]
     (outcome,) = fix_source(plain, script, ALL, unsafe=True).outcomes
     assert not outcome.applied and "DeepSpeed" not in outcome.reason
+
+
+NESTED = textwrap.dedent(
+    """\
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained("gpt2")
+
+
+    def train(loader, optimizer, accumulation_steps_from_the_command_line, epochs):
+        for epoch in range(epochs):
+            for step, batch in enumerate(loader):
+                print("a line of the user's own that is longer than the configured width, left as it is")
+                loss = model(**batch).loss / accumulation_steps_from_the_command_line
+                loss.backward()
+                if (step + 1) % accumulation_steps_from_the_command_line == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "config, width",
+    [
+        ("", 88),
+        ("pyproject.toml:[tool.ruff]\nline-length = 78\n", 78),
+        ("pyproject.toml:[tool.black]\nline-length = 79\n", 79),
+        ("setup.cfg:[flake8]\nmax-line-length = 80\n", 80),
+        ("tox.ini:[flake8]\nmax-line-length = 84\n", 84),
+    ],
+    ids=["default", "ruff", "black", "setup.cfg", "tox.ini"],
+)
+def test_lines_a_fix_writes_are_wrapped_at_the_projects_line_length(tmp_path, config, width):
+    """Inserted and rewritten lines stay within the project's configured line length (88
+    where none is), split as black splits them; the user's own lines are left as they are."""
+    if config:
+        name, text = config.split(":", 1)
+        (tmp_path / name).write_text(text)
+    (tmp_path / ".git").mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(NESTED)
+    after = fixed(NESTED.encode(), path=script).decode()
+    compile(after, "train.py", "exec")
+    assert fixed(after.encode(), path=script).decode() == after
+    original = set(NESTED.splitlines())
+    written = [line for line in after.splitlines() if line not in original]
+    assert written and all(len(line) <= width for line in written), written
+    assert any(len(line) > width for line in NESTED.splitlines() if line in after)
+    assert "param.grad.div_(\n" in after  # split at its brackets, black's way

@@ -13,22 +13,53 @@ import libcst as cst
 
 from gaaudit.discover.notebook import MARKER as CELL_MARKER
 from gaaudit.fixes.accumulation import Outcome
-from gaaudit.fixes.edits import Edits
+from gaaudit.fixes.edits import DEFAULT_WIDTH, Edits, wrapped
 
 
 class _Apply(cst.CSTTransformer):
-    """Replaces nodes and splices statements, keyed by the original nodes' identity.
+    """Replaces nodes and splices statements, keyed by the original nodes' identity; the
+    statements it inserts or rewrites are wrapped at `width` (`edits.wrapped`).
 
     A statement mapped to `REMOVE` is dropped from its block.
     """
 
-    def __init__(self, edits: Edits) -> None:
-        self.edits = edits
+    def __init__(self, edits: Edits, width: int) -> None:
+        self.edits, self.width = edits, width
+        self.indent = "    "  # the module's
+        self.blocks: list[str] = []  # the indentation of each block being visited
+        self.path: list[cst.CSTNode] = []  # the nodes being visited, outermost first
+        self.originals: set[cst.CSTNode] = set()  # every node of the original module
+        self.rewritten: set[cst.CSTNode] = set()  # statements holding a replaced node
+
+    def on_visit(self, node) -> bool:
+        self.path.append(node)
+        self.originals.add(node)
+        if isinstance(node, cst.Module):
+            self.indent = node.default_indent
+        elif isinstance(node, cst.IndentedBlock):
+            self.blocks.append(self.indent if node.indent is None else node.indent)
+        return super().on_visit(node)
 
     def on_leave(self, original_node, updated_node):
+        self.path.pop()
         updated_node = super().on_leave(original_node, updated_node)
+        if isinstance(original_node, cst.IndentedBlock):
+            self.blocks.pop()
         replacement = self.edits.replace.get(original_node, updated_node)
-        return updated_node if replacement is cst.RemovalSentinel.REMOVE else replacement
+        if replacement is cst.RemovalSentinel.REMOVE:
+            return updated_node
+        if _is_statement(original_node) and original_node in self.edits.replace:
+            return wrapped(replacement, self._column, self.width, self.indent, self.originals)
+        if original_node in self.edits.replace:  # the statement holding it is rewritten
+            holder = next((n for n in reversed(self.path) if _is_statement(n)), None)
+            self.rewritten.add(holder)
+        if original_node in self.rewritten:  # its line, or a block statement's header
+            return wrapped(replacement, self._column, self.width, rewritten=True)
+        return replacement
+
+    @property
+    def _column(self) -> int:
+        return sum(len(indent) for indent in self.blocks)
 
     def _splice(self, original_body, updated_body) -> list:
         body = []
@@ -42,14 +73,17 @@ class _Apply(cst.CSTTransformer):
                     leading_lines=[*lines[:moved], *inserted[0].leading_lines]
                 )
                 updated = updated.with_changes(leading_lines=lines[moved:])
-            body.extend(inserted)
+            body.extend(wrapped(s, self._column, self.width, self.indent) for s in inserted)
             if original in self.edits.spaced:
                 blank = _blank_prefix(updated.leading_lines)
                 lines = [cst.EmptyLine()] * max(0, 2 - blank) + list(updated.leading_lines)
                 updated = updated.with_changes(leading_lines=lines)
             if not removed:
                 body.append(updated)
-            body.extend(self.edits.after.get(original, ()))
+            body.extend(
+                wrapped(s, self._column, self.width, self.indent)
+                for s in self.edits.after.get(original, ())
+            )
         return body
 
     def leave_IndentedBlock(self, original_node, updated_node):
@@ -57,6 +91,10 @@ class _Apply(cst.CSTTransformer):
 
     def leave_Module(self, original_node, updated_node):
         return updated_node.with_changes(body=self._splice(original_node.body, updated_node.body))
+
+
+def _is_statement(node) -> bool:
+    return isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
 
 
 def _blank_prefix(lines) -> int:
@@ -71,11 +109,12 @@ def _opens_cell(statement) -> bool:
     )
 
 
-def apply(module: cst.Module, edits: Edits, source: bytes) -> bytes:
-    """The bytes of `module` (parsed from `source`) with every edit applied in one traversal.
+def apply(module: cst.Module, edits: Edits, source: bytes, width: int = DEFAULT_WIDTH) -> bytes:
+    """The bytes of `module` (parsed from `source`) with every edit applied in one traversal,
+    the lines it writes wrapped at `width`.
     A last line that is a comment ending in a backslash keeps the newline after it, which
     libcst's code drops."""
-    fixed = module.visit(_Apply(edits)).bytes
+    fixed = module.visit(_Apply(edits, width)).bytes
     newline = module.default_newline.encode(module.encoding)
     if source.endswith(newline) and not fixed.endswith(newline):
         fixed += newline

@@ -11,6 +11,7 @@ from gaaudit.discover.notebook import rebuild
 from gaaudit.discover.screen import screen
 from gaaudit.discover.source import Source, SourceError, parse, read
 from gaaudit.fixes.codemod import FileFix, apply
+from gaaudit.fixes.edits import line_length
 from gaaudit.fixes.pins import fix_script_pins
 
 # Why a GA001-GA003 finding needs no rewrite of its own: a framework fix changed its line.
@@ -69,7 +70,9 @@ def fix_source(
         if (f.code, f.span.line, f.span.column) not in handled and f not in pinned
     ]
     fixed = (
-        _compiled(apply(module, edits, data), shown) if any(o.applied for o in outcomes) else data
+        _compiled(apply(module, edits, data, line_length(path)), shown)
+        if any(o.applied for o in outcomes)
+        else data
     )
     if pinned:
         raised, said = fix_script_pins(text, fixed.decode(module.encoding), pinned, unsafe)
@@ -95,7 +98,9 @@ def _rewritten(path: Path, tree, edits) -> FileFix:
     """Another module of the repository with its planned edits applied."""
     shown = display_path(path)
     before = tree.module.bytes
-    return FileFix(shown, before, _compiled(apply(tree.module, edits, before), shown))
+    return FileFix(
+        shown, before, _compiled(apply(tree.module, edits, before, line_length(path)), shown)
+    )
 
 
 def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool, path: Path):
