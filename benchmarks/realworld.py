@@ -62,6 +62,9 @@ FRAMEWORKS = (
 # Rules of the accumulation window's shape, not of the loss: the labels do not judge them, so
 # they are left out of the verdicts and listed on their own, to be read by hand.
 WINDOW_RULES = ("GA007",)
+# An unsafe fix, alone or as the way left after a refusal ("...; reading the window ahead:
+# unsafe fix (...); apply with --unsafe-fixes"): `--unsafe-fixes` applies it.
+UNSAFE = re.compile(r"(?:^|: )unsafe fix \(")
 RANK = {"low": 1, "medium": 2, "high": 3}
 DEFAULT = "medium"
 MAX_BYTES = 2_000_000  # larger blobs are data, not code
@@ -406,7 +409,7 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
                 else "fixed by a safe fix of its transformers pin"
                 if row in pin_fixed
                 else "only an unsafe fix (--unsafe-fixes)"
-                if any(reason.startswith("unsafe fix") for reason in why)
+                if any(UNSAFE.search(reason) for reason in why)
                 else "refused, with the reason"
                 if why
                 else "no finding gaaudit fixes (GA006 pins, or none at the default)"
