@@ -180,6 +180,24 @@ def scratch(tmp_path_factory) -> Path:
     max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 @given(programs())
+@example(  # a long line of the user's that the fix rewrites, re-wrapped in a tab-indented file
+    program=(
+        (
+            b"import torch.nn.functional as F\n"
+            b"for step, batch in enumerate(loader):\n"
+            b'\tlogits = model(batch["input_ids"])\n'
+            b"\tloss = F.cross_entropy(logits.view(-1, logits.size(-1)), "
+            b'batch["labels"].view(-1), ignore_index=-100) / accum_steps\n'
+            b"\tloss.backward()\n"
+            b"\tif (step + 1) % accum_steps == 0:\n"
+            b"\t\toptimizer.step()\n"
+            b"\t\toptimizer.zero_grad()\n"
+        ),
+        [],
+        "\n",
+        "\t",
+    )
+)
 @example(  # a last comment ending in a backslash: libcst's code drops the newline after it
     program=(
         (

@@ -54,7 +54,7 @@ class _Apply(cst.CSTTransformer):
             holder = next((n for n in reversed(self.path) if _is_statement(n)), None)
             self.rewritten.add(holder)
         if original_node in self.rewritten:  # its line, or a block statement's header
-            return wrapped(replacement, self._column, self.width, rewritten=True)
+            return wrapped(replacement, self._column, self.width, self.indent, rewritten=True)
         return replacement
 
     @property
