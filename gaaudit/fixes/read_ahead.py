@@ -144,17 +144,14 @@ class _ReadAhead:
         )
         self._ahead_windows.add(window.anchor)
 
-    def _older_accelerate(self) -> str:
-        """The requirement that keeps the file's accelerate before 1.8 (`ACCELERATE_WINDOW`),
-        as written with where: a pin of accelerate, or of torch before 2.0 (accelerate's
-        releases from 1.8 on require torch 2.0 or later); "" where none does."""
-        if self.path is None:
-            return ""
-        for package, release in (("accelerate", "1.8"), ("torch", "2.0")):
-            later, pin, _ = admits(self.path, release, package)
-            if not later:
-                return pin
-        return ""
+    def _older_accelerate(self) -> bool:
+        """Whether the file's requirements keep its accelerate before 1.8 (`ACCELERATE_WINDOW`):
+        a pin of accelerate, or of torch before 2.0 (accelerate's releases from 1.8 on require
+        torch 2.0 or later)."""
+        return self.path is not None and any(
+            not admits(self.path, release, package)[0]
+            for package, release in (("accelerate", "1.8"), ("torch", "2.0"))
+        )
 
     def _write_reader(
         self,
