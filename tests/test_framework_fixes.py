@@ -206,19 +206,41 @@ def test_forward_with_two_loss_terms_is_refused_with_a_reason():
     assert "the Trainer already divides its mean by the accumulation steps" in outcome.reason
 
 
-def test_a_compute_loss_its_own_training_step_hands_no_count_is_refused():
-    """A `training_step` override that calls `compute_loss` without the count: a sum over the
-    count would fall back to the micro-batch's own (the mean, as before), and the opt-out is
-    read by the stock `training_step` only, so no rewrite of `compute_loss` reaches the
-    backward."""
+def test_a_step_that_withholds_the_count_becomes_the_stock_step(tmp_path):
+    """A `training_step` override that calls `compute_loss` without the count is given the
+    stock step's count, guard and DeepSpeed flag, and logs the loss undivided. (Unsafe here
+    for `compute_loss`'s own reason: its targets are not shifted, a causal LM's count is.)"""
     path = FIXTURES / "ga004_training_step_withholds_count.py"
     result = fix_source(path.read_bytes(), path, ALL, unsafe=True)
     ((outcome),) = result.outcomes
+    assert outcome.applied, outcome.reason
+    assert outcome.reason.endswith(
+        "; `DocReaderTrainer.training_step` (line 24) hands `compute_loss` the count and divides "
+        "by the accumulation steps only where the stock step does"
+    )
+    safe = fix_source(path.read_bytes(), path, ALL).outcomes[0].reason
+    assert "cannot tell whether the Trainer counts the same positions" in safe
+    text = result.after.decode()
+    assert "loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)" in text
+    assert flat(STOCK_DIVIDES) in flat(text)
+    assert "    loss = loss / self.args.gradient_accumulation_steps\n" in text
+    assert flat('**({"scale_wrt_gas": False} if self.is_deepspeed_enabled else {})') in flat(text)
+    assert "return loss.detach()\n" in text
+    assert clean(text, tmp_path)
+
+
+def test_a_step_that_withholds_the_count_from_another_backward_is_refused():
+    """The stock step backpropagates through `self.accelerator.backward(loss)`; a step that
+    does not is refused with what to do, and `compute_loss` is left as it is."""
+    path = FIXTURES / "ga004_training_step_withholds_count.py"
+    source = path.read_text().replace("self.accelerator.backward(loss)", "loss.backward()")
+    result = fix_source(source.encode(), path, ALL, unsafe=True)
+    ((outcome),) = result.outcomes
     assert not outcome.applied and not result.changed
     assert outcome.reason.startswith(
-        "`DocReaderTrainer.training_step` (line 24) calls `self.compute_loss(model, inputs)` "
-        "without `num_items_in_batch`, so neither a count nor `model_accepts_loss_kwargs = False` "
-        "reaches the loss it backpropagates: hand it `num_items_in_batch=num_items_in_batch` there"
+        "`DocReaderTrainer.training_step` (line 24) does not backpropagate `loss` through one "
+        "`self.accelerator.backward(loss)`, as the stock step does: hand it "
+        "`num_items_in_batch=num_items_in_batch`"
     ), outcome.reason
 
 

@@ -316,6 +316,7 @@ UNSAFE_PAIRS = (
     "ga001_apex_fp16_optimizer_backward",  # the same, and the step is apex's wrapper's
     "ga002_count_per_process_other_runtime",  # a runtime whose all-reduce gaaudit cannot write
     "ga005_multisteps_alias_masked_sft",  # epochs: MultiSteps carries a short window over
+    "ga004_training_step_withholds_count",  # unshifted targets; a causal LM's count is shifted
     # GA004 opt-outs: the Trainer then divides each micro-batch's mean by K
     "ga004_class_attribute_opt_out",
     "ga004_collator_pads_rows",

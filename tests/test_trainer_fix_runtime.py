@@ -205,6 +205,28 @@ def test_training_step_division_is_kept_where_the_stock_trainer_divides(tmp_path
     )
 
 
+def test_a_step_that_withholds_the_count_gets_it_as_the_stock_step_does(tmp_path):
+    """Issue 17, item 3: a `training_step` copied from an older Trainer calls `compute_loss`
+    without the count and backpropagates its mean undivided (since 4.46 the Trainer's
+    accelerator has no accumulation plugin): K times too large. Fixed, it is the stock step:
+    where the model takes loss kwargs, the token sum over the window's count (the full
+    batch); where it does not, the Trainer counts nothing and each micro-batch's mean is
+    divided by K, as the stock step divides it."""
+    fixture = FIXTURES / "ga004_training_step_withholds_count"
+    original, fixed = (
+        trainer_class(fixture.with_suffix(suffix), "DocReaderTrainer")
+        for suffix in (".py", ".fixed.py")
+    )
+    reference = full_batch_gradients(loss_of=original, tmp_path=tmp_path / "reference")
+    assert relative_error(train_one_step(original, tmp_path / "original"), reference) > 1.0
+    assert relative_error(train_one_step(fixed, tmp_path / "fixed"), reference) < 1e-5
+    stock_step = type("StockStep", (fixed,), {"training_step": Trainer.training_step})
+    stock = train_one_step(stock_step, tmp_path / "stock", model=WithoutLossKwargs())
+    patched = train_one_step(fixed, tmp_path / "patched", model=WithoutLossKwargs())
+    assert relative_error(patched, stock) < 1e-6
+    assert relative_error(patched, reference) > 1e-3  # mean/K: the stock step's own caveat
+
+
 def _rank(rank: int, port: int, fixture: str, out: str) -> None:
     """One of two gloo processes training `ResponseOnlyTrainer` for one step; rank 0 saves
     the gradients DDP averaged at the optimizer step."""

@@ -571,11 +571,11 @@ class TrainerAudit(_LossKwargs, _Models):
                 crashes=True,
             )
         for node in self.tree.walk(function.body):
-            division = _division(node)
+            division = division_of(node)
             if division is None:
                 continue
             value, divisor = division
-            if last_name(divisor) != "gradient_accumulation_steps" or _detached(value):
+            if last_name(divisor) != "gradient_accumulation_steps" or detached(value):
                 continue
             if self._guarded(node, function) or self.opts_out(cls):
                 continue
@@ -647,7 +647,7 @@ def loss_parts(expr: cst.BaseExpression) -> Iterator[cst.BaseExpression]:
         yield expr
 
 
-def _division(node: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
+def division_of(node: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
     """(value, divisor) of `a / b` or `a /= b`."""
     if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Divide):
         return node.left, node.right
@@ -660,7 +660,7 @@ def is_super(expr: cst.BaseExpression) -> bool:
     return isinstance(expr, cst.Call) and dotted(expr.func) == "super"
 
 
-def _detached(value: cst.BaseExpression) -> bool:
+def detached(value: cst.BaseExpression) -> bool:
     """`loss.detach() / k` or `loss.item() / k`: a value for logging, not for backward."""
     return (
         isinstance(value, cst.Call)

@@ -60,9 +60,10 @@ def indented(lines: str) -> str:
     return "".join(f"    {line}\n" for line in lines.splitlines())
 
 
-def with_argument(call: cst.Call, name: str | None, value: str) -> cst.Call:
-    """`call` with one more argument, `name=value` or positional `value`; an existing `name=`
-    is replaced. A one-per-line layout with a trailing comma stays one per line."""
+def with_argument(call: cst.Call, name: str | None, value: str, star: str = "") -> cst.Call:
+    """`call` with one more argument, `name=value`, positional `value` or `**value` (`star`);
+    an existing `name=` is replaced. A one-per-line layout with a trailing comma stays one per
+    line."""
     args = list(call.args)
     if name is not None:
         for i, arg in enumerate(args):
@@ -73,6 +74,7 @@ def with_argument(call: cst.Call, name: str | None, value: str) -> cst.Call:
         cst.parse_expression(value),
         keyword=cst.Name(name) if name else None,
         equal=NO_SPACE if name else cst.MaybeSentinel.DEFAULT,
+        star=star,
     )
     return call.with_changes(args=_appended(args, added))
 

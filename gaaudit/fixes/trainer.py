@@ -18,12 +18,21 @@ finding gets one of these, the first that applies (GA-GUIDE sections 2, 4 and 7)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import libcst as cst
 
 from gaaudit.analysis.domain import shifts_labels
-from gaaudit.analysis.tree import Tree, code, dotted, keyword, methods_of, positional, string_value
+from gaaudit.analysis.tree import (
+    Tree,
+    code,
+    dotted,
+    keyword,
+    last_name,
+    methods_of,
+    positional,
+    string_value,
+)
 from gaaudit.checks.trainer import (
     COUNT,
     MODEL_OPT_OUT,
@@ -31,6 +40,8 @@ from gaaudit.checks.trainer import (
     Site,
     TrainerAudit,
     class_attribute,
+    detached,
+    division_of,
     head_kind,
     is_super,
     is_super_init,
@@ -67,6 +78,9 @@ def {name}(outputs, labels, num_items_in_batch=None):
 ACROSS, PROCESSES = "self.args.average_tokens_across_devices", "self.accelerator.num_processes"
 # When the stock `training_step` divides the loss by the accumulation steps (4.46 and later).
 STOCK_DIVIDES = f"({COUNT} is None or not self.{OPT_OUT}) and self.compute_loss_func is None"
+# What the stock `training_step` hands `accelerator.backward` under DeepSpeed (4.49 and later):
+# the engine would otherwise divide the loss by its accumulation steps once more.
+DEEPSPEED_ONCE = '{"scale_wrt_gas": False}'
 TOKEN_LOSSES = {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}
 SHAPERS = {"view", "reshape", "flatten", "contiguous", "long"}  # keep which targets count
 MEAN_OVER_K = (
@@ -100,10 +114,12 @@ class _ComputeLoss:
     # --- compute_loss -------------------------------------------------------------------------
 
     def _compute_loss(self, site: Site) -> Choice:
+        step = self._hand_count_in_step(site.owner)
+        choice = self._compute_loss_rewrite(site)
+        return replace(choice, what=f"{choice.what}; {step}") if step else choice
+
+    def _compute_loss_rewrite(self, site: Site) -> Choice:
         function = site.function
-        withheld = self._count_withheld(site.owner)
-        if withheld:
-            raise Unfixable(withheld)
         self._accept(function)
         dropped = self.audit.count_dropped(function)
         if dropped is not None:
@@ -137,11 +153,17 @@ class _ComputeLoss:
             MEAN_OVER_K,
         )
 
-    def _count_withheld(self, owner: cst.ClassDef) -> str:
-        """Why no rewrite of `compute_loss` would reach the backward: the class's own
-        `training_step` calls it without the count (a sum would fall back to the micro-batch's
-        own, the mean) and reads no opt-out, with no division for `_training_step_division` to
-        guard (which hands the count on); "" otherwise."""
+    def _hand_count_in_step(self, owner: cst.ClassDef) -> str:
+        """Where the class's own `training_step` calls `compute_loss` without the count (and
+        neither divides for `_training_step_division` to guard nor reads the opt-out), make it
+        the stock step of 4.46 and later, and say so ("" where nothing is done): the count
+        handed to `compute_loss`, the loss divided by the accumulation steps only where the
+        stock step divides (`STOCK_DIVIDES`), DeepSpeed told not to divide again, as the stock
+        step tells it, and the logged loss no longer divided a second time. Otherwise no
+        rewrite of `compute_loss` would reach the backward: a sum over the count falls back to
+        the micro-batch's own (the mean), and the opt-out is read by the stock step only; the
+        Trainer's accelerator has no accumulation plugin since 4.46, so its `backward` divides
+        by nothing (DeepSpeed's by its accumulation steps)."""
         for cls in self.audit.lineage(owner):
             step = methods_of(cls).get("training_step")
             if step is None:
@@ -163,14 +185,62 @@ class _ComputeLoss:
             )
             if not calls or divided or reads_opt_out or any(map(self._hands_count, calls)):
                 return ""
-            return (
-                f"`{cls.name.value}.training_step` (line {self.tree.line(step)}) calls "
-                f"`{code(calls[0])}` without `{COUNT}`, so neither a count nor "
-                f"`{OPT_OUT} = False` reaches the loss it backpropagates: hand it "
-                f"`{COUNT}={COUNT}` there and divide by the accumulation steps only when no "
-                "count is given, as the stock `training_step` does, or remove the override"
-            )
+            where = f"`{cls.name.value}.training_step` (line {self.tree.line(step)})"
+            return self._stock_step(step, calls, where)
         return ""
+
+    def _stock_step(self, step: cst.FunctionDef, calls: list[cst.Call], where: str) -> str:
+        """`_hand_count_in_step`'s edits of `step`, or Unfixable saying what stands in the way."""
+        self._under_pin("Trainer has no `compute_loss_func` or `model_accepts_loss_kwargs` to test")
+        advice = (
+            f"hand it `{COUNT}={COUNT}` and divide by the accumulation steps only when no count "
+            "is given, as the stock `training_step` does, or remove the override"
+        )
+        bound = self.tree.parents.get(calls[0])
+        if len(calls) > 1 or not (
+            isinstance(bound, cst.Assign)
+            and len(bound.targets) == 1
+            and isinstance(bound.targets[0].target, cst.Name)
+        ):
+            raise Unfixable(
+                f"{where} does not bind one `self.compute_loss(...)` to a name, so gaaudit cannot "
+                f"follow its loss to the backward: {advice}"
+            )
+        loss = bound.targets[0].target.value
+        backwards = [
+            n
+            for n in self.tree.walk(step.body)
+            if isinstance(n, cst.Call) and dotted(n.func) == "self.accelerator.backward"
+        ]
+        if len(backwards) != 1 or dotted(next(iter(positional(backwards[0])), None)) != loss:
+            raise Unfixable(
+                f"{where} does not backpropagate `{loss}` through one "
+                f"`self.accelerator.backward({loss})`, as the stock step does: {advice}"
+            )
+        (backward,) = backwards
+        self._accept(step)
+        self._add_argument(calls[0], COUNT, keyword_name=COUNT)
+        self.edits.insert_before(
+            statement_line(self.tree, backward),
+            f"if {STOCK_DIVIDES}:\n    {loss} = {loss} / self.args.gradient_accumulation_steps\n",
+        )
+        if "scale_wrt_gas" not in code(step):
+            self.edits.replace[backward] = with_argument(
+                backward, None, f"({DEEPSPEED_ONCE} if self.is_deepspeed_enabled else {{}})", "**"
+            )
+        for node in self.tree.walk(step.body):
+            parts = division_of(node.value) if isinstance(node, cst.Return) and node.value else None
+            if (
+                parts is not None
+                and detached(parts[0])
+                and dotted(parts[0].func.value) == loss
+                and last_name(parts[1]) == "gradient_accumulation_steps"
+            ):
+                self.edits.replace[node.value] = parts[0]
+        return (
+            f"{where} hands `compute_loss` the count and divides by the accumulation steps only "
+            "where the stock step does"
+        )
 
     @staticmethod
     def _hands_count(call: cst.Call) -> bool:
