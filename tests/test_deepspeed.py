@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, flat, gaaudit
+from conftest import FIXTURES, ROOT, flat, gaaudit
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from gaaudit.commands.verify import REPRODUCED, VERIFIED
 from gaaudit.config import Settings
 from gaaudit.fixes.fixer import fix_source
+from gaaudit.harness.gradcheck import relative_error, snapshot
+from gaaudit.harness.trainer import arguments, collate, examples, tiny_model, trainer_class
 
 K, MICRO, WIDTH = 4, 2, 12  # accumulation steps, rows per micro-batch, padded width
 TINY = {  # a GPT-2 small enough for CPU, without dropout: the same weights give the same loss
@@ -320,3 +322,97 @@ def test_accelerates_deepspeed_window_is_read_ahead_where_the_engine_ends_it(tmp
         assert distance(new, want) < 1e-4
         assert distance(old, want) > 1e-2  # the bug the fix removes
     assert len(run(tmp_path / "installed", ACCELERATE, 1, K, 1, **LAUNCHED)) == K
+
+
+# A Trainer subclass of a fixture trained one step under DeepSpeed (stage 0, K = 4) on one
+# gloo process: the gradients its optimizer steps on (lr 0) are saved.
+TRAINER_WORKER = """\
+import sys
+from pathlib import Path
+
+import deepspeed.ops
+import torch
+from gaaudit.harness.trainer import arguments, collate, examples, tiny_model, trainer_class
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo, no kernel to compile
+fixture, name, out = sys.argv[1:]
+steps = []
+
+
+class Recording(torch.optim.SGD):
+    def step(self, closure=None):
+        steps.append([p.grad.clone() for p in self.param_groups[0]["params"]])
+        return super().step(closure)
+
+
+class Recorded(trainer_class(Path(fixture).read_text(), fixture, name)):
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = Recording((model or self.model).parameters(), lr=0.0)
+        return self.optimizer
+
+
+engine = {"zero_optimization": {"stage": 0}, "gradient_accumulation_steps": "auto"}
+engine["train_micro_batch_size_per_gpu"] = "auto"
+engine["gradient_clipping"] = "auto"  # the arguments' 0.0: no clipping (the engine's own: 1.0)
+args = arguments(out, 4, deepspeed=engine)
+Recorded(model=tiny_model(), args=args, train_dataset=examples(8, 0), data_collator=collate).train()
+assert len(steps) == 1, steps
+torch.save(steps[0], out + ".pt")
+"""
+
+
+def trainer_step_under_deepspeed(tmp_path: Path, fixture: Path, name: str, port: int) -> list:
+    worker = tmp_path / f"{fixture.stem}.worker.py"
+    worker.write_text(TRAINER_WORKER)
+    out = tmp_path / fixture.stem
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, str(worker), str(fixture), name, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return torch.load(f"{out}.pt")
+
+
+def test_a_step_handed_the_count_tells_deepspeed_not_to_divide_again(tmp_path):
+    """Issue 17, item 3, under DeepSpeed: the step copied from an older Trainer hands the
+    engine each micro-batch's mean, which it divides by K (mean/K); the fixed step hands it
+    the token sum over the window's count with `scale_wrt_gas=False`, as the stock step
+    does: the full batch's gradient. Without that flag the engine divides by K again."""
+    fixture = FIXTURES / "ga004_training_step_withholds_count"
+    original, fixed = fixture.with_suffix(".py"), fixture.with_suffix(".fixed.py")
+    name = "DocReaderTrainer"
+    unflagged = tmp_path / "unflagged.py"
+    flag = '**({"scale_wrt_gas": False} if self.is_deepspeed_enabled else {})'
+    assert flag in fixed.read_text()
+    unflagged.write_text(fixed.read_text().replace(flag, ""))
+    net = tiny_model()
+    loss_of = trainer_class(original.read_text(), str(original), name)
+    loss_of(model=net, args=arguments(str(tmp_path / "reference"), 4)).compute_loss(
+        net, collate(examples(8, 0))
+    ).backward()
+    reference = snapshot(net.parameters())
+    errors = {
+        path.stem: relative_error(
+            trainer_step_under_deepspeed(tmp_path, path, name, port), reference
+        )
+        for path, port in ((original, 29731), (fixed, 29732), (unflagged, 29733))
+    }
+    assert errors["ga004_training_step_withholds_count"] > 0.1, errors
+    assert errors["ga004_training_step_withholds_count.fixed"] < 1e-5, errors
+    assert errors["unflagged"] == pytest.approx(0.75, abs=1e-3), errors  # divided by K twice
