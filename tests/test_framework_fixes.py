@@ -211,6 +211,9 @@ def test_a_step_that_withholds_the_count_becomes_the_stock_step(tmp_path):
     stock step's count, guard and DeepSpeed flag, and logs the loss undivided. (Unsafe here
     for `compute_loss`'s own reason: its targets are not shifted, a causal LM's count is.)"""
     path = FIXTURES / "ga004_training_step_withholds_count.py"
+    (finding,) = check_file(path, ALL).findings
+    assert "TypeError" not in finding.message  # the step calls it without the count
+    assert "accelerator divides by nothing in `backward`" in finding.message
     result = fix_source(path.read_bytes(), path, ALL, unsafe=True)
     ((outcome),) = result.outcomes
     assert outcome.applied, outcome.reason

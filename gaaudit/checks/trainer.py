@@ -179,6 +179,41 @@ class _LossKwargs:
                 return node
         return None
 
+    def count_withheld(
+        self, cls: cst.ClassDef
+    ) -> tuple[cst.ClassDef, cst.FunctionDef, list[cst.Call]] | None:
+        """The nearest `training_step` of the class's lineage, with its class and its
+        `self.compute_loss(...)` calls, where none of them hands on the count and the step
+        neither divides the loss by the accumulation steps outside the stock guard (GA004's
+        own site, whose fix hands the count on) nor reads the opt-out; else None."""
+        for current in self.lineage(cls):
+            step = methods_of(current).get("training_step")
+            if step is None:
+                continue
+            calls = [
+                n
+                for n in self.tree.walk(step.body)
+                if isinstance(n, cst.Call)
+                and isinstance(n.func, cst.Attribute)
+                and n.func.attr.value == "compute_loss"
+                and dotted(n.func.value) == "self"
+            ]
+            divides = any(
+                (parts := division_of(n)) is not None
+                and last_name(parts[1]) == "gradient_accumulation_steps"
+                and not detached(parts[0])
+                and not self._guarded(n, step)
+                for n in self.tree.walk(step.body)
+            )
+            reads_opt_out = any(
+                isinstance(n, cst.Attribute) and n.attr.value == OPT_OUT
+                for n in self.tree.walk(step.body)
+            )
+            if not calls or divides or reads_opt_out or any(map(hands_count, calls)):
+                return None
+            return current, step, calls
+        return None
+
     def compute_loss_call(self, expr: cst.BaseExpression) -> cst.Call | None:
         """The `self.compute_loss(...)` / `super().compute_loss(...)` call a value comes from."""
         for _ in range(12):
@@ -508,6 +543,34 @@ class TrainerAudit(_LossKwargs, _Models):
         names, kwargs = parameters(function)
         overwritten = self._class_level_opt_out(cls)
         facts = (where,) if overwritten is None else (where, overwritten)
+        withheld = self.count_withheld(cls)
+        if COUNT not in names and kwargs is None and withheld is not None:
+            owner, step, call = withheld[0], withheld[1], withheld[2][0]
+            yield Site(
+                function.name,
+                f"`compute_loss` takes no `num_items_in_batch` and `{owner.name.value}."
+                "training_step` calls it without one, as a Trainer before 4.46 did: since 4.46 "
+                "the Trainer's accelerator divides by nothing in `backward`, so each micro-batch's "
+                "mean is summed over the window, K times too large (under DeepSpeed divided by K), "
+                "weighting micro-batches equally whatever their number of targets",
+                (
+                    *facts,
+                    (
+                        f"step: `{code(call)}` (line {self.tree.line(call)}) in `training_step` "
+                        f"(line {self.tree.line(step)})"
+                    ),
+                ),
+                "compute-loss",
+                function,
+                cls,
+                hint=(
+                    "Make training_step the stock one: hand compute_loss "
+                    "num_items_in_batch=num_items_in_batch, divide by the accumulation steps only "
+                    "where the stock step does (or remove the override); then return the token-loss "
+                    "sum divided by num_items_in_batch from compute_loss."
+                ),
+            )
+            return
         if COUNT not in names and kwargs is None:
             yield Site(
                 function.name,
@@ -654,6 +717,15 @@ def division_of(node: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpressi
     if isinstance(node, cst.AugAssign) and isinstance(node.operator, cst.DivideAssign):
         return node.target, node.value
     return None
+
+
+def hands_count(call: cst.Call) -> bool:
+    """A `compute_loss(...)` call that passes `num_items_in_batch` (by name, fourth, or `**`)."""
+    return (
+        keyword(call, COUNT) is not None
+        or len(positional(call)) >= 4
+        or any(a.star == "**" for a in call.args)
+    )
 
 
 def is_super(expr: cst.BaseExpression) -> bool:

@@ -42,6 +42,7 @@ from gaaudit.checks.trainer import (
     class_attribute,
     detached,
     division_of,
+    hands_count,
     head_kind,
     is_super,
     is_super_init,
@@ -154,8 +155,7 @@ class _ComputeLoss:
         )
 
     def _hand_count_in_step(self, owner: cst.ClassDef) -> str:
-        """Where the class's own `training_step` calls `compute_loss` without the count (and
-        neither divides for `_training_step_division` to guard nor reads the opt-out), make it
+        """Where the class's own `training_step` withholds the count (`count_withheld`), make it
         the stock step of 4.46 and later, and say so ("" where nothing is done): the count
         handed to `compute_loss`, the loss divided by the accumulation steps only where the
         stock step divides (`STOCK_DIVIDES`), DeepSpeed told not to divide again, as the stock
@@ -164,30 +164,13 @@ class _ComputeLoss:
         the micro-batch's own (the mean), and the opt-out is read by the stock step only; the
         Trainer's accelerator has no accumulation plugin since 4.46, so its `backward` divides
         by nothing (DeepSpeed's by its accumulation steps)."""
-        for cls in self.audit.lineage(owner):
-            step = methods_of(cls).get("training_step")
-            if step is None:
-                continue
-            calls = [
-                n
-                for n in self.tree.walk(step.body)
-                if isinstance(n, cst.Call)
-                and isinstance(n.func, cst.Attribute)
-                and n.func.attr.value == "compute_loss"
-                and dotted(n.func.value) == "self"
-            ]
-            divided = any(
-                s.kind == "training-step-division" and s.function is step for s in self.sites
-            )
-            reads_opt_out = any(
-                isinstance(n, cst.Attribute) and n.attr.value == OPT_OUT
-                for n in self.tree.walk(step.body)
-            )
-            if not calls or divided or reads_opt_out or any(map(self._hands_count, calls)):
-                return ""
-            where = f"`{cls.name.value}.training_step` (line {self.tree.line(step)})"
-            return self._stock_step(step, calls, where)
-        return ""
+        withheld = self.audit.count_withheld(owner)
+        if withheld is None:
+            return ""
+        cls, step, calls = withheld
+        return self._stock_step(
+            step, calls, f"`{cls.name.value}.training_step` (line {self.tree.line(step)})"
+        )
 
     def _stock_step(self, step: cst.FunctionDef, calls: list[cst.Call], where: str) -> str:
         """`_hand_count_in_step`'s edits of `step`, or Unfixable saying what stands in the way."""
@@ -240,14 +223,6 @@ class _ComputeLoss:
         return (
             f"{where} hands `compute_loss` the count and divides by the accumulation steps only "
             "where the stock step does"
-        )
-
-    @staticmethod
-    def _hands_count(call: cst.Call) -> bool:
-        return (
-            keyword(call, COUNT) is not None
-            or len(positional(call)) >= 4
-            or any(a.star == "**" for a in call.args)
         )
 
     def _loss_function(self, site: Site) -> Choice:
@@ -531,7 +506,7 @@ class _Signatures:
             )
         self._under_pin("Trainer has no `compute_loss_func` or `model_accepts_loss_kwargs` to test")
         self._accept(function)
-        if not self._hands_count(call):
+        if not hands_count(call):
             self._add_argument(call, COUNT, keyword_name=COUNT)
         self._guard(division)
         return Choice(
@@ -655,10 +630,9 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
         self.pinned = pinned  # the project's transformers pin before 4.46, if any (GA006)
         self.text = tree.module.code
         self.edits = Edits()
-        self.sites: list[Site] = []
 
     def plan(self, sites: list[Site]) -> list[Outcome]:
-        self.sites, outcomes = sites, []
+        outcomes = []
         for site in sites:
             saved = copy_edits(self.edits)
             line, column = self.tree.span(site.node).line, self.tree.span(site.node).column
