@@ -213,6 +213,43 @@ def test_the_fix_reads_deepspeeds_own_window_boundary(fixed):
     assert "torch.distributed.all_reduce(total)" in fixed
 
 
+# The loss helper builds the targets itself (from the batch's ids and its mask of prompt and
+# padding), so the reader asks it for its count alone (`count_only=True`): an unsafe fix.
+HELPER = TRAIN.replace(
+    """def to_device(batch, device):
+    return {k: v.to(device) for k, v in batch.items()}
+""",
+    """def compute_loss(engine, batch):
+    device = engine.device
+    labels = batch["input_ids"].clone()
+    labels[batch["labels"] == -100] = -100
+    return engine(input_ids=batch["input_ids"].to(device), labels=labels.to(device)).loss
+""",
+).replace(
+    """            batch = to_device(batch, engine.device)
+            loss = engine(**batch).loss
+""",
+    """            loss = compute_loss(engine, batch)
+""",
+)
+
+
+def test_a_helper_asked_for_its_count_alone_makes_each_step_the_windows_token_mean(tmp_path):
+    """On two ranks, each step of the loop whose helper counts its own targets ahead is the
+    token mean of its window over both ranks."""
+    result = fix_source(HELPER.encode(), Path("train.py"), Settings(), unsafe=True)
+    assert result.outcomes[0].applied, result.outcomes[0].reason
+    patched = result.after.decode()
+    assert "compute_loss(engine, batch, count_only=True)" in patched
+    world, per_rank = 2, 2 * K
+    data = [batches(r, per_rank) for r in range(world)]
+    steps = run(tmp_path / "patched", patched, world, per_rank, epochs=1)
+    assert len(steps) == per_rank // K
+    for w, step in enumerate(steps):
+        window = [b for rank in data for b in rank[w * K : (w + 1) * K]]
+        assert distance(step, token_mean_gradient([window])) < 1e-4
+
+
 ENGINE = FIXTURES / "ga003_deepspeed_json_config.py"  # K in ds_config_zero2.json beside it
 
 

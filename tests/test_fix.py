@@ -1719,6 +1719,82 @@ def test_a_refusal_that_says_to_divide_the_gradients_warns_of_deepspeed():
     assert not outcome.applied and "DeepSpeed" not in outcome.reason
 
 
+HELPER_TARGETS = FIXTURES / "ga003_deepspeed_loss_helper_builds_targets.py"
+
+
+def test_a_loss_helper_that_builds_its_targets_is_asked_for_its_count_alone_ahead(tmp_path):
+    """A DeepSpeed loop whose loss helper tokenises the batch's texts and builds the targets
+    itself: the reader calls the helper as the loop does, with `count_only=True`, and the
+    helper returns the count just before its forward. Unsafe: its statements before the
+    forward run once more per micro-batch. The loop's own call, spread over lines, stays."""
+    source = HELPER_TARGETS.read_text().replace(
+        "loss = compute_loss(model, tokenizer, batch)",
+        "loss = compute_loss(\n            model=model, tokenizer=tokenizer, batch=batch,\n"
+        "            is_training=True,\n        )",
+    )
+    (tmp_path / ".git").mkdir()
+    script = tmp_path / "train.py"
+    (outcome,) = fix_source(source.encode(), script, ALL).outcomes
+    assert not outcome.applied
+    assert "unsafe fix (`compute_loss()` builds its targets itself" in outcome.reason
+    assert "its statements before line 26 once more per micro-batch" in outcome.reason
+    after = fixed(source.encode(), path=script).decode()
+    assert fixed(after.encode(), path=script) == after.encode()
+    assert "def compute_loss(model, tokenizer, batch, is_training=True, count_only=False):" in after
+    assert (
+        "    if count_only:\n        return (labels[..., 1:] != -100).sum()\n"
+        "    with torch.set_grad_enabled(is_training):\n"
+    ) in after
+    assert (  # the reader's copy of the call, one argument a line in its tuple
+        "                    (batch_idx, batch),\n                    compute_loss(\n"
+        "                        model=model,\n"
+    ) in after
+    assert "                        count_only=True,\n                    ),\n" in after
+    assert "loss = compute_loss(\n            model=model, tokenizer=tokenizer" in after
+    assert "model.backward(loss * window_share)" in after
+    written = set(after.splitlines()) - set(source.splitlines())
+    long = [line for line in written if len(line) > 88]
+    assert [line.strip()[:4] for line in long] == ["for "], long  # the header verify finds
+
+
+@pytest.mark.parametrize(
+    "forward_before, line",
+    [("    labels = input_ids.clone()", 24), ("    for i, prompt in enumerate(prompts):", 26)],
+    ids=["bound-after", "masked-after"],
+)
+def test_a_helper_count_set_after_its_forward_is_not_asked_ahead(forward_before, line):
+    """The helper binds the targets the count reads, or masks them, only after its forward:
+    it cannot count a micro-batch before running it; the refusal names the line."""
+    source = HELPER_TARGETS.read_text()
+    helper = source[
+        source.index("    with torch.set_grad_enabled") : source.index("\n\n\ndef main")
+    ]
+    forward = "    logits = model(input_ids=input_ids.to(device)).logits\n"
+
+    def forward_at(statement: str) -> bytes:
+        return (
+            source.replace(
+                helper,
+                "    return F.cross_entropy(\n"
+                "        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(device), "
+                "ignore_index=-100\n    )",
+            )
+            .replace(statement, forward + statement)
+            .replace("import torch\n", "import torch\nimport torch.nn.functional as F\n")
+            .encode()
+        )
+
+    (outcome,) = fix_source(forward_at(forward_before), HELPER_TARGETS, ALL, True).outcomes
+    assert not outcome.applied
+    assert (
+        "reading the window ahead: the count `(labels[:, 1:].flatten() != -100).sum()` reads "
+        f"`labels`, which `compute_loss()` sets on line {line}, not before its loss is made "
+        f"(line {line - 1})"
+    ) in outcome.reason, outcome.reason
+    (outcome,) = fix_source(forward_at("    return F."), HELPER_TARGETS, ALL, True).outcomes
+    assert outcome.applied
+
+
 NESTED = textwrap.dedent(
     """\
     import torch

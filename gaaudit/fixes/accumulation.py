@@ -314,6 +314,7 @@ class _Counting:
     def count(self, site: Site) -> tuple[tuple[str, str], bool]:
         """(count expression, caveat) and whether the fix is safe: not where the loss's
         function is handed in (`train(..., step_fn)`), whose other callers may hand others."""
+        self.asked = None
         (count, caveat), safe = self._own_count(site)
         callee = site.origin.callee
         if not safe or not callee or "." in callee:  # no function, or a model's `forward`
@@ -457,6 +458,7 @@ class _Counting:
             f"`{name}()` (line {self.tree.line(helper)}) makes the loss and returns its count "
             "when asked"
         )
+        self.asked = (helper, count, copy_edits(self.edits))  # a read-ahead asks otherwise
         self._return_count(helper, count, self._loss_use(site))
         return (self.micro, caveat), safe
 
@@ -2276,6 +2278,8 @@ class Planner(
         self.text = tree.module.code
         self.micro = self._fresh("micro_tokens")
         self.counted_inside = ""  # who counts a micro-batch only the loop's body can count
+        # the loop's call of the helper that counts its loss, that count, the edits before it
+        self.asked: tuple[cst.Assign, str, Edits] | None = None
         self.window_total = self._fresh("window_tokens")
         self.window_loss = self._fresh("window_loss")
         self.reference = self._fresh("window_reference")  # under a GradScaler

@@ -458,7 +458,25 @@ def _laid(value: cst.BaseExpression, level: int, head: int, tail: int, room: _Ro
     operands = _operands(value)
     if len(operands) > 1:
         return _broken(value, level, tail, room)
+    if isinstance(value, cst.Tuple) and not value.lpar and value.elements:
+        return _elements_laid(value, level, room)
     return _at_trailer(value, level, room) or value
+
+
+def _elements_laid(value: cst.Tuple, level: int, room: _Room) -> cst.Tuple:
+    """A tuple's elements inside its brackets, one a line at `level`, with a trailing comma."""
+    last = len(value.elements) - 1
+    return value.with_changes(
+        elements=[
+            element.with_changes(
+                value=_laid(element.value, level, len(getattr(element, "star", "")), 1, room),
+                comma=cst.Comma(
+                    whitespace_after=_newline(level, room) if i < last else cst.SimpleWhitespace("")
+                ),
+            )
+            for i, element in enumerate(value.elements)
+        ]
+    )
 
 
 def _bracketed_items(node: cst.CSTNode, field: str, level: int, room: _Room):

@@ -18,6 +18,7 @@ from gaaudit.analysis.tree import (
     assigned_value,
     code,
     dotted,
+    parameter_names,
     positional,
     substituted,
     target_names,
@@ -32,6 +33,8 @@ from gaaudit.fixes.edits import (
     parsed_statements,
     runs_again,
     statement_line,
+    with_argument,
+    with_parameter,
 )
 from gaaudit.vocabulary import MOVERS
 
@@ -45,6 +48,8 @@ ACCELERATE_WINDOW = (  # accelerate#3630: DeepSpeed's boundary set from `sync_gr
     "of its `gradient_accumulation_steps` micro-batches; from 1.8 on, outside "
     "`accelerator.accumulate()`, every micro-batch is a step of its own"
 )
+ONLY_NOTE = "# read ahead: the count alone, for the window's share, before it runs"
+COUNT_ONLY = "count_only"  # the helper's parameter that asks it for that count alone
 READER, SHARE = "read_ahead", "window_share"  # the names it adds, suffixed where taken
 LOCALS = ("items", "pending", "item", "count", "total")  # the read-ahead functions' own names
 
@@ -73,7 +78,7 @@ class _ReadAhead:
             raise Unfixable("the micro-batches are not drawn by a `for` loop")
         if window.anchor in self._prepared or window.anchor in self._ahead_windows:
             raise Unfixable("the window backpropagates more than one loss")
-        if count == self.micro:
+        if count == self.micro and self.asked is None:
             weigh = "" if engine else ", and backpropagate its mean times its share of their sum"
             raise Unfixable(
                 f"the count is taken inside the loop: {self.counted_inside}; count each "
@@ -98,9 +103,12 @@ class _ReadAhead:
             guard = self._ahead_of(test, loop, targets, False, window.anchor, counters)
             if isinstance(test, cst.Name):  # `if boundary:`, its value inlined
                 guard = guard.with_changes(lpar=[], rpar=[])
-        counted = self._ahead_of(
-            cst.parse_expression(count), loop, targets, True, site.backward.call
-        ).visit(_Unmoved())
+        if count == self.micro:  # its loss helper builds the targets: asked, it counts them
+            counted = self._counted_by_helper(site, loop, targets)
+        else:
+            counted = self._ahead_of(
+                cst.parse_expression(count), loop, targets, True, site.backward.call
+            ).visit(_Unmoved())
         divisor = site.division.divisor if site.division is not None else None
         if site.kind == "gradient-division":
             raise Unfixable("the gradients are divided, not the loss")
@@ -143,6 +151,65 @@ class _ReadAhead:
             f"{reader}({code(loop.iter)}{_handed(counters)})"
         )
         self._ahead_windows.add(window.anchor)
+
+    def _counted_by_helper(self, site: Site, loop: cst.For, targets: set[str]) -> cst.Call:
+        """The reader's count of a micro-batch whose loss the loop's call of a same-file helper
+        makes from targets it builds itself (`compute_loss(model, batch)` tokenising the batch's
+        texts): the helper gains `count_only=False` and, asked, returns the count just before
+        its forward; the reader makes the loop's call so. Unsafe: what the helper does before
+        its forward then runs twice for each micro-batch, once when the window is drawn."""
+        call, count, edits = self.asked
+        helper = self.auditor.tracer.helper(call.value.func)
+        name, source = helper.name.value, site.origin.source
+        if COUNT_ONLY in parameter_names(helper):
+            raise Unfixable(f"`{name}` already takes a `{COUNT_ONLY}` parameter")
+        counted = cst.parse_expression(count).visit(_Unmoved())
+        loss = forward = self._top_statement(helper, source)
+        for read in variables(source) - variables(cst.parse_expression(count)):  # `outputs`
+            binding = self.auditor.tracer.binding(read, source)
+            if binding is not None and self.tree.contains(helper.body, binding):
+                forward = min(
+                    forward, self._top_statement(helper, binding), key=self.tree.order.get
+                )
+        first, last = self.tree.order[forward], self.tree.order[loss]
+        bound = self.tree.bindings(helper)
+        for read in sorted(variables(counted)):  # complete before the forward, kept through it
+            for statement in helper.body.body:
+                at = self.tree.order[statement]
+                sets = any(
+                    self.tree.contains(statement, b) and at >= first for b in bound.get(read, ())
+                )
+                if sets or first < at < last and read in _mentioned(self.tree, statement):
+                    raise Unfixable(
+                        f"the count `{code(counted)}` reads `{read}`, which `{name}()` sets on "
+                        f"line {self.tree.line(statement)}, not before its loss is made (line "
+                        f"{self.tree.line(forward)}), so it cannot count a micro-batch ahead of "
+                        "its window; count each micro-batch's valid targets from its batch"
+                    )
+        if not self.unsafe:
+            raise Unfixable(
+                f"unsafe fix (`{name}()` builds its targets itself: the window is counted by "
+                f"calling it with `{COUNT_ONLY}=True` as each micro-batch is drawn, which runs its "
+                f"statements before line {self.tree.line(forward)} once more per micro-batch, "
+                "ahead of the window; right where they only read the batch and arguments the "
+                "loop does not change in the window, and draw nothing at random); apply with "
+                "--unsafe-fixes"
+            )
+        self.edits = edits  # the loop's own call stays as it was
+        self.edits.replace[helper.params] = with_parameter(helper.params, COUNT_ONLY, "False")
+        self.edits.insert_before(
+            forward, f"{ONLY_NOTE}\nif {COUNT_ONLY}:\n    return {code(counted)}\n"
+        )
+        asked = with_argument(_one_line(call.value), COUNT_ONLY, "True")
+        return self._ahead_of(asked, loop, targets, True, site.backward.call)
+
+    def _top_statement(self, function: cst.FunctionDef, node: cst.CSTNode) -> cst.CSTNode:
+        """The statement of `function`'s own body that holds `node`."""
+        return next(
+            a
+            for a in (node, *self.tree.ancestors(node))
+            if self.tree.parents.get(a) is function.body
+        )
 
     def _older_accelerate(self) -> bool:
         """Whether the file's requirements keep its accelerate before 1.8 (`ACCELERATE_WINDOW`):
@@ -591,6 +658,21 @@ class _Unmoved(cst.CSTTransformer):
 
     def leave_DictComp(self, original: cst.DictComp, updated: cst.DictComp):
         return _moved_dict(original) or updated  # judged before its moves were dropped
+
+
+def _mentioned(tree, statement: cst.CSTNode) -> set[str]:
+    """The variable names a statement mentions, read or set (`labels` of `labels[i] = -100`)."""
+    return {
+        n.value for n in tree.walk(statement) if isinstance(n, cst.Name) and tree.is_variable(n)
+    }
+
+
+def _one_line(call: cst.Call) -> cst.Call:
+    """`call` written on one line, as the reader's copy of it starts (its comments dropped)."""
+    args = ", ".join(
+        f"{a.star}{f'{a.keyword.value}=' if a.keyword else ''}{code(a.value)}" for a in call.args
+    )
+    return cst.parse_expression(f"{code(call.func)}({args})")
 
 
 def _free(name: str, taken: set[str]) -> str:
