@@ -1460,6 +1460,41 @@ def test_a_window_read_ahead_in_a_function_its_caller_runs_again(old, new, safe)
     assert "read_ahead(enumerate(loader))" in fixed(source.encode(), unsafe=True).decode()
 
 
+PLAIN_EPOCH = READ_AHEAD_EPOCH.replace("(out.loss + out.aux_loss) / K", "out.loss / K")
+
+
+@pytest.mark.parametrize(
+    "old, new, safe",
+    [
+        ("", "", False),  # a pass's short last window goes on into the next call's first
+        ("    for i,", "    optimizer.zero_grad()\n    for i,", True),  # cleared first
+        ("(i + 1) % K == 0", "(i + 1) % K == 0 or i == len(loader) - 1", True),  # steps at its end
+        ("        train_epoch(", "        optimizer.zero_grad()\n        train_epoch(", True),
+        ("    for epoch in range(epochs):\n    ", "", True),  # called once
+    ],
+    ids=["carried", "cleared-first", "steps-at-end", "caller-clears", "no-caller-loop"],
+)
+def test_a_window_count_started_in_a_function_its_caller_runs_again(old, new, safe):
+    """The one division at the step, in `train_epoch()` that an epoch loop calls: the count
+    starts at the function's loop, so where nothing clears the gradients between calls and the
+    step's guard does not hold at a pass's end, the next call's first division would count only
+    its part of a window the last call began: the fix is unsafe, naming the caller's loop and
+    the call; with --unsafe-fixes it is made as written."""
+    source = PLAIN_EPOCH.replace(old, new)
+    assert source != PLAIN_EPOCH or not safe
+    (outcome,) = fix_source(source.encode(), Path("x.py"), ALL, False).outcomes
+    assert outcome.applied is safe, outcome.reason
+    if not safe:
+        assert outcome.reason.startswith(
+            "unsafe fix (the loop on line 18 runs this one again by calling `train_epoch()` and "
+            "does not clear the gradients between its passes"
+        )
+    after = fixed(source.encode(), unsafe=True).decode()
+    assert (
+        "    window_tokens = 0\n    for i," in after and "param.grad.div_(window_tokens)" in after
+    )
+
+
 def test_a_batch_moved_and_unpacked_in_the_loop_is_counted_ahead_as_drawn():
     """`batch = tuple(t.cuda() for t in batch)` then `ids, labels, *_ = batch`: the reader
     counts `batch[1]`, the same elements as the loop's `labels`, on the batch as drawn."""

@@ -53,6 +53,7 @@ from gaaudit.fixes.edits import (
     copy_edits,
     indented,
     may_be_fp16,
+    runs_again,
     statement_line,
     torch_module,
     with_argument,
@@ -1959,7 +1960,28 @@ class _Window:
             )
         if window.kind == "micro-loop":
             self._cleared_before(window)
+        if window.kind == "modulo" and not self.unsafe:
+            self._count_restarted(site)
         self._prepared[window.anchor] = (site, self._optimizer(window))
+
+    def _count_restarted(self, site: Site) -> None:
+        """Refuse, as unsafe, a window whose count starts in its function (`_count_home`)
+        while a caller's loop runs that function again with the gradients left in place: a
+        pass's short last window goes on into the next call, whose count starts at 0."""
+        window = site.window
+        test = window.anchor.test if isinstance(window.anchor, cst.If) else None
+        home = self._count_home(window, self._optimizer(window))
+        outer = self._carried_into(site, window.loop, None if window.skips else test, home)
+        if outer is not None:
+            raise Unfixable(
+                f"unsafe fix ({runs_again(self.tree, outer, window.loop)} and does not clear "
+                "the gradients between its passes, so a pass's last window, cut short, goes on "
+                "into the next pass's first, while the window's count starts anew at each call: "
+                "the first division of the next pass counts only its own part, right only where "
+                "every pass holds whole windows (a loader whose length is a multiple of the "
+                "accumulation steps)); apply with --unsafe-fixes, or step or clear the gradients "
+                "after each pass"
+            )
 
     def _under_deepspeed(self) -> str:
         """What a refusal that says to divide the gradients at the step adds where the file may

@@ -285,18 +285,26 @@ class _ReadAhead:
         return reader
 
     def _carried_into(
-        self, site: Site, loop: cst.For, test: cst.BaseExpression
+        self,
+        site: Site,
+        loop: cst.For | cst.While,
+        test: cst.BaseExpression | None,
+        start: cst.CSTNode | None = None,
     ) -> cst.For | cst.While | None:
-        """The loop that runs `loop` again (`run_again`: around it, or around a same-file call
-        of its function) whose next pass goes on with the window a pass's end cut short, its
-        gradients left in place; None if there is none or the step's `test` also holds at a
-        pass's last micro-batch (`or i == len(loader) - 1`). (A DeepSpeed engine's window goes
-        on by its own count of micro-steps, which the reader follows: each part then weighs as
-        its micro-batches do in the original.)"""
-        if any(_at_length(term, loop) for term in _disjuncts(test)):
+        """The loop that runs `start` (by default `loop`) again (`run_again`: around it, or
+        around a same-file call of its function) whose next pass goes on with the window a
+        pass's end cut short, its gradients left in place; None if there is none or the step's
+        `test` also holds at a pass's last micro-batch (`or i == len(loader) - 1`). (A DeepSpeed
+        engine's window goes on by its own count of micro-steps, which the reader follows: each
+        part then weighs as its micro-batches do in the original.)"""
+        if (
+            test is not None
+            and isinstance(loop, cst.For)
+            and any(_at_length(term, loop) for term in _disjuncts(test))
+        ):
             return None
         optimizer = self._optimizer(site.window)
-        return run_again(self.tree, loop, lambda node: self._clears(node, optimizer))
+        return run_again(self.tree, start or loop, lambda node: self._clears(node, optimizer))
 
     def _engine_loop(self, site: Site, engine: str) -> tuple[cst.For, cst.Call]:
         """The loop whose every micro-batch a DeepSpeed engine backpropagates and steps, and
