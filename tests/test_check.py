@@ -15,6 +15,7 @@ from gaaudit.checks.engine import check_file
 from gaaudit.config import DEFAULT_EXCLUDE, Settings
 from gaaudit.discover.files import Excluded
 from gaaudit.findings import Confidence
+from gaaudit.fixes.fixer import fix_source
 
 ALL = Settings(min_confidence=Confidence.LOW)
 
@@ -147,6 +148,49 @@ def test_a_mean_on_the_first_arm_of_an_elif_chain_is_traced_through_its_helper(t
     (finding,) = check_file(path, ALL).findings
     assert (finding.code, finding.span.line) == ("GA001", 16)
     assert any("(losses / lengths).mean()" in e for e in finding.evidence)
+
+
+BACKWARD_HELPER = """\
+from transformers import AutoModelForCausalLM
+
+
+def backward_step(optimizer, model, lm_loss, args):
+    lm_loss.backward()
+
+
+def train(args, loader, optimizer):
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    for step, batch in enumerate(loader):
+        lm_loss = model(**batch).loss / args.gradient_accumulation_steps
+        backward_step(optimizer, model, lm_loss=lm_loss, args=args)
+        if (step + 1) % args.gradient_accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    "signature, arguments",
+    [
+        ("(optimizer, model, lm_loss, args)", "lm_loss=lm_loss, args=args"),  # by keyword
+        ("(optimizer, model, *, lm_loss, args)", "lm_loss=lm_loss, args=args"),  # keyword-only
+        ("(optimizer, /, model, lm_loss, args)", "lm_loss, args"),  # after a positional-only
+    ],
+    ids=["keyword", "keyword-only", "positional-only-before"],
+)
+def test_a_backward_helper_is_handed_its_loss_as_its_parameter_binds(
+    tmp_path, signature, arguments
+):
+    """A same-file helper that backpropagates its parameter `lm_loss`: the loss the loop hands
+    it is the argument bound to that parameter, passed by keyword or by position, whatever
+    parameters come before it; the finding is the loop's division, fixed at the step."""
+    path = tmp_path / "train.py"
+    source = BACKWARD_HELPER.replace("(optimizer, model, lm_loss, args)", signature)
+    path.write_text(source.replace("lm_loss=lm_loss, args=args", arguments))
+    (finding,) = check_file(path, ALL).findings
+    assert (finding.code, finding.span.line) == ("GA001", 11)
+    (outcome,) = fix_source(path.read_bytes(), path, ALL, False).outcomes
+    assert outcome.applied, outcome.reason
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,10 @@ import libcst as cst
 from gaaudit.analysis.tree import (
     DEFS,
     LOOPS,
+    Parameter,
     Tree,
+    argument_for,
+    call_parameters,
     code,
     dotted,
     keyword,
@@ -680,9 +683,12 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
         self._windows: dict[Backward, Window | None] = {}  # each backward's, found once
 
     @cached_property
-    def _helpers(self) -> tuple[dict[str, int], set[str]]:
-        """Same-file functions that call backward on their N-th parameter, and those that step."""
-        backward: dict[str, int] = {}
+    def _helpers(self) -> tuple[dict[str, Parameter | None], set[str]]:
+        """Same-file functions that call backward on one of their parameters (that parameter)
+        or on what a parameter's flag chooses (`(loss * count if return_count else
+        loss).backward()`: None, no argument is the loss), judged where called; and those that
+        step."""
+        backward: dict[str, Parameter | None] = {}
         stepping: set[str] = set()
         for node in self.tree.calls:
             function = self.tree.enclosing_function(node)
@@ -693,13 +699,22 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
                 stepping.add(name)
             loss = backward_of(node)
             if isinstance(loss, cst.BaseExpression):
-                params = [p.name.value for p in function.params.params]
-                root = self._alias(
-                    function,
-                    next((n.value for n in self.tree.walk(loss) if isinstance(n, cst.Name)), None),
-                )
-                if root in params:
-                    backward[name] = params.index(root) - (params[:1] == ["self"])
+                parameters = call_parameters(function)
+                tests = [n.test for n in self.tree.walk(loss) if isinstance(n, cst.IfExp)]
+                names = [
+                    n.value
+                    for n in self.tree.walk(loss)
+                    if isinstance(n, cst.Name) and not any(self.tree.contains(t, n) for t in tests)
+                ]
+                root = self._alias(function, names[0] if names else None)
+                if root in parameters:
+                    backward[name] = parameters[root]
+                elif any(
+                    isinstance(n, cst.Name) and n.value in parameters
+                    for test in tests
+                    for n in self.tree.walk(test)
+                ):
+                    backward[name] = None
         return backward, stepping
 
     def _alias(self, function: cst.FunctionDef, name: str | None) -> str | None:
@@ -721,9 +736,10 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
                 continue
             name = _helper_name(node.func)
             if name in helpers and not self._inside(node, self.tree.functions[name]):
-                args = positional(node)
-                if 0 <= helpers[name] < len(args):
-                    yield Backward(node, args[helpers[name]])
+                parameter = helpers[name]
+                argument = argument_for(node, parameter) if parameter is not None else None
+                if argument is not None:
+                    yield Backward(node, argument)
             elif self.stepping_callable(node) is not None:
                 yield Backward(node, positional(node)[0])
 
