@@ -613,6 +613,109 @@ def test_a_count_the_model_makes_from_its_own_values_is_not_read_ahead_and_says_
     assert flat(counted) in flat(after.decode())
 
 
+PICKED = FIXTURES / "ga001_xmod_model_class_by_condition"
+
+
+def test_model_classes_a_conditional_picks_are_named_with_what_differs():
+    """`get_model` builds `model_class.from_pretrained(...)` with `model_class = PrefixSeq2Seq
+    if args.mask_way == "v2" else MaskedSeq2Seq`, and `main()` hands the model to `train`:
+    the classes take their targets under other names and each normalises its loss by its
+    own mask (a helper of one name nested in each `forward`), so the refusal names both,
+    the condition, the keys each takes and where each makes its loss."""
+    train = PICKED / "train.py"
+    report = fix_source(train.read_bytes(), train, ALL, True)
+    (outcome,) = report.outcomes
+    assert not outcome.applied and report.after == report.before and not report.companions
+    reason = flat(outcome.reason)
+    assert flat("`model(...)` (line 45) runs `PrefixSeq2Seq` or `MaskedSeq2Seq` (") in reason
+    assert flat('as `args.mask_way == "v2"` picks (') in reason
+    assert (
+        flat(
+            "by other names (`PrefixSeq2Seq` takes `label_ids`, `num_target_tokens`; "
+            "`MaskedSeq2Seq` takes `masked_ids`, `masked_pos`, `masked_weight`)"
+        )
+        in reason
+    )
+    assert flat("model.py line 38;") in reason and flat("model.py line 54)") in reason
+
+
+PICKED_MODELS = """\
+    import torch
+    import torch.nn as nn
+
+
+    class Base(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.head = nn.Linear(32, 64)
+
+        @classmethod
+        def from_pretrained(cls, path=None):
+            return cls()
+
+
+    class Shallow(Base):
+        def forward(self, source_ids, label_ids):
+            scores = self.head(self.embed(source_ids))
+            loss_fct = nn.CrossEntropyLoss(ignore_index=0)
+            return loss_fct(scores.flatten(0, 1), label_ids.flatten())
+
+
+    class Deep(Base):
+        def forward(self, source_ids, label_ids):
+            scores = self.head(torch.relu(self.embed(source_ids)))
+            loss_fct = nn.CrossEntropyLoss(ignore_index={ignored})
+            return loss_fct(scores.flatten(0, 1), label_ids.flatten())
+    """
+PICKED_LOOP = """\
+    from model import Deep, Shallow
+
+    MODELS = {"shallow": Shallow, "deep": Deep}
+
+
+    def train(args, model, batches, optimizer):
+        for step, batch in enumerate(batches):
+            inputs = {"source_ids": batch[0], "label_ids": batch[1]}
+            loss = model(**inputs)
+            loss = loss / args.accum
+            loss.backward()
+            if (step + 1) % args.accum == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+    def main(args, batches, optimizer):
+        model_class = MODELS[args.kind]
+        train(args, model_class.from_pretrained(), batches, optimizer)
+    """
+
+
+@pytest.mark.parametrize("ignored", ["0", "-100"])
+def test_model_classes_a_dict_picks_alike_are_counted_from_the_batch(tmp_path, ignored):
+    """Where every class a dict of classes can pick makes the same token mean over the same
+    argument, the count is lifted to the call's `**inputs` and the fix is safe; where their
+    ignore values differ, the refusal shows each class's count."""
+    write(
+        tmp_path, {"model.py": PICKED_MODELS.replace("{ignored}", ignored), "train.py": PICKED_LOOP}
+    )
+    train = tmp_path / "train.py"
+    report = fix_source(train.read_bytes(), train, ALL)
+    (outcome,) = report.outcomes
+    assert not report.companions
+    if ignored == "0":
+        assert outcome.applied
+        counted = 'micro_tokens = (inputs["label_ids"].flatten() != 0).sum()'
+        assert counted in report.after.decode()
+    else:
+        assert not outcome.applied and report.after == report.before
+        assert flat(
+            "as `args.kind` picks (train.py line 18), and making its loss "
+            "(`Shallow` over `(label_ids.flatten() != 0).sum()`; "
+            "`Deep` over `(label_ids.flatten() != -100).sum()`)"
+        ) in flat(outcome.reason)
+
+
 ONE_PATH = FIXTURES / "ga001_xmod_model_loss_on_one_path"
 
 
