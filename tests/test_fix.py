@@ -117,6 +117,32 @@ def test_rewrite_keeps_comments_and_divides_before_the_step():
     assert f"        {DIVIDE_NOTE}\n        window_tokens = max(" in after
 
 
+UNKNOWN_TARGETS = """
+import torch.nn.functional as F
+
+
+def train(model, loader, optimizer, accum):
+    for step, (x, y) in enumerate(loader):
+        loss = F.cross_entropy(model(x), y)
+        (loss / accum).backward()
+        if (step + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def test_only_a_loss_known_to_average_over_tokens_counts_tokens_by_name():
+    """A cross-entropy over targets that may be image labels (an unknown domain) counts
+    `micro_count`/`window_count`; the causal LM of `BUGGY` keeps `micro_tokens`/`window_tokens`
+    (issue 17, item 6)."""
+    after = fixed(UNKNOWN_TARGETS.encode()).decode()
+    assert "micro_count = (y != -100).sum()" in after
+    assert "param.grad.div_(window_count)" in after and "_tokens" not in after
+    tokens = fixed(BUGGY.encode()).decode()
+    assert "micro_tokens = " in tokens and "param.grad.div_(window_tokens)" in tokens
+    assert "_count" not in tokens
+
+
 @pytest.mark.parametrize(
     "transform",
     [
@@ -1266,6 +1292,16 @@ def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_sta
     (outcome,) = report.outcomes
     assert not outcome.applied and "a pipeline stage" in outcome.reason
     assert "backward(gradient=...)" in outcome.reason
+    assert "N the step's valid-token count" in outcome.reason
+
+
+def test_a_refusal_counts_in_the_words_of_the_losss_domain():
+    """The pipeline stage's advice for a mean squared error says elements, not tokens."""
+    script = FIXTURES / "ga002_pipeline_stage_loss_func_default.py"
+    source = script.read_text().replace("F.cross_entropy", "F.mse_loss")
+    (outcome,) = fix_source(source.encode(), script, ALL, True).outcomes
+    assert not outcome.applied and "N the step's element count" in outcome.reason
+    assert "token" not in outcome.reason
 
 
 POSITIONAL_LABELS = """
@@ -1283,7 +1319,7 @@ def test_a_models_labels_handed_by_position_are_found_by_their_name():
     """`model(input_ids, position_ids, token_ids, label_ids)`: the count is taken over the
     labels, not over the second argument (position ids count every position)."""
     after = fixed(POSITIONAL_LABELS.encode()).decode()
-    assert "micro_tokens = label_ids.numel()" in after
+    assert "micro_count = label_ids.numel()" in after  # an unknown model's labels
     assert "position_ids.numel()" not in after
     report = fix_source(POSITIONAL_LABELS.encode(), Path("x.py"), ALL, False)
     assert "no ignore_index is visible" in report.outcomes[0].reason  # unsafe: -100? -1?

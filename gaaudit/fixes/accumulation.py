@@ -9,7 +9,7 @@ from pathlib import Path
 
 import libcst as cst
 
-from gaaudit.analysis.domain import Domains, shifts_labels
+from gaaudit.analysis.domain import Domain, Domains, shifts_labels
 from gaaudit.analysis.loops import Window, calls_of, is_step, run_again, runner
 from gaaudit.analysis.provenance import (
     TOKEN_LOSSES,
@@ -107,7 +107,7 @@ FRAMEWORK_ONLY = {  # why a framework's own division has no mechanical rewrite, 
     "their valid tokens N over the P data-parallel processes, and pass "
     "`loss_sum * gradient_accumulation_steps * P / N` to `backward` "
     "(see `gaaudit explain GA003`)",
-    True: "the framework divides the returned loss by the accumulation steps, and the window's token "
+    True: "the framework divides the returned loss by the accumulation steps, and the window's "
     "count is not known where the loss is returned; read the window's micro-batches ahead, count "
     "their valid tokens N over the P data-parallel processes, and return `loss_sum * k * P / N` "
     "(see `gaaudit explain GA003`)",
@@ -116,17 +116,17 @@ MEGATRON = (  # Megatron's schedule divides by the micro-batches; megatron-core 
     "Megatron's schedule divides the loss by the number of micro-batches; with megatron-core, "
     "return the micro-batch's loss sum and its valid-token count (`return loss_sum, num_tokens, "
     "{...}`) and train with `--calculate-per-token-loss`, which divides the window's gradients "
-    "once by the tokens of all its micro-batches (see `gaaudit explain GA003`)"
+    "once by the sum of its micro-batches' counts (see `gaaudit explain GA003`)"
 )
 ACROSS_CALLS = (
-    "the window spans calls of `{function}` (as in Lightning manual optimisation), so its token "
+    "the window spans calls of `{function}` (as in Lightning manual optimisation), so its "
     "count must outlive each call{clipped}: {first}keep the window's valid-token count {holder} "
     "(add each micro-batch's count and pass `loss * count` to backward), divide the gradients "
     "once by it before `{optimizer}.step()`, then reset it (see `gaaudit explain {code}`)"
 )
 CLIPPED_CALLS = (  # what ACROSS_CALLS says where each call clips, before what to do
     ", and each call clips the gradients (`{clip}`, line {line}) before the window is "
-    "complete, which would clip a token-weighted sum far harder than the mean it replaces (nor "
+    "complete, which would clip a count-weighted sum far harder than the mean it replaces (nor "
     "does a loop of the file draw the calls' micro-batches, to count them ahead)"
 )
 SUMMABLE = ("torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss")
@@ -154,6 +154,14 @@ def fresh(tree: Tree, name: str) -> str:
         suffix += 1
         candidate = f"{name}_{suffix}"
     return candidate
+
+
+def count_names(tree: Tree, domains: list[Domain]) -> tuple[str, str]:
+    """Fresh names for a micro-batch's count and its window's total: `micro_tokens` and
+    `window_tokens` only where every loss is known to average over tokens, else the neutral
+    `micro_count` and `window_count` (examples, elements, or a count gaaudit cannot name)."""
+    noun = "tokens" if domains and all(d.kind == "tokens" for d in domains) else "count"
+    return fresh(tree, f"micro_{noun}"), fresh(tree, f"window_{noun}")
 
 
 def returns_count(
@@ -417,7 +425,7 @@ class _Counting:
         if site.window.kind == "pipeline":
             raise Unfixable(
                 "the pipeline schedule calls the loss function per micro-batch and the window's "
-                "token count is not known there; count the step's valid tokens N before the "
+                "count is not known there; count the step's valid tokens N before the "
                 "schedule runs and make the loss `loss_sum / N` (see `gaaudit explain GA003`)"
             )
         if origin.module and origin.count is None and not self.reach:
@@ -443,7 +451,7 @@ class _Counting:
         if kept:
             raise Unfixable(
                 f"the loss is also divided by `{code(kept[0].divisor)}` (line "
-                f"{self.tree.line(kept[0].node)}), which the token-weighted sum would keep; "
+                f"{self.tree.line(kept[0].node)}), which the count-weighted sum would keep; "
                 "weight each micro-batch by its valid-target count instead of that factor"
             )
         helper = self._helper_call(site) if source is not None else None
@@ -689,7 +697,7 @@ class _Counting:
         if clip is not None:
             return (
                 f"the gradients are clipped after every micro-batch (`{code(clip.func)}`, line "
-                f"{self.tree.line(clip)}), before the window is complete: a token-weighted sum "
+                f"{self.tree.line(clip)}), before the window is complete: a count-weighted sum "
                 "would be clipped far harder than the mean it replaces; clip once, at the step"
             )
         return ""
@@ -2190,7 +2198,7 @@ class _Window:
             raise Unfixable(
                 f"the optimizer steps inside `{code(helpers[0].func)}()` (line "
                 f"{self.tree.line(helpers[0])}); gaaudit rewrites a window whose step it sees "
-                "in the same function: divide the gradients there by the window's token count"
+                "in the same function: divide the gradients there by the window's valid-token count"
                 + self._under_deepspeed()
             )
         raise Unfixable(
@@ -2336,11 +2344,10 @@ class Planner(
         self.edits = Edits()
         self.companions: dict[Path, tuple[Tree, Edits]] = {}  # other files' edits
         self.text = tree.module.code
-        self.micro = self._fresh("micro_tokens")
+        self.micro, self.window_total = count_names(tree, [])  # `plan` names them by domain
         self.counted_inside = ""  # who counts a micro-batch only the loop's body can count
         # the loop's call of the helper that counts its loss, that count, the edits before it
         self.asked: tuple[cst.Assign, str, Edits] | None = None
-        self.window_total = self._fresh("window_tokens")
         self.window_loss = self._fresh("window_loss")
         self.reference = self._fresh("window_reference")  # under a GradScaler
         self._prepared: dict[
@@ -2354,13 +2361,8 @@ class Planner(
         return fresh(self.tree, name)
 
     def plan(self, sites: list[Site]) -> list[Outcome]:
-        if (
-            self.domains is not None
-            and sites
-            and all(self.domains.of(site.origin).kind in ("examples", "dense") for site in sites)
-        ):  # not tokens: images, examples or elements are counted
-            self.micro = self._fresh("micro_count")
-            self.window_total = self._fresh("window_count")
+        domains = [self.domains.of(site.origin) for site in sites] if self.domains else []
+        self.micro, self.window_total = count_names(self.tree, domains)
         outcomes: dict[int, Outcome] = {}
         for window in dict.fromkeys(site.window.anchor for site in sites):
             group = [site for site in sites if site.window.anchor is window]
@@ -2388,7 +2390,10 @@ class Planner(
             self._finish_window(site, optimizer)
         for module, this in self._modules.items():
             self._finish_module(module, this)
-        return [outcomes[id(site)] for site in sites]
+        said = [outcomes[id(site)] for site in sites]
+        if domains:  # what the count counts, in the words of the loss's domain
+            said = [replace(o, reason=d.worded(o.reason)) for o, d in zip(said, domains)]
+        return said
 
     def _planned(self, site: Site, sites: list[Site]) -> Outcome:
         """Plan the rewrite of one site, or restore what was planned before it and say why
