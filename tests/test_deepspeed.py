@@ -208,7 +208,7 @@ def test_a_window_an_epoch_cuts_in_two_keeps_the_original_weight(tmp_path, fixed
 
 def test_the_fix_reads_deepspeeds_own_window_boundary(fixed):
     assert flat(
-        "if ((engine.micro_steps + len(pending)) % engine.gradient_accumulation_steps() == 0):"
+        "if (engine.micro_steps + len(pending)) % engine.gradient_accumulation_steps() == 0:"
     ) in flat(fixed)
     assert "torch.distributed.all_reduce(total)" in fixed
 

@@ -9,6 +9,7 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+import libcst as cst
 import pytest
 from conftest import FIXTURES, expected, fixture_scripts
 
@@ -17,7 +18,7 @@ from gaaudit.checks.engine import check_file
 from gaaudit.config import Settings
 from gaaudit.findings import Confidence
 from gaaudit.fixes import codemod
-from gaaudit.fixes.edits import DIVIDE_NOTE, WEIGHT_NOTE
+from gaaudit.fixes.edits import DIVIDE_NOTE, WEIGHT_NOTE, wrapped
 from gaaudit.fixes.fixer import fix_source
 
 ALL = Settings(min_confidence=Confidence.LOW)
@@ -1916,3 +1917,52 @@ def test_lines_a_fix_writes_are_wrapped_at_the_projects_line_length(tmp_path, co
     assert written and all(len(line) <= width for line in written), written
     assert any(len(line) > width for line in NESTED.splitlines() if line in after)
     assert "param.grad.div_(\n" in after  # split at its brackets, black's way
+
+
+@pytest.mark.parametrize(
+    "header, split",
+    [
+        (  # the rest fits after the closing parenthesis: black splits inside them
+            (
+                "if (model_engine.micro_steps + len(pending)) % ",
+                "model_engine.",
+                "gradient_accumulation_steps() == 0:",
+            ),
+            (
+                "if (",
+                "    model_engine.micro_steps + len(pending)",
+                ") % model_engine.gradient_accumulation_steps() == 0:",
+            ),
+        ),
+        (
+            (
+                "if (num_items_in_batch is None or not self.model_accepts_loss_kwargs) ",
+                "and self.compute_loss_func is None:",
+            ),
+            (
+                "if (",
+                "    num_items_in_batch is None or not self.model_accepts_loss_kwargs",
+                ") and self.compute_loss_func is None:",
+            ),
+        ),
+        (  # two operators of least precedence: parentheses around it all, one operand a line
+            (
+                "if (step + 1) % accumulation_steps == 0 ",
+                "and step > warmup_steps and not already_stepped_here:",
+            ),
+            (
+                "if (",
+                "    (step + 1) % accumulation_steps == 0",
+                "    and step > warmup_steps",
+                "    and not already_stepped_here",
+                "):",
+            ),
+        ),
+    ],
+)
+def test_a_condition_starting_with_parentheses_is_split_inside_them_as_black_does(header, split):
+    """black 26 at 88 columns splits the header, written on one line, so (checked once; black
+    is no dependency)."""
+    statement = cst.parse_statement("".join(header) + "\n    pass\n")
+    expected = "\n".join((*split, "    pass\n"))
+    assert cst.Module([]).code_for_node(wrapped(statement, 0, 88)) == expected

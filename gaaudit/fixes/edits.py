@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import libcst as cst
 
-from gaaudit.analysis.tree import Tree, code, keyword, string_value
+from gaaudit.analysis.tree import Tree, code, keyword, string_value, walk
 from gaaudit.catalogue import toml
 from gaaudit.discover.modules import search_root
 
@@ -397,6 +397,9 @@ def _split_value(owner: cst.CSTNode, slot: str, room: _Room) -> cst.BaseExpressi
     them; else in parentheses around it."""
     value = getattr(owner, slot)
     operands = _operands(value)
+    opened = _inside_leading(value, room) if len(operands) == 2 else None
+    if opened is not None:
+        return opened
     candidate = None
     if len(operands) == 1:
         candidate = _at_trailer(value, 0, room)
@@ -407,6 +410,56 @@ def _split_value(owner: cst.CSTNode, slot: str, room: _Room) -> cst.BaseExpressi
         if room.column + len(_code(laid).splitlines()[0]) <= room.width:
             return candidate
     return _parenthesised(value, 0, room)
+
+
+def _inside_leading(value: cst.BaseExpression, room: _Room) -> cst.BaseExpression | None:
+    """`value`, of one operator of least precedence, split inside the parentheses it starts
+    with where nothing after them holds brackets to split at and the rest fits on the closing
+    line (black: `if (\n    a + b\n) % k == 0:`, not parentheses around it all); else None."""
+    leading = value
+    while not leading.lpar:
+        field = _LEFTMOST.get(type(leading))
+        if field is None:
+            return None
+        leading = getattr(leading, field)
+    rest = _code(value)[len(_code(leading)) :]
+    if room.column + 4 + 1 + len(rest) > room.width or any(
+        _holds_brackets(node) for node in _after(value, leading)
+    ):
+        return None
+    return value.deep_replace(leading, _parenthesised(leading, 0, room))
+
+
+# The child an expression's code starts with (`(a + b) % k == 0` starts with `(a + b)`).
+_LEFTMOST = {
+    cst.BinaryOperation: "left",
+    cst.BooleanOperation: "left",
+    cst.Comparison: "left",
+    cst.Call: "func",
+    cst.Attribute: "value",
+    cst.Subscript: "value",
+}
+
+
+def _after(value: cst.CSTNode, leading: cst.CSTNode):
+    """The expressions of `value` that follow `leading`, its leftmost part."""
+    if value is leading:
+        return
+    first = getattr(value, _LEFTMOST[type(value)])
+    yield value
+    yield from _after(first, leading)
+    for child in value.children:
+        if child is not first:
+            yield from walk(child)
+
+
+def _holds_brackets(node: cst.CSTNode) -> bool:
+    """Whether `node` has brackets of its own with something inside (`f(x)`, `[x]`, `(x)`)."""
+    if isinstance(node, cst.BaseExpression) and node.lpar:
+        return True
+    if isinstance(node, cst.Call):
+        return bool(node.args)
+    return isinstance(node, (cst.Subscript, cst.List, cst.Tuple, cst.Set, cst.Dict, cst.BaseComp))
 
 
 def _at_trailer(value: cst.BaseExpression, level: int, room: _Room):
