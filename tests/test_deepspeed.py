@@ -453,3 +453,27 @@ def test_a_step_handed_the_count_tells_deepspeed_not_to_divide_again(tmp_path):
     assert errors["ga004_training_step_withholds_count"] > 0.1, errors
     assert errors["ga004_training_step_withholds_count.fixed"] < 1e-5, errors
     assert errors["unflagged"] == pytest.approx(0.75, abs=1e-3), errors  # divided by K twice
+
+
+def test_a_guarded_division_tells_deepspeed_not_to_divide_again(tmp_path):
+    """The step that divides the count-normalised loss by K once more, fixed: the division is
+    kept only where the stock step divides, and DeepSpeed, which divides by K itself unless
+    told not to, is told so, as the stock step of 4.49 and later tells it. The original gives
+    the full batch's gradient over K * K under DeepSpeed; the fixed step the gradient itself."""
+    name, paths = "NoisyEmbeddingTrainer", {}
+    for suffix in (".py", ".fixed.py"):  # without the hook's noise, the same loss each run
+        source = FIXTURES / f"ga004_training_step_double_division{suffix}"
+        paths[suffix] = tmp_path / f"noiseless{suffix}"
+        paths[suffix].write_text(source.read_text().replace("noise_alpha = 5.0", "noise_alpha = 0"))
+    net = tiny_model()
+    loss_of = trainer_class(paths[".py"].read_text(), str(paths[".py"]), name)
+    loss_of(model=net, args=arguments(str(tmp_path / "reference"), 4)).compute_loss(
+        net, collate(examples(8, 0))
+    ).backward()
+    reference = snapshot(net.parameters())
+    original, fixed = (
+        relative_error(trainer_step_under_deepspeed(tmp_path, paths[s], name, port), reference)
+        for s, port in ((".py", 29741), (".fixed.py", 29742))
+    )
+    assert original == pytest.approx(1 - 1 / 16, abs=1e-3), original
+    assert fixed < 1e-5, fixed

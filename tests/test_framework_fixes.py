@@ -15,7 +15,7 @@ from gaaudit.checks.engine import check_file
 from gaaudit.config import Settings
 from gaaudit.findings import Confidence
 from gaaudit.fixes.fixer import fix_source
-from gaaudit.fixes.trainer import STOCK_DIVIDES
+from gaaudit.fixes.trainer import DEEPSPEED_ONCE, STOCK_DIVIDES
 
 ALL = Settings(min_confidence=Confidence.LOW)
 
@@ -136,7 +136,8 @@ def test_under_a_pin_before_4_46_no_rewrite_calls_the_newer_trainer(tmp_path, cl
 
 def test_an_inline_training_step_division_keeps_the_stock_condition(tmp_path):
     """`backward(loss / K)` becomes `backward(loss / K if <stock condition> else loss)`,
-    which GA004 and GA001 then read as the Trainer's own fallback."""
+    which GA004 and GA001 then read as the Trainer's own fallback, and tells DeepSpeed not
+    to divide it again."""
     text, outcomes = fix(
         """\
         from transformers import Trainer
@@ -149,10 +150,40 @@ def test_an_inline_training_step_division_keeps_the_stock_condition(tmp_path):
         """
     )
     condition = STOCK_DIVIDES
-    expected = f"backward(loss / self.args.gradient_accumulation_steps if {condition} else loss)"
+    once = f"**({DEEPSPEED_ONCE} if self.is_deepspeed_enabled else {{}})"
+    expected = (
+        f"backward(loss / self.args.gradient_accumulation_steps if {condition} else loss, {once},)"
+    )
     assert flat(expected) in flat(text)
     assert [o[1:3] for o in outcomes] == [("GA001", True), ("GA004", True)]
     assert clean(text, tmp_path)
+
+
+def test_a_division_bound_to_another_name_keeps_its_value_and_says_deepspeed_divides(tmp_path):
+    """`total = loss / K` is not put under the stock condition whole (`total` would be unbound
+    where the stock step does not divide) but becomes `loss / K if <condition> else loss`; its
+    `total.backward()` is no `self.accelerator.backward(...)` to tell DeepSpeed not to divide
+    again, so the fix is unsafe and says so."""
+    source = """\
+        from transformers import Trainer
+
+        class T(Trainer):
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+                total = loss / self.args.gradient_accumulation_steps
+                total.backward()
+                return loss.detach()
+        """
+    _, outcomes = fix(source, unsafe=False)
+    (reason,) = [o[3] for o in outcomes if o[1] == "GA004"]
+    assert "reaches no `self.accelerator.backward(...)`" in reason, reason
+    assert "under DeepSpeed the engine divides it by the accumulation steps again" in reason
+    text, _ = fix(source)
+    expected = (
+        f"total = (loss / self.args.gradient_accumulation_steps if {STOCK_DIVIDES} else loss)"
+    )
+    assert flat(expected) in flat(text)
+    assert "scale_wrt_gas" not in text
 
 
 def test_division_of_a_loss_computed_elsewhere_is_refused():

@@ -207,10 +207,7 @@ class _ComputeLoss:
             statement_line(self.tree, backward),
             f"if {STOCK_DIVIDES}:\n    {loss} = {loss} / self.args.gradient_accumulation_steps\n",
         )
-        if "scale_wrt_gas" not in code(step):
-            self.edits.replace[backward] = with_argument(
-                backward, None, f"({DEEPSPEED_ONCE} if self.is_deepspeed_enabled else {{}})", "**"
-            )
+        self._deepspeed_once(step, backward)
         for node in self.tree.walk(step.body):
             parts = division_of(node.value) if isinstance(node, cst.Return) and node.value else None
             if (
@@ -509,11 +506,56 @@ class _Signatures:
         if not hands_count(call):
             self._add_argument(call, COUNT, keyword_name=COUNT)
         self._guard(division)
-        return Choice(
+        what = (
             "`compute_loss` gets `num_items_in_batch`, so its loss is already normalised over the "
             "window; the division by the accumulation steps is kept only where the stock Trainer "
-            "divides (no count, a model without loss kwargs, no `compute_loss_func`)",
-            self._override_ignores_count(site.owner),
+            "divides (no count, a model without loss kwargs, no `compute_loss_func`)"
+        )
+        caveat = self._override_ignores_count(site.owner)
+        backward = self._backward_of(function, division)
+        if "scale_wrt_gas" in code(function):  # the step tells DeepSpeed itself
+            return Choice(what, caveat)
+        if backward is None:
+            return Choice(
+                what,
+                caveat
+                or "the guarded loss reaches no `self.accelerator.backward(...)` gaaudit can "
+                "follow, so under DeepSpeed the engine divides it by the accumulation steps again: "
+                f"hand that backward `**({DEEPSPEED_ONCE} if self.is_deepspeed_enabled else {{}})`",
+            )
+        self._deepspeed_once(function, backward)
+        return Choice(f"{what}, and DeepSpeed is told not to divide it again", caveat)
+
+    def _backward_of(self, step: cst.FunctionDef, division: cst.CSTNode) -> cst.Call | None:
+        """The `self.accelerator.backward(...)` of `step` that backpropagates `division`'s
+        loss: the name it binds (`loss = loss / k`, `loss /= k`) or the division itself."""
+        small = self.tree.parents.get(division)
+        if isinstance(division, cst.AugAssign):
+            bound = division.target
+        elif isinstance(small, cst.Assign) and len(small.targets) == 1:
+            bound = small.targets[0].target
+        else:
+            bound = None
+        for node in self.tree.walk(step.body):
+            if isinstance(node, cst.Call) and dotted(node.func) == "self.accelerator.backward":
+                first = next(iter(positional(node)), None)
+                if first is division or (
+                    isinstance(bound, cst.Name) and dotted(first) == bound.value
+                ):
+                    return node
+        return None
+
+    def _deepspeed_once(self, step: cst.FunctionDef, backward: cst.Call) -> None:
+        """`backward`, `step`'s `self.accelerator.backward(...)` of a loss divided by the
+        accumulation steps only where the stock step divides, tells DeepSpeed not to divide it
+        again (`DEEPSPEED_ONCE`), as the stock step of 4.49 and later does; the flag reaches the
+        engine through accelerate (0.26 on, which 4.46 requires) whatever the Trainer's version.
+        A step that sets `scale_wrt_gas` itself is left as it is."""
+        if "scale_wrt_gas" in code(step):
+            return
+        current = self.edits.replace.get(backward, backward)
+        self.edits.replace[backward] = with_argument(
+            current, None, f"({DEEPSPEED_ONCE} if self.is_deepspeed_enabled else {{}})", "**"
         )
 
     def _override_ignores_count(self, owner: cst.ClassDef) -> str:
@@ -529,13 +571,16 @@ class _Signatures:
 
     def _guard(self, division: cst.CSTNode) -> None:
         """`loss = loss / k` (or `loss /= k`) under the stock Trainer's condition for dividing;
-        `f(loss / k)` -> `f(loss / k if <condition> else loss)`."""
+        `f(loss / k)` -> `f(loss / k if <condition> else loss)`, and so `x = loss / k`."""
         statement = statement_line(self.tree, division)
         if isinstance(statement, cst.SimpleStatementLine) and len(statement.body) > 1:
             raise Unfixable("the division shares its line with other statements; split the line")
         small = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) else None
-        whole = isinstance(division, cst.AugAssign) or (
-            isinstance(small, cst.Assign) and small.value is division and len(small.targets) == 1
+        whole = isinstance(division, cst.AugAssign) or (  # `loss = loss / k`, not `x = loss / k`
+            isinstance(small, cst.Assign)
+            and small.value is division
+            and len(small.targets) == 1
+            and code(small.targets[0].target) == code(division.left)
         )
         if whole:
             self.edits.replace[statement] = cst.If(
@@ -549,7 +594,13 @@ class _Signatures:
         )
         if not isinstance(self.tree.parents.get(division), (cst.Arg, cst.Assign, cst.Return)):
             kept = kept.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-        self.edits.replace[division] = kept
+        call = self.tree.parents.get(self.tree.parents.get(division))
+        if isinstance(call, cst.Call):  # `backward(loss / k)`: the call is rewritten whole
+            self.edits.replace[call] = self.edits.replace.get(call, call).deep_replace(
+                division, kept
+            )
+        else:
+            self.edits.replace[division] = kept
 
     # --- a model's forward ----------------------------------------------------------------------
 
