@@ -134,6 +134,53 @@ def test_under_a_pin_before_4_46_no_rewrite_calls_the_newer_trainer(tmp_path, cl
     assert "num_items_in_batch" in script.read_text(), result.output
 
 
+CAUSAL_SFT = """\
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Trainer
+
+
+class SFT(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        logits = outputs.logits
+        loss = F.cross_entropy(logits{logits}.reshape(-1, logits.size(-1)), labels{labels}.reshape(-1))
+        return (loss, outputs) if return_outputs else loss
+
+
+def main(args, data):
+    model = AutoModelForCausalLM.from_pretrained("gpt2")
+    SFT(model=model, args=args, train_dataset=data).train()
+"""
+
+
+@pytest.mark.parametrize(
+    ("pin", "shift", "fixed"),
+    [
+        ("transformers==4.51.2", False, True),  # counts every label, as this loss does
+        ("transformers==4.51.2", True, False),  # counts every label, this loss one fewer a row
+        ("transformers>=5.10.1", False, False),  # a causal LM: counts `labels[..., 1:]`
+        ("transformers>=5.10.1", True, True),
+    ],
+)
+def test_a_causal_lms_token_sum_counts_what_the_pinned_trainer_counts(
+    tmp_path, cli, pin, shift, fixed
+):
+    """Before 5.10.1 the Trainer counts every label that is not -100; from 5.10.1 on,
+    `labels[..., 1:]` for a model whose loss shifts its labels. The token sum is safe only
+    where its targets are the positions the governing release counts."""
+    (tmp_path / "requirements.txt").write_text(f"{pin}\n")
+    source = CAUSAL_SFT.format(
+        logits="[..., :-1, :]" if shift else "", labels="[..., 1:]" if shift else ""
+    )
+    (tmp_path / "train.py").write_text(source)
+    result = cli("fix", "--min-confidence", "low", "train.py", cwd=tmp_path)
+    (line,) = [line for line in result.output.splitlines() if "GA004" in line]
+    assert ("GA004 fixed" in line) is fixed, line
+    if pin.startswith("transformers==") and not fixed:
+        assert "`transformers==4.51.2` (requirements.txt line 1) counts every label" in line
+
+
 def test_an_inline_training_step_division_keeps_the_stock_condition(tmp_path):
     """`backward(loss / K)` becomes `backward(loss / K if <stock condition> else loss)`,
     which GA004 and GA001 then read as the Trainer's own fallback, and tells DeepSpeed not

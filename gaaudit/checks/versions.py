@@ -38,6 +38,9 @@ EARLY = "4.46.0"
 # Releases whose `training_step` hands a model that takes loss kwargs no count and skips its
 # division by K (the next patch release restored both)
 REGRESSED = ("4.47.0", "4.48.0")
+# The first release whose Trainer counts `labels[..., 1:]` for a model whose loss shifts its
+# labels (a causal LM); the ones before count every label that is not -100.
+SHIFTED_COUNT = "5.10.1"
 OLD = ("old", "commit")  # the pins whose Trainer predates 4.46 (or may)
 FLAGS = {"--gradient_accumulation_steps", "--gradient-accumulation-steps"}
 CONFIGS = {".yaml", ".yml", ".json", ".toml", ".cfg", ".ini", ".sh"}

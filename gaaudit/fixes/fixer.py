@@ -105,10 +105,11 @@ def _rewritten(path: Path, tree, edits) -> FileFix:
 
 def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool, path: Path):
     """The edits and outcomes of the GA004 (Trainer) and GA005 (JAX) findings reported; the
-    Trainer's under the transformers pin that governs `path`."""
+    Trainer's under the transformers pin that governs `path` (what it lacks before 4.46, and
+    which labels its count counts)."""
     from gaaudit.checks.optax import OptaxAudit
     from gaaudit.checks.trainer import TrainerAudit
-    from gaaudit.checks.versions import governing_pin
+    from gaaudit.checks.versions import SHIFTED_COUNT, admits, governing_pin
     from gaaudit.fixes.edits import Edits
     from gaaudit.fixes.optax import OptaxPlanner
     from gaaudit.fixes.trainer import TrainerPlanner
@@ -118,7 +119,10 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool,
     if any(code == "GA004" for code, _, _ in reported):
         trainer_audit = TrainerAudit(tree)
         sites = [s for s in trainer_audit.sites() if ("GA004", *_start(tree, s.node)) in reported]
-        planner = TrainerPlanner(tree, trainer_audit, unsafe, governing_pin(path)[0])
+        later, pin, _ = admits(path, SHIFTED_COUNT)
+        planner = TrainerPlanner(
+            tree, trainer_audit, unsafe, governing_pin(path)[0], "" if later else pin
+        )
         outcomes += planner.plan(sites)
         edits = _merged(edits, planner.edits)
     if any(code == "GA005" for code, _, _ in reported):

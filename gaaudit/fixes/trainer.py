@@ -50,6 +50,7 @@ from gaaudit.checks.trainer import (
     model_name,
     parameters,
 )
+from gaaudit.checks.versions import SHIFTED_COUNT
 from gaaudit.fixes.accumulation import Outcome
 from gaaudit.fixes.edits import (
     Edits,
@@ -384,10 +385,19 @@ class _TokenLosses:
         root, shifted = self._labels(targets, function, labels)
         if not caveat and not root:
             caveat = "its targets do not visibly come from the batch's `labels`, which the Trainer counts"
-        elif not caveat and labels != "forward" and shifted != self._causal():
+        elif not caveat and labels != "forward" and self.every_label and shifted:
+            caveat = (
+                f"the Trainer of {self.every_label} counts every label, but this loss shifts them"
+            )
+        elif (
+            not caveat
+            and labels != "forward"
+            and not self.every_label
+            and shifted != self._causal()
+        ):
             caveat = (
                 "cannot tell whether the Trainer counts the same positions (`labels[..., 1:]` for a "
-                "causal LM, `labels` otherwise)"
+                f"causal LM from transformers {SHIFTED_COUNT} on, `labels` otherwise)"
             )
         elif not caveat and labels == "forward" and shifted:
             caveat = "the Trainer counts every label of a custom model, but this loss shifts them"
@@ -675,10 +685,17 @@ class TrainerPlanner(_ComputeLoss, _TokenLosses, _Signatures):
     """Turns the GA004 sites of one file into edits (see `edits.Edits`)."""
 
     def __init__(
-        self, tree: Tree, audit: TrainerAudit, unsafe: bool = False, pinned: str = ""
+        self,
+        tree: Tree,
+        audit: TrainerAudit,
+        unsafe: bool = False,
+        pinned: str = "",
+        every_label: str = "",
     ) -> None:
         self.tree, self.audit, self.unsafe = tree, audit, unsafe
         self.pinned = pinned  # the project's transformers pin before 4.46, if any (GA006)
+        # the project's pin before `SHIFTED_COUNT`, whose Trainer counts every label, if any
+        self.every_label = every_label
         self.text = tree.module.code
         self.edits = Edits()
 
