@@ -1532,6 +1532,125 @@ def test_a_window_count_started_in_a_function_its_caller_runs_again(old, new, sa
     )
 
 
+COUNTER_ON_SELF = (FIXTURES / "ga001_step_counter_on_self_spans_calls.py").read_text()
+
+
+@pytest.mark.parametrize(
+    "old, new, safe",
+    [
+        ("", "", False),  # `self.step` goes on from one call into the next, the gradients too
+        ("        self.model.train()", "        self.step = 0", True),  # reset per call
+        (  # cleared at the end of the pass
+            "                self.step += 1\n",
+            "                self.step += 1\n        self.optimizer.zero_grad()\n",
+            True,
+        ),
+        (  # a local counter: no caller in this file runs `_train()` again
+            "            for input_ids, labels in self.loader:",
+            "            for i, (input_ids, labels) in enumerate(self.loader):",
+            True,
+        ),
+        (  # steps at each pass's end
+            "(self.step + 1) % self.accumulation == 0",
+            "(self.step + 1) % self.accumulation == 0 or i == len(self.loader) - 1",
+            True,
+        ),
+        (  # a test at the length that reads the outliving counter holds in the first call only
+            "(self.step + 1) % self.accumulation == 0",
+            "(self.step + 1) % self.accumulation == 0 or self.step == len(self.loader) - 1",
+            False,
+        ),
+    ],
+    ids=["carried", "reset", "cleared-at-end", "local", "steps-at-end", "end-by-counter"],
+)
+def test_a_step_counter_that_outlives_the_function_carries_its_windows_across_calls(old, new, safe):
+    """`_train()` tests `(self.step + 1) % K`, a counter it raises and does not reset: whoever
+    calls it (here a base class in another file), a pass's last window goes on into the next
+    call, while the one division's count starts in the function: unsafe, naming the counter,
+    unless the function resets it, clears the gradients at a pass's end or steps there. The
+    pipeline branch's `zero_grad()` never runs with the window's loop, so clears nothing."""
+    source = COUNTER_ON_SELF.replace(old, new)
+    if new.endswith("len(self.loader) - 1"):
+        source = source.replace(
+            "for input_ids, labels in self.loader:",
+            "for i, (input_ids, labels) in enumerate(self.loader):",
+        )
+    if "enumerate" in new:
+        source = source.replace("self.step + 1", "i + 1")
+    assert source != COUNTER_ON_SELF or not safe
+    (outcome,) = fix_source(source.encode(), Path("x.py"), ALL, False).outcomes
+    assert outcome.applied is safe, outcome.reason
+    if not safe:
+        assert outcome.reason.startswith(
+            "unsafe fix (the step's guard reads `self.step`, which `_train()` raises and does "
+            "not reset before its loop, and nothing clears the gradients at the end of a pass"
+        )
+        assert "keep the window's count beside `self.step`" in outcome.reason
+
+
+def test_a_guard_reading_an_attribute_the_loop_raises_is_not_read_ahead():
+    """The reader draws a window's micro-batches before the loop raises `self.step`, so it
+    would test a stale counter, every window running to the pass's end: it refuses."""
+    source = COUNTER_ON_SELF.replace(
+        "(loss / self.accumulation).backward()",
+        "((loss + logits.pow(2).mean()) / self.accumulation).backward()",
+    )
+    (outcome,) = fix_source(source.encode(), Path("x.py"), ALL, True).outcomes
+    assert not outcome.applied
+    assert outcome.reason.endswith(
+        "reading the window ahead: the step's guard reads `self.step`, which the loop computes"
+    )
+
+
+BRANCHED_EPOCH = """
+from transformers import GPT2LMHeadModel
+
+K = 4
+
+
+def train_epoch(model: GPT2LMHeadModel, loader, optimizer, pipelined):
+    if pipelined:
+        for input_ids, labels in loader:
+            model.run_pipeline(input_ids, labels, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        for i, (input_ids, labels) in enumerate(loader):
+            out = model(input_ids, labels=labels)
+            loss = out.loss / K
+            loss.backward()
+            if (i + 1) % K == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+def main(model, loader, optimizer, epochs, pipelined):
+    for epoch in range(epochs):
+        train_epoch(model, loader, optimizer, pipelined)
+"""
+
+
+@pytest.mark.parametrize(
+    "old, new, safe",
+    [
+        ("", "", False),  # the pipeline branch's clear never runs with the window
+        ("    if pipelined:", "    optimizer.zero_grad()\n    if pipelined:", True),
+    ],
+    ids=["other-branch", "before-the-if"],
+)
+def test_a_clear_on_the_other_branch_of_an_if_does_not_clear_between_passes(old, new, safe):
+    """`if pipelined: ... zero_grad()` / `else: <the window's loop>`: that clear never runs
+    with the window, so the caller's epoch loop still carries a pass's last window into the
+    next call: unsafe; a clear before the `if`, on the window's path, clears between passes."""
+    source = BRANCHED_EPOCH.replace(old, new)
+    (outcome,) = fix_source(source.encode(), Path("x.py"), ALL, False).outcomes
+    assert outcome.applied is safe, outcome.reason
+    if not safe:
+        assert outcome.reason.startswith(
+            "unsafe fix (the loop on line 24 runs this one again by calling `train_epoch()`"
+        )
+
+
 def test_a_batch_moved_and_unpacked_in_the_loop_is_counted_ahead_as_drawn():
     """`batch = tuple(t.cuda() for t in batch)` then `ids, labels, *_ = batch`: the reader
     counts `batch[1]`, the same elements as the loop's `labels`, on the batch as drawn."""

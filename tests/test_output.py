@@ -317,6 +317,7 @@ UNSAFE_PAIRS = (
     "ga001_read_ahead_window_carried_across_epochs",  # right only for whole windows a pass
     "ga001_apex_fp16_optimizer_backward",  # the same, and the step is apex's wrapper's
     "ga001_count_restarted_by_callers_epoch_loop",  # the same, the count started per call
+    "ga001_step_counter_on_self_spans_calls",  # the same, the step's counter on `self`
     "ga002_count_per_process_other_runtime",  # a runtime whose all-reduce gaaudit cannot write
     "ga005_multisteps_alias_masked_sft",  # epochs: MultiSteps carries a short window over
     "ga004_training_step_withholds_count",  # unshifted targets; a causal LM's count is shifted

@@ -925,10 +925,7 @@ def _run_again(
     seen: set[cst.FunctionDef],
 ) -> cst.For | cst.While | None:
     outer = next((a for a in tree.ancestors(inner) if isinstance(a, (*LOOPS, *DEFS))), None)
-    if not isinstance(outer, (*LOOPS, cst.FunctionDef)) or any(
-        clears(node) and not tree.contains(inner, node)
-        for node in tree.walk(outer, into_defs=False)
-    ):
+    if not isinstance(outer, (*LOOPS, cst.FunctionDef)) or cleared_around(tree, inner, clears):
         return None
     if isinstance(outer, LOOPS):
         return outer
@@ -942,6 +939,29 @@ def _run_again(
             if (found := _run_again(tree, call, clears, seen))
         ),
         None,
+    )
+
+
+def cleared_around(tree: Tree, inner: cst.CSTNode, clears: Callable[[cst.CSTNode], bool]) -> bool:
+    """Whether the loop or function right around `inner` does what `clears` outside it, on a
+    path that runs with it: never on the other branch of an `if` (a pipeline's `zero_grad()`
+    beside the window's loop)."""
+    outer = next((a for a in tree.ancestors(inner) if isinstance(a, (*LOOPS, *DEFS))), None)
+    return outer is not None and any(
+        clears(node) and not tree.contains(inner, node) and not _apart(tree, node, inner)
+        for node in tree.walk(outer, into_defs=False)
+    )
+
+
+def _apart(tree: Tree, one: cst.CSTNode, other: cst.CSTNode) -> bool:
+    """Whether `one` and `other` sit on different branches of one `if`."""
+    return any(
+        isinstance(branch, cst.If)
+        and branch.orelse is not None
+        and tree.contains(branch, other)
+        and tree.contains(branch.body, one) != tree.contains(branch.body, other)
+        and tree.contains(branch.orelse, one) != tree.contains(branch.orelse, other)
+        for branch in tree.ancestors(one)
     )
 
 

@@ -2012,12 +2012,14 @@ class _Window:
 
     def _count_restarted(self, site: Site) -> None:
         """Refuse, as unsafe, a window whose count starts in its function (`_count_home`)
-        while a caller's loop runs that function again with the gradients left in place: a
-        pass's short last window goes on into the next call, whose count starts at 0."""
+        while a caller's loop runs that function again with the gradients left in place, or
+        while the step's counter outlives it (`_spans_calls`): a pass's short last window goes
+        on into the next call, whose count starts at 0."""
         window = site.window
-        test = window.anchor.test if isinstance(window.anchor, cst.If) else None
+        guarded = isinstance(window.anchor, cst.If) and not window.skips
+        test = window.anchor.test if guarded else None
         home = self._count_home(window, self._optimizer(window))
-        outer = self._carried_into(site, window.loop, None if window.skips else test, home)
+        outer = self._carried_into(site, window.loop, test, home)
         if outer is not None:
             raise Unfixable(
                 f"unsafe fix ({runs_again(self.tree, outer, window.loop)} and does not clear "
@@ -2027,6 +2029,15 @@ class _Window:
                 "every pass holds whole windows (a loader whose length is a multiple of the "
                 "accumulation steps)); apply with --unsafe-fixes, or step or clear the gradients "
                 "after each pass"
+            )
+        counter = self._spans_calls(site, window.loop, test, home)
+        if counter is not None:
+            raise Unfixable(
+                f"unsafe fix ({self._spanning(window.loop, counter)}, while the window's "
+                "count starts anew at each call: the first division of the next call counts only "
+                "its own part); apply with --unsafe-fixes, or keep the window's count beside "
+                f"`{counter}`, where every call sees it (on `self`, say), or step or clear the "
+                "gradients at the end of each pass"
             )
 
     def _under_deepspeed(self) -> str:

@@ -12,7 +12,7 @@ import re
 
 import libcst as cst
 
-from gaaudit.analysis.loops import raises_by_one, run_again
+from gaaudit.analysis.loops import cleared_around, raises_by_one, run_again
 from gaaudit.analysis.tree import (
     ATOMS,
     assigned_value,
@@ -141,6 +141,13 @@ class _ReadAhead:
                 "only where every pass holds whole windows (a loader whose length is a multiple "
                 "of the accumulation steps)); apply with --unsafe-fixes, or step or clear the "
                 "gradients after each pass"
+            )
+        counter = None if engine else self._spans_calls(site, loop, test)
+        if counter is not None and not self.unsafe:
+            raise Unfixable(
+                f"unsafe fix ({self._spanning(loop, counter)}; reading ahead one call at a "
+                "time counts the two parts of such a window as two windows); apply with "
+                "--unsafe-fixes, or step or clear the gradients at the end of each pass"
             )
         self.edits.replace[site.backward.loss] = term
         for sibling in siblings:  # `if fp16: optimizer.backward(loss)` / `else: loss.backward()`
@@ -297,14 +304,63 @@ class _ReadAhead:
         `test` also holds at a pass's last micro-batch (`or i == len(loader) - 1`). (A DeepSpeed
         engine's window goes on by its own count of micro-steps, which the reader follows: each
         part then weighs as its micro-batches do in the original.)"""
-        if (
-            test is not None
-            and isinstance(loop, cst.For)
-            and any(_at_length(term, loop) for term in _disjuncts(test))
-        ):
+        if _steps_at_end(test, loop):
             return None
         optimizer = self._optimizer(site.window)
         return run_again(self.tree, start or loop, lambda node: self._clears(node, optimizer))
+
+    def _spans_calls(
+        self,
+        site: Site,
+        loop: cst.For | cst.While,
+        test: cst.BaseExpression | None,
+        start: cst.CSTNode | None = None,
+    ) -> str | None:
+        """The counter the step's `test` reads that the loop raises and that outlives the loop's
+        function (an attribute, a global, a parameter: nothing the function binds before
+        `start`, by default `loop`), where a pass neither clears the gradients
+        (`cleared_around`) nor ends on a step (`_steps_at_end`, by a test that reads no such
+        counter: `self.step == len(loader) - 1` holds in the first call only): the windows then
+        span calls of the function, whoever calls it, in this file or another; else None."""
+        function, start = self.tree.scope_of(loop), start or loop
+        optimizer = self._optimizer(site.window)
+        if (
+            test is None
+            or not isinstance(function, cst.FunctionDef)
+            or cleared_around(self.tree, start, lambda node: self._clears(node, optimizer))
+        ):
+            return None
+        raised = {
+            code(node.target)
+            for node in self.tree.walk(loop.body, into_defs=False)
+            if isinstance(node, cst.AugAssign)
+        }
+        reset = {
+            code(target)
+            for node in self.tree.assignments
+            if self.tree.contains(function, node) and self.tree.order[node] < self.tree.order[start]
+            for target in _assigned(node)
+        }
+
+        def counters(expr: cst.BaseExpression) -> list[str]:
+            return [
+                code(node)
+                for node in self.tree.walk(expr)
+                if isinstance(node, (cst.Name, cst.Attribute)) and code(node) in raised - reset
+            ]
+
+        ends = [term for term in _disjuncts(test) if _steps_at_end(term, loop)]
+        found = counters(test)
+        return found[0] if found and all(counters(term) for term in ends) else None
+
+    def _spanning(self, loop: cst.CSTNode, counter: str) -> str:
+        """Says that the step's counter (`_spans_calls`) carries windows across calls."""
+        function = self.tree.scope_of(loop).name.value
+        return (
+            f"the step's guard reads `{counter}`, which `{function}()` raises and does not reset "
+            "before its loop, and nothing clears the gradients at the end of a pass: a call's "
+            f"last window, cut short, goes on into the next call of `{function}()`"
+        )
 
     def _engine_loop(self, site: Site, engine: str) -> tuple[cst.For, cst.Call]:
         """The loop whose every micro-batch a DeepSpeed engine backpropagates and steps, and
@@ -434,6 +490,16 @@ class _ReadAhead:
             return self._ahead_of(value, loop, targets, counted, before)
 
         what = "count" if counted else "step's guard"
+        computed = {  # `self.step += 1`: the reader, drawing ahead, would read it stale
+            code(target)
+            for node in self.tree.walk(loop.body, into_defs=False)
+            if isinstance(node, (cst.Assign, cst.AugAssign, cst.AnnAssign))
+            for target in ([node.target] if isinstance(node, cst.AugAssign) else _assigned(node))
+            if isinstance(target, cst.Attribute)
+        }
+        for node in self.tree.walk(expr):
+            if isinstance(node, cst.Attribute) and code(node) in computed:
+                raise Unfixable(f"the {what} reads `{code(node)}`, which the loop computes")
         return substituted(expr, replace)
 
     def _bindings_in(self, loop: cst.For, name: str) -> list[cst.CSTNode]:
@@ -514,6 +580,23 @@ def _disjuncts(test: cst.BaseExpression) -> list[cst.BaseExpression]:
     if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.Or):
         return [*_disjuncts(test.left), *_disjuncts(test.right)]
     return [test]
+
+
+def _steps_at_end(test: cst.BaseExpression | None, loop: cst.For | cst.While) -> bool:
+    """Whether the step's `test` also holds at a pass's last micro-batch (`or i ==
+    len(loader) - 1`)."""
+    return (
+        test is not None
+        and isinstance(loop, cst.For)
+        and any(_at_length(term, loop) for term in _disjuncts(test))
+    )
+
+
+def _assigned(node: cst.CSTNode) -> list[cst.BaseExpression]:
+    """The targets an assignment statement binds afresh (`step = 0`; never `step += 1`)."""
+    if isinstance(node, cst.Assign):
+        return [target.target for target in node.targets]
+    return [node.target] if isinstance(node, cst.AnnAssign) else []
 
 
 def _at_length(term: cst.BaseExpression, loop: cst.For) -> bool:
