@@ -692,14 +692,10 @@ PICKED_LOOP = """\
 
 
 @pytest.mark.parametrize("ignored", ["0", "-100"])
-def test_model_classes_a_dict_picks_alike_are_counted_from_the_batch(
-    tmp_path, monkeypatch, ignored
-):
+def test_model_classes_a_dict_picks_alike_are_counted_from_the_batch(tmp_path, ignored):
     """Where every class a dict of classes can pick makes the same token mean over the same
     argument, the count is lifted to the call's `**inputs` and the fix is safe; where their
-    ignore values differ, the refusal shows each class's count (paths from the root, where a
-    user runs gaaudit)."""
-    monkeypatch.chdir(tmp_path)
+    ignore values differ, the refusal shows each class's count."""
     write(
         tmp_path, {"model.py": PICKED_MODELS.replace("{ignored}", ignored), "train.py": PICKED_LOOP}
     )
