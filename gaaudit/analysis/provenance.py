@@ -409,7 +409,7 @@ class _Calls:
                 and not positional(call)
                 and keyword(call, "dim") is None
             ):
-                return self._normalised(call, depth) or self._sum(call, f"`{code(call)}`")
+                return self._sum(call, f"`{code(call)}`")
             if method in ("mul", "multiply") and len(call.args) == 1 and not call.args[0].keyword:
                 # `loss.sum().mul(scale / total)`: the tensor method of `*`
                 return self._times(call, self.origin(func.value, depth + 1), call.args[0].value)
@@ -539,8 +539,6 @@ class _Calls:
             found = self.imports.instance_origin(cst.Call(func=annotated), call, index)
         if found is None and call is not None:
             found = self._passed(func, call, index)
-        if found is None and call is not None:  # handed in by this file, or by a conditional
-            found = self.imports.called(self, call, index)
         return found
 
     def _passed(self, func: cst.BaseExpression, call: cst.Call, index: int | None) -> Origin | None:
@@ -696,9 +694,7 @@ class _Callees:
             or (name.count(".") == 1 and not name.startswith("self."))
         ):
             return None
-        if "." in name:
-            return self.tree.functions.get(name.rsplit(".", 1)[-1])
-        return self.tree.function_seen(name, func)
+        return self.tree.functions.get(name.rsplit(".", 1)[-1])
 
     def returns(self, function: cst.FunctionDef) -> list[cst.BaseExpression]:
         return [
@@ -1028,40 +1024,6 @@ class Tracer(_Calls, _Callees, _Counts):
                         terms = (*side.terms, alone, *term.terms)
                         return replace(side, added=side.added or code(other), terms=terms)
         return UNKNOWN
-
-    def _normalised(self, call: cst.Call, depth: int) -> Origin | None:
-        """`(losses * mask / (mask.sum() + eps)).sum()`: the sum of elements each divided by
-        the count of all of them is their mean over that count (a masked mean)."""
-        inner = call.func.value
-        if not (isinstance(inner, cst.BinaryOperation) and isinstance(inner.operator, cst.Divide)):
-            return None
-        count = inner.right
-        value = self._value(count) if isinstance(count, cst.Name) else count
-        if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add):
-            value = value.left if isinstance(value.right, cst.Float) else value  # `n + 1e-5`
-        value = unguarded(value) if value is not None else None
-        if _sums(value):
-            summed = value.func.value
-        elif (
-            isinstance(value, cst.Call)
-            and self.tree.qualified(value.func) == "torch.sum"
-            and len(value.args) == 1
-        ):
-            summed = value.args[0].value
-        else:
-            return None
-        numerator = inner.left
-        if isinstance(numerator, cst.Name):  # `loss = loss * mask`
-            numerator = self._value(numerator) or numerator
-        masked = (  # the elements times the mask the count sums
-            isinstance(numerator, cst.BinaryOperation)
-            and isinstance(numerator.operator, cst.Multiply)
-            and code(summed) in (code(numerator.left), code(numerator.right))
-        )
-        if not masked and self.origin(inner.left, depth + 1).kind != "elementwise":
-            return None
-        what = f"`{code(call)}`, a sum over its own count ({MASKED_MEAN})"
-        return replace(self._mean(call, what), count=count)
 
     def _times(self, node: cst.CSTNode, loss: Origin, factor: cst.BaseExpression) -> Origin:
         """A loss times a factor (`node`): a mean times a count is a sum; times a weight, or

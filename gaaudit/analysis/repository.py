@@ -29,7 +29,6 @@ from gaaudit.analysis.tree import (
     Parameter,
     Tree,
     argument_for,
-    assigned_value,
     call_parameters,
     code,
     dotted,
@@ -47,7 +46,6 @@ LOSS_METHODS = ("forward", "__call__")
 # How a function of a tree averages the gradients of the micro-steps it runs: line, divisor.
 Averaging = Callable[[Tree, str], "tuple[int, str] | None"]
 MOVES = ("cuda", "cpu", "to", "half", "float", "bfloat16", "train", "eval")  # return the module
-BUILDERS = ("from_pretrained", "from_config")  # class methods that build an instance of their class
 LOSS_METHOD_DEFS = tuple(f"def {m}(".encode() for m in LOSS_METHODS)  # kept by `focus`
 
 
@@ -76,19 +74,6 @@ class Summary:
     parameters: tuple[Parameter, ...]  # those a call passes, in order
     variable: str  # a sign of variable valid-token counts in the helper's code, and where
     passes: int | None = None  # the parameter it returns as it came (`return model`)
-
-
-@dataclass(frozen=True)
-class Chosen:
-    """Classes of the repository that a conditional picks an instance's class from:
-    `model_class = A if args.mask_way == "v2" else B`, or `{"a": A, "b": B}[args.kind]`."""
-
-    path: Path  # the file of the conditional
-    line: int
-    test: str  # the condition, or the key, as code
-    classes: tuple[Summary, ...]  # one per class it can pick, in the order written
-    references: tuple[Reference, ...]  # how that file names each
-    maker: Imports  # that file's imports
 
 
 @dataclass(frozen=True)
@@ -367,7 +352,7 @@ class _Callers:
             if argument is None:
                 continue
             built = _constructor(tracer, argument, self)
-            if isinstance(built, tuple):
+            if built is not None:
                 maker, reference, constructor = built
                 found = maker._instance(reference, constructor, call, index)
                 self.dependencies |= maker.dependencies
@@ -377,12 +362,9 @@ class _Callers:
                 return found
         return None
 
-    def built_by(
-        self, factory: Summary, hops: int, index: int | None = None
-    ) -> Built | Chosen | None:
+    def built_by(self, factory: Summary, hops: int, index: int | None = None) -> Built | None:
         """The class instance a factory function of the repository returns (element `index`
-        of a returned tuple), with the imports of the factory's module; or the classes a
-        conditional there picks it from."""
+        of a returned tuple), with the imports of the factory's module."""
         path = factory.path
         try:
             data = path.read_bytes()
@@ -520,10 +502,6 @@ class Imports(_Callers):
         returned tuple), the instance found through its bindings, wrappers and factories (see
         `_constructor`): `model = load_model(Seq2Seq(cfg)); loss, _ = model(x, y)`."""
         built = _constructor(tracer, call.func, self)
-        if isinstance(built, Chosen):
-            found = _agreed(built, call, index)
-            self.dependencies |= built.maker.dependencies
-            return found
         if built is None:
             return None
         maker, reference, constructor = built
@@ -535,13 +513,7 @@ class Imports(_Callers):
         """The name of the repository class `instance` was built from ("" when not found):
         `MiniMindForCausalLM` for `model` of `model, tok = init_model(cfg); model(x)`."""
         built = _constructor(tracer, instance, self)
-        return built[1].name if isinstance(built, tuple) else ""
-
-    def chosen(self, tracer: Tracer, instance: cst.BaseExpression) -> Chosen | None:
-        """The classes of the repository a conditional picks `instance`'s class from, where
-        it is built through the bindings, wrappers and factories `_constructor` follows."""
-        built = _constructor(tracer, instance, self)
-        return built if isinstance(built, Chosen) else None
+        return built[1].name if built is not None else ""
 
     def _origin(
         self,
@@ -583,23 +555,19 @@ def _constructor(
     tracer: Tracer,
     value: cst.BaseExpression,
     imports: Imports,
-    hops: int = 8,
+    hops: int = 4,
     index: int | None = None,
-) -> Built | Chosen | None:
+) -> Built | None:
     """The call that built the instance `value` names, the class it names and the imports
     of the file that makes it: a class of the repository, found through the names it is
-    bound to (a function's global, where the module binds it; a parameter, as this file's
-    calls of its function pass it), the wrappers that take it first (`model = DDP(model,
-    ...)`, `torch.compile(model)`) and the factory functions of the repository that return
-    it (`model = build_model(args)`; element `index` of what `model, tokenizer =
-    init_model(cfg)` unpacks). Where a conditional picks the class (`cls = A if c else B;
-    cls.from_pretrained(...)`), the classes it picks from."""
+    bound to (a function's global, where the module binds it), the wrappers that take it
+    first (`model = DDP(model, ...)`, `torch.compile(model)`) and the factory functions of
+    the repository that return it (`model = build_model(args)`; element `index` of what
+    `model, tokenizer = init_model(cfg)` unpacks)."""
     if hops < 0:
         return None
     if isinstance(value, cst.Name) and value in tracer.tree.order:
         bound = _global_binding(tracer, value)
-        if isinstance(bound, cst.Param):
-            return _handed(tracer, value, imports, hops - 1)
         if not isinstance(bound, cst.Assign) or len(bound.targets) != 1:
             return None
         index = _unpacked_at(bound.targets[0].target, value.value)
@@ -612,12 +580,12 @@ def _constructor(
         return _constructor(tracer, value.elements[index].value, imports, hops)
     if not isinstance(value, cst.Call):
         return None
-    func = value.func
-    if isinstance(func, cst.Attribute) and func.attr.value in MOVES:
-        return _constructor(tracer, func.value, imports, hops - 1)  # `Model(...).cuda()`
-    if isinstance(func, cst.Attribute) and func.attr.value in BUILDERS:
-        func = func.value  # `Model.from_pretrained(path)` builds a `Model`
-    reference = _class_reference(tracer, func, imports)
+    if isinstance(value.func, cst.Attribute) and value.func.attr.value in MOVES:
+        return _constructor(tracer, value.func.value, imports, hops - 1)  # `Model(...).cuda()`
+    reference = imports.reference(value.func)
+    own = isinstance(value.func, cst.Name) and _top_level(tracer.tree, value.func.value)
+    if reference is None and imports.name and isinstance(own, cst.ClassDef):
+        reference = Reference(1, Path(imports.name).stem, own.name.value)  # the file's own
     found = imports.summary(reference) if reference is not None else None
     if found is not None and found.is_class:
         return imports, reference, value
@@ -626,112 +594,8 @@ def _constructor(
         return _constructor(tracer, passed, imports, hops - 1) if passed is not None else None
     if found is not None:
         return imports.built_by(found, hops - 1, index)
-    if func is not value.func or reference is None:
-        chosen = _chosen(tracer, func, imports)
-        if chosen is not None:
-            return chosen
     first = positional(value)[:1]
     return _constructor(tracer, first[0], imports, hops - 1) if first else None
-
-
-def _class_reference(
-    tracer: Tracer, func: cst.BaseExpression, imports: Imports
-) -> Reference | None:
-    """What a callee names: an import of the repository, or a class or function defined at
-    the top of this file."""
-    reference = imports.reference(func)
-    own = isinstance(func, cst.Name) and _top_level(tracer.tree, func.value)
-    if reference is None and imports.name and own:
-        reference = Reference(1, Path(imports.name).stem, own.name.value)  # the file's own
-    return reference
-
-
-def _handed(tracer: Tracer, name: cst.Name, imports: Imports, hops: int) -> Built | Chosen | None:
-    """What this file's calls of the top-level function whose parameter `name` is pass for
-    it (`train(args, model)` in `main()`): the first instance found."""
-    function = tracer.tree.scope_of(name)
-    if not isinstance(function, cst.FunctionDef) or function not in tracer.tree.module.body:
-        return None
-    parameter = call_parameters(function).get(name.value)
-    if parameter is None:  # `*args`, `**kwargs`
-        return None
-    for site in tracer.tree.calls:
-        if isinstance(site.func, cst.Name) and site.func.value == function.name.value:
-            argument = argument_for(site, parameter)
-            built = _constructor(tracer, argument, imports, hops) if argument else None
-            if built is not None:
-                return built
-    return None
-
-
-def _chosen(tracer: Tracer, func: cst.BaseExpression, imports: Imports) -> Chosen | None:
-    """The classes of the repository that the name `func` is bound to a choice of: the
-    branches of a conditional expression, or the values of a dict literal it indexes."""
-    if not isinstance(func, cst.Name) or func not in tracer.tree.order:
-        return None
-    bound = _global_binding(tracer, func)
-    if not isinstance(bound, cst.Assign) or len(bound.targets) != 1:
-        return None
-    choice = bound.value
-    if isinstance(choice, cst.IfExp):
-        test, options = choice.test, _branches(choice)
-    elif isinstance(choice, cst.Subscript) and len(choice.slice) == 1:
-        table = choice.value
-        if isinstance(table, cst.Name):
-            table = assigned_value(_global_binding(tracer, table), table.value)
-        if not isinstance(table, cst.Dict) or not isinstance(choice.slice[0].slice, cst.Index):
-            return None
-        test = choice.slice[0].slice.value
-        options = [e.value for e in table.elements if isinstance(e, cst.DictElement)]
-    else:
-        return None
-    classes, references = [], []
-    for option in options:
-        reference = _class_reference(tracer, option, imports)
-        found = imports.summary(reference) if reference is not None else None
-        if found is None or not found.is_class:
-            return None
-        classes.append(found)
-        references.append(reference)
-    path = imports.directory / imports.name
-    line = tracer.tree.line(choice)
-    return Chosen(path, line, code(test), tuple(classes), tuple(references), imports)
-
-
-def _agreed(chosen: Chosen, call: cst.Call, index: int | None) -> Origin | None:
-    """What calling an instance of any class a conditional picks returns, where every class
-    returns it alike: the same kind, divided by the same arguments, a mean over the same
-    count read from the call's arguments. No one module is named: a count one class was
-    made to return would be missing from the others."""
-    found = [
-        chosen.maker._origin(_item(summary, index), summary, reference, call.func, call)
-        for summary, reference in zip(chosen.classes, chosen.references)
-    ]
-    if any(origin is None for origin in found):
-        return None
-    shapes = {
-        (
-            origin.kind,
-            code(origin.count) if origin.count is not None else None,
-            tuple(code(d.divisor) for d in origin.divisions),
-        )
-        for origin in found
-    }
-    first = found[0]
-    if len(shapes) > 1 or (first.kind == "mean" and first.count is None):
-        return None
-    names = " or ".join(f"`{summary.name}()`" for summary in chosen.classes)
-    via = (
-        f", returned by {names} as `{chosen.test}` picks ({shown(chosen.path)} line {chosen.line})"
-    )
-    return replace(first, via=via, module="", path=None, callee="")
-
-
-def _branches(choice: cst.BaseExpression) -> list[cst.BaseExpression]:
-    """The values a (nested) conditional expression can take."""
-    if isinstance(choice, cst.IfExp):
-        return [*_branches(choice.body), *_branches(choice.orelse)]
-    return [choice]
 
 
 def _global_binding(tracer: Tracer, name: cst.Name) -> cst.CSTNode | None:

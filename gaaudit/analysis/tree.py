@@ -423,24 +423,10 @@ class Tree:
     @cached_property
     def functions(self) -> dict[str, cst.FunctionDef]:
         """Functions and methods defined in the file, by name (first definition wins)."""
-        return {name: found[0] for name, found in self._definitions.items()}
-
-    @cached_property
-    def _definitions(self) -> dict[str, list[cst.FunctionDef]]:
-        found: dict[str, list[cst.FunctionDef]] = {}
+        found: dict[str, cst.FunctionDef] = {}
         for node in self._functions:
-            found.setdefault(node.name.value, []).append(node)
+            found.setdefault(node.name.value, node)
         return found
-
-    def function_seen(self, name: str, use: cst.CSTNode) -> cst.FunctionDef | None:
-        """The function `name` read at `use` names: the innermost of the definitions of that
-        name whose scope holds `use` (a helper nested in the method that calls it, where
-        several methods nest their own), else the file's first."""
-        found = self._definitions.get(name, [])
-        if len(found) < 2 or use not in self.order:
-            return found[0] if found else None
-        around = [node for node in found if self.contains(self.scope_of(node), use)]
-        return max(around, key=self.order.__getitem__) if around else found[0]
 
     def enclosing_function(self, node: cst.Call | cst.CSTNode) -> cst.FunctionDef | None:
         """The function a call or assignment sits in directly, if any (indexed, no walk)."""

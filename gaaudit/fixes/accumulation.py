@@ -20,7 +20,6 @@ from gaaudit.analysis.provenance import (
     same_count,
     valid_targets,
 )
-from gaaudit.analysis.repository import Chosen
 from gaaudit.analysis.tree import (
     Tree,
     abstract,
@@ -66,11 +65,11 @@ from gaaudit.vocabulary import CLIPPERS, DISTRIBUTED_STARTS, GATHERED_PACKAGES
 
 COUNT_NOTE = "# the caller weights this mean by its count: sum and count per micro-batch"
 # why a model that takes its targets out of what it is handed is not fixed, and what to do
-RETURNS_COUNT = (
-    "return its count of valid targets beside the loss, backpropagate the loss times that "
-    "count and divide the gradients once by the window's total"
+COUNTED_INSIDE = (
+    "where gaaudit cannot count them: have the model return its count of valid targets beside "
+    "the loss, backpropagate the loss times that count and divide the gradients once by the "
+    "window's total"
 )
-COUNTED_INSIDE = f"where gaaudit cannot count them: have the model {RETURNS_COUNT}"
 PATH_NOTE = "# sum and count: the count this path's mean averages over"
 SKIPPED_NOTE = "# sum and count: a micro-batch whose backward is skipped adds no count"
 HELPER_NOTE = (
@@ -1132,9 +1131,6 @@ class _CompanionCounts:
                 "the loss times that count and divide the gradients once by the window's total"
             )
         spread = next((a.value for a in call.args if a.star == "**"), None)
-        chosen = tracer.imports.chosen(tracer, call.func) if tracer.imports else None
-        if chosen is not None:
-            return f"{made} {_picked(chosen, spread)}: have each class {RETURNS_COUNT}"
         if spread is not None:  # `model(**inputs)`: the model picks its targets out
             return f"{made} finds its targets in `**{code(spread)}`, {COUNTED_INSIDE}"
         return (
@@ -1183,40 +1179,6 @@ class _CompanionCounts:
             f"{atom(target)}.numel()",
             "assumes every target counts: no ignore_index is visible",
         ), False
-
-
-def _picked(chosen: Chosen, spread: cst.BaseExpression | None) -> str:
-    """What differs between the classes a conditional picks a model from: the arguments each
-    requires and the count each averages its loss over, where it makes it."""
-    names = [found.name.split(".")[0] for found in chosen.classes]
-    modules = sorted({shown(found.path) for found in chosen.classes})
-    said = (
-        f"runs `{'` or `'.join(names)}` ({', '.join(modules)}), as `{chosen.test}` picks "
-        f"({shown(chosen.path)} line {chosen.line})"
-    )
-    keys = [{p.name for p in found.parameters if p.default is None} for found in chosen.classes]
-    own = [sorted(k - set.intersection(*keys)) for k in keys]
-    if any(own):
-        where = f"`**{code(spread)}`" if spread is not None else "its arguments"
-        read = "; ".join(
-            f"`{name}` takes {', '.join(f'`{p}`' for p in each) or 'none of its own'}"
-            for name, each in zip(names, own)
-        )
-        said += f", each finding its targets in {where} by other names ({read})"
-    counts = [found.value.count if found.value else "" for found in chosen.classes]
-    made = [
-        f"`{name}` at {shown(found.path)} line {found.value.line}"
-        for name, found in zip(names, chosen.classes)
-        if found.value is not None and found.value.line
-    ]
-    at = f" ({'; '.join(made)})" if made else ""
-    if not any(counts):
-        return f"{said}, and making its loss over a count gaaudit cannot read{at}"
-    over = "; ".join(
-        f"`{name}` over {f'`{count}`' if count else 'a count gaaudit cannot read'}"
-        for name, count in zip(names, counts)
-    )
-    return f"{said}, and making its loss ({over}){at}"
 
 
 class _LossRewrite:
