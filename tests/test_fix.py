@@ -1540,6 +1540,8 @@ COUNTER_ON_SELF = (FIXTURES / "ga001_step_counter_on_self_spans_calls.py").read_
     [
         ("", "", False),  # `self.step` goes on from one call into the next, the gradients too
         ("        self.model.train()", "        self.step = 0", True),  # reset per call
+        ("        self.model.train()", "        self.seen, self.step = 0, 0", True),  # in a tuple
+        ("        self.model.train()", "        self.steps[0] = 0", False),  # another attribute
         (  # cleared at the end of the pass
             "                self.step += 1\n",
             "                self.step += 1\n        self.optimizer.zero_grad()\n",
@@ -1561,7 +1563,16 @@ COUNTER_ON_SELF = (FIXTURES / "ga001_step_counter_on_self_spans_calls.py").read_
             False,
         ),
     ],
-    ids=["carried", "reset", "cleared-at-end", "local", "steps-at-end", "end-by-counter"],
+    ids=[
+        "carried",
+        "reset",
+        "reset-in-tuple",
+        "item-reset",
+        "cleared-at-end",
+        "local",
+        "steps-at-end",
+        "end-by-counter",
+    ],
 )
 def test_a_step_counter_that_outlives_the_function_carries_its_windows_across_calls(old, new, safe):
     """`_train()` tests `(self.step + 1) % K`, a counter it raises and does not reset: whoever

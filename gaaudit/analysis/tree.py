@@ -507,12 +507,23 @@ def assigned_value(statement: cst.CSTNode | None, name: str) -> cst.BaseExpressi
     return found
 
 
-def _target_chains(target: cst.CSTNode) -> set[str]:
+def bound_afresh(statement: cst.CSTNode) -> set[str]:
+    """The dotted names an assignment statement binds whole: `step` and `self.step` of
+    `step, self.step = 0, 0`; none of `step += 1` or `steps[i] = 0`."""
+    if isinstance(statement, cst.Assign):
+        targets = [target.target for target in statement.targets]
+    else:
+        targets = [statement.target] if isinstance(statement, cst.AnnAssign) else []
+    return set().union(*(_target_chains(t, into_items=False) for t in targets))
+
+
+def _target_chains(target: cst.CSTNode, into_items: bool = True) -> set[str]:
+    """The dotted names a target binds (and, `into_items`, those whose items it sets)."""
     if isinstance(target, (cst.Tuple, cst.List)):
-        return set().union(*(_target_chains(e.value) for e in target.elements))
+        return set().union(*(_target_chains(e.value, into_items) for e in target.elements))
     if isinstance(target, cst.StarredElement):
-        return _target_chains(target.value)
+        return _target_chains(target.value, into_items)
     if isinstance(target, cst.Subscript):
-        return _target_chains(target.value)
+        return _target_chains(target.value) if into_items else set()
     name = dotted(target)
     return {name} if name else set()

@@ -16,6 +16,7 @@ from gaaudit.analysis.loops import cleared_around, raises_by_one, run_again
 from gaaudit.analysis.tree import (
     ATOMS,
     assigned_value,
+    bound_afresh,
     code,
     dotted,
     parameter_names,
@@ -336,10 +337,10 @@ class _ReadAhead:
             if isinstance(node, cst.AugAssign)
         }
         reset = {
-            code(target)
+            name
             for node in self.tree.assignments
             if self.tree.contains(function, node) and self.tree.order[node] < self.tree.order[start]
-            for target in _assigned(node)
+            for name in bound_afresh(node)
         }
 
         def counters(expr: cst.BaseExpression) -> list[str]:
@@ -491,11 +492,7 @@ class _ReadAhead:
 
         what = "count" if counted else "step's guard"
         computed = {  # `self.step += 1`: the reader, drawing ahead, would read it stale
-            code(target)
-            for node in self.tree.walk(loop.body, into_defs=False)
-            if isinstance(node, (cst.Assign, cst.AugAssign, cst.AnnAssign))
-            for target in ([node.target] if isinstance(node, cst.AugAssign) else _assigned(node))
-            if isinstance(target, cst.Attribute)
+            name for name in self.tree.assigned_in(loop.body) if "." in name
         }
         for node in self.tree.walk(expr):
             if isinstance(node, cst.Attribute) and code(node) in computed:
@@ -590,13 +587,6 @@ def _steps_at_end(test: cst.BaseExpression | None, loop: cst.For | cst.While) ->
         and isinstance(loop, cst.For)
         and any(_at_length(term, loop) for term in _disjuncts(test))
     )
-
-
-def _assigned(node: cst.CSTNode) -> list[cst.BaseExpression]:
-    """The targets an assignment statement binds afresh (`step = 0`; never `step += 1`)."""
-    if isinstance(node, cst.Assign):
-        return [target.target for target in node.targets]
-    return [node.target] if isinstance(node, cst.AnnAssign) else []
 
 
 def _at_length(term: cst.BaseExpression, loop: cst.For) -> bool:
