@@ -2049,6 +2049,16 @@ def test_lines_a_fix_writes_are_wrapped_at_the_projects_line_length(tmp_path, co
     assert "param.grad.div_(\n" in after  # split at its brackets, black's way
 
 
+def test_a_header_that_fits_is_left_on_its_line():
+    """A header of 88 columns, its colon included, fits at 88: black leaves it as it is."""
+    header = "if (step + 1) % accumulation_steps == 0 and step > warmup_steps and not done_:"
+    header = header.replace("done_", "done" + "_" * (89 - len(header)))
+    assert len(header) == 88
+    statement = cst.parse_statement(header + "\n    pass\n")
+    assert cst.Module([]).code_for_node(wrapped(statement, 0, 88)) == header + "\n    pass\n"
+    assert cst.Module([]).code_for_node(wrapped(statement, 0, 87)).startswith("if (\n")
+
+
 @pytest.mark.parametrize(
     "header, split",
     [

@@ -364,13 +364,16 @@ _HEADER_SLOTS = {cst.If: "test", cst.While: "test"}
 def _fits(node: cst.CSTNode, room: _Room) -> bool:
     """Whether every line of `node`'s code (a statement's, without its comments above; a
     block statement's header) stays within the line length at its `room`."""
-    if isinstance(node, cst.BaseCompoundStatement):
+    if isinstance(node, cst.BaseCompoundStatement):  # its header, written as `...: pass`
         node = node.with_changes(body=cst.SimpleStatementSuite([cst.Pass()]))
         if hasattr(node, "orelse"):
             node = node.with_changes(orelse=None)
     if hasattr(node, "leading_lines"):
         node = node.with_changes(leading_lines=[])
-    return all(room.column + len(line) <= room.width for line in _code(node).splitlines())
+    *lines, last = _code(node).splitlines()
+    if isinstance(node, cst.BaseCompoundStatement):
+        last = last.removesuffix(" pass")
+    return all(room.column + len(line) <= room.width for line in (*lines, last))
 
 
 def _code(node: cst.CSTNode) -> str:
