@@ -79,11 +79,12 @@ def test_finding_carries_evidence_and_hint(tmp_path):
 
 
 def test_messages_and_hints_speak_of_the_loss_gaaudit_saw():
-    """A headline says "Mean loss" only where gaaudit saw a mean, and a dense loss's hint
-    counts elements, not valid tokens."""
+    """A headline says "Mean loss" only where gaaudit saw a mean; a dense loss's hint counts
+    elements, and one gaaudit could not trace counts valid targets, not valid tokens."""
     (unknown,) = check_file(FIXTURES / "ga001_unknown_loss_fn_param.py", ALL).findings
     assert "could not tell" in unknown.evidence[-1]
     assert unknown.message.startswith("Loss divided by")
+    assert "fewer valid targets" in unknown.message and "valid-target count" in unknown.hint
     (dense,) = check_file(FIXTURES / "ga003_exact_accelerate_mse_latents.py", ALL).findings
     assert "valid-token" not in dense.hint and "element count" in dense.hint
     assert "fewer elements" in dense.message

@@ -1293,7 +1293,7 @@ def test_a_pipeline_stage_is_refused_because_weighting_would_scale_the_other_sta
     (outcome,) = report.outcomes
     assert not outcome.applied and "a pipeline stage" in outcome.reason
     assert "backward(gradient=...)" in outcome.reason
-    assert "N the step's valid-token count" in outcome.reason
+    assert "N the step's valid-target count" in outcome.reason  # a loss it could not trace
 
 
 def test_a_refusal_counts_in_the_words_of_the_losss_domain():

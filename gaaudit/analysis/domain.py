@@ -100,6 +100,14 @@ def shifts_labels(text: str) -> bool | None:
     return None if "causal" in found and len(found) > 1 else "causal" in found
 
 
+# What a count counts outside language models, as messages say it: plural, and as a modifier
+WORDS = {
+    "dense": ("elements", "element"),
+    "examples": ("examples", "example"),
+    "unknown": ("valid targets", "valid-target"),
+}
+
+
 @dataclass(frozen=True)
 class Domain:
     """What the loss averages over; `varies` is None where the code cannot tell."""
@@ -111,17 +119,18 @@ class Domain:
     @property
     def elements(self) -> str:
         """What the loss's count counts, as messages and hints say it."""
-        return {"dense": "elements", "examples": "examples"}.get(self.kind, "valid tokens")
+        return WORDS.get(self.kind, ("valid tokens",))[0]
 
     def worded(self, text: str) -> str:
-        """A rule's message or hint, in this domain's words (tokens are the rules' default)."""
-        if self.kind not in ("dense", "examples"):
+        """A rule's message or hint, in this domain's words (tokens are the rules' default;
+        a loss gaaudit could not trace counts "valid targets")."""
+        if self.kind not in WORDS:
             return text
-        singular = self.elements.removesuffix("s")
+        plural, single = WORDS[self.kind]
         return (
-            text.replace("valid tokens", self.elements)
-            .replace("valid-token", singular)
-            .replace("per token", f"per {singular}")
+            text.replace("valid tokens", plural)
+            .replace("valid-token", single)
+            .replace("per token", f"per {single.rpartition('-')[2]}")
         )
 
     def confidence(self) -> tuple[Confidence, str]:
