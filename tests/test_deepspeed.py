@@ -57,7 +57,8 @@ def main(net: GPT2LMHeadModel, optimizer, loader, epochs):
 """
 
 # One process of a run: DeepSpeed on the CPU over gloo, a recording optimizer with lr 0 (the
-# model stays as built, so every step's gradient is compared on the same weights).
+# model stays as built, so every step's gradient is compared on the same weights). It trains
+# each script in turn, a fresh model and engine each, so that they share one start-up.
 WORKER = """\
 import json, os, runpy, sys
 import torch
@@ -76,7 +77,7 @@ if os.environ.get("GA_ACCELERATE_BEFORE_1_8"):  # its DeepSpeed wrapper left the
         self.engine.step()
 
     DeepSpeedEngineWrapper.backward = backward
-script, data, out, epochs = sys.argv[1:]
+data, epochs, *jobs = sys.argv[1:]  # then each script and where its steps go
 
 
 class Recording(torch.optim.SGD):
@@ -87,11 +88,13 @@ class Recording(torch.optim.SGD):
         return super().step(closure)
 
 
-torch.manual_seed(0)
-net = GPT2LMHeadModel(GPT2Config(**json.loads(os.environ["GA_TINY_GPT2"])))
 loader = [{k: torch.tensor(v) for k, v in b.items()} for b in json.load(open(data))[rank]]
-runpy.run_path(script)["main"](net, Recording(net.parameters(), lr=0.0), loader, int(epochs))
-torch.save(Recording.steps, f"{out}.{rank}")
+for script, out in zip(jobs[::2], jobs[1::2], strict=True):
+    Recording.steps = []
+    torch.manual_seed(0)
+    net = GPT2LMHeadModel(GPT2Config(**json.loads(os.environ["GA_TINY_GPT2"])))
+    runpy.run_path(script)["main"](net, Recording(net.parameters(), lr=0.0), loader, int(epochs))
+    torch.save(Recording.steps, f"{out}.{rank}")
 """
 
 
@@ -124,15 +127,18 @@ def token_mean_gradient(windows: list[list[dict]]) -> list[torch.Tensor]:
 
 
 def run(
-    tmp_path: Path, source: str, world: int, per_rank: int, epochs: int, **environ: str
-) -> list:
-    """Each optimizer step's gradients (rank 0's: the engine averages them over ranks)."""
-    tmp_path.mkdir()
-    script, worker, data = tmp_path / "train.py", tmp_path / "worker.py", tmp_path / "data.json"
-    script.write_text(source)
+    tmp_path: Path, sources: dict[str, str], world: int, per_rank: int, epochs: int, **environ: str
+) -> dict[str, list]:
+    """Each source's optimizer steps' gradients (rank 0's: the engine averages them over ranks),
+    the sources trained one after the other in the same `world` processes."""
+    tmp_path.mkdir(exist_ok=True)
+    worker, data = tmp_path / "worker.py", tmp_path / "data.json"
     worker.write_text(WORKER)
     data.write_text(json.dumps([batches(r, per_rank) for r in range(world)]))
-    out = tmp_path / "steps"
+    jobs = []
+    for name, source in sources.items():
+        (tmp_path / f"{name}.py").write_text(source)
+        jobs += [str(tmp_path / f"{name}.py"), str(tmp_path / name)]
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
@@ -145,7 +151,7 @@ def run(
     }
     processes = [
         subprocess.Popen(
-            [sys.executable, str(worker), str(script), str(data), str(out), str(epochs)],
+            [sys.executable, str(worker), str(data), str(epochs), *jobs],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -156,7 +162,7 @@ def run(
     for process in processes:
         output, _ = process.communicate(timeout=300)
         assert process.returncode == 0, output[-3000:]
-    return torch.load(f"{out}.0")
+    return {name: torch.load(tmp_path / f"{name}.0") for name in sources}
 
 
 def distance(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -175,17 +181,26 @@ def fixed() -> str:
     return text
 
 
-def test_each_step_of_the_fixed_loop_is_the_windows_token_mean(tmp_path, fixed):
+WORLD, PER_RANK = 2, 2 * K  # two ranks, two whole windows each
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(tmp_path_factory, fixed, helper_fixed) -> dict[str, list]:
+    """The original, its fix and the helper's fix (below), trained on the same two ranks."""
+    sources = {"original": TRAIN, "patched": fixed, "helper": helper_fixed}
+    return run(tmp_path_factory.mktemp("two_ranks"), sources, WORLD, PER_RANK, epochs=1)
+
+
+def windows_of_both_ranks() -> list[list[dict]]:
+    data = [batches(r, PER_RANK) for r in range(WORLD)]
+    return [[b for rank in data for b in rank[w * K : (w + 1) * K]] for w in range(PER_RANK // K)]
+
+
+def test_each_step_of_the_fixed_loop_is_the_windows_token_mean(on_two_ranks):
     """On two ranks (one rank: the next test), each step of the patched loop is the token mean
     of its window over both ranks; the original's is not."""
-    world = 2
-    per_rank = 2 * K  # two whole windows
-    data = [batches(r, per_rank) for r in range(world)]
-    windows = [
-        [b for rank in data for b in rank[w * K : (w + 1) * K]] for w in range(per_rank // K)
-    ]
-    original = run(tmp_path / "original", TRAIN, world, per_rank, epochs=1)
-    patched = run(tmp_path / "patched", fixed, world, per_rank, epochs=1)
+    windows = windows_of_both_ranks()
+    original, patched = on_two_ranks["original"], on_two_ranks["patched"]
     assert len(original) == len(patched) == len(windows)
     for before, after, window in zip(original, patched, windows, strict=True):
         want = token_mean_gradient([window])
@@ -199,7 +214,7 @@ def test_a_window_an_epoch_cuts_in_two_keeps_the_original_weight(tmp_path, fixed
     original."""
     per_rank = 6
     epoch = batches(0, per_rank)
-    patched = run(tmp_path / "patched", fixed, 1, per_rank, epochs=2)
+    patched = run(tmp_path, {"patched": fixed}, 1, per_rank, epochs=2)["patched"]
     assert len(patched) == 3
     assert distance(patched[0], token_mean_gradient([epoch[:4]])) < 1e-4
     assert distance(patched[1], token_mean_gradient([epoch[4:], epoch[:2]])) < 1e-4
@@ -234,32 +249,48 @@ HELPER = TRAIN.replace(
 )
 
 
-def test_a_helper_asked_for_its_count_alone_makes_each_step_the_windows_token_mean(tmp_path):
-    """On two ranks, each step of the loop whose helper counts its own targets ahead is the
-    token mean of its window over both ranks."""
+@pytest.fixture(scope="module")
+def helper_fixed() -> str:
     result = fix_source(HELPER.encode(), Path("train.py"), Settings(), unsafe=True)
     assert result.outcomes[0].applied, result.outcomes[0].reason
     patched = result.after.decode()
     assert "compute_loss(engine, batch, count_only=True)" in patched
-    world, per_rank = 2, 2 * K
-    data = [batches(r, per_rank) for r in range(world)]
-    steps = run(tmp_path / "patched", patched, world, per_rank, epochs=1)
-    assert len(steps) == per_rank // K
-    for w, step in enumerate(steps):
-        window = [b for rank in data for b in rank[w * K : (w + 1) * K]]
+    return patched
+
+
+def test_a_helper_asked_for_its_count_alone_makes_each_step_the_windows_token_mean(
+    on_two_ranks,
+):
+    """On two ranks, each step of the loop whose helper counts its own targets ahead is the
+    token mean of its window over both ranks."""
+    steps = on_two_ranks["helper"]
+    assert len(steps) == PER_RANK // K
+    for step, window in zip(steps, windows_of_both_ranks(), strict=True):
         assert distance(step, token_mean_gradient([window])) < 1e-4
 
 
 ENGINE = FIXTURES / "ga003_deepspeed_json_config.py"  # K in ds_config_zero2.json beside it
 
 
-def test_verify_replays_the_engine_loop_apart_and_proves_its_fix():
+@pytest.fixture(scope="module")
+def verified_on_one_process(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list]:
+    """One `gaaudit verify` run (its replays share one start-up) over the engine's loop, a
+    Trainer's, and the engine's loop logging its gradient norm (a copy, beside its config)."""
+    logging = tmp_path_factory.mktemp("logging") / ENGINE.name
+    logged = "model_engine.step()\n            print(optimizer._global_grad_norm)"
+    logging.write_text(ENGINE.read_text().replace("model_engine.step()", logged))
+    shutil.copy(ENGINE.with_name("ds_config_zero2.json"), logging.parent)
+    trainer = FIXTURES / "ga004_labels_branch_old_signature.py"
+    paths = (ENGINE, trainer, logging)
+    result = gaaudit("verify", "-k", "4", "--format", "json", *map(str, paths))
+    return result, json.loads(result.stdout)
+
+
+def test_verify_replays_the_engine_loop_apart_and_proves_its_fix(verified_on_one_process):
     """On one process the replays run in a process kept apart, with a gloo group of one: the
     process that replays the next file has none, so a Trainer replayed there is not taken for
     a distributed run."""
-    trainer = FIXTURES / "ga004_labels_branch_old_signature.py"
-    result = gaaudit("verify", "-k", "4", "--format", "json", str(ENGINE), str(trainer))
-    engine_file, trainer_file = json.loads(result.stdout)
+    result, (engine_file, trainer_file, _) = verified_on_one_process
     (loop,) = engine_file["loops"]
     assert loop["header"] == "for step, batch in enumerate(loader):"
     (row,) = loop["rows"]
@@ -269,15 +300,11 @@ def test_verify_replays_the_engine_loop_apart_and_proves_its_fix():
     assert result.returncode == 1  # the Trainer's loop, whose fix is not verified
 
 
-def test_a_loop_that_logs_the_engines_gradient_norm_replays(tmp_path):
+def test_a_loop_that_logs_the_engines_gradient_norm_replays(verified_on_one_process):
     """InternImage logs `optimizer._global_grad_norm`, which DeepSpeed's optimizers keep,
     after each `engine.step()`: the replay's optimizer has it, so the loop reaches its step."""
-    script = tmp_path / ENGINE.name
-    logged = "model_engine.step()\n            print(optimizer._global_grad_norm)"
-    script.write_text(ENGINE.read_text().replace("model_engine.step()", logged))
-    shutil.copy(ENGINE.with_name("ds_config_zero2.json"), tmp_path)
-    result = gaaudit("verify", "-k", "4", "--format", "json", str(script))
-    (loop,) = json.loads(result.stdout)["loops"]
+    _, (_, _, logging_file) = verified_on_one_process
+    (loop,) = logging_file["loops"]
     (row,) = loop["rows"]
     assert row["original_verdict"] == REPRODUCED and row["original_error"] > 0.1, row
 
@@ -351,18 +378,21 @@ def test_accelerates_deepspeed_window_is_read_ahead_where_the_engine_ends_it(tmp
     assert b"accelerator.backward(loss * window_share)" in fixed
     data = batches(0, 2 * K)
     before = {**LAUNCHED, "GA_ACCELERATE_BEFORE_1_8": "1"}
-    original = run(tmp_path / "original", ACCELERATE, 1, 2 * K, 1, **before)
-    patched = run(tmp_path / "patched", fixed.decode(), 1, 2 * K, 1, **before)
+    sources = {"original": ACCELERATE, "patched": fixed.decode()}
+    original, patched = run(tmp_path / "before", sources, 1, 2 * K, 1, **before).values()
     assert len(original) == len(patched) == 2
     for old, new, window in zip(original, patched, (data[:K], data[K:]), strict=True):
         want = token_mean_gradient([window])
         assert distance(new, want) < 1e-4
         assert distance(old, want) > 1e-2  # the bug the fix removes
-    assert len(run(tmp_path / "installed", ACCELERATE, 1, K, 1, **LAUNCHED)) == K
+    assert (
+        len(run(tmp_path / "installed", {"original": ACCELERATE}, 1, K, 1, **LAUNCHED)["original"])
+        == K
+    )
 
 
-# A Trainer subclass of a fixture trained one step under DeepSpeed (stage 0, K = 4) on one
-# gloo process: the gradients its optimizer steps on (lr 0) are saved.
+# Trainer subclasses of fixtures, each trained one step under DeepSpeed (stage 0, K = 4) in turn
+# on one gloo process: the gradients each one's optimizer steps on (lr 0) are saved.
 TRAINER_WORKER = """\
 import sys
 from pathlib import Path
@@ -372,7 +402,7 @@ import torch
 from gaaudit.harness.trainer import arguments, collate, examples, tiny_model, trainer_class
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo, no kernel to compile
-fixture, name, out = sys.argv[1:]
+jobs = sys.argv[1:]  # each fixture, its class's name and where its gradients go
 steps = []
 
 
@@ -382,40 +412,70 @@ class Recording(torch.optim.SGD):
         return super().step(closure)
 
 
-class Recorded(trainer_class(Path(fixture).read_text(), fixture, name)):
-    def create_optimizer(self, model=None):
-        if self.optimizer is None:
-            self.optimizer = Recording((model or self.model).parameters(), lr=0.0)
-        return self.optimizer
-
-
 engine = {"zero_optimization": {"stage": 0}, "gradient_accumulation_steps": "auto"}
 engine["train_micro_batch_size_per_gpu"] = "auto"
 engine["gradient_clipping"] = "auto"  # the arguments' 0.0: no clipping (the engine's own: 1.0)
-args = arguments(out, 4, deepspeed=engine)
-Recorded(model=tiny_model(), args=args, train_dataset=examples(8, 0), data_collator=collate).train()
-assert len(steps) == 1, steps
-torch.save(steps[0], out + ".pt")
+for fixture, name, out in zip(jobs[::3], jobs[1::3], jobs[2::3], strict=True):
+
+    class Recorded(trainer_class(Path(fixture).read_text(), fixture, name)):
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                self.optimizer = Recording((model or self.model).parameters(), lr=0.0)
+            return self.optimizer
+
+    steps.clear()
+    args = arguments(out, 4, deepspeed=engine)
+    data = examples(8, 0)
+    Recorded(model=tiny_model(), args=args, train_dataset=data, data_collator=collate).train()
+    assert len(steps) == 1, steps
+    torch.save(steps[0], out + ".pt")
 """
 
+FLAG = '**({"scale_wrt_gas": False} if self.is_deepspeed_enabled else {})'
+WITHHOLDS = FIXTURES / "ga004_training_step_withholds_count"
+DOUBLE_DIVISION = FIXTURES / "ga004_training_step_double_division"
 
-def trainer_step_under_deepspeed(tmp_path: Path, fixture: Path, name: str, port: int) -> list:
-    worker = tmp_path / f"{fixture.stem}.worker.py"
+
+def noiseless(suffix: str) -> str:
+    """The double division's fixture without the hook's noise: the same loss each run."""
+    source = DOUBLE_DIVISION.with_suffix(suffix).read_text()
+    return source.replace("noise_alpha = 5.0", "noise_alpha = 0")
+
+
+@pytest.fixture(scope="module")
+def steps_under_deepspeed(tmp_path_factory) -> dict[str, list]:
+    """The step under DeepSpeed of each Trainer the two tests below compare, all in one process:
+    the step that withholds the count (as written, fixed, fixed without the flag), and the
+    double division without its noise (as written, fixed)."""
+    tmp_path = tmp_path_factory.mktemp("trainers")
+    fixed = WITHHOLDS.with_suffix(".fixed.py").read_text()
+    assert FLAG in fixed
+    (tmp_path / "unflagged.py").write_text(fixed.replace(FLAG, ""))
+    runs = {
+        "withholds": (WITHHOLDS.with_suffix(".py"), "DocReaderTrainer"),
+        "withholds.fixed": (WITHHOLDS.with_suffix(".fixed.py"), "DocReaderTrainer"),
+        "unflagged": (tmp_path / "unflagged.py", "DocReaderTrainer"),
+    }
+    for suffix in (".py", ".fixed.py"):
+        path = tmp_path / f"noiseless{suffix}"
+        path.write_text(noiseless(suffix))
+        runs[path.stem] = (path, "NoisyEmbeddingTrainer")
+    worker = tmp_path / "worker.py"
     worker.write_text(TRAINER_WORKER)
-    out = tmp_path / fixture.stem
+    jobs = [str(a) for key, (path, name) in runs.items() for a in (path, name, tmp_path / key)]
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
+        "MASTER_PORT": "29731",
         "WORLD_SIZE": "1",
         "RANK": "0",
         "LOCAL_RANK": "0",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     done = subprocess.run(
-        [sys.executable, str(worker), str(fixture), name, str(out)],
+        [sys.executable, str(worker), *jobs],
         env=env,
         capture_output=True,
         text=True,
@@ -423,57 +483,49 @@ def trainer_step_under_deepspeed(tmp_path: Path, fixture: Path, name: str, port:
         check=False,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return torch.load(f"{out}.pt")
+    return {key: torch.load(tmp_path / f"{key}.pt") for key in runs}
 
 
-def test_a_step_handed_the_count_tells_deepspeed_not_to_divide_again(tmp_path):
+def full_batch_gradient(source: str, filename: str, name: str, tmp_path: Path) -> list:
+    """The gradient of the class's `compute_loss` over all eight examples at once."""
+    net = tiny_model()
+    loss_of = trainer_class(source, filename, name)
+    loss_of(model=net, args=arguments(str(tmp_path / "reference"), 4)).compute_loss(
+        net, collate(examples(8, 0))
+    ).backward()
+    return snapshot(net.parameters())
+
+
+def test_a_step_handed_the_count_tells_deepspeed_not_to_divide_again(
+    tmp_path, steps_under_deepspeed
+):
     """Issue 17, item 3, under DeepSpeed: the step copied from an older Trainer hands the
     engine each micro-batch's mean, which it divides by K (mean/K); the fixed step hands it
     the token sum over the window's count with `scale_wrt_gas=False`, as the stock step
     does: the full batch's gradient. Without that flag the engine divides by K again."""
-    fixture = FIXTURES / "ga004_training_step_withholds_count"
-    original, fixed = fixture.with_suffix(".py"), fixture.with_suffix(".fixed.py")
-    name = "DocReaderTrainer"
-    unflagged = tmp_path / "unflagged.py"
-    flag = '**({"scale_wrt_gas": False} if self.is_deepspeed_enabled else {})'
-    assert flag in fixed.read_text()
-    unflagged.write_text(fixed.read_text().replace(flag, ""))
-    net = tiny_model()
-    loss_of = trainer_class(original.read_text(), str(original), name)
-    loss_of(model=net, args=arguments(str(tmp_path / "reference"), 4)).compute_loss(
-        net, collate(examples(8, 0))
-    ).backward()
-    reference = snapshot(net.parameters())
+    original = WITHHOLDS.with_suffix(".py")
+    reference = full_batch_gradient(
+        original.read_text(), str(original), "DocReaderTrainer", tmp_path
+    )
     errors = {
-        path.stem: relative_error(
-            trainer_step_under_deepspeed(tmp_path, path, name, port), reference
-        )
-        for path, port in ((original, 29731), (fixed, 29732), (unflagged, 29733))
+        key: relative_error(steps_under_deepspeed[key], reference)
+        for key in ("withholds", "withholds.fixed", "unflagged")
     }
-    assert errors["ga004_training_step_withholds_count"] > 0.1, errors
-    assert errors["ga004_training_step_withholds_count.fixed"] < 1e-5, errors
+    assert errors["withholds"] > 0.1, errors
+    assert errors["withholds.fixed"] < 1e-5, errors
     assert errors["unflagged"] == pytest.approx(0.75, abs=1e-3), errors  # divided by K twice
 
 
-def test_a_guarded_division_tells_deepspeed_not_to_divide_again(tmp_path):
+def test_a_guarded_division_tells_deepspeed_not_to_divide_again(tmp_path, steps_under_deepspeed):
     """The step that divides the count-normalised loss by K once more, fixed: the division is
     kept only where the stock step divides, and DeepSpeed, which divides by K itself unless
     told not to, is told so, as the stock step of 4.49 and later tells it. The original gives
     the full batch's gradient over K * K under DeepSpeed; the fixed step the gradient itself."""
-    name, paths = "NoisyEmbeddingTrainer", {}
-    for suffix in (".py", ".fixed.py"):  # without the hook's noise, the same loss each run
-        source = FIXTURES / f"ga004_training_step_double_division{suffix}"
-        paths[suffix] = tmp_path / f"noiseless{suffix}"
-        paths[suffix].write_text(source.read_text().replace("noise_alpha = 5.0", "noise_alpha = 0"))
-    net = tiny_model()
-    loss_of = trainer_class(paths[".py"].read_text(), str(paths[".py"]), name)
-    loss_of(model=net, args=arguments(str(tmp_path / "reference"), 4)).compute_loss(
-        net, collate(examples(8, 0))
-    ).backward()
-    reference = snapshot(net.parameters())
+    name = "NoisyEmbeddingTrainer"
+    reference = full_batch_gradient(noiseless(".py"), "noiseless.py", name, tmp_path)
     original, fixed = (
-        relative_error(trainer_step_under_deepspeed(tmp_path, paths[s], name, port), reference)
-        for s, port in ((".py", 29741), (".fixed.py", 29742))
+        relative_error(steps_under_deepspeed[key], reference)
+        for key in ("noiseless", "noiseless.fixed")
     )
     assert original == pytest.approx(1 - 1 / 16, abs=1e-3), original
     assert fixed < 1e-5, fixed
