@@ -227,9 +227,9 @@ def test_a_step_that_withholds_the_count_gets_it_as_the_stock_step_does(tmp_path
     assert relative_error(patched, reference) > 1e-3  # mean/K: the stock step's own caveat
 
 
-def _rank(rank: int, port: int, fixture: str, out: str) -> None:
-    """One of two gloo processes training `ResponseOnlyTrainer` for one step; rank 0 saves
-    the gradients DDP averaged at the optimizer step."""
+def _rank(rank: int, port: int, fixtures: list[str], out: str) -> None:
+    """One of two gloo processes training each fixture's `ResponseOnlyTrainer` for one step in
+    turn; rank 0 saves the gradients DDP averaged at each one's optimizer step."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -238,25 +238,26 @@ def _rank(rank: int, port: int, fixture: str, out: str) -> None:
         MASTER_PORT=str(port),
         GLOO_SOCKET_IFNAME="lo",  # meet on loopback, whatever the host name resolves to
     )
-    capture = GradientsAtStep()
-    args = arguments(
-        out,
-        EXAMPLES // (2 * MICRO),
-        ddp_backend="gloo",
-        ddp_timeout=TWO_PROCESS_LIMIT,
-        average_tokens_across_devices=True,
-    )
-    cls = trainer_class(Path(fixture), "ResponseOnlyTrainer")
-    trainer = cls(
-        model=tiny_model(),
-        args=args,
-        train_dataset=examples(),
-        data_collator=collate,
-        callbacks=[capture],
-    )
-    trainer.train()
-    if rank == 0:
-        torch.save(capture.grads, Path(out) / "grads.pt")
+    for i, fixture in enumerate(fixtures):
+        capture = GradientsAtStep()
+        args = arguments(
+            out,
+            EXAMPLES // (2 * MICRO),
+            ddp_backend="gloo",
+            ddp_timeout=TWO_PROCESS_LIMIT,
+            average_tokens_across_devices=True,
+        )
+        cls = trainer_class(Path(fixture), "ResponseOnlyTrainer")
+        trainer = cls(
+            model=tiny_model(),
+            args=args,
+            train_dataset=examples(),
+            data_collator=collate,
+            callbacks=[capture],
+        )
+        trainer.train()
+        if rank == 0:
+            torch.save(capture.grads, Path(out) / f"grads{i}.pt")
     torch.distributed.barrier()  # both done before the group goes: gloo aborts a process
     torch.distributed.destroy_process_group()  # that exits with it still up
 
@@ -278,16 +279,17 @@ def _joined(ranks, saved: Path) -> bool:
         return True
 
 
-def two_process_gradients(fixture: Path, out: Path) -> list[torch.Tensor]:
+def two_process_gradients(fixtures: list[Path], out: Path) -> list[list[torch.Tensor]]:
+    """Each fixture's gradients, the fixtures trained in turn on the same two processes."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     out.mkdir()
     ranks = torch.multiprocessing.spawn(
-        _rank, args=(port, str(fixture), str(out)), nprocs=2, join=False
+        _rank, args=(port, list(map(str, fixtures)), str(out)), nprocs=2, join=False
     )
     deadline = time.monotonic() + TWO_PROCESS_LIMIT
-    saved = out / "grads.pt"
+    saved = out / f"grads{len(fixtures) - 1}.pt"  # saved last: once it is, all are
     while not _joined(ranks, saved):
         if saved.exists() and time.time() - saved.stat().st_mtime > EXIT_GRACE:
             for process in ranks.processes:  # the gradients are saved: a gloo teardown that
@@ -301,7 +303,7 @@ def two_process_gradients(fixture: Path, out: Path) -> list[torch.Tensor]:
                 f"the two gloo processes did not finish within {TWO_PROCESS_LIMIT} s; "
                 f"their errors: {errors or 'none recorded'}"
             )
-    return torch.load(out / "grads.pt")
+    return [torch.load(out / f"grads{i}.pt") for i in range(len(fixtures))]
 
 
 def test_token_sum_override_carries_the_stock_process_factor_on_two_processes(tmp_path):
@@ -317,5 +319,6 @@ def test_token_sum_override_carries_the_stock_process_factor_on_two_processes(tm
     without = tmp_path / "without_factor.py"
     without.write_text(fixed.read_text().replace(factor, ""))
     reference = full_batch_gradients()
-    assert relative_error(two_process_gradients(fixed, tmp_path / "fixed"), reference) < 1e-5
-    assert relative_error(two_process_gradients(without, tmp_path / "without"), reference) > 0.3
+    with_it, without_it = two_process_gradients([fixed, without], tmp_path / "out")
+    assert relative_error(with_it, reference) < 1e-5
+    assert relative_error(without_it, reference) > 0.3
