@@ -363,17 +363,15 @@ def train(model, loader, optimizer, accum):
 """
 
 
-def test_a_stand_in_unpacks_and_a_deepspeed_window_set_up_at_launch_is_named(tmp_path):
+LAUNCHED = FIXTURES / "ga003_accelerate_deepspeed_plugin_at_launch.py"
+
+
+def test_a_stand_in_unpacks_and_a_deepspeed_window_set_up_at_launch_is_named(at_two):
     """`acc, running = metric.get_metric()` of a library that is not installed unpacks into
     stand-ins, so the loop replays (the bug reproduced); an accelerate loop whose window
     DeepSpeed forms, with K in the configuration given at launch, is not replayed as if each
     micro-batch were a window, and the verdict says why."""
-    (tmp_path / "train.py").write_text(UNPACKS_A_STAND_IN)
-    launched = FIXTURES / "ga003_accelerate_deepspeed_plugin_at_launch.py"
-    result = gaaudit(
-        "verify", "train.py", str(launched), "-k", "2", "--format", "json", cwd=tmp_path
-    )
-    unpacked, deepspeed = (report["loops"][0] for report in json.loads(result.stdout))
+    (unpacked,), (deepspeed,) = at_two["unpacks"], at_two["launched"]
     assert unpacked["rows"][0]["original_verdict"] == "bug reproduced", unpacked
     assert deepspeed["verdict"] == (
         "not replayable: the window is DeepSpeed's, set up through accelerate at launch (its K "
@@ -420,6 +418,8 @@ def at_two(tmp_path_factory) -> dict[str, list[dict]]:
     projects = {
         "stub_reaches_torch": ("train.py", {"train.py": STUB_REACHES_TORCH}),
         "writes": ("train.py", {"train.py": WRITES_TO_ITS_OUTPUT}),
+        "unpacks": ("train.py", {"train.py": UNPACKS_A_STAND_IN}),
+        "launched": (LAUNCHED.name, {LAUNCHED.name: LAUNCHED.read_text()}),
     }
     for name, (call, _) in MODEL_CALLS.items():
         projects[name] = ("train.py", {"train.py": OWN_MODEL_CALLS.format(call=call)})
@@ -577,7 +577,18 @@ def main(model, criterion, optimizer, root, batch_size, accum_iter):
 """
 
 
-def test_an_engine_handed_its_criterion_is_exact_where_the_loader_drops_its_last_batch(tmp_path):
+# The engine beside a script whose loader keeps its last batch, and a module that does not
+# import the engine building one that drops it.
+TIMM_KEEPS_LAST = {
+    "engine.py": TIMM_ENGINE,
+    "main.py": TIMM_MAIN.replace("drop_last=True", "drop_last=False"),
+    "data.py": TIMM_MAIN.replace("from engine ", "from x "),
+}
+
+
+def test_an_engine_handed_its_criterion_is_exact_where_the_loader_drops_its_last_batch(
+    at_four, tmp_path
+):
     """A timm-style engine (MAE's, ConvNeXt's, VideoMAE's, Swin's): the loss function is a
     parameter, `mixup_fn` is tested for None, the batches carry values the loop drops (`_`),
     a None default stands for the caller's number, and the loader is built by the script
@@ -585,20 +596,16 @@ def test_an_engine_handed_its_criterion_is_exact_where_the_loader_drops_its_last
     holds as many images, which `drop_last=True` there ensures; a loader elsewhere in the
     project does not count, and without one the replay leaves out the last, short batch
     alone (GA-GUIDE section 3: exact but for that batch)."""
-    root = project(tmp_path, {"engine.py": TIMM_ENGINE, "main.py": TIMM_MAIN})
-    run = lambda: gaaudit("verify", "engine.py", "-k", "4", "--format", "json", cwd=root)
-    result = run()
-    (loop,) = json.loads(result.stdout)["loops"]
+    code, loops = at_four
+    (loop,) = loops["drops_last"]
     assert loop["equal_sizes"] == "`drop_last=True`, main.py, line 10", loop
     (row,) = loop["rows"]
     assert row["original_verdict"] == VERIFIED and row["original_error"] < 1e-5, row
-    assert row["verdict"] == VERIFIED and result.returncode == 0, row  # nothing to fix
-    (root / "data.py").write_text(textwrap.dedent(TIMM_MAIN).replace("from engine ", "from x "))
-    (root / "main.py").write_text(TIMM_MAIN.replace("drop_last=True", "drop_last=False"))
-    result = run()
-    (loop,) = json.loads(result.stdout)["loops"]
+    assert row["verdict"] == VERIFIED and code == 0, row  # nothing to fix; nor in the others
+    (loop,) = loops["keeps_last"]
     (row,) = loop["rows"]
     assert loop["equal_sizes"] == LAST_BATCH_LEFT_OUT and row["original_verdict"] == VERIFIED
+    root = project(tmp_path, TIMM_KEEPS_LAST)
     text = gaaudit("verify", "engine.py", "-k", "4", cwd=root).stdout
     assert "an epoch's last, short batch left out, as no loader of the project drops it" in text
 
@@ -664,7 +671,7 @@ def test_a_sequence_classifier_is_replayed_with_one_label_per_sequence(at_four, 
     """A GLUE-style loop (`AutoModelForSequenceClassification`): one label per sequence, so
     mean/K is exact on micro-batches of one size (GA-GUIDE section 3), the last short batch
     left out, while a missing division stays K times too large."""
-    (loop,) = at_four[name]
+    (loop,) = at_four[1][name]
     assert loop["equal_sizes"] == LAST_BATCH_LEFT_OUT, loop
     (row,) = loop["rows"]
     assert row["original_verdict"] == DIVISIONS[name][1], row
@@ -697,14 +704,18 @@ def train(model, train_dataloader, eval_dataloader, optimizer, writer, logger, a
 
 
 @pytest.fixture(scope="module")
-def at_four(tmp_path_factory) -> dict[str, list[dict]]:
-    """The loops of the sequence classifiers above, from one `verify -k 4` run over them all."""
+def at_four(tmp_path_factory) -> tuple[int, dict[str, list[dict]]]:
+    """The exit code of one `verify -k 4` run over the sequence classifiers and the timm
+    engines above, and each one's loops."""
     projects = {
         name: ("glue.py", {"glue.py": GLUE.format(divided=divided)})
         for name, (divided, _) in DIVISIONS.items()
     }
     projects["positional"] = ("glue.py", {"glue.py": POSITIONAL})
-    return verify_projects(tmp_path_factory.mktemp("at_four"), projects, "-k", "4")[1]
+    projects["drops_last"] = ("engine.py", {"engine.py": TIMM_ENGINE, "main.py": TIMM_MAIN})
+    projects["keeps_last"] = ("engine.py", TIMM_KEEPS_LAST)
+    result, loops = verify_projects(tmp_path_factory.mktemp("at_four"), projects, "-k", "4")
+    return result.returncode, loops
 
 
 def test_a_tuple_batch_indexed_by_position_is_served_and_its_first_window_counted(at_four):
@@ -712,7 +723,7 @@ def test_a_tuple_batch_indexed_by_position_is_served_and_its_first_window_counte
     tuples in that order; a log called with a string (`writer.add_scalar("train/loss", ...)`)
     and an evaluation loader that is not drawn from before the step serve no micro-batches,
     so the first window (`step % K == 0` from step 0) is counted: one micro-batch."""
-    (loop,) = at_four["positional"]
+    (loop,) = at_four[1]["positional"]
     (row,) = loop["rows"]
     assert row["first_window"] == 1, row
     assert row["original_verdict"] == REPRODUCED and row["verdict"] == VERIFIED, row
