@@ -775,26 +775,46 @@ def _pairs() -> list:
     return batches
 
 
-def _update(run_dir: Path, *args: str):
-    """Run `run_dir`'s train.py (with `args`) from its init.pt: how far trained.pt moved."""
+# Runs the train.py of each folder in turn as a script from that folder, in one process so
+# that the runs share torch's start-up; each imports its own folder's modules.
+RUNNER = """\
+import json, os, runpy, sys
+
+folders, args = json.loads(sys.argv[1])
+for folder in folders:
+    os.chdir(folder)
+    sys.argv, sys.path[0] = ["train.py", *args], folder
+    runpy.run_path("train.py", run_name="__main__")
+    for name, module in list(sys.modules.items()):  # the next folder has modules so named
+        if os.path.dirname(getattr(module, "__file__", None) or "") == folder:
+            del sys.modules[name]
+"""
+
+
+def _updates(run_dirs: list[Path], *args: str) -> list:
+    """Run each of `run_dirs`' train.py (with `args`) from its init.pt: how far each one's
+    trained.pt moved."""
     import torch
 
+    folders = [str(run_dir.resolve()) for run_dir in run_dirs]
     result = subprocess.run(
-        [sys.executable, "train.py", *args],
+        [sys.executable, "-c", RUNNER, json.dumps([folders, args])],
         check=False,
-        cwd=run_dir,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    trained, initial = torch.load(run_dir / "trained.pt"), torch.load(run_dir / "init.pt")
-    return torch.cat([(trained[k] - initial[k]).flatten() for k in initial])
+    moved = []
+    for run_dir in run_dirs:
+        trained, initial = torch.load(run_dir / "trained.pt"), torch.load(run_dir / "init.pt")
+        moved.append(torch.cat([(trained[k] - initial[k]).flatten() for k in initial]))
+    return moved
 
 
-def _step(folder: Path, tmp_path: Path, source: bytes | None = None):
-    """The update `folder`'s train.py (or `source` in its place) makes in one window of
-    K = 4 micro-batches, run as a script from the seeded initial state."""
+def _copied(folder: Path, tmp_path: Path, source: bytes | None = None) -> Path:
+    """`folder` (its train.py as `source` if given) in `tmp_path`, with the seeded initial
+    state and one window of K = 4 micro-batches to train on."""
     import torch
 
     run_dir = tmp_path / folder.name
@@ -803,7 +823,7 @@ def _step(folder: Path, tmp_path: Path, source: bytes | None = None):
         (run_dir / "train.py").write_bytes(source)
     torch.save(_built(folder).state_dict(), run_dir / "init.pt")
     torch.save(_pairs(), run_dir / "pairs.pt")
-    return _update(run_dir, "--checkpoint", "init.pt")
+    return run_dir
 
 
 def _full_batch_step(folder: Path):
@@ -825,9 +845,15 @@ def test_fixed_loop_and_its_correct_twin_step_like_the_full_batch(tmp_path):
     def error(update) -> float:
         return float((update - reference).norm() / reference.norm())
 
-    assert error(_step(COUNTED, tmp_path / "original")) > 0.05
-    assert error(_step(COUNTED, tmp_path / "fixed", patched)) < 1e-4  # float32 sums
-    assert error(_step(COUNTED_OK, tmp_path / "twin")) < 1e-4
+    runs = [
+        _copied(COUNTED, tmp_path / "original"),
+        _copied(COUNTED, tmp_path / "fixed", patched),
+        _copied(COUNTED_OK, tmp_path / "twin"),
+    ]
+    original, fixed, twin = _updates(runs, "--checkpoint", "init.pt")
+    assert error(original) > 0.05
+    assert error(fixed) < 1e-4  # float32 sums
+    assert error(twin) < 1e-4
 
 
 LIFTED_MODEL = """\
@@ -1101,13 +1127,16 @@ def _full_batch_errors(root: Path, before: dict, fixed: dict) -> tuple[float, fl
     (loss[0] if isinstance(loss, tuple) else loss).backward()
     reference = torch.cat([-0.1 * p.grad.flatten() for p in model.parameters()])
 
-    def update(files: dict[str, bytes]) -> float:
-        for name, data in files.items():
-            (root / name).write_bytes(data)
-        moved = _update(root)
-        return float((moved - reference).norm() / reference.norm())
-
-    return update(before), update(fixed)
+    runs = []  # the folder copied twice, so that one process runs both
+    for name, files in (("before", before), ("fixed", fixed)):
+        copy = root.with_name(f"{root.name}_{name}")
+        runs.append(shutil.copytree(root, copy, ignore=shutil.ignore_patterns("__pycache__")))
+        for file, data in files.items():
+            (copy / file).write_bytes(data)
+    original, patched = (
+        float((moved - reference).norm() / reference.norm()) for moved in _updates(runs)
+    )
+    return original, patched
 
 
 def test_verify_holds_back_a_fix_that_also_changes_the_model_module(tmp_path):
