@@ -139,6 +139,26 @@ def sarif_schema() -> dict:
     return json.loads((DATA / "sarif-schema-2.1.0.json").read_text(encoding="utf-8"))
 
 
+# The modules that take longest (their tests start processes that import torch), longest first:
+# pytest-xdist hands whole modules to its workers in order, so these start first and the short
+# ones fill both workers to the end (measured with `--durations=0`).
+LONGEST_FIRST = (
+    "test_verify_fixtures.py",
+    "test_deepspeed.py",
+    "test_proof.py",
+    "test_verify_options.py",
+    "test_cross_module.py",
+    "test_contract.py",
+)
+
+
 def pytest_collection_modifyitems(items):
-    """JAX tests run last: once JAX has started its threads, forking worker pools could deadlock."""
-    items.sort(key=lambda item: item.path.name == "test_optax_fix_runtime.py")
+    """The longest modules first; JAX tests last: once JAX has started its threads, forking
+    worker pools could deadlock."""
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(
+        key=lambda item: (
+            item.path.name == "test_optax_fix_runtime.py",
+            rank.get(item.path.name, len(rank)),
+        )
+    )
