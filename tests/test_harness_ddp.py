@@ -115,13 +115,17 @@ def test_the_fixed_ddp_loop_also_runs_in_one_process():
 def test_a_ddp_loop_replayed_in_one_process_says_how_to_replay_it():
     """An unguarded collective (the user's own) needs a process group: the loop is replayed
     as the one rank of a group of its own, and the verdict says so and how to replay it on
-    two."""
+    two. The group is the replay's only: the replays after it (a Trainer's) see no
+    distributed run."""
+    import torch.distributed as dist
+
     original = FIXTURES / "ga001_ddp_no_sync_chunks.py"
     patched = original.with_name("ga001_ddp_no_sync_chunks.fixed.py").read_text()
     unguarded = patched.replace("if dist.is_initialized():\n", "if True:\n", 1)
     row = replayed_in_one_process(original.read_text(), unguarded)
     assert row["verdict"] == VERIFIED and row["process_group"], row
     assert row["patched_error"] < 1e-5, row
+    assert not dist.is_initialized()
 
 
 def test_a_flagged_loop_left_unfixed_says_how_to_replay_its_collective(tmp_path):

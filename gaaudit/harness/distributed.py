@@ -6,7 +6,6 @@ full batch of the whole window, through replay.compare."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import queue
@@ -24,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gaaudit.harness.factory import load_factory, user_model
 from gaaudit.harness.gradcheck import relative_error
-from gaaudit.harness.replay import Comparison, Replay, _execute, _Session
+from gaaudit.harness.replay import Comparison, Replay, _execute, _Session, group_of_one
 from gaaudit.harness.replay import compare as compare_replays
 
 STARTUP = 120.0  # seconds a fresh rank may take to import torch and join the group
@@ -245,16 +244,6 @@ class Ranks:
         return replies[0], True
 
 
-@contextlib.contextmanager
-def _alone(backend: str):
-    """A one-process group in this process (for the whole-window replay)."""
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class _RankSession(_Session):
     """A _Session whose window holds K micro-batches per rank (`k` counts them all) and whose
     K-micro-batch replays run on `ranks`; the whole-window replay runs here, on one rank."""
@@ -281,7 +270,7 @@ class _RankSession(_Session):
                 self.timeout,
             )
             return replace(result, drawn=0)
-        with _alone(self.ranks.backend):
+        with group_of_one(self.ranks.backend):
             return _execute(
                 plan,
                 filename,

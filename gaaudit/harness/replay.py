@@ -575,7 +575,8 @@ def _execute(
             if objects.scaler is not None and objects.scaler.is_enabled():
                 grads = [g / objects.scaler.get_scale() for g in grads]
     if grouped:  # `dist.get_rank()`, a DistributedSampler: again as the one rank of a group
-        result = _in_own_process(args, timeout)
+        with group_of_one("gloo"):
+            result = _execute(*args)
         return replace(result, bindings={**result.bindings, "torch.distributed": GROUP_OF_ONE})
     stopped = where in ("", "end of statement")  # no further than the first clip, if any
     clipped = optimizer.clipped if stopped else optimizer.last_clipped
@@ -617,11 +618,23 @@ def _calls(kwargs: dict, caller: Caller | None) -> Iterator[tuple[dict, Callable
         yield {**kwargs, caller.batch: batch}, caller.turn
 
 
+@contextlib.contextmanager
+def group_of_one(backend: str):
+    """A process group of this process alone, for the block only (a Trainer replayed after it
+    must not see a distributed run); the loop may have destroyed it itself."""
+    dist = torch.distributed
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _in_own_process(args: tuple, timeout: float) -> Replay:
-    """A replay on one process of a loop that steps a DeepSpeed engine or calls
-    `torch.distributed` unguarded, in the process kept for them: such a loop wants a process
-    group (DeepSpeed keeps state of its own too), which the replays here must not meet (a
-    Trainer would see a distributed run)."""
+    """A replay on one process of a loop that steps a DeepSpeed engine, in the process kept
+    for them: DeepSpeed wants a process group and keeps state of its own, which the replays
+    here must not meet (a Trainer would see a distributed run)."""
     import multiprocessing
 
     if _apart["pool"] is None:
