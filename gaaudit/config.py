@@ -87,6 +87,14 @@ def rule_codes(values, where: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
+def unimportable(where: str, module: str, root, error: str) -> str:
+    """What to do about a factory whose module cannot be imported from the project `root`."""
+    return (
+        f"{where}: cannot import {module!r} from {root} ({error}); name a module importable "
+        "from the project root (the directory of pyproject.toml)"
+    )
+
+
 def check_factory(value, where: str, data: bool = False) -> str:
     """`value` if it reads `module:function`, else a ConfigError that says what is expected
     (of a model factory, or with `data` of a data factory)."""

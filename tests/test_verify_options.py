@@ -182,6 +182,24 @@ def test_a_factory_that_cannot_load_stops_verify_and_holds_back_fix_verify(tmp_p
     assert (root / "train.py").read_text() == textwrap.dedent(LOGITS_LOOP)
 
 
+def test_a_factory_module_is_looked_for_without_running_the_project(tmp_path, monkeypatch):
+    """verify says at once that a factory's module is missing (before a replay process
+    imports torch), looking in the project root, the current directory and the installed
+    packages, and runs none of the project's code to find it."""
+    from gaaudit.discover.modules import missing_top_module
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("raise SystemExit('imported')\n")
+    (tmp_path / "here.py").write_text("raise SystemExit('imported')\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert missing_top_module("models.tiny", tmp_path) is None
+    assert missing_top_module("json.decoder", elsewhere) is None
+    monkeypatch.chdir(tmp_path)
+    assert missing_top_module("here", elsewhere) is None
+    assert missing_top_module("missing_models.tiny", elsewhere) == "missing_models"
+
+
 def test_malformed_factory_and_bad_values_are_usage_errors(tmp_path, cli):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(LOGITS_LOOP))
@@ -222,6 +240,8 @@ def test_command_line_wins_over_the_table_which_wins_over_defaults(tmp_path):
     (tmp_path / "sub").mkdir()
     script = tmp_path / "sub" / "train.py"
     script.write_text("")
+    (tmp_path / "m.py").write_text("")
+    (tmp_path / "pkg").mkdir()
     assert load(tmp_path).verify == VerifySettings(
         model_factory="m:f", k=(3,), dtype="bfloat16", seed=7
     )

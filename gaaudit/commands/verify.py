@@ -27,9 +27,9 @@ from pathlib import Path
 
 import libcst as cst
 
-from gaaudit.config import ConfigError, Settings, check_factory, load
+from gaaudit.config import ConfigError, Settings, check_factory, load, unimportable
 from gaaudit.discover.files import discover
-from gaaudit.discover.modules import project_root, search_root
+from gaaudit.discover.modules import missing_top_module, project_root, search_root
 from gaaudit.discover.source import parse, read
 from gaaudit.findings import Confidence
 
@@ -235,6 +235,17 @@ def options_for(path: Path, **given) -> Options:
             option = f"{settings.source}: [tool.gaaudit.verify] {key} ="
             root = settings.source.parent
         if factory is not None:
+            module = factory.partition(":")[0]
+            missing = missing_top_module(module, root)
+            if missing is not None:  # said at once, before a replay process imports torch
+                raise ConfigError(
+                    unimportable(
+                        f"{option} {factory}",
+                        module,
+                        root,
+                        f"ModuleNotFoundError: No module named {missing!r}",
+                    )
+                )
             values.update({name: factory, option_name: option, "project_root": str(root)})
     if values.get("data_factory") and values.get("distributed"):
         raise ConfigError(

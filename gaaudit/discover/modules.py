@@ -277,6 +277,23 @@ def project_root(path: Path) -> Path:
     return next((d for d in (start, *start.parents) if (d / "pyproject.toml").is_file()), start)
 
 
+def missing_top_module(module: str, root: Path) -> str | None:
+    """The top-level package of dotted `module` when neither `root`, the current directory
+    nor the installed packages hold it (found by the import system's finders: nothing of the
+    project runs); None when it is there."""
+    import sys
+    from importlib.machinery import PathFinder
+    from importlib.util import find_spec
+
+    top = module.partition(".")[0]
+    if PathFinder.find_spec(top, [str(root), os.getcwd(), *sys.path]) is not None:
+        return None
+    try:  # an editable install's own finder, say
+        return top if find_spec(top) is None else None
+    except (ImportError, ValueError):
+        return None
+
+
 def search_root(path: Path) -> Path:
     """How far up the project is read for `path`: when the file is under the current
     directory, its git repository where that lies within the current directory (run from a

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gaaudit.config import unimportable
+
 DROPOUTS = (
     nn.Dropout,
     nn.Dropout1d,
@@ -94,8 +96,7 @@ def _imported(target: str, root: str, where: str, wanted: str) -> Callable:
         value = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
         raise FactoryError(
-            f"{where}: cannot import {module_name!r} from {root} ({type(exc).__name__}: {exc}); "
-            "name a module importable from the project root (the directory of pyproject.toml)"
+            unimportable(where, module_name, root, f"{type(exc).__name__}: {exc}")
         ) from None
     for name in attribute.split("."):
         if not hasattr(value, name):
