@@ -97,6 +97,9 @@ StdinFilename = Annotated[
 ExitZero = Annotated[
     bool, typer.Option("--exit-zero", help="Exit 0 even with findings or unreadable files.")
 ]
+Jobs = Annotated[
+    int | None, typer.Option("--jobs", "-j", min=1, metavar="N", help="Worker processes.")
+]
 NoCache = Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the cache.")]
 CacheDir = Annotated[
     Path | None,
@@ -155,9 +158,7 @@ def check(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Findings only, no summary.")
     ] = False,
-    jobs: Annotated[
-        int | None, typer.Option("--jobs", "-j", min=1, metavar="N", help="Worker processes.")
-    ] = None,
+    jobs: Jobs = None,
     unsafe_fixes: Annotated[
         bool, typer.Option("--unsafe-fixes", help="With --format sarif: also suggest unsafe fixes.")
     ] = False,
@@ -207,6 +208,7 @@ def fix(
     stdin_filename: StdinFilename = None,
     exit_zero: ExitZero = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
+    jobs: Jobs = None,
     no_cache: NoCache = False,
     cache_dir: CacheDir = None,
     verify: Annotated[
@@ -230,6 +232,7 @@ def fix(
             stdin_filename=stdin_filename,
             exit_zero=exit_zero,
             quiet=quiet,
+            jobs=jobs,
             unsafe_fixes=unsafe_fixes,
             no_cache=no_cache,
             cache_dir=cache_dir,

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import libcst as cst
 import pytest
-from conftest import FIXTURES, expected, fixture_scripts
+from conftest import FIXTURES, expected, fixture_scripts, gaaudit
 
 from gaaudit import catalogue
-from gaaudit.checks.engine import check_file
+from gaaudit.checks.engine import PARALLEL_THRESHOLD, check_file
 from gaaudit.config import Settings
 from gaaudit.findings import Confidence
 from gaaudit.fixes import codemod
@@ -181,6 +181,32 @@ def test_unsafe_fixes_are_held_back_with_a_reason(tmp_path, cli):
     result = cli("fix", str(target), "--unsafe-fixes")
     assert result.exit_code == 0
     assert target.read_bytes() == script.with_name(script.stem + ".fixed.py").read_bytes()
+
+
+def test_a_folder_is_checked_on_workers_and_only_its_flagged_files_are_fixed(tmp_path):
+    """`fix --jobs 2` over a folder of more files than one process checks alone: each file
+    is checked on the workers first, then the flagged ones are rewritten as `fix` rewrites
+    each alone, and the clean ones are left as they are."""
+    clean = sorted(FIXTURES.glob("ok_*.py"))
+    fixed = sorted(FIXTURES.glob("ga00*.fixed.py"))[:6]
+    flagged = [p.with_name(p.name.replace(".fixed", "")) for p in fixed]
+    assert len(clean) + len(flagged) > PARALLEL_THRESHOLD
+    folder, alone = tmp_path / "folder", tmp_path / "alone"
+    for copy in (folder, alone):
+        copy.mkdir()
+        for script in (*clean, *flagged):
+            (copy / script.name).write_bytes(script.read_bytes())
+    options = ("--unsafe-fixes", "--min-confidence", "low", "--no-cache")
+    result = gaaudit("fix", ".", "--jobs", "2", *options, cwd=folder)
+    assert result.returncode in (0, 1), result.stderr
+    assert f"in {len(flagged)} files (" in result.stdout, result.stdout
+    for script in flagged:
+        gaaudit("fix", script.name, *options, cwd=alone)
+        rewritten = (folder / script.name).read_bytes()
+        assert rewritten != script.read_bytes(), script.name
+        assert rewritten == (alone / script.name).read_bytes(), script.name
+    for script in clean:
+        assert (folder / script.name).read_bytes() == script.read_bytes(), script.name
 
 
 def test_unfixable_finding_says_why_with_its_position(tmp_path, cli):

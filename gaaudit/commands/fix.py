@@ -48,6 +48,7 @@ class Tally:
 
 def fix(options: FixOptions) -> int:
     """Run `gaaudit fix` and return the exit status; raise `commands.check.UsageError`."""
+    from gaaudit.checks.engine import check_files
     from gaaudit.discover.files import discover
 
     settings = settings_for(options)
@@ -68,10 +69,16 @@ def fix(options: FixOptions) -> int:
         pins = dependency_files(files)  # read by GA006, not as Python
         # pins first: a Trainer override's rewrite for transformers>=4.46 waits for its pin
         _fix_pins(pin_reports(files, paths, pins, settings), options, tally)
-        for path in (f for f in files if f not in pins):
-            known = store.get(path) if store is not None else None
-            if known and store.fresh(path, known) and not known.findings and not known.error:
-                continue  # checked clean since it last changed: nothing to fix
+        sources = [f for f in files if f not in pins]
+        # checked first, on --jobs workers, answered by the cache where it holds (which fix
+        # reads and leaves as it is): only the files with a finding or an error are
+        # rewritten (or told why not)
+        flagged = {
+            path
+            for path, report in check_files(sources, settings, options.jobs, store)
+            if report.findings or report.error
+        }
+        for path in (f for f in sources if f in flagged):
             _fix_one(path, settings, options, tally)
     if not options.quiet:
         verb = "Would fix" if options.diff else "Fixed"
