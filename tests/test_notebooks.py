@@ -225,3 +225,28 @@ def test_ipython_lines_are_kept_aside_and_python_is_not(tmp_path, cli):
     assert "E999" not in result.output and result.exit_code == 1
     assert cli("fix", "ipython.ipynb").exit_code == 0
     assert json.loads(path.read_text())["cells"][1] == cells[1]
+
+
+def test_automagic_lines_that_break_the_parse_are_kept_aside(tmp_path, cli):
+    """A line magic written without its `%` (IPython's automagic: `pip install x`, `ls data/`)
+    is kept aside where it breaks the parse; one that parses as Python (`ls -la`, a
+    subtraction) stays code, and a real syntax error is still reported."""
+    cells = split_script()
+    cells[1]["source"] = ["pip install -q transformers peft\n", "ls ./data/\n", "ls -la\n"]
+    cells[3]["source"][1:1] = ["    cd checkpoints\n"]
+    raw = (json.dumps(notebook(cells), indent=1) + "\n").encode()
+    loaded = load(raw)
+    assert loaded.magics == ("pip install -q transformers peft", "ls ./data/", "    cd checkpoints")
+    assert "\nls -la\n" in loaded.text
+    path = tmp_path / "automagic.ipynb"
+    path.write_bytes(raw)
+    result = cli("check", "automagic.ipynb", cwd=tmp_path)
+    assert "E999" not in result.output and result.exit_code == 1
+    cell, line = backward_line()
+    assert f"automagic.ipynb:cell {cell}:line {line + 1}:col 13: GA002" in result.output
+    assert cli("fix", "automagic.ipynb").exit_code == 0
+    fixed = json.loads(path.read_text())["cells"]
+    assert fixed[1] == cells[1] and fixed[3]["source"][1] == "    cd checkpoints\n"
+    broken = tmp_path / "broken.ipynb"
+    broken.write_text(json.dumps(notebook([code("pip install x\nloss.backward()\nprint(m)s\n")])))
+    assert "E999 cell 1, line 3" in cli("check", "broken.ipynb", cwd=tmp_path).output

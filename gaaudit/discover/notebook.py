@@ -2,8 +2,8 @@
 
 Cells are joined in order, each preceded by a marker comment, so the analysis sees the
 whole notebook (the model built in one cell, the loop in another). IPython magics and
-shell lines (with their backslash continuations) become `pass` placeholders that keep line
-numbers and indentation, and are restored verbatim when the source is split back into
+shell lines (with their backslash continuations), and the line magics written without their
+`%` that break the parse, become `pass` placeholders that keep line numbers and indentation, and are restored verbatim when the source is split back into
 cells. A cell magic that runs its cell as Python (`%%time`, ...) is kept aside alone; a
 cell under any other cell magic (`%%bash`, `%%writefile`, ...) is kept aside whole, and
 said so.
@@ -11,6 +11,7 @@ said so.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass, replace
@@ -23,6 +24,15 @@ PLACEHOLDER = "pass  # gaaudit: magic "
 LINE = re.compile(r"\(line (\d+)\)")
 # An IPython line: `%magic`, `!shell` (not a continued `!=`), `?help`, `name?`, `x = !cmd`.
 MAGIC = re.compile(r"^(\s*)(?:%(?=[%\w])|!(?!=)|\?|[\w.*]+\?\??\s*$|[\w.]+\s*=\s*[%!])")
+# A line magic written without its `%`, as IPython's automagic runs it (`pip install x`,
+# `ls data/`): taken for one only where the line breaks the parse.
+# fmt: off
+AUTOMAGIC = re.compile(
+    r"^(\s*)(?:pip|conda|mamba|uv|cd|ls|ll|pwd|mkdir|rmdir|rm|cp|mv|cat|less|more|env|set_env"
+    r"|load_ext|reload_ext|matplotlib|time|timeit|run|who|whos|reset|history|bookmark|pushd|popd"
+    r"|alias|store|system|sx|sc|xmode|config|pylab|autoreload|aimport)(?:\s|$)"
+)
+# fmt: on
 CELL_MAGIC = re.compile(r"^%%(\w+)")
 # Cell magics whose body is Python: run in the notebook (`%%time`, ...) or as a script (`%%python`).
 PYTHON_CELL_MAGICS = frozenset(
@@ -110,8 +120,25 @@ def load(raw: bytes) -> Notebook:
                 line = f"{indent}{PLACEHOLDER}{len(magics) - 1}"
             lines.append(line)
             origins.append((number, index))
+    _automagics_aside(lines, magics)
     text = "\n".join(lines) + "\n"
     return Notebook(data, text, tuple(origins), tuple(magics), tuple(skipped))
+
+
+def _automagics_aside(lines: list[str], magics: list[str]) -> None:
+    """Each line that breaks the parse and reads as an automagic becomes a placeholder too;
+    the first other error is left for the parse to report."""
+    while True:
+        try:
+            ast.parse("\n".join(lines))
+            return
+        except SyntaxError as exc:
+            index = (exc.lineno or 0) - 1
+            match = AUTOMAGIC.match(lines[index]) if 0 <= index < len(lines) else None
+            if match is None:
+                return
+            magics.append(lines[index])
+            lines[index] = f"{match.group(1)}{PLACEHOLDER}{len(magics) - 1}"
 
 
 def _source(cell: dict) -> str:
