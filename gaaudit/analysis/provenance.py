@@ -627,11 +627,16 @@ class _Callees:
 
     def _reduction(self, configured: cst.Call, call: cst.Call, what: str) -> Origin:
         """A torch loss's origin by its `reduction=`; `configured` is the call that sets it."""
-        reduction = string_value(keyword(configured, "reduction"))
+        given = keyword(configured, "reduction")
+        reduction = "mean" if given is None else string_value(given)
         if reduction == "sum":
             found = self._sum(call, f"{what} with reduction='sum'")
         elif reduction == "none":
             found = Origin("elementwise", f"{what} with reduction='none'", call, tree=self.tree)
+        elif reduction is None:  # handed in (`reduction=reduction`): a factory's caller says
+            found = Origin(
+                "unknown", f"{what} with `reduction={code(given)}`", call, tree=self.tree
+            )
         else:
             found = self._mean(call, f"{what} with the default reduction='mean'")
         return replace(found, configured=configured)
