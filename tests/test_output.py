@@ -328,9 +328,11 @@ UNSAFE_PAIRS = (
     "ga004_exact_contrastive_embedder_compute_loss",
     "ga004_exact_pair_fields_listed_old_signature",
     "ga004_exact_pairwise_reward_old_signature",
+    "ga004_dpo_loss_types_unpacked",
     "ga004_forward_kwargs_ignored_regression",
     "ga004_labels_branch_old_signature",
     "ga004_sft_old_compute_loss_signature",
+    "ga004_token_losses_unpacked",
     "ga004_weighted_classification_compute_loss",
 )
 MIXED = """\

@@ -247,12 +247,34 @@ class Domains:
             while isinstance(stmt, cst.AugAssign):  # `losses += aux`: what was there before
                 stmt = self.tracer.binding(expr.value, stmt)
             if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1:
+                if isinstance(stmt.targets[0].target, cst.Tuple):
+                    unpacked = self._unpacked(stmt.targets[0].target, expr, stmt.value, hops)
+                    return unpacked or code(expr)
                 earlier = [
                     n for n in walk(stmt.value) if isinstance(n, cst.Name) and n.value == expr.value
                 ]
                 before = self.spelled(earlier[0], hops - 1) if earlier and hops else ""
                 return f"{code(stmt.value)} {before}".strip()
         return code(expr)
+
+    def _unpacked(
+        self, target: cst.Tuple, name: cst.Name, value: cst.BaseExpression, hops: int
+    ) -> str:
+        """What a name unpacked from a same-file helper's returned tuple is there, on every
+        path (`losses, chosen, rejected = self.dpo_loss(...)`, whose `losses` each loss type
+        assigns in an arm of its own)."""
+        names = [e.value.value if isinstance(e.value, cst.Name) else None for e in target.elements]
+        helper = self.tracer.helper(value.func) if isinstance(value, cst.Call) and hops else None
+        if helper is None or name.value not in names:
+            return ""
+        index = names.index(name.value)
+        for returned in self.tracer.returns(helper):
+            if isinstance(returned, cst.Tuple) and len(returned.elements) == len(names):
+                element = returned.elements[index].value
+                assigned = self.tree.bindings(helper).get(code(element), ())
+                values = [a.value for a in assigned if isinstance(a, cst.Assign)]
+                return " ".join(code(v) for v in values) or self.spelled(element, hops - 1)
+        return ""
 
     def _torch_loss(self, configured: cst.Call, call: cst.Call) -> Domain:
         """A torch loss built by `configured` (`nn.CrossEntropyLoss()`, or the call itself)
