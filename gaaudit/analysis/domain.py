@@ -188,6 +188,8 @@ class Domains:
             return Domain("unknown", None, "its origin is not visible")
         if origin.variable:
             return Domain("tokens", True, f"{origin.variable}, where the loss is computed")
+        if origin.reduces and (found := _reduced(origin.reduces, origin.reduces)):
+            return found
         source = origin.source
         owner = origin.callee.split(".")[0]
         if origin.module and DENSE_MODEL.search(owner):

@@ -93,6 +93,9 @@ class Origin:
     added: str = ""  # another term added to (or subtracted from) it: `aux_loss * coef`
     through: str = ""  # an autograd Function it passed through as it is: `L2Wrap.apply`
     beside: str = ""  # a count its call returns beside it: `loss, sample_size, log = ...`
+    # what a helper's mean of its parameter averages, as the call hands it: `(out - y) ** 2`
+    # of `mean_flat((out - y) ** 2)`
+    reduces: str = ""
     # the origins of the terms `added` names, each alone: `kl_weight * kl_loss`
     terms: tuple[Origin, ...] = field(default=(), compare=False, repr=False)
 
@@ -108,6 +111,20 @@ class Origin:
 
 UNKNOWN = Origin("unknown", "an expression gaaudit cannot trace")
 MASKED_MEAN = "a masked mean"  # how `what` names a sum divided by its own per-micro-batch count
+
+
+def _handed(found: Origin, parameters: dict, call: cst.Call) -> Origin:
+    """A mean of one of a helper's parameters (`torch.mean(x, dim=...)`, `x.mean()`) with the
+    code the call hands that parameter, as what it averages."""
+    source = found.source
+    if not (isinstance(source, cst.Call) and last_name(source.func) in ("mean", "nanmean")):
+        return found
+    reduced = source.func.value if isinstance(source.func, cst.Attribute) else None
+    if not (isinstance(reduced, cst.Name) and reduced.value in parameters):
+        reduced = next(iter(positional(source)), None)
+    parameter = parameters.get(reduced.value) if isinstance(reduced, cst.Name) else None
+    passed = argument_for(call, parameter) if parameter is not None else None
+    return replace(found, reduces=code(passed)) if passed is not None else found
 
 
 def _uncast(expr: cst.BaseExpression) -> cst.BaseExpression:
@@ -482,9 +499,13 @@ class _Calls:
         """A same-file helper's loss seen from its call: a division by one of its parameters
         is a division by the argument passed; a sum divided by a count the caller takes from
         its micro-batch (`masked_nll(lp, m, m.sum())`) is a mean."""
-        if call is None or not found.divisions:
+        if call is None:
             return found
         parameters = call_parameters(helper)
+        if found.kind == "mean" and not found.reduces:
+            found = _handed(found, parameters, call)
+        if not found.divisions:
+            return found
         divisions = []
         for division in found.divisions:
             name = division.divisor.value if isinstance(division.divisor, cst.Name) else None

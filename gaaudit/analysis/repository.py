@@ -60,6 +60,7 @@ class Returned:
     divisors: tuple[tuple[str, int | None], ...]  # each divisor's code, and which parameter it is
     variable: str  # a sign of variable valid-token counts where a further module computes it
     count: str = ""  # what a mean divides by, in the helper's parameters ("" when not shown)
+    reduces: str = ""  # what a mean of a further helper's parameter averages (Origin.reduces)
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,7 @@ def _returned(
         divisors,
         origin.variable,
         code(lifted) if lifted is not None else "",
+        origin.reduces,
     )
 
 
@@ -537,6 +539,7 @@ class Imports(_Callers):
             callee=found.name,
             variable=found.variable,
             count=lifted_count(found, returned, call),
+            reduces=returned.reduces,
         )
 
 
