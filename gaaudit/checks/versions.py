@@ -54,6 +54,8 @@ GIT_REF = re.compile(
 )
 SCRIPT = re.compile(r"(?m)^# /// script\s*$")  # PEP 723 inline script metadata
 FRAMEWORK = re.compile(rb"\b(?:transformers|trl)\b")
+LIBRARIES = ("transformers", "trl")  # whose Trainers the pin governs
+CLASS = re.compile(rb"(?m)^[ \t]*class[ \t]+(\w+)[ \t]*\(([^)]*)\)")  # a class and its bases
 # `transformers.Trainer(`, `SFTTrainer(`; not Lightning's `L.Trainer(` / `pl.Trainer(`
 TRAINER_CALL = re.compile(
     rb"(?<![\w.])(?!(?:pl|L|lightning|pytorch_lightning)\.)((?:\w+\.)*\w*Trainer)\s*\("
@@ -499,22 +501,64 @@ def _finding(
     )
 
 
-def _trainer_sites(path: Path, data: bytes) -> Iterator[str]:
+def _trainer_sites(path: Path, data: bytes, trainers: frozenset[str]) -> Iterator[str]:
     """Where a file of the code builds a transformers or trl Trainer: `SFTTrainer(` in
     train.py line 150 (the first such call of the file)."""
-    for number, name in _built(data):
+    for number, name in _built(data, trainers):
         yield f"`{name}(...)` in {display_path(path)} line {number}"
         return
 
 
-def _built(data: bytes) -> Iterator[tuple[int, str]]:
-    """The transformers or trl Trainers a file builds: line and class name."""
+def _built(data: bytes, trainers: frozenset[str] | None = None) -> Iterator[tuple[int, str]]:
+    """The transformers or trl Trainers a file builds: line and class name; with `trainers`
+    (`_trainer_classes`), only calls of those classes or of those modules' `...Trainer`, else
+    any `...Trainer(` of a file that names transformers or trl."""
     if b"Trainer" not in data or FRAMEWORK.search(data) is None:
         return
     for number, line in enumerate(data.splitlines(), 1):
         call = TRAINER_CALL.search(line)
         if call and not line.lstrip().startswith((b"#", b"class ", b"def ")):
-            yield number, call.group(1).decode("utf-8", "replace")
+            name = call.group(1).decode("utf-8", "replace")
+            parts = name.split(".")
+            if trainers is None or parts[-1] in trainers or parts[0] in trainers:
+                yield number, name
+
+
+def _trainer_classes(sources: Iterable[bytes]) -> frozenset[str]:
+    """What builds a transformers or trl Trainer in the code: the `...Trainer` classes imported
+    from either (`from trl import SFTTrainer as SFT`), either module's names (`import
+    transformers as tf`, for `tf.Trainer(`), and the classes of any file that subclass one of
+    those (`class LLaVATrainer(Trainer)`, `class DPO(tf.Trainer)`); not a project's own
+    `SuperviseTrainer` built on something else."""
+    known: set[str] = set()
+    bases: dict[str, set[str]] = {}
+    for data in sources:
+        for name, listed in CLASS.findall(data):
+            names = bases.setdefault(name.decode(), set())
+            for base in listed.decode("utf-8", "replace").split(","):
+                if "=" not in base and (dotted := base.strip()):
+                    names.update(_base_names(dotted))
+        if b"Trainer" not in data or FRAMEWORK.search(data) is None:
+            continue
+        try:
+            module = ast.parse(data)
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(module):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in LIBRARIES:
+                known |= {a.asname or a.name for a in node.names if a.name.endswith("Trainer")}
+            elif isinstance(node, ast.Import):
+                known |= {a.asname or a.name for a in node.names if a.name in LIBRARIES}
+    while grown := {name for name, of in bases.items() if name not in known and of & known}:
+        known |= grown
+    return frozenset(known)
+
+
+def _base_names(base: str) -> set[str]:
+    """The names a class base makes it a Trainer by: its class, and the module of a
+    `tf.Trainer`."""
+    parts = base.split(".")
+    return {parts[-1], parts[0]} if parts[-1].endswith("Trainer") else {parts[-1]}
 
 
 def _suppressed(raw: str) -> bool:
@@ -580,6 +624,7 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
     data = {path: _read(path) for path in scanned}
     base = Path(os.path.commonpath([p.parent for p in bad] + [p.parent for p in scanned]))
     accumulations = [a for path in scanned for a in _accumulations(path, data[path], base)]
+    classes = _trainer_classes(data[p] for p in scanned if p.suffix == ".py")
     reports = []
     for path, found in sorted(bad.items()):
         here = [a for a in accumulations if _governs(path, a.path, declared)]
@@ -589,10 +634,10 @@ def check_repository(files: list[Path], roots: list[Path]) -> list[FileReport]:
             p: site
             for p in scanned
             if p.suffix == ".py" and _governs(path, p, declared)
-            for site in _trainer_sites(p, data[p])
+            for site in _trainer_sites(p, data[p], classes)
         }
         trainer = any(a.trainer for a in here) or bool(trainers)
-        exact, at_risk = _exact(trainers, data)
+        exact, at_risk = _exact(trainers, data, classes)
         # the accumulation named: set in the code before at run time, by a named Trainer first
         here.sort(key=lambda a: (a.run_time, a.path not in at_risk))
         shown = display_path(path)
@@ -743,13 +788,15 @@ def _listed(folder: Path) -> list[Path]:
         return []
 
 
-def _exact(trainers: dict[Path, str], data: dict[Path, bytes]) -> tuple[str | None, dict]:
+def _exact(
+    trainers: dict[Path, str], data: dict[Path, bytes], classes: frozenset[str]
+) -> tuple[str | None, dict]:
     """The Trainers the pin puts at risk, and where there are none, the sign in every file that
     builds one that each micro-batch holds the same number of loss elements (`exact_data`): the
     old Trainer's mean/K is then exact. A Trainer over such data is not named beside others."""
     signs, varying = [], {}
     for path, site in trainers.items():
-        sign = exact_data(path, data[path])
+        sign = exact_data(path, data[path], classes)
         if sign is None:
             varying[path] = site
         else:
@@ -760,20 +807,23 @@ def _exact(trainers: dict[Path, str], data: dict[Path, bytes]) -> tuple[str | No
     return "; ".join(signs), trainers
 
 
-def exact_data(path: Path, data: bytes) -> tuple[Path, int, str] | None:
+def exact_data(
+    path: Path, data: bytes, classes: frozenset[str] | None = None
+) -> tuple[Path, int, str] | None:
     """Where the file at `path`, which builds a Trainer, shows that every micro-batch holds the
     same number of loss elements: fixed-length blocks and no padded or masked targets, a
     Trainer of the file's own that scores preference pairs, or what the Trainer is given
-    (`_given`); the file, line and what."""
+    (`_given`); the file, line and what. `classes`: the Trainer classes of the code
+    (`_trainer_classes`), else any `...Trainer(` call is taken for one."""
     text = data.decode("utf-8", "replace")
     evidence = scan(text)
-    sign = evidence.blocks or _pairs(text, data)
+    sign = evidence.blocks or _pairs(text, data, classes)
     if sign is not None:
         return path, *sign
-    return _given(path, data, padded=evidence.padded is not None)
+    return _given(path, data, evidence.padded is not None, classes)
 
 
-def _pairs(text: str, data: bytes) -> tuple[int, str] | None:
+def _pairs(text: str, data: bytes, classes: frozenset[str] | None) -> tuple[int, str] | None:
     """Where every Trainer the file builds is a class of the file whose `compute_loss` scores
     preference pairs (a reward model's `logsigmoid(chosen - rejected)`): one loss element per pair."""
     if "compute_loss" not in text:
@@ -791,13 +841,15 @@ def _pairs(text: str, data: bytes) -> tuple[int, str] | None:
         and method.name == "compute_loss"
         and PAIRWISE.search(ast.get_source_segment(text, method) or "")
     }
-    built = {name.rsplit(".", 1)[-1] for _, name in _built(data)}
+    built = {name.rsplit(".", 1)[-1] for _, name in _built(data, classes)}
     if not pairwise or not built or not built <= pairwise.keys():
         return None
     return min(pairwise[name] for name in built)
 
 
-def _given(path: Path, data: bytes, padded: bool) -> tuple[Path, int, str] | None:
+def _given(
+    path: Path, data: bytes, padded: bool, classes: frozenset[str] | None
+) -> tuple[Path, int, str] | None:
     """A sign in what every Trainer the file builds is given, a class of the file or of a
     module beside it: a model whose `forward` scores preference pairs (one loss element per
     pair), or, where the file shows no padding of its own, a dataset that pads each row to
@@ -806,7 +858,7 @@ def _given(path: Path, data: bytes, padded: bool) -> tuple[Path, int, str] | Non
         module = ast.parse(data)
     except (SyntaxError, ValueError):
         return None
-    names = {name.rsplit(".", 1)[-1] for _, name in _built(data)}
+    names = {name.rsplit(".", 1)[-1] for _, name in _built(data, classes)}
     calls = [
         node
         for node in ast.walk(module)
