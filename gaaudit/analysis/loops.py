@@ -243,6 +243,10 @@ class _WindowFinding:
                 node, backward
             ):
                 return False
+            if isinstance(node, cst.If) and self.tree.contains(node.body, step) != (
+                self.tree.contains(node.body, backward)
+            ):
+                return False  # `if a % k != 0: <backward>` / `else: <backward>, <step>`
         return False
 
     def _calls_window(self, function: cst.FunctionDef) -> Window | None:

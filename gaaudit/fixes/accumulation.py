@@ -1968,9 +1968,24 @@ class _Window:
             )
         if window.kind == "micro-loop":
             self._cleared_before(window)
+        if window.kind == "modulo":
+            self._stepped_in_its_body(window)
         if window.kind == "modulo" and not self.unsafe:
             self._count_restarted(site)
         self._prepared[window.anchor] = (site, self._optimizer(window))
+
+    def _stepped_in_its_body(self, window: Window) -> None:
+        """Refuse a guard whose `else` steps (`if a % k != 0:` backpropagates, `else:`
+        backpropagates and steps): the one division goes where the guard's body steps."""
+        guard = window.anchor
+        if window.skips or not isinstance(guard, cst.If) or guard.orelse is None:
+            return
+        if any(self.tree.contains(guard.orelse, s) for s in self.auditor.structure.steps_in(guard)):
+            raise Unfixable(
+                f"the step is in the `else` of the `if` on line {self.tree.line(guard)}, whose "
+                "body backpropagates too: weight the backward of each branch by its micro-batch's "
+                "count, and divide the gradients once by the window's total before the step"
+            )
 
     def _count_restarted(self, site: Site) -> None:
         """Refuse, as unsafe, a window whose count starts in its function (`_count_home`)
