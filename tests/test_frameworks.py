@@ -644,7 +644,7 @@ def test_lightnings_trainer_is_not_a_transformers_trainer_for_a_pin(tmp_path):
 def test_a_projects_own_trainer_class_is_not_a_transformers_trainer_for_a_pin(tmp_path):
     """A `SuperviseTrainer` of the project's own (a DeepSpeed loop) in a file that imports
     transformers is not the transformers Trainer whose division the pin keeps; a class of
-    another module that subclasses one, is."""
+    another module that subclasses one, whatever its name, is."""
     project = {
         "requirements.txt": "transformers==4.40.0\n",
         "configs/train.yaml": "gradient_accumulation_steps: 8\n",
@@ -668,15 +668,15 @@ def test_a_projects_own_trainer_class_is_not_a_transformers_trainer_for_a_pin(tm
         "import transformers as tf\n\n\nclass LoggedTrainer(tf.Trainer):\n    pass\n"
     )
     project["trainers/base.py"] = (
-        "from trainers.hf import LoggedTrainer\n\n\nclass QuietTrainer(\n    LoggedTrainer,\n):\n    pass\n"
+        "from trainers.hf import LoggedTrainer\n\n\nclass TrainerNoShuffle(\n    LoggedTrainer,\n):\n    pass\n"
     )
     project["quiet.py"] = (
-        "from transformers import AutoModel\nfrom trainers.base import QuietTrainer\n\nQuietTrainer()\n"
+        "from transformers import AutoModel\nfrom trainers.base import TrainerNoShuffle\n\nTrainerNoShuffle()\n"
     )
     (report,) = check_repository(write(tmp_path / "sub", project), [tmp_path / "sub"])
     (finding,) = report.findings
     named = [e for e in finding.evidence if e.startswith("trainer: ")]
-    assert [e.split("`")[1] for e in named] == ["QuietTrainer(...)"], named
+    assert [e.split("`")[1] for e in named] == ["TrainerNoShuffle(...)"], named
     assert finding.confidence is Confidence.HIGH
 
 

@@ -513,15 +513,32 @@ def _built(data: bytes, trainers: frozenset[str] | None = None) -> Iterator[tupl
     """The transformers or trl Trainers a file builds: line and class name; with `trainers`
     (`_trainer_classes`), only calls of those classes or of those modules' `...Trainer`, else
     any `...Trainer(` of a file that names transformers or trl."""
-    if b"Trainer" not in data or FRAMEWORK.search(data) is None:
+    if trainers is not None:
+        named = _named_calls(trainers)
+        if named.search(data) is None:
+            return
+    elif b"Trainer" not in data or FRAMEWORK.search(data) is None:
         return
     for number, line in enumerate(data.splitlines(), 1):
-        call = TRAINER_CALL.search(line)
-        if call and not line.lstrip().startswith((b"#", b"class ", b"def ")):
-            name = call.group(1).decode("utf-8", "replace")
-            parts = name.split(".")
-            if trainers is None or parts[-1] in trainers or parts[0] in trainers:
-                yield number, name
+        if line.lstrip().startswith((b"#", b"class ", b"def ")):
+            continue
+        call = TRAINER_CALL.search(line) if trainers is None else named.search(line)
+        if call:
+            yield number, call.group(1).decode("utf-8", "replace")
+
+
+@cache
+def _named_calls(trainers: frozenset[str]) -> re.Pattern[bytes]:
+    """A call of one of `trainers`' classes (`TrainerNoShuffle(`), or of a `...Trainer` of
+    one of their modules (`tf.Trainer(`)."""
+    names = b"|".join(re.escape(n.encode()) for n in sorted(trainers)) or b"(?!)"
+    return re.compile(
+        rb"(?<![\w.])(?!(?:pl|L|lightning|pytorch_lightning)\.)((?:\w+\.)*(?:"
+        + names
+        + rb")|(?:"
+        + names
+        + rb")\.(?:\w+\.)*\w*Trainer)\s*\("
+    )
 
 
 def _trainer_classes(sources: Iterable[bytes]) -> frozenset[str]:
