@@ -644,7 +644,8 @@ def test_lightnings_trainer_is_not_a_transformers_trainer_for_a_pin(tmp_path):
 def test_a_projects_own_trainer_class_is_not_a_transformers_trainer_for_a_pin(tmp_path):
     """A `SuperviseTrainer` of the project's own (a DeepSpeed loop) in a file that imports
     transformers is not the transformers Trainer whose division the pin keeps; a class of
-    another module that subclasses one, whatever its name, is."""
+    another module that subclasses one, whatever its name, is; Lightning's `Trainer`, in a
+    file that names no transformers, is not, though another file imports transformers'."""
     project = {
         "requirements.txt": "transformers==4.40.0\n",
         "configs/train.yaml": "gradient_accumulation_steps: 8\n",
@@ -665,7 +666,8 @@ def test_a_projects_own_trainer_class_is_not_a_transformers_trainer_for_a_pin(tm
     assert not [e for e in finding.evidence if e.startswith("trainer: ")], finding.evidence
     assert finding.confidence is Confidence.MEDIUM
     project["trainers/hf.py"] = (
-        "import transformers as tf\n\n\nclass LoggedTrainer(tf.Trainer):\n    pass\n"
+        "import transformers as tf\nfrom transformers import Trainer\n\n\n"
+        "class LoggedTrainer(tf.Trainer):\n    pass\n"
     )
     project["trainers/base.py"] = (
         "from trainers.hf import LoggedTrainer\n\n\nclass TrainerNoShuffle(\n    LoggedTrainer,\n):\n    pass\n"
@@ -673,6 +675,7 @@ def test_a_projects_own_trainer_class_is_not_a_transformers_trainer_for_a_pin(tm
     project["quiet.py"] = (
         "from transformers import AutoModel\nfrom trainers.base import TrainerNoShuffle\n\nTrainerNoShuffle()\n"
     )
+    project["lit.py"] = "from pytorch_lightning import Trainer\n\nTrainer(max_epochs=1)\n"
     (report,) = check_repository(write(tmp_path / "sub", project), [tmp_path / "sub"])
     (finding,) = report.findings
     named = [e for e in finding.evidence if e.startswith("trainer: ")]

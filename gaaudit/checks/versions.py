@@ -510,14 +510,16 @@ def _trainer_sites(path: Path, data: bytes, trainers: frozenset[str]) -> Iterato
 
 
 def _built(data: bytes, trainers: frozenset[str] | None = None) -> Iterator[tuple[int, str]]:
-    """The transformers or trl Trainers a file builds: line and class name; with `trainers`
-    (`_trainer_classes`), only calls of those classes or of those modules' `...Trainer`, else
-    any `...Trainer(` of a file that names transformers or trl."""
+    """The transformers or trl Trainers a file that names either builds: line and class name;
+    with `trainers` (`_trainer_classes`), the calls of those classes or of those modules'
+    `...Trainer`, else any `...Trainer(` call."""
+    if FRAMEWORK.search(data) is None:  # `Trainer` imported from Lightning, say
+        return
     if trainers is not None:
         named = _named_calls(trainers)
         if named.search(data) is None:
             return
-    elif b"Trainer" not in data or FRAMEWORK.search(data) is None:
+    elif b"Trainer" not in data:
         return
     for number, line in enumerate(data.splitlines(), 1):
         if line.lstrip().startswith((b"#", b"class ", b"def ")):
