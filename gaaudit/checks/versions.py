@@ -56,10 +56,10 @@ SCRIPT = re.compile(r"(?m)^# /// script\s*$")  # PEP 723 inline script metadata
 FRAMEWORK = re.compile(rb"\b(?:transformers|trl)\b")
 LIBRARIES = ("transformers", "trl")  # whose Trainers the pin governs
 CLASS = re.compile(rb"(?m)^[ \t]*class[ \t]+(\w+)[ \t]*\(([^)]*)\)")  # a class and its bases
-# `transformers.Trainer(`, `SFTTrainer(`; not Lightning's `L.Trainer(` / `pl.Trainer(`
-TRAINER_CALL = re.compile(
-    rb"(?<![\w.])(?!(?:pl|L|lightning|pytorch_lightning)\.)((?:\w+\.)*\w*Trainer)\s*\("
-)
+# A call's start that is not Lightning's `L.Trainer(` / `pl.Trainer(`
+NOT_LIGHTNING = rb"(?<![\w.])(?!(?:pl|L|lightning|pytorch_lightning)\.)"
+# `transformers.Trainer(`, `SFTTrainer(`
+TRAINER_CALL = re.compile(NOT_LIGHTNING + rb"((?:\w+\.)*\w*Trainer)\s*\(")
 TRAINER_SEEN = "the code trains with a transformers Trainer"
 EXACT = (
     "every micro-batch the Trainer sees holds the same number of loss elements ({}), where the "
@@ -535,7 +535,8 @@ def _named_calls(trainers: frozenset[str]) -> re.Pattern[bytes]:
     one of their modules (`tf.Trainer(`)."""
     names = b"|".join(re.escape(n.encode()) for n in sorted(trainers)) or b"(?!)"
     return re.compile(
-        rb"(?<![\w.])(?!(?:pl|L|lightning|pytorch_lightning)\.)((?:\w+\.)*(?:"
+        NOT_LIGHTNING
+        + rb"((?:\w+\.)*(?:"
         + names
         + rb")|(?:"
         + names

@@ -3,10 +3,10 @@
 Cells are joined in order, each preceded by a marker comment, so the analysis sees the
 whole notebook (the model built in one cell, the loop in another). IPython magics and
 shell lines (with their backslash continuations), and the line magics written without their
-`%` that break the parse, become `pass` placeholders that keep line numbers and indentation, and are restored verbatim when the source is split back into
-cells. A cell magic that runs its cell as Python (`%%time`, ...) is kept aside alone; a
-cell under any other cell magic (`%%bash`, `%%writefile`, ...) is kept aside whole, and
-said so.
+`%` that break the parse, become `pass` placeholders that keep line numbers and indentation,
+and are restored verbatim when the source is split back into cells. A cell magic that runs
+its cell as Python (`%%time`, ...) is kept aside alone; a cell under any other cell magic
+(`%%bash`, `%%writefile`, ...) is kept aside whole, and said so.
 """
 
 from __future__ import annotations
