@@ -11,6 +11,7 @@ from pathlib import Path
 
 import libcst as cst
 
+from gaaudit.analysis.tree import Tree
 from gaaudit.discover.notebook import MARKER as CELL_MARKER
 from gaaudit.fixes.accumulation import Outcome
 from gaaudit.fixes.edits import DEFAULT_WIDTH, Edits, wrapped
@@ -20,20 +21,24 @@ class _Apply(cst.CSTTransformer):
     """Replaces nodes and splices statements, keyed by the original nodes' identity; the
     statements it inserts or rewrites are wrapped at `width` (`edits.wrapped`).
 
-    A statement mapped to `REMOVE` is dropped from its block.
+    A statement mapped to `REMOVE` is dropped from its block. Only the nodes that hold an
+    edit are entered: the rest of the module is passed over whole.
     """
 
-    def __init__(self, edits: Edits, width: int) -> None:
+    def __init__(self, edits: Edits, width: int, tree: Tree) -> None:
         self.edits, self.width = edits, width
         self.indent = "    "  # the module's
         self.blocks: list[str] = []  # the indentation of each block being visited
         self.path: list[cst.CSTNode] = []  # the nodes being visited, outermost first
-        self.originals: set[cst.CSTNode] = set()  # every node of the original module
+        self.originals = tree.order  # every node of the original module
         self.rewritten: set[cst.CSTNode] = set()  # statements holding a replaced node
+        anchors = [*edits.replace, *edits.before, *edits.after, *edits.spaced]
+        self.holding = {held for node in anchors for held in (node, *tree.ancestors(node))}
 
     def on_visit(self, node) -> bool:
+        if node not in self.holding:
+            return False
         self.path.append(node)
-        self.originals.add(node)
         if isinstance(node, cst.Module):
             self.indent = node.default_indent
         elif isinstance(node, cst.IndentedBlock):
@@ -41,6 +46,8 @@ class _Apply(cst.CSTTransformer):
         return super().on_visit(node)
 
     def on_leave(self, original_node, updated_node):
+        if original_node not in self.holding:
+            return updated_node
         self.path.pop()
         updated_node = super().on_leave(original_node, updated_node)
         if isinstance(original_node, cst.IndentedBlock):
@@ -109,12 +116,13 @@ def _opens_cell(statement) -> bool:
     )
 
 
-def apply(module: cst.Module, edits: Edits, source: bytes, width: int = DEFAULT_WIDTH) -> bytes:
-    """The bytes of `module` (parsed from `source`) with every edit applied in one traversal,
-    the lines it writes wrapped at `width`.
+def apply(tree: Tree, edits: Edits, source: bytes, width: int = DEFAULT_WIDTH) -> bytes:
+    """The bytes of `tree`'s module (parsed from `source`) with every edit applied in one
+    traversal, the lines it writes wrapped at `width`.
     A last line that is a comment ending in a backslash keeps the newline after it, which
     libcst's code drops."""
-    fixed = module.visit(_Apply(edits, width)).bytes
+    module = tree.module
+    fixed = module.visit(_Apply(edits, width, tree)).bytes
     newline = module.default_newline.encode(module.encoding)
     if source.endswith(newline) and not fixed.endswith(newline):
         fixed += newline

@@ -70,7 +70,7 @@ def fix_source(
         if (f.code, f.span.line, f.span.column) not in handled and f not in pinned
     ]
     fixed = (
-        _compiled(apply(module, edits, data, line_length(path)), shown)
+        _compiled(apply(tree, edits, data, line_length(path)), shown)
         if any(o.applied for o in outcomes)
         else data
     )
@@ -98,9 +98,7 @@ def _rewritten(path: Path, tree, edits) -> FileFix:
     """Another module of the repository with its planned edits applied."""
     shown = display_path(path)
     before = tree.module.bytes
-    return FileFix(
-        shown, before, _compiled(apply(tree.module, edits, before, line_length(path)), shown)
-    )
+    return FileFix(shown, before, _compiled(apply(tree, edits, before, line_length(path)), shown))
 
 
 def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool, path: Path):
