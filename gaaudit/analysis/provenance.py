@@ -42,7 +42,10 @@ TORCH_LOSSES = {
 # fmt: on
 PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half", "bfloat16"}
 MAX_DEPTH = 16
-WEIGHT = re.compile(r"(?i)weight|multiplier|coef|lambda|alpha|beta|temperature|^temp(?:_sq)?$")
+WEIGHT = re.compile(
+    r"(?i)weight|multiplier|coef|lambda|alpha|beta|temperature|^temp(?:_sq)?$"
+    r"|(?:^|_)eps(?:ilon)?(?:_\w)?$|smoothing$"  # label smoothing's share: `(1 - eps) * nll`
+)
 PROCESSES = re.compile(
     r"(?i)(?:get_)?world_size|dp_size|dp_world_size|data_parallel_size|num_processes|n_gpus?|num_gpus"
 )
@@ -111,6 +114,8 @@ class Origin:
 
 UNKNOWN = Origin("unknown", "an expression gaaudit cannot trace")
 MASKED_MEAN = "a masked mean"  # how `what` names a sum divided by its own per-micro-batch count
+# How a function counts its tensors' elements: `(~mask).sum()`, `x.numel()`, `len(ids)`.
+TENSOR_COUNTS = frozenset({"sum", "numel", "nelement", "count_nonzero", "size", "len"})
 
 
 def _handed(found: Origin, parameters: dict, call: cst.Call) -> Origin:
@@ -254,6 +259,8 @@ def _is_weight(factor: cst.BaseExpression) -> bool:
         return True
     if isinstance(factor, cst.BinaryOperation) and isinstance(factor.operator, cst.Power):
         return isinstance(factor.right, (cst.Integer, cst.Float)) and _is_weight(factor.left)
+    if isinstance(factor, cst.BinaryOperation) and isinstance(factor.operator, cst.Subtract):
+        return _is_weight(factor.left) and _is_weight(factor.right)  # `1.0 - epsilon`
     if isinstance(factor, cst.Subscript):  # one of several weights: `loss_weights[dataset_idx]`
         factor = factor.value
     name = last_name(factor.func if isinstance(factor, cst.Call) else factor) or ""
@@ -1076,12 +1083,29 @@ class Tracer(_Calls, _Callees, _Counts):
         loop = next((a for a in self.tree.ancestors(expr) if isinstance(a, LOOPS)), None)
         if loop is None:
             count = unguarded(divisor)
-            return not isinstance(count, (cst.Name, cst.Attribute, cst.Integer, cst.Float))
+            if isinstance(count, cst.Name):
+                return self._counted_here(count, expr)
+            return not isinstance(count, (cst.Attribute, cst.Integer, cst.Float))
         assigned = self.tree.assigned_in(loop)
         count = unguarded(divisor)
         if isinstance(count, cst.Subscript) and _per_window(count):  # `totals[step // k]`
             return depends_on(count.value, assigned)
         return depends_on(divisor, assigned)
+
+    def _counted_here(self, count: cst.Name, expr: cst.CSTNode) -> bool:
+        """Whether a named divisor outside any loop is a count the same function takes of its
+        tensors (`count = (~pad_mask).sum()`, `n = x.numel()`): a helper's own count."""
+        binding = self.binding(count.value, expr)
+        scope = self.tree.scope_of(expr)
+        if not isinstance(binding, cst.Assign) or not isinstance(scope, cst.FunctionDef):
+            return False
+        if self.tree.scope_of(binding) is not scope:
+            return False
+        value = unguarded(binding.value)
+        return any(
+            isinstance(node, cst.Call) and last_name(node.func) in TENSOR_COUNTS
+            for node in self.tree.walk(value)
+        )
 
     def _name(self, expr: cst.Name, depth: int) -> Origin:
         binding = self.binding(expr.value, expr)
