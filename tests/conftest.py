@@ -68,6 +68,21 @@ def fixture_scripts() -> list[Path]:
     return sorted(p for p in FIXTURES.glob("*.py") if p.with_suffix(".expected").exists())
 
 
+def expected_findings() -> int:
+    """How many findings `gaaudit check fixtures` reports at the default confidence: those
+    each script's `.expected` file lists, the pins of the GA006 projects and those of the
+    cross-module projects (their `expected.txt`)."""
+    scripts = sum(level != "low" for s in fixture_scripts() for _, _, level in expected(s))
+    pins = sum(len(f.read_text().split()) // 3 for f in FIXTURES.glob("ga006_*/expected.txt"))
+    packages = sum(
+        line.split()[-1] != "low"
+        for f in FIXTURES.glob("*_xmod_*/expected.txt")
+        for line in f.read_text().splitlines()
+        if line.strip()
+    )
+    return scripts + pins + packages
+
+
 def flat(code: str) -> str:
     """`code` without whitespace: a fix's text, however its long lines were wrapped."""
     return "".join(code.split())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import fixture_scripts
+from conftest import expected_findings, fixture_scripts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,8 +23,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from typer.testing import CliRunner
+
 import gaaudit.output
 from gaaudit import catalogue
+from gaaudit.cli import app
 from gaaudit.config import Settings
 from gaaudit.discover.source import decode
 from gaaudit.findings import Confidence, FileError, FileReport, Finding, Span
@@ -424,10 +427,26 @@ def by_file(results: list[dict]) -> dict[str, list[dict]]:
     return files
 
 
-def test_sarif_fixes_rebuild_every_fixed_fixture(cli, tmp_path, sarif_schema, monkeypatch):
-    monkeypatch.chdir(REPO)
+@pytest.fixture(scope="module")
+def fixtures_sarif(sarif_schema, tmp_path_factory) -> list[dict]:
+    """The results of one `gaaudit check fixtures --format sarif --unsafe-fixes` run (all
+    confidences) at the repository's root, validated against the schema."""
+    report = tmp_path_factory.mktemp("sarif") / "out.sarif"
+    args = ["check", "fixtures", "-f", "sarif", "--unsafe-fixes", "--min-confidence", "low"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)
+        CliRunner().invoke(app, [*args, "-o", str(report)], catch_exceptions=False)
+    return sarif_run_of(json.loads(report.read_text(encoding="utf-8")), sarif_schema)["results"]
+
+
+def test_sarif_has_a_result_per_expected_finding(fixtures_sarif):
+    shown = [r for r in fixtures_sarif if r["properties"]["confidence"] != "low"]
+    assert len(shown) == expected_findings()
+
+
+def test_sarif_fixes_rebuild_every_fixed_fixture(fixtures_sarif):
     scripts = [p.relative_to(REPO).as_posix() for p in fixture_scripts()]
-    results = by_file(sarif_results(cli, tmp_path, sarif_schema, "--unsafe-fixes", *scripts))
+    results = by_file(fixtures_sarif)
     pairs = 0
     for script in scripts:
         fixed = script.replace(".py", ".fixed.py")
