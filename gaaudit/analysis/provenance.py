@@ -1252,9 +1252,15 @@ class Tracer(_Calls, _Callees, _Counts):
         index = key.value if isinstance(key, cst.Index) else None
         if string_value(index) == "loss":
             return self._mean(expr, f"`{code(expr)}`, the mean loss a model returns for its labels")
-        if isinstance(index, cst.Integer) and index.value == "0":
+        if isinstance(index, cst.Integer):
             outputs = self.origin_call(expr.value)
-            if outputs is not None and self._passes_labels(outputs):
+            if outputs is not None and (helper := self.helper(outputs.func)) is not None:
+                # `outputs = self.forward(...)`, which returns `[loss]` or `(loss, logits)`
+                position = int(index.value)
+                returned = [r for r in self.returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
+                if returned and position < len(returned[0].elements):
+                    return self.origin(returned[0].elements[position].value, depth + 1)
+            if index.value == "0" and outputs is not None and self._passes_labels(outputs):
                 return self._mean(expr, f"`{code(expr)}`, the loss of a model called with labels")
         return UNKNOWN
 
