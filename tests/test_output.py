@@ -435,7 +435,8 @@ def fixtures_sarif(sarif_schema, tmp_path_factory) -> list[dict]:
     args = ["check", "fixtures", "-f", "sarif", "--unsafe-fixes", "--min-confidence", "low"]
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(REPO)
-        CliRunner().invoke(app, [*args, "-o", str(report)], catch_exceptions=False)
+        result = CliRunner().invoke(app, [*args, "-o", str(report)], catch_exceptions=False)
+    assert result.exit_code == 1  # findings
     return sarif_run_of(json.loads(report.read_text(encoding="utf-8")), sarif_schema)["results"]
 
 

@@ -1256,7 +1256,7 @@ class Tracer(_Calls, _Callees, _Counts):
             outputs = self.origin_call(expr.value)
             if outputs is not None and (helper := self.helper(outputs.func)) is not None:
                 # `outputs = self.forward(...)`, which returns `[loss]` or `(loss, logits)`
-                position = int(index.value)
+                position = literal_eval(index.value)  # `0`, `0x1`, `1_0`
                 returned = [r for r in self.returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
                 if returned and position < len(returned[0].elements):
                     return self.origin(returned[0].elements[position].value, depth + 1)
