@@ -1227,11 +1227,8 @@ class Tracer(_Calls, _Callees, _Counts):
         if literal:
             return self.origin(value.elements[index].value, depth + 1)
         if isinstance(value, cst.Call):
-            helper = self.helper(value.func)
-            if helper is not None:
-                returned = [r for r in self.returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
-                if returned and index < len(returned[0].elements):
-                    return self.origin(returned[0].elements[index].value, depth + 1)
+            if (element := self._returned_element(value, index)) is not None:
+                return self.origin(element, depth + 1)
             imported = self._imported(value.func, value, index)
             if imported is None and self.imports is not None:
                 imported = self.imports.called(self, value, index)
@@ -1247,6 +1244,17 @@ class Tracer(_Calls, _Callees, _Counts):
                 return replace(self._mean(value, what), from_model=True, beside=beside)
         return UNKNOWN
 
+    def _returned_element(self, call: cst.Call, index: int) -> cst.BaseExpression | None:
+        """Element `index` of the tuple or list that the helper of the file `call` calls
+        returns (its first such `return`), if it has one."""
+        helper = self.helper(call.func)
+        if helper is None:
+            return None
+        returned = [r for r in self.returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
+        if returned and index < len(returned[0].elements):
+            return returned[0].elements[index].value
+        return None
+
     def _subscript(self, expr: cst.Subscript, depth: int) -> Origin:
         key = expr.slice[0].slice if len(expr.slice) == 1 else None
         index = key.value if isinstance(key, cst.Index) else None
@@ -1254,12 +1262,11 @@ class Tracer(_Calls, _Callees, _Counts):
             return self._mean(expr, f"`{code(expr)}`, the mean loss a model returns for its labels")
         if isinstance(index, cst.Integer):
             outputs = self.origin_call(expr.value)
-            if outputs is not None and (helper := self.helper(outputs.func)) is not None:
-                # `outputs = self.forward(...)`, which returns `[loss]` or `(loss, logits)`
-                position = literal_eval(index.value)  # `0`, `0x1`, `1_0`
-                returned = [r for r in self.returns(helper) if isinstance(r, (cst.Tuple, cst.List))]
-                if returned and position < len(returned[0].elements):
-                    return self.origin(returned[0].elements[position].value, depth + 1)
+            # `outputs = self.forward(...)`, which returns `[loss]` or `(loss, logits)`
+            position = literal_eval(index.value)  # `0`, `0x1`, `1_0`
+            element = self._returned_element(outputs, position) if outputs is not None else None
+            if element is not None:
+                return self.origin(element, depth + 1)
             if index.value == "0" and outputs is not None and self._passes_labels(outputs):
                 return self._mean(expr, f"`{code(expr)}`, the loss of a model called with labels")
         return UNKNOWN
