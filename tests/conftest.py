@@ -136,6 +136,20 @@ def verify_projects(
     return result, {name: found["loops"] for name, found in zip(projects, files)}
 
 
+def two_processes(target, args: tuple):
+    """`target(rank, *args)` on two processes started as `gaaudit verify` starts its ranks
+    (forked from a server that has imported torch and the harness once: `processes`); torch's
+    process context, not joined."""
+    import torch
+
+    from gaaudit.harness.replay import processes
+
+    method = processes().get_start_method()
+    return torch.multiprocessing.start_processes(
+        target, args=args, nprocs=2, join=False, start_method=method
+    )
+
+
 @pytest.fixture
 def cli(monkeypatch):
     """Invoke the Typer app in-process from a chosen working directory."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import FIXTURES, devices, on_cuda
+from conftest import FIXTURES, devices, on_cuda, two_processes
 
 from gaaudit.config import Settings
 from gaaudit.fixes.fixer import fix_source
@@ -707,9 +707,7 @@ def _scaled_rank(rank: int, source: str, rendezvous: str, out: str) -> None:
 def two_rank_gradients(source: str, tmp_path: Path) -> list[torch.Tensor]:
     out = tmp_path / f"grads{len(list(tmp_path.iterdir()))}.pt"
     rendezvous = tmp_path / f"{out.stem}.rendezvous"
-    ranks = torch.multiprocessing.spawn(
-        _scaled_rank, args=(source, str(rendezvous), str(out)), nprocs=2, join=False
-    )
+    ranks = two_processes(_scaled_rank, (source, str(rendezvous), str(out)))
     deadline = time.monotonic() + TWO_RANKS_LIMIT
     while not ranks.join(timeout=1):
         if time.monotonic() > deadline:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES
+from conftest import FIXTURES, two_processes
 from transformers import Trainer
 
 from gaaudit.harness.gradcheck import relative_error, snapshot
@@ -285,9 +285,7 @@ def two_process_gradients(fixtures: list[Path], out: Path) -> list[list[torch.Te
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     out.mkdir()
-    ranks = torch.multiprocessing.spawn(
-        _rank, args=(port, list(map(str, fixtures)), str(out)), nprocs=2, join=False
-    )
+    ranks = two_processes(_rank, (port, list(map(str, fixtures)), str(out)))
     deadline = time.monotonic() + TWO_PROCESS_LIMIT
     saved = out / f"grads{len(fixtures) - 1}.pt"  # saved last: once it is, all are
     while not _joined(ranks, saved):

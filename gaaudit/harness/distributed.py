@@ -18,12 +18,11 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from gaaudit.harness.factory import load_factory, user_model
 from gaaudit.harness.gradcheck import relative_error
-from gaaudit.harness.replay import Comparison, Replay, _execute, _Session, group_of_one
+from gaaudit.harness.replay import Comparison, Replay, _execute, _Session, group_of_one, processes
 from gaaudit.harness.replay import compare as compare_replays
 
 STARTUP = 120.0  # seconds a fresh rank may take to import torch and join the group
@@ -127,7 +126,7 @@ class Ranks:
         self._outbox = None
 
     def _start(self) -> None:
-        context = mp.get_context("spawn")
+        context = processes()
         address = f"127.0.0.1:{_free_port()}"
         self._outbox = context.Queue()
         self._inboxes = [context.Queue() for _ in range(self.world_size)]

@@ -631,6 +631,23 @@ def group_of_one(backend: str):
             dist.destroy_process_group()
 
 
+def processes():
+    """How the harness starts its processes (DDP ranks, the DeepSpeed one): forked from a
+    server that has imported the harness, torch and the transformers models it builds once
+    (where transformers is installed), so that a rank starts in a second instead of importing
+    them again; spawned where there is no fork server (Windows). Never a plain fork of the
+    verifying process, whose thread pools have run."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    models = ("gpt2.modeling_gpt2", "bert.modeling_bert", "t5.modeling_t5")
+    preload = ["gaaudit.harness.distributed", *(f"transformers.models.{m}" for m in models)]
+    context.set_forkserver_preload(preload)
+    return context
+
+
 def _in_own_process(args: tuple, timeout: float) -> Replay:
     """A replay on one process of a loop that steps a DeepSpeed engine, in the process kept
     for them: DeepSpeed wants a process group and keeps state of its own, which the replays
@@ -638,8 +655,7 @@ def _in_own_process(args: tuple, timeout: float) -> Replay:
     import multiprocessing
 
     if _apart["pool"] is None:
-        context = multiprocessing.get_context("spawn")
-        _apart["pool"] = context.Pool(1, initializer=_engine_process)
+        _apart["pool"] = processes().Pool(1, initializer=_engine_process)
     job = _apart["pool"].apply_async(
         _engine_replay, (factory.current(), factory.current_data(), args)
     )
