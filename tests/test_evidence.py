@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, fixture_scripts
 
-from gaaudit.analysis.evidence import FIXED, MASKED, PADDED, SUPPRESSION, Evidence, scan
+from gaaudit.analysis.evidence import (
+    CHUNKED_DATASET,
+    FIXED,
+    MASKED,
+    PADDED,
+    SUPPRESSION,
+    Evidence,
+    scan,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = {tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT}
@@ -59,7 +67,7 @@ def reference(text: str) -> Evidence:
             if (
                 found.masked is None
                 and (what := named(token, MASKED))
-                and not _set_to_ones(stream[index + 1 :])
+                and not _set_to_ones(stream[index + 1 :], token.type == tokenize.STRING)
             ):
                 found.masked = (line, what)
         if (
@@ -73,9 +81,14 @@ def reference(text: str) -> Evidence:
     return found
 
 
-def _set_to_ones(following) -> bool:
-    """Whether the tokens go on with `= ones(` or `= torch.ones_like(`: a mask of ones."""
-    strings = [t.string for t in following if t.type not in SKIPPED][:5]
+def _set_to_ones(following, key: bool) -> bool:
+    """Whether the tokens go on with `= ones(` or `= torch.ones_like(` (after the `]` that
+    closes a `key`'s subscript): a mask of ones."""
+    strings = [t.string for t in following if t.type not in SKIPPED][:6]
+    if key:
+        if strings[:1] != ["]"]:
+            return False
+        strings = strings[1:]
     if strings[:2] == ["=", "torch"] and strings[2:3] == ["."]:
         strings = ["=", *strings[3:]]
     return (
@@ -122,6 +135,9 @@ def named(token, names: set[str]) -> str | None:
 def fixed(token, previous) -> str | None:
     if token.type == tokenize.NAME and (token.string in FIXED or "packed" in token.string.lower()):
         return f"`{token.string}`"
+    value = token.string.strip("\"'")
+    if token.type == tokenize.STRING and CHUNKED_DATASET.fullmatch(value):
+        return f"`{value}`, a dataset of chunked or packed rows"
     strings = [t.string for t in previous]
     if token.string == "len" and _after_randint(strings):
         return "random fixed-length windows drawn with `randint` over the data's length"
@@ -192,6 +208,10 @@ SNIPPETS = {
     "packed names": "PackedDataset(x)\nis_packed = True\nn_1packed = 2\n",
     "suppressions": "x = 1  # noqa\ny = 2  # gaaudit: ignore[GA001, GA002]\nz = '# noqa'\n",
     "fixed before variable": "block_size = 128\nattention_mask = None\n",
+    "hub datasets of chunked rows": (
+        'load_dataset("org/books-tokenized-chunked-4096")\nb = "o/Packed_Chat"\n'
+        'c = "someone/repacked-gguf"\nd = "data/chunk_index"\ne = "x/packed/y"\n'
+    ),
     "keyword before a string": 'if"attention_mask" in batch:\n    pass\n',
 }
 
@@ -219,7 +239,23 @@ def test_the_reference_sees_something():
 def test_lightnings_demo_dataset_is_fixed_length_blocks():
     """`lightning.pytorch.demos.WikiText2` cuts one token stream into 35-token blocks."""
     text = "from lightning.pytorch.demos import WikiText2\nloader = DataLoader(WikiText2())\n"
+    assert scan(text).masked is None
     assert scan(text).blocks == (1, "`WikiText2`")
+
+
+def test_a_hub_dataset_of_chunked_rows_is_fixed_length_blocks():
+    """A pre-tokenized dataset named for its chunks (yarn's fine-tuning script) holds rows of one
+    length; a mask of ones added to it shows no padding."""
+    text = (
+        'parser.add_argument("--dataset", default="org/books-tokenized-chunked-4096")\n'
+        'sample["attention_mask"] = torch.ones(len(sample["input_ids"]))\n'
+    )
+    assert scan(text).masked is None
+    assert scan(text).blocks == (
+        1,
+        "`org/books-tokenized-chunked-4096`, a dataset of chunked or packed rows",
+    )
+    assert scan(text) == reference(text)
 
 
 @pytest.mark.parametrize(
@@ -228,6 +264,7 @@ def test_lightnings_demo_dataset_is_fixed_length_blocks():
         ('model(ids, attention_mask=batch["attention_mask"], labels=ids)', True),
         ("model(ids, attention_mask=torch.ones_like(ids), labels=ids)", False),
         ("model(ids, attention_mask = ones(ids.shape), labels=ids)", False),
+        ('row[\n  "attention_mask" ] = torch.ones_like(ids)', False),
     ],
 )
 def test_a_mask_of_ones_is_no_sign_of_padding(call, masked):

@@ -49,13 +49,16 @@ PADDED_SIGNS = (
         lambda match: "a tokenizer's `padding=`",
     ),
 )
+# what follows a mask of ones, which hides no position: `attention_mask=torch.ones_like(ids)`
+SET_TO_ONES = rb"\s*=\s*(?:torch\.)?ones(?:_like)?\("
 MASKED_SIGNS = (
     (
         re.compile(
             rb"\b(?P<sign>"
             + b"|".join(w.encode() for w in sorted(MASKED))
-            # not a mask of ones, which hides no position: `attention_mask=torch.ones_like(ids)`
-            + rb")\b(?!\s*=\s*(?:torch\.)?ones(?:_like)?\()"
+            + rb")\b(?!"
+            + SET_TO_ONES
+            + rb")"
         ),
         lambda match: f"`{match['sign'].decode()}`",
     ),
@@ -84,6 +87,12 @@ FIXED_SIGNS = (
         lambda match: "inputs and targets viewed as B x T blocks of one token buffer",
     ),
 )
+# a hub dataset's id that names its rows chunked or packed to one length:
+# "emozilla/pg_books-tokenized-bos-eos-chunked-65536"
+CHUNKED_DATASET = re.compile(
+    r"[\w.-]+/[\w.-]*(?<![a-z])(?:chunked|packed)(?![a-z])[\w.-]*", re.IGNORECASE
+)
+KEY_SET_TO_ONES = re.compile(rb"\s*\]" + SET_TO_ONES)  # `sample["attention_mask"] = ones(`
 NEWLINE = re.compile(rb"\n")
 SUPPRESSION = re.compile(
     r"#\s*(?:noqa|gaaudit:\s*ignore)(?P<codes>(?::\s*|\[)[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*\]?)?",
@@ -144,8 +153,8 @@ def scan(text: str) -> Evidence:
     strings = [t for t in tokens if t.lastgroup == "string"]
     found = Evidence(
         padded=first(coded(PADDED_SIGNS) + _quoted(data, strings, PADDED)),
-        masked=first(coded(MASKED_SIGNS) + _quoted(data, strings, MASKED)),
-        fixed=first(coded(FIXED_SIGNS)),
+        masked=first(coded(MASKED_SIGNS) + _quoted(data, strings, MASKED, KEY_SET_TO_ONES)),
+        fixed=first(coded(FIXED_SIGNS) + _chunked_datasets(data, strings)),
     )
     for comment in (t for t in tokens if t.lastgroup == "comment"):
         match = SUPPRESSION.search(comment.group().decode("utf-8"))
@@ -157,14 +166,27 @@ def scan(text: str) -> Evidence:
     return found
 
 
-def _quoted(data: bytes, strings: list[re.Match[bytes]], names: set[str]) -> list[tuple[int, str]]:
+def _quoted(
+    data: bytes, strings: list[re.Match[bytes]], names: set[str], unless: re.Pattern | None = None
+) -> list[tuple[int, str]]:
     """Where string literals naming one of `names` (`batch["loss_mask"]`) start, prefix
-    included, and what they show."""
+    included, and what they show; not those that `unless` matches right after."""
     found = []
     for string in strings:
         start = string.start()
         letters = prefix(data, start)
         literal = (letters + string.group()).decode("utf-8")
-        if literal.strip("\"'rbf") in names:
+        if literal.strip("\"'rbf") in names and not (unless and unless.match(data, string.end())):
             found.append((start - len(letters), f"`{literal}`"))
+    return found
+
+
+def _chunked_datasets(data: bytes, strings: list[re.Match[bytes]]) -> list[tuple[int, str]]:
+    """Where string literals naming a hub dataset of chunked or packed rows start, and what
+    they show."""
+    found = []
+    for string in strings:
+        literal = string.group().decode("utf-8", "replace").strip("\"'")
+        if CHUNKED_DATASET.fullmatch(literal):
+            found.append((string.start(), f"`{literal}`, a dataset of chunked or packed rows"))
     return found
