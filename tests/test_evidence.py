@@ -51,6 +51,7 @@ def tokens(text: str):
 def reference(text: str) -> Evidence:
     found = Evidence()
     previous: list = []
+    one_length, ragged = None, False
     stream = list(tokens(text))
     for index, token in enumerate(stream):
         line, string = token.start[0], token.string
@@ -77,7 +78,16 @@ def reference(text: str) -> Evidence:
         ):
             found.fixed = (line, what)
         if token.type not in SKIPPED:
+            strings = [t.string for t in previous[-2:]]
+            if strings == ["padding", "="] and token.string in ('"max_length"', "'max_length'"):
+                one_length = one_length or (line, f"`padding={token.string}`")
+            ragged = ragged or (
+                (strings == ["padding", "="] and token.string in ("True", '"longest"', "'longest'"))
+                or (token.type == tokenize.NAME and token.string == "pad_sequence")
+                or (token.type == tokenize.NAME and token.string.startswith("DataCollator"))
+            )
             previous = [*previous[-15:], token]
+    found.one_length = None if ragged else one_length
     return found
 
 
@@ -212,6 +222,11 @@ SNIPPETS = {
         'load_dataset("org/books-tokenized-chunked-4096")\nb = "o/Packed_Chat"\n'
         'c = "someone/repacked-gguf"\nd = "data/chunk_index"\ne = "x/packed/y"\n'
     ),
+    "rows of one length": "tok(t, padding='max_length')\ntok(u, padding = \"max_length\")\n",
+    "rows of one length and ragged rows": (
+        "tok(t, padding='max_length')\nc = DataCollatorForSeq2Seq(tok)\n"
+    ),
+    "ragged rows by their padding": "tok(t, padding='max_length')\ntok(u, padding=True)\n",
     "keyword before a string": 'if"attention_mask" in batch:\n    pass\n',
 }
 
@@ -234,6 +249,7 @@ def test_the_reference_sees_something():
     assert sum(e.padded is not None for e in found) > 10
     assert sum(e.fixed is not None for e in found) > 3
     assert sum(bool(reference(text).suppressions) for text in SNIPPETS.values()) > 1
+    assert sum(reference(text).one_length is not None for text in SNIPPETS.values()) > 1
 
 
 def test_lightnings_demo_dataset_is_fixed_length_blocks():

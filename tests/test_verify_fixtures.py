@@ -109,6 +109,15 @@ MISMODELLED = {
 # group: here it runs as one process; `--distributed 2` proves it on two, in
 # tests/test_harness_ddp.py.)
 NOT_REPLAYABLE = {
+    # A token-classification head of one label (`num_labels=1`) regressed on per-token values:
+    # the harness's tiny token models score every entry of their vocabulary.
+    **{
+        name: ("not replayable: RuntimeError", ("must match the size of tensor b",))
+        for name in (
+            "ga001_unmasked_mean_rows_of_any_length",
+            "ga001_exact_unmasked_mean_rows_of_one_length",
+        )
+    },
     # A loss helper that tokenises the batch's texts itself: the harness's batches hold no text
     # (tests/test_deepspeed.py proves the read-ahead of such a helper with real DeepSpeed).
     "ga003_deepspeed_loss_helper_builds_targets": (

@@ -235,6 +235,14 @@ class Domains:
                 "examples", False, "a mean in a classifier's file, one element per example"
             )
         what = "a mean whose elements gaaudit cannot name"
+        if _reduces_here(origin) and self.evidence.one_length is not None:
+            line, sign = self.evidence.one_length
+            return Domain(
+                "dense",
+                False,
+                f"an unmasked mean, over every element; rows are padded to one length ({sign}, "
+                f"line {line})",
+            )
         found = self._tokens(what)
         if found.varies is None and _reduces_here(origin) and not tasks(self.text):
             return Domain("dense", None, what)  # no sign of tokens: it counts its elements

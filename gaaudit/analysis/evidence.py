@@ -87,6 +87,12 @@ FIXED_SIGNS = (
         lambda match: "inputs and targets viewed as B x T blocks of one token buffer",
     ),
 )
+# Rows padded to one length (`padding="max_length"`), unless others are padded to their batch's
+# longest: a mean over every element then counts the same number in each micro-batch.
+ONE_LENGTH = re.compile(rb"\bpadding\s*=\s*(?P<sign>[\"']max_length[\"'])")
+RAGGED = re.compile(
+    rb"\b(?P<sign>padding\s*=\s*(?:True|[\"']longest[\"'])|pad_sequence|DataCollator\w*)(?!\w)"
+)
 # a hub dataset's id that names its rows chunked or packed to one length:
 # "emozilla/pg_books-tokenized-bos-eos-chunked-65536"
 CHUNKED_DATASET = re.compile(
@@ -107,6 +113,7 @@ class Evidence:
     padded: tuple[int, str] | None = None  # (line, what) of the first sign of varying counts
     masked: tuple[int, str] | None = None  # of padded inputs (an attention mask)
     fixed: tuple[int, str] | None = None
+    one_length: tuple[int, str] | None = None  # of rows padded to one length, none ragged
     suppressions: dict[int, frozenset[str] | None] = field(default_factory=dict)
 
     @property
@@ -156,6 +163,9 @@ def scan(text: str) -> Evidence:
         masked=first(coded(MASKED_SIGNS) + _quoted(data, strings, MASKED, KEY_SET_TO_ONES)),
         fixed=first(coded(FIXED_SIGNS) + _chunked_datasets(data, strings)),
     )
+    if not coded([(RAGGED, str)]):
+        signs = [(ONE_LENGTH, lambda match: f"`padding={match['sign'].decode()}`")]
+        found.one_length = first(coded(signs))
     for comment in (t for t in tokens if t.lastgroup == "comment"):
         match = SUPPRESSION.search(comment.group().decode("utf-8"))
         if match:
