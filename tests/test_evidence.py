@@ -157,11 +157,36 @@ def fixed(token, previous) -> str | None:
             strings = strings[:-2]
         if _after_randint(strings):
             return "random fixed-length windows drawn with `randint` over the data's length"
+    if token.string in ("[", "(") and _asserted_shape([t.string for t in previous]):
+        return "an `assert` that every batch of inputs has one shape"
     if token.string == ")" and _viewed_blocks(previous):
         return "inputs and targets viewed as B x T blocks of one token buffer"
     if token.string in ('"input_ids"', "'input_ids'") and _stacked_rows(strings):
         return "a collator's `torch.stack` of its rows' `input_ids`, as they are"
     return None
+
+
+def _asserted_shape(strings: list[str]) -> bool:
+    """Whether the tokens end with `assert <inputs>.shape ==` (then `torch.Size(`), where
+    <inputs> is a dotted name whose last part names inputs, ids or tokens (or is `x`), or such
+    a key of a subscript (`batch["input_ids"]`)."""
+    if strings[-4:] == ["torch", ".", "Size", "("]:
+        strings = strings[:-4]
+    if strings[-3:] != [".", "shape", "=="] or "assert" not in strings:
+        return False
+    subject = strings[len(strings) - strings[::-1].index("assert") : -3]
+    inputs = r"\w*(?:input|ids|tokens)\w*"
+    if subject[-3:-2] == ["["] and subject[-1:] == ["]"]:
+        key, subject = subject[-2], subject[:-3]
+        if not re.fullmatch(f"[\"']{inputs}[\"']", key) or not subject:
+            return False
+    elif not subject or not re.fullmatch(rf"{inputs}|\w*idx\w*|x", subject[-1]):
+        return False
+    dotted = subject[:-1]
+    return (
+        all(part == "." if i % 2 else part.isidentifier() for i, part in enumerate(dotted))
+        and len(dotted) % 2 == 0
+    )
 
 
 def _stacked_rows(strings: list[str]) -> bool:
@@ -227,6 +252,14 @@ SNIPPETS = {
         "tok(t, padding='max_length')\nc = DataCollatorForSeq2Seq(tok)\n"
     ),
     "ragged rows by their padding": "tok(t, padding='max_length')\ntok(u, padding=True)\n",
+    "an asserted shape of ids": "assert input_ids.shape == torch.Size([b, t])\n",
+    "an asserted shape of x": "assert x.shape == (4, 8)\n",
+    "an asserted shape of a key": 'assert batch["input_ids"].shape == [2, 3]\n',
+    "an asserted shape of an attribute": "assert self.a.tokens.shape == (1,)\n",
+    "other asserted shapes": (
+        "assert x.shape == y.shape\nassert logits.shape == (b, t)\nassert xs.shape == (1,)\n"
+        'assert b["mask"].shape == (1,)\nif x.shape == (1,): pass\n'
+    ),
     "keyword before a string": 'if"attention_mask" in batch:\n    pass\n',
 }
 
@@ -248,6 +281,8 @@ def test_the_reference_sees_something():
     found = [reference(path.read_text()) for path in fixture_scripts()]
     assert sum(e.padded is not None for e in found) > 10
     assert sum(e.fixed is not None for e in found) > 3
+    shapes = [reference(text).fixed for name, text in SNIPPETS.items() if "asserted" in name]
+    assert sum(bool(fixed and "assert" in fixed[1]) for fixed in shapes) == 4
     assert sum(bool(reference(text).suppressions) for text in SNIPPETS.values()) > 1
     assert sum(reference(text).one_length is not None for text in SNIPPETS.values()) > 1
 

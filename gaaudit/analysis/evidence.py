@@ -82,6 +82,14 @@ FIXED_SIGNS = (
         ),
         lambda match: "a collator's `torch.stack` of its rows' `input_ids`, as they are",
     ),
+    (  # `assert input_ids.shape == torch.Size([B, T])`: every batch of inputs has one shape
+        re.compile(
+            rb"\bassert\s+(?:[\w.]+\.)?(?:\w*(?:input|ids|tokens|idx)\w*|x"
+            rb"|\w+\[\s*[\"']\w*(?:input|ids|tokens)\w*[\"']\s*\])"
+            rb"\.(?P<sign>shape)\s*==\s*(?:torch\.Size\(\s*)?[\[(]"
+        ),
+        lambda match: "an `assert` that every batch of inputs has one shape",
+    ),
     (  # llm.c's loaders: `x = (buf[:-1]).view(B, T)`, `y = (buf[1:]).view(B, T)`
         re.compile(rb"\[\s*(?P<sign>:\s*-\s*1)\s*\]\s*\)?\.view\(\s*\w+\s*,\s*\w+\s*\)"),
         lambda match: "inputs and targets viewed as B x T blocks of one token buffer",
