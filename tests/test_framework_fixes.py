@@ -379,7 +379,7 @@ OPTAX = """\
 @pytest.mark.parametrize(
     "loss, after, reason",
     [
-        ("losses.mean()", "", "the loss is a plain mean with no mask"),
+        ("losses.mean()", "", "the loss is a plain mean over every element"),
         ('jnp.mean(losses, where=batch["valid"]), losses', "", "returns more than its masked mean"),
         (
             'jnp.mean(losses, where=batch["valid"])',

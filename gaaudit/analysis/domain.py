@@ -240,7 +240,7 @@ class Domains:
             return Domain(
                 "dense",
                 False,
-                f"an unmasked mean, over every element; rows are padded to one length ({sign}, "
+                f"a mean over every element of its tensor; rows are padded to one length ({sign}, "
                 f"line {line})",
             )
         found = self._tokens(what)

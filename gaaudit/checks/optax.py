@@ -322,7 +322,11 @@ class OptaxAudit(_Divisions):
         (jit's micro-batches share one shape, so it counts as many elements in each), else as
         the loss's domain says."""
         origin, function = self.loss
-        masked = origin.kind in ("mean", "unknown") and self.per_row() is None
+        # a mask spent within each row, or one that only zeroes terms of a mean over every
+        # element (`(ce * mask).mean()`), leaves the count as the shape makes it
+        over_all = origin.kind == "mean" and not origin.module
+        over_all = over_all and _reduced(origin.source, self.tree) is not None
+        masked = origin.kind in ("mean", "unknown") and self.per_row() is None and not over_all
         mask = self._mask_sign(function) if masked else None
         if origin.kind == "unknown" and mask is not None:
             return Confidence.MEDIUM, (

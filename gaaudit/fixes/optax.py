@@ -96,8 +96,9 @@ class _LossFunction:
             )
         else:
             raise Unfixable(
-                "the loss is a plain mean with no mask: gaaudit cannot tell what each micro-batch "
-                "counts (with equal micro-batch shapes the average is exact)"
+                "the loss is a plain mean over every element, no mask in its count: gaaudit "
+                "cannot tell what each micro-batch counts (with equal micro-batch shapes the "
+                "average is exact)"
             )
         returns = self.tracer.returns(function)
         if len(returns) != 1 or self._resolve(returns[0], function) is not source:
