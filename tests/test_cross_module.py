@@ -99,6 +99,7 @@ def test_package_fixtures_are_varied():
         "GA001",
         "GA002",
         "GA003",
+        "GA004",
         "GA005",
     }
 
@@ -122,6 +123,8 @@ def test_correct_packages_are_clean_because_the_helper_was_read(tmp_path):
         ]
         if not helpers:  # clean because another module's window was read, not its loss
             continue
+        if all(p in helpers or "def " not in p.read_text() for p in copy.rglob("*.py")):
+            continue  # no window: clean by what its code says (an override taking the count)
         checked += 1
         for helper in helpers:
             helper.unlink()
@@ -1554,3 +1557,24 @@ def test_an_annotated_model_of_the_repository_is_named_where_its_loss_is_out_of_
         "counts), backpropagate the loss times that count and divide the gradients once by the "
         "window's total"
     ), outcome.reason
+
+
+# A Trainer subclass whose base is the project's own Trainer, in another module -------------
+
+BASED = FIXTURES / "ga004_xmod_trainer_base_of_another_module"
+
+
+def test_a_trainer_base_of_another_module_is_followed_and_is_a_dependency(tmp_path):
+    """`class CorrectorTrainer(BaseTrainer)`, `BaseTrainer` imported from `.base`, where it
+    derives from `transformers.Trainer`: GA004 reads the override, and editing the base (no
+    longer a Trainer) re-judges it."""
+    folder = tmp_path / "project"
+    shutil.copytree(BASED, folder)
+    corrector, base = folder / "trainers/corrector.py", folder / "trainers/base.py"
+    (finding,) = check_file(corrector, ALL).findings
+    assert finding.code == "GA004"
+    dependencies = context_of(corrector).dependencies
+    assert Dependency(str(base), file_digest(base)) in dependencies
+    base.write_text(base.read_text().replace("(transformers.Trainer)", "(object)"))
+    assert not current(dependencies)
+    assert check_file(corrector, ALL).findings == []

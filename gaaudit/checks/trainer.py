@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import libcst as cst
 
@@ -22,8 +23,12 @@ from gaaudit.analysis.tree import (
     positional,
     string_value,
 )
+from gaaudit.discover.modules import derives_from_trainer
 from gaaudit.findings import Confidence, Finding
 from gaaudit.vocabulary import TRAINER_MODULES
+
+if TYPE_CHECKING:
+    from gaaudit.analysis.repository import Imports
 
 CODE = "GA004"
 COUNT = "num_items_in_batch"
@@ -510,8 +515,9 @@ class _Models:
 class TrainerAudit(_LossKwargs, _Models):
     """GA004 over one file: Trainer subclasses, and models handed to a Trainer."""
 
-    def __init__(self, tree: Tree) -> None:
+    def __init__(self, tree: Tree, imports: Imports | None = None) -> None:
         self.tree = tree
+        self.imports = imports  # where a base class imported from the repository is read
         self.tracer = _Tracer(tree)
         self.classes = {node.name.value: node for node in tree.classes}
         self.trainers: dict[str, cst.ClassDef] = {}
@@ -531,11 +537,18 @@ class TrainerAudit(_LossKwargs, _Models):
         yield from self._loss_functions()
 
     def _is_trainer(self, expr: cst.BaseExpression) -> bool:
-        """A Trainer class from transformers or trl, or a same-file subclass of one."""
+        """A Trainer class from transformers or trl, a same-file subclass of one, or a
+        `...Trainer` imported from a module of the repository that derives from one."""
         qualified = self.tree.qualified(expr) or ""
         if qualified.startswith(TRAINER_MODULES) and qualified.endswith("Trainer"):
             return True
-        return dotted(expr) in self.trainers
+        if dotted(expr) in self.trainers:
+            return True
+        found = self.imports
+        reference = found.reference(expr) if found and qualified.endswith("Trainer") else None
+        return reference is not None and derives_from_trainer(
+            found.directory, reference.level, reference.module, reference.name, found.dependencies
+        )
 
     def _compute_loss(
         self, cls: cst.ClassDef, function: cst.FunctionDef, where: str
@@ -744,11 +757,14 @@ def detached(value: cst.BaseExpression) -> bool:
 def findings(context) -> list[Finding]:
     """GA004 for one file."""
     tree = context.tree
-    if not any(q.split(".")[0] in ("transformers", "trl") for q in tree.imports.values()):
+    if not any(
+        q.split(".")[0] in ("transformers", "trl") or q.endswith("Trainer")
+        for q in tree.imports.values()
+    ):
         return []
     hint = catalogue.load()[CODE].hint
     found = []
-    audit = TrainerAudit(tree)
+    audit = TrainerAudit(tree, context.imports)
     domains = Domains(tree, audit.tracer, context.evidence, context.text)
     for site in audit.sites():
         if site.kind == "library-head":

@@ -275,9 +275,8 @@ def targets(
     lines = text.removeprefix("\ufeff").splitlines()
     patched_lines = patched.decode("utf-8", "replace").splitlines()
     found: dict[int, Target] = {}
-    auditor = Auditor(
-        tree, directory=path.parent, imports=Imports(tree, path.parent, name=path.name)
-    )
+    imports = Imports(tree, path.parent, name=path.name)
+    auditor = Auditor(tree, directory=path.parent, imports=imports)
     evidence = scan(text.removeprefix("\ufeff"))
     domains = Domains(tree, auditor.tracer, evidence, text)
     # the file's sign of fixed-length blocks, where it shows no padded or masked labels; where
@@ -342,7 +341,7 @@ def targets(
             else (),
         )
     statements = {line for line, t in found.items() if t.flagged}
-    audit = TrainerAudit(tree)
+    audit = TrainerAudit(tree, imports)
     located = _Locator(tree, lines, patched_lines)
     trainers = _trainer_targets(audit, located, statements)
     setup = _trainer_setup(audit, located, trainers, line, path, original)

@@ -7,6 +7,7 @@ its findings stay current as long as those files hold the same bytes (or stay ab
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from stat import S_ISREG
+
+from gaaudit.vocabulary import TRAINER_MODULES
 
 # Third-party packages, never part of the repository being checked.
 # fmt: off
@@ -103,6 +106,66 @@ def locate(directory: Path, level: int, module: str, seen: set[Dependency]) -> P
             if digest:
                 return candidate
     return None
+
+
+def derives_from_trainer(
+    directory: Path, level: int, module: str, name: str, seen: set[Dependency], hops: int = 0
+) -> bool:
+    """Whether the class `name` that a file in `directory` imports from the module `module`
+    (after `level` dots) of its repository derives from a transformers or trl `...Trainer`
+    (`class BaseTrainer(transformers.Trainer)` in `trainers/base.py`): there, through that
+    module's other classes, or through the modules it imports them from, `MAX_HOPS` deep.
+    Each file read or looked for is added to `seen`."""
+    path = locate(directory, level, module, seen) if hops <= MAX_HOPS else None
+    if path is None:
+        return False
+    found, read = _derives(path, file_digest(path), name, hops)
+    seen |= read
+    return found
+
+
+@lru_cache(maxsize=256)
+def _derives(path: Path, digest: str, name: str, hops: int) -> tuple[bool, frozenset[Dependency]]:
+    """`derives_from_trainer` for the class `name` of the module at `path` (`digest`: its
+    version), and the files read beyond it."""
+    try:
+        module = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return False, frozenset()
+    seen: set[Dependency] = set()
+    classes = {n.name: n for n in module.body if isinstance(n, ast.ClassDef)}
+    imported: dict[str, tuple[int, str, str]] = {}  # local -> (level, module, name)
+    for node in module.body:
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                imported[alias.asname or alias.name] = (node.level, node.module or "", alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                local = alias.asname or alias.name.split(".")[0]
+                imported[local] = (0, "", alias.name if alias.asname else local)
+
+    def derives(local: str, visited: frozenset[str]) -> bool:
+        if local in classes and local not in visited:
+            return any(based(b, visited | {local}) for b in classes[local].bases)
+        if local not in imported:
+            return False
+        level, source, original = imported[local]  # re-exported: `from .base import Base`
+        return derives_from_trainer(path.parent, level, source, original, seen, hops + 1)
+
+    def based(base: ast.expr, visited: frozenset[str]) -> bool:
+        parts = []
+        while isinstance(base, ast.Attribute):
+            parts.insert(0, base.attr)
+            base = base.value
+        if not isinstance(base, ast.Name):
+            return False
+        level, source, original = imported.get(base.id, (0, "", base.id))
+        qualified = ".".join(p for p in (source, original, *parts) if p)
+        if not level and qualified.startswith(TRAINER_MODULES):
+            return qualified.endswith("Trainer")
+        return not parts and derives(base.id, visited)
+
+    return derives(name, frozenset()), frozenset(seen)
 
 
 @lru_cache(maxsize=256)  # asked for every import of every file of a folder

@@ -12,7 +12,8 @@ belong to an accumulation window only
 A call handed the loss, an optimizer and a flag computed from `a % k` (a loss scaler) is a
 backward and a step of its own.
 A pipeline schedule matters where it is built; a Trainer override in a class deriving from
-a transformers or trl Trainer, and a Trainer where it is called; the other triggers (a JAX
+a transformers or trl Trainer (here, or through a class of another module of the
+repository), and a Trainer where it is called; the other triggers (a JAX
 tree map, ...) where code spells them, in a file that gives their rule what it needs.
 Definitions holding none of these are blanked by `focus`; a file left with nothing is
 answered without libcst.
@@ -37,6 +38,7 @@ from gaaudit.discover.modules import (
     Dependency,
     bases,
     configured_accumulation,
+    derives_from_trainer,
     file_digest,
 )
 from gaaudit.discover.source import TRIGGERS
@@ -84,7 +86,8 @@ SCRIPT = b"/// script"  # GA006 reads a PEP 723 block: a comment
 # What a file's bytes must hold besides a family's words for its rule to fire: the name of
 # a module that imports its home, or a Lightning accumulation setting.
 FAMILY_SIGNS = (
-    (TRAINER_WORDS, (*(h.encode() for h in TRAINER_HOMES), *LIGHTNING_WORDS)),
+    # a class deriving from a `...Trainer` of another module: `class Corrector(BaseTrainer):`
+    (TRAINER_WORDS, (*(h.encode() for h in TRAINER_HOMES), *LIGHTNING_WORDS, b"Trainer):")),
     (JAX_WORDS, tuple(h.encode() for h in JAX_HOMES)),
     (MMENGINE_WORDS, tuple(h.encode() for h in MMENGINE_HOMES)),
 )
@@ -132,13 +135,13 @@ def screen(data: bytes, names: frozenset[str], directory: Path) -> Screened:
     # them (not in strings or comments).
     words = judge.family_words(bool(configured))
     kept = judge.naming(words, found) if words else set()
-    if judge.imports_any(TRAINER_HOMES):
+    if judge.imports_any(TRAINER_HOMES) or judge.imports_trainer():
         kept |= judge.trainer_units(found)
 
     def matters(unit) -> bool:
         return unit in owners or unit in kept
 
-    dependencies = judge.dependencies | read
+    dependencies = judge.dependencies | judge.bases_read | read
     if not (owners or kept) and SCRIPT not in data:
         return Screened(None, dependencies)
     return Screened(blank(data, lines, tree, found, matters), dependencies, tree)
@@ -214,9 +217,32 @@ class _TrainerUnits:
             return False
         head, dot, rest = name.partition(".")
         qualified = {f"{full}{dot}{rest}" for full in self._qualified.get(head, {head})}
-        return name in trainers or any(
-            q.startswith(TRAINER_MODULES) and q.endswith("Trainer") for q in qualified
+        return (
+            name in trainers
+            or any(q.startswith(TRAINER_MODULES) and q.endswith("Trainer") for q in qualified)
+            or self._derived(name)
         )
+
+    def _derived(self, name: str) -> bool:
+        """Whether `name` is a `...Trainer` class the file imports from a module of its
+        repository, deriving from a transformers or trl Trainer there (`derives_from_trainer`;
+        the files read join `bases_read`)."""
+        if not name.endswith("Trainer"):
+            return False
+        return any(
+            derives_from_trainer(
+                self.directory, node.level, node.module or "", alias.name, self.bases_read
+            )
+            for node in self.imports
+            if isinstance(node, ast.ImportFrom) and not _trainer_home(node.module or "")
+            for alias in node.names
+            if (alias.asname or alias.name) == name
+        )
+
+    def imports_trainer(self) -> bool:
+        """Whether the file subclasses a `...Trainer` it imports from its repository that
+        derives from a transformers or trl Trainer."""
+        return any(self._derived(_dotted(b) or "") for c in self.classes for b in c.bases)
 
     @cached_property
     def _qualified(self) -> dict[str, set[str]]:
@@ -535,6 +561,7 @@ class _Judge(_TrainerUnits, _Lines, _Windows):
         self.tree, self.data, self.lines = tree, data, lines
         self.names, self.directory = names, directory
         self.dependencies: frozenset[Dependency] = frozenset()
+        self.bases_read: set[Dependency] = set()  # read for classes' bases (`_derived`)
         self.parents: dict[ast.AST, ast.AST] = {}
         self._region_steps: dict[ast.AST, list[ast.Call]] = {}
         self._windows: dict[ast.AST, bool] = {}

@@ -115,7 +115,7 @@ def _framework_fixes(context, reported: set[tuple[str, int, int]], unsafe: bool,
     tree = context.tree
     edits, outcomes = Edits(), []
     if any(code == "GA004" for code, _, _ in reported):
-        trainer_audit = TrainerAudit(tree)
+        trainer_audit = TrainerAudit(tree, context.imports)
         sites = [s for s in trainer_audit.sites() if ("GA004", *_start(tree, s.node)) in reported]
         later, pin, _ = admits(path, SHIFTED_COUNT)
         planner = TrainerPlanner(
