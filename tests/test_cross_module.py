@@ -1573,6 +1573,7 @@ def test_a_trainer_base_of_another_module_is_followed_and_is_a_dependency(tmp_pa
     corrector, base = folder / "trainers/corrector.py", folder / "trainers/base.py"
     (finding,) = check_file(corrector, ALL).findings
     assert finding.code == "GA004"
+    assert any("through `BaseTrainer` of `.base`" in line for line in finding.evidence)
     dependencies = context_of(corrector).dependencies
     assert Dependency(str(base), file_digest(base)) in dependencies
     base.write_text(base.read_text().replace("(transformers.Trainer)", "(object)"))

@@ -521,14 +521,20 @@ class TrainerAudit(_LossKwargs, _Models):
         self.tracer = _Tracer(tree)
         self.classes = {node.name.value: node for node in tree.classes}
         self.trainers: dict[str, cst.ClassDef] = {}
+        self.through: dict[str, str] = {}  # a class's base of another module, in words
         for name, cls in self.classes.items():  # source order: a base precedes its subclasses
             if any(self._is_trainer(base.value) for base in cls.bases):
                 self.trainers[name] = cls
+            via = next(filter(None, (self._imported_trainer(b.value) for b in cls.bases)), None)
+            if via is not None:
+                self.through[name] = via
 
     def sites(self) -> Iterator[Site]:
         for name, cls in self.trainers.items():
             methods = methods_of(cls)
-            where = f"trainer: `class {name}` subclasses a transformers Trainer (line {self.tree.line(cls)})"
+            via = f" through {self.through[name]}" if name in self.through else ""
+            line = self.tree.line(cls)
+            where = f"trainer: `class {name}` subclasses a transformers Trainer{via} (line {line})"
             if "compute_loss" in methods:
                 yield from self._compute_loss(cls, methods["compute_loss"], where)
             if "training_step" in methods:
@@ -542,13 +548,19 @@ class TrainerAudit(_LossKwargs, _Models):
         qualified = self.tree.qualified(expr) or ""
         if qualified.startswith(TRAINER_MODULES) and qualified.endswith("Trainer"):
             return True
-        if dotted(expr) in self.trainers:
-            return True
+        return dotted(expr) in self.trainers or self._imported_trainer(expr) is not None
+
+    def _imported_trainer(self, expr: cst.BaseExpression) -> str | None:
+        """`BaseTrainer` of `.base`, when `expr` names a `...Trainer` imported from a module of
+        the repository that derives from a transformers or trl Trainer there."""
         found = self.imports
-        reference = found.reference(expr) if found and qualified.endswith("Trainer") else None
-        return reference is not None and derives_from_trainer(
+        named = found is not None and (self.tree.qualified(expr) or "").endswith("Trainer")
+        reference = found.reference(expr) if named else None
+        if reference is None or not derives_from_trainer(
             found.directory, reference.level, reference.module, reference.name, found.dependencies
-        )
+        ):
+            return None
+        return f"`{code(expr)}` of `{reference.spelled}`"
 
     def _compute_loss(
         self, cls: cst.ClassDef, function: cst.FunctionDef, where: str
