@@ -235,7 +235,8 @@ class Domains:
                 "examples", False, "a mean in a classifier's file, one element per example"
             )
         what = "a mean whose elements gaaudit cannot name"
-        if _reduces_here(origin) and self.evidence.one_length is not None:
+        here = _reduces_here(origin)  # it counts every element of its tensor
+        if here and self.evidence.one_length is not None:
             line, sign = self.evidence.one_length
             return Domain(
                 "dense",
@@ -244,7 +245,7 @@ class Domains:
                 f"line {line})",
             )
         found = self._tokens(what)
-        if found.varies is None and _reduces_here(origin) and not tasks(self.text):
+        if found.varies is None and here and not tasks(self.text):
             return Domain("dense", None, what)  # no sign of tokens: it counts its elements
         return found
 

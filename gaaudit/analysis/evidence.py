@@ -26,6 +26,8 @@ MASKED = {"attention_mask", "DataCollatorWithPadding"}
 # Names that show fixed-length, packed data, where mean/K is exact.
 # (`WikiText2`: Lightning's demo dataset, `lightning.pytorch.demos`, of fixed-length blocks)
 FIXED = {"memmap", "group_texts", "block_size", "ConstantLengthDataset", "WikiText2"}
+# A tokenizer's padding: to each batch's longest (`True`, "longest") or to one length.
+PADDING = re.compile(rb"\bpadding\s*=\s*(?P<sign>True\b|[\"'](?:longest|max_length)[\"'])")
 PADDED_SIGNS = (
     (
         re.compile(
@@ -44,10 +46,7 @@ PADDED_SIGNS = (
         ),
         lambda match: f"`{match['sign'].decode()}[...] = -N` writes ignored targets",
     ),
-    (
-        re.compile(rb"\bpadding\s*=\s*(?P<sign>True\b|[\"'](?:longest|max_length)[\"'])"),
-        lambda match: "a tokenizer's `padding=`",
-    ),
+    (PADDING, lambda match: "a tokenizer's `padding=`"),
 )
 # what follows a mask of ones, which hides no position: `attention_mask=torch.ones_like(ids)`
 SET_TO_ONES = rb"\s*=\s*(?:torch\.)?ones(?:_like)?\("
@@ -96,11 +95,9 @@ FIXED_SIGNS = (
     ),
 )
 # Rows padded to one length (`padding="max_length"`), unless others are padded to their batch's
-# longest: a mean over every element then counts the same number in each micro-batch.
-ONE_LENGTH = re.compile(rb"\bpadding\s*=\s*(?P<sign>[\"']max_length[\"'])")
-RAGGED = re.compile(
-    rb"\b(?P<sign>padding\s*=\s*(?:True|[\"']longest[\"'])|pad_sequence|DataCollator\w*)(?!\w)"
-)
+# longest (`PADDING` to it, or these): a mean over every element then counts the same number
+# in each micro-batch.
+RAGGED = re.compile(rb"\b(?P<sign>pad_sequence|DataCollator\w*)(?!\w)")
 # a hub dataset's id that names its rows chunked or packed to one length:
 # "emozilla/pg_books-tokenized-bos-eos-chunked-65536"
 CHUNKED_DATASET = re.compile(
@@ -171,9 +168,10 @@ def scan(text: str) -> Evidence:
         masked=first(coded(MASKED_SIGNS) + _quoted(data, strings, MASKED, KEY_SET_TO_ONES)),
         fixed=first(coded(FIXED_SIGNS) + _chunked_datasets(data, strings)),
     )
-    if not coded([(RAGGED, str)]):
-        signs = [(ONE_LENGTH, lambda match: f"`padding={match['sign'].decode()}`")]
-        found.one_length = first(coded(signs))
+    paddings = [m for m in PADDING.finditer(data) if in_code(m.start())]
+    lengths = [(m.start("sign"), f"`padding={m['sign'].decode()}`") for m in paddings]
+    if all(b"max_length" in m["sign"] for m in paddings) and not coded([(RAGGED, str)]):
+        found.one_length = first(lengths)
     for comment in (t for t in tokens if t.lastgroup == "comment"):
         match = SUPPRESSION.search(comment.group().decode("utf-8"))
         if match:

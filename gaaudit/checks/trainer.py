@@ -521,18 +521,15 @@ class TrainerAudit(_LossKwargs, _Models):
         self.tracer = _Tracer(tree)
         self.classes = {node.name.value: node for node in tree.classes}
         self.trainers: dict[str, cst.ClassDef] = {}
-        self.through: dict[str, str] = {}  # a class's base of another module, in words
         for name, cls in self.classes.items():  # source order: a base precedes its subclasses
             if any(self._is_trainer(base.value) for base in cls.bases):
                 self.trainers[name] = cls
-            via = next(filter(None, (self._imported_trainer(b.value) for b in cls.bases)), None)
-            if via is not None:
-                self.through[name] = via
 
     def sites(self) -> Iterator[Site]:
         for name, cls in self.trainers.items():
             methods = methods_of(cls)
-            via = f" through {self.through[name]}" if name in self.through else ""
+            base = next(filter(None, (self._imported_trainer(b.value) for b in cls.bases)), None)
+            via = f" through {base}" if base is not None else ""
             line = self.tree.line(cls)
             where = f"trainer: `class {name}` subclasses a transformers Trainer{via} (line {line})"
             if "compute_loss" in methods:
