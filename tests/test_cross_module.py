@@ -1579,3 +1579,95 @@ def test_a_trainer_base_of_another_module_is_followed_and_is_a_dependency(tmp_pa
     base.write_text(base.read_text().replace("(transformers.Trainer)", "(object)"))
     assert not current(dependencies)
     assert check_file(corrector, ALL).findings == []
+
+
+# The data module a file imports ------------------------------------------------------------
+
+PADDED_DATA = FIXTURES / "ga001_xmod_padded_data_module"
+FIXED_DATA = FIXTURES / "ga001_exact_xmod_fixed_length_data_module"
+
+
+@pytest.mark.parametrize(
+    "folder, module, confidence, sign",
+    [
+        (PADDED_DATA, "dataloader.py", Confidence.HIGH, "`pad_sequence` in `dataloader`"),
+        (FIXED_DATA, "data.py", Confidence.LOW, "`block_size` in `data`"),
+    ],
+    ids=["padded", "fixed-length"],
+)
+def test_a_file_showing_nothing_of_its_data_reads_the_data_module_it_imports(
+    tmp_path, folder, module, confidence, sign
+):
+    """A training file whose own code shows neither padding nor fixed-length blocks takes the
+    signs of the repository's data module it imports (`from dataloader import ...`): targets
+    padded with -100 there make the count vary, blocks of one length make mean/K exact. The
+    module is a dependency: without it the finding is medium, as the file alone says."""
+    project = tmp_path / "project"
+    shutil.copytree(folder, project)
+    train, data = project / "train.py", project / module
+    (finding,) = check_file(train, ALL).findings
+    assert finding.confidence is confidence
+    assert sign in finding.evidence[-1]
+    dependencies = context_of(train).dependencies
+    assert Dependency(str(data), file_digest(data)) in dependencies
+    data.unlink()
+    assert not current(dependencies)
+    (alone,) = check_file(train, ALL).findings
+    assert alone.confidence is Confidence.MEDIUM and "`dataloader`" not in alone.evidence[-1]
+
+
+def test_a_data_modules_padding_does_not_make_a_models_own_loss_a_token_loss(tmp_path):
+    """A loss a model of no known task returns (`loss = self.model(wave)`) is a token loss only
+    where the file itself shows tokens: a data module that pads waveforms to the batch's
+    longest says nothing of what that loss averages over (a per-clip mean, say)."""
+    write(
+        tmp_path,
+        {
+            "speech/data.py": """\
+                from torch.nn.utils.rnn import pad_sequence
+
+
+                def collate(waves):
+                    return pad_sequence(waves, batch_first=True)
+                """,
+            "speech/trainer.py": """\
+                from .data import collate
+
+
+                class Trainer:
+                    def __init__(self, model, loader, optimizer, grad_accum_every=4):
+                        self.model, self.loader, self.optimizer = model, loader, optimizer
+                        self.grad_accum_every = grad_accum_every
+
+                    def train_step(self):
+                        batches = iter(self.loader)
+                        for _ in range(self.grad_accum_every):
+                            loss = self.model(next(batches))
+                            (loss / self.grad_accum_every).backward()
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+                """,
+        },
+    )
+    trainer = tmp_path / "speech/trainer.py"
+    (finding,) = check_file(trainer, ALL).findings
+    assert finding.confidence is Confidence.LOW, finding.evidence
+    assert "the file shows no tokens" in finding.evidence[-1]
+    assert str(tmp_path / "speech/data.py") in {d.path for d in context_of(trainer).dependencies}
+
+
+def test_a_data_packages_init_lists_its_modules_and_is_no_sign(tmp_path):
+    """`from dataset import build_dataset`, where `dataset/__init__.py` re-exports a packed and
+    a padded builder: the list says nothing of which the file's data use (xtuner's configs)."""
+    write(
+        tmp_path,
+        {
+            "dataset/__init__.py": "from .packed import build_packed_dataset\n",
+            "dataset/packed.py": "def build_packed_dataset(rows):\n    return rows\n",
+            "train.py": PADDED_DATA.joinpath("train.py")
+            .read_text()
+            .replace("from dataloader import get_dataloader", "from dataset import get_dataloader"),
+        },
+    )
+    (finding,) = check_file(tmp_path / "train.py", ALL).findings
+    assert finding.confidence is Confidence.MEDIUM, finding.evidence

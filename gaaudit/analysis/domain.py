@@ -347,7 +347,9 @@ class Domains:
             )
         evidence = self.evidence
         shown = found in TOKEN_TASKS or tasks(self.text) & TOKEN_TASKS
-        if returned and not shown and not (evidence.padded or evidence.masked or evidence.fixed):
+        # a data module's padding may be of audio or images: the file itself must show tokens
+        signs = not evidence.module and (evidence.padded or evidence.masked or evidence.fixed)
+        if returned and not shown and not signs:
             return Domain("unknown", None, f"{what}, and the file shows no tokens")
         return self._tokens(what)
 

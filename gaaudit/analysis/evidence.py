@@ -119,6 +119,7 @@ class Evidence:
     masked: tuple[int, str] | None = None  # of padded inputs (an attention mask)
     fixed: tuple[int, str] | None = None
     one_length: tuple[int, str] | None = None  # of rows padded to one length, none ragged
+    module: str = ""  # the data module these signs were read in, when not the file itself
     suppressions: dict[int, frozenset[str] | None] = field(default_factory=dict)
 
     @property

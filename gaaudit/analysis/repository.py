@@ -16,13 +16,15 @@ being checked: its findings stay current as long as those files are unchanged.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 
 import libcst as cst
 
-from gaaudit.analysis.evidence import scan
+from gaaudit.analysis.evidence import Evidence, scan
 from gaaudit.analysis.jaxtrace import tracer_for
 from gaaudit.analysis.provenance import Division, Kind, Origin, Tracer, unguarded
 from gaaudit.analysis.tree import (
@@ -42,6 +44,11 @@ from gaaudit.discover.modules import MAX_HOPS, Dependency, file_digest, locate, 
 from gaaudit.discover.source import SourceError, parse
 
 LOSS_METHODS = ("forward", "__call__")
+# A module of the repository that builds the data, by its name: `data`, `custom_dataset`,
+# `data_loader`, `collators`, `data_utils` (not `data_parallel` or `metadata`).
+DATA_MODULE = re.compile(
+    r"(?i)(?<![a-z])(?:data(?:sets?|_?loaders?|_?modules?)?|collat\w*)(?:_?utils?)?$"
+)
 
 # How a function of a tree averages the gradients of the micro-steps it runs: line, divisor.
 Averaging = Callable[[Tree, str], "tuple[int, str] | None"]
@@ -434,6 +441,31 @@ class Imports(_Callers):
                 self._bindings.update(_bound(statement))
         return self._bindings
 
+    def data_evidence(self, own: Evidence) -> Evidence:
+        """`own`, the file's evidence; where it shows nothing of the data's shape, the signs of
+        the first data module of the repository it imports (`from .data import Loader`) that
+        shows some, each naming that module; not a package's `__init__`, which lists what its
+        modules define, not what the file uses."""
+        if own.padded or own.masked or own.fixed:
+            return own
+        modules = (
+            r for r in self.bindings.values() if DATA_MODULE.search(r.module.rpartition(".")[2])
+        )
+        for reference in dict.fromkeys(replace(r, name="") for r in modules):
+            path = locate(self.directory, reference.level, reference.module, self.dependencies)
+            if path is None or path.name == "__init__.py":
+                continue
+            found = _scanned(path, file_digest(path))
+            if found.padded or found.masked or found.fixed:
+                where = f" in `{reference.spelled}`"
+                named = {
+                    kind: (sign[0], sign[1] + where) if sign else None
+                    for kind in ("padded", "masked", "fixed", "one_length")
+                    for sign in [getattr(found, kind)]
+                }
+                return replace(own, module=reference.spelled, **named)
+        return own
+
     def reference(self, func: cst.BaseExpression) -> Reference | None:
         """What a callee names when it was imported: `helper`, `L.helper`, `pkg.losses.helper`."""
         name = dotted(func)
@@ -678,6 +710,12 @@ def _division(
         if argument is not None:
             return Division(node, argument)
     return Division(node, cst.parse_expression(text))
+
+
+@lru_cache(maxsize=64)
+def _scanned(path: Path, digest: str) -> Evidence:
+    """The evidence of the module at `path` (`digest`: its version)."""
+    return scan(path.read_text("utf-8", "replace").removeprefix("\ufeff"))
 
 
 def _bound(statement: cst.Import | cst.ImportFrom) -> Iterator[tuple[str, Reference]]:

@@ -31,8 +31,9 @@ class Context:
 
     @cached_property
     def evidence(self) -> Evidence:
-        """Data-shape evidence and suppressions, tokenized only when a rule asks."""
-        return scan(self.text.removeprefix("\ufeff"))
+        """Data-shape evidence and suppressions, tokenized only when a rule asks; where the
+        file shows nothing of its data's shape, that of the data module it imports."""
+        return self.imports.data_evidence(scan(self.text.removeprefix("\ufeff")))
 
     @cached_property
     def imports(self) -> Imports:
