@@ -384,15 +384,31 @@ class _Guards:
         return None
 
     def _modulo(self, test: cst.BaseExpression) -> cst.BinaryOperation | None:
-        """The `a % k` a step guard tests, directly or through a name assigned from it."""
+        """The `a % k` a step guard tests, directly or through a name assigned from it, or set
+        true under a test of it (`elif step % k == 0: update = True`)."""
         for node in self.tree.walk(test):
             if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo):
                 return node
             if isinstance(node, cst.Name):
                 for stmt in self.tree.bindings(self.tree.scope_of(test)).get(node.value, ()):
-                    inner = self._first_modulo(stmt.value) if isinstance(stmt, cst.Assign) else None
+                    inner = (
+                        self._first_modulo(stmt.value) or self._set_true_under_modulo(stmt)
+                        if isinstance(stmt, cst.Assign)
+                        else None
+                    )
                     if inner is not None:
                         return inner
+        return None
+
+    def _set_true_under_modulo(self, assign: cst.Assign) -> cst.BinaryOperation | None:
+        """The `a % k` of the `if` (or `elif`) in whose body `assign` sets a name `True`."""
+        if not (isinstance(assign.value, cst.Name) and assign.value.value == "True"):
+            return None
+        for node in self.tree.ancestors(assign):
+            if isinstance(node, cst.If) and self.tree.contains(node.body, assign):
+                return self._first_modulo(node.test)
+            if isinstance(node, (cst.FunctionDef, *LOOPS)):
+                return None
         return None
 
     def _first_modulo(self, expr: cst.CSTNode) -> cst.BinaryOperation | None:
