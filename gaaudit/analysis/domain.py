@@ -348,8 +348,7 @@ class Domains:
         evidence = self.evidence
         shown = found in TOKEN_TASKS or tasks(self.text) & TOKEN_TASKS
         # a data module's padding may be of audio or images: the file itself must show tokens
-        signs = not evidence.module and (evidence.padded or evidence.masked or evidence.fixed)
-        if returned and not shown and not signs:
+        if returned and not shown and (evidence.module or not evidence.shows_shape):
             return Domain("unknown", None, f"{what}, and the file shows no tokens")
         return self._tokens(what)
 

@@ -123,6 +123,11 @@ class Evidence:
     suppressions: dict[int, frozenset[str] | None] = field(default_factory=dict)
 
     @property
+    def shows_shape(self) -> bool:
+        """Whether the code shows any sign of its data's shape: padded, masked or fixed."""
+        return bool(self.padded or self.masked or self.fixed)
+
+    @property
     def blocks(self) -> tuple[int, str] | None:
         """The sign of fixed-length blocks, where the file shows no sign of varying counts."""
         return self.fixed if self.padded is None else None

@@ -446,7 +446,7 @@ class Imports(_Callers):
         the first data module of the repository it imports (`from .data import Loader`) that
         shows some, each naming that module; not a package's `__init__`, which lists what its
         modules define, not what the file uses."""
-        if own.padded or own.masked or own.fixed:
+        if own.shows_shape:
             return own
         modules = (
             r for r in self.bindings.values() if DATA_MODULE.search(r.module.rpartition(".")[2])
@@ -456,7 +456,7 @@ class Imports(_Callers):
             if path is None or path.name == "__init__.py":
                 continue
             found = _scanned(path, file_digest(path))
-            if found.padded or found.masked or found.fixed:
+            if found.shows_shape:
                 where = f" in `{reference.spelled}`"
                 named = {
                     kind: (sign[0], sign[1] + where) if sign else None
