@@ -16,6 +16,7 @@ from gaaudit import cache
 from gaaudit.checks import engine
 from gaaudit.commands.check import CheckOptions, check
 from gaaudit.config import Settings
+from gaaudit.findings import Confidence
 
 BUGGY = FIXTURES / "ga001_hf_clm_sft_no_trainer.py"
 CLEAN = FIXTURES / "ok_eval_only_mean.py"
@@ -107,6 +108,22 @@ def test_the_fixable_count_is_planned_once_and_kept_with_the_report(project, cap
     planned.clear()
     assert text() == first
     assert planned == []
+
+
+def test_the_fixable_count_plans_on_the_checks_own_analysis(project, capsys, monkeypatch, analyses):
+    """A whole file that `check` analysed is not parsed and audited again to count its
+    fixable findings; the count is the one a fix planned from nothing gives."""
+    from gaaudit.fixes import fixer
+
+    monkeypatch.setattr(fixer, "audit", engine.audit)  # the fixer's audits are counted too
+    check(CheckOptions(paths=(Path("."),), min_confidence="low", no_cache=True))
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert analyses.count("src/train.py") == 1, analyses
+    settings = Settings(min_confidence=Confidence.LOW)
+    scripts = [*Path(".").rglob("*.py"), *Path(".").rglob("*.ipynb")]
+    planned = sum(fixer.count_fixable(path, settings) for path in scripts)
+    assert analyses.count("src/train.py") == 2  # planned from nothing: audited again
+    assert summary == f"[*] {planned} fixable with `gaaudit fix`.", summary
 
 
 def test_changed_file_is_analysed_again(project, capsys, analyses):

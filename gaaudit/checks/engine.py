@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,9 +21,22 @@ IN_FLIGHT = 4  # tasks queued per worker: enough to keep it busy, few enough to 
 YOUNG_OBJECTS = 50_000  # allocations between collections of the youngest generation
 
 Result = tuple[Path, FileReport, "cache.Entry | None"]
-# how many findings of a file (or of its text) `gaaudit fix` would fix: a module-level
-# function, which workers receive by name
-FixableCount = Callable[[Path, Settings, "bytes | None"], int]
+
+
+@dataclass(frozen=True)
+class Audited:
+    """`check`'s analysis of a whole file (not a focused copy of it), which `fix` plans on
+    instead of parsing and auditing the same bytes again."""
+
+    data: bytes
+    module: object  # a libcst.Module: engine imports neither libcst nor typing for a clean file
+    context: object  # its checks.context.Context
+    findings: list
+
+
+# how many findings of a file (or of its text) `gaaudit fix` would fix, from `check`'s
+# analysis where it has one: a module-level function, which workers receive by name
+FixableCount = Callable[[Path, Settings, "bytes | None", "Audited | None"], int]
 
 
 def display_path(path: Path, root: Path | None = None) -> str:
@@ -62,12 +75,20 @@ def _real_folder(folder: str) -> str:
 def check_file(path: Path, settings: Settings, data: bytes | None = None) -> FileReport:
     """Read (or take `data`, its text from standard input), prefilter, parse and audit one
     file; never raises for a bad file."""
+    return _read_and_analyse(path, settings, data)[0]
+
+
+def _read_and_analyse(
+    path: Path, settings: Settings, data: bytes | None = None
+) -> tuple[FileReport, Audited | None]:
+    """`check_file`'s report, and its analysis where it covers the whole file."""
     shown = display_path(path)
     try:
         source = read(path, data)
     except SourceError as exc:
-        return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column))
-    return _analyse(source, settings, shown)[0]
+        return FileReport(shown, error=FileError(shown, exc.message, exc.line, exc.column)), None
+    report, _, audited = _analyse(source, settings, shown)
+    return report, audited
 
 
 def check_recorded(
@@ -94,9 +115,9 @@ def check_recorded(
             report = counted(path, report, settings, count)
         return path, report, replace(known, signature=signed, fixable=report.fixable)
     named = cache.named_files(source.data, path.parent)  # signed before the analysis reads them
-    report, found = _analyse(source, settings, shown)
+    report, found, audited = _analyse(source, settings, shown)
     if count:
-        report = counted(path, report, settings, count)
+        report = counted(path, report, settings, count, audited=audited)
     return path, report, cache.record(signed, content, report, [*named, *cache.signed(found)])
 
 
@@ -106,17 +127,20 @@ def counted(
     settings: Settings,
     count: FixableCount,
     data: bytes | None = None,
+    audited: Audited | None = None,
 ) -> FileReport:
     """The report with how many of its findings a safe `gaaudit fix` would fix, as `count`
-    (the fixer's, handed down: checks come before fixes) plans them for the file; in the
-    worker that checked it, cached with the report."""
+    (the fixer's, handed down: checks come before fixes) plans them for the file, on
+    `audited`, the check's analysis, where there is one; in the worker that checked it,
+    cached with the report."""
     fixable = any(f.fixable for f in report.findings)
-    report.fixable = count(path, settings, data) if fixable else 0
+    report.fixable = count(path, settings, data, audited) if fixable else 0
     return report
 
 
 def _analyse(source: Source, settings: Settings, shown: str):
-    """The report on a file's bytes, and the other files the report depends on."""
+    """The report on a file's bytes, the other files the report depends on, and the analysis
+    where it covers the whole file (`Audited`; None for a focused copy or a notebook)."""
     path = source.path
     notebook, notes = None, ()
     try:
@@ -127,12 +151,12 @@ def _analyse(source: Source, settings: Settings, shown: str):
             notes = tuple(f"cell {cell}: {reason}" for cell, reason in notebook.skipped)
             source = Source(path, notebook.text.encode("utf-8"))
         if not source.may_have_findings:
-            return FileReport(shown, notes=notes), frozenset()
+            return FileReport(shown, notes=notes), frozenset(), None
         from gaaudit.discover.screen import screen
 
         screened = screen(source.data, settings.accumulation_names, path.parent)
         if screened.data is None:
-            return FileReport(shown, notes=notes), screened.dependencies
+            return FileReport(shown, notes=notes), screened.dependencies, None
         module = parse(screened.data, screened.tree)
         text = source.data.decode(module.encoding)
         relative = display_path(path, settings.root)
@@ -141,20 +165,19 @@ def _analyse(source: Source, settings: Settings, shown: str):
         )
         findings = [notebook.relocate(f) for f in findings] if notebook else findings
         report = FileReport(shown, findings, hidden=hidden, notes=notes)
-        return report, screened.dependencies | context.dependencies
+        whole = notebook is None and screened.data == source.data
+        audited = Audited(source.data, module, context, findings) if whole else None
+        return report, screened.dependencies | context.dependencies, audited
     except SourceError as exc:
         if notebook is not None:
             exc = notebook.relocate_error(exc)
-        return FileReport(
-            shown, error=FileError(shown, exc.message, exc.line, exc.column)
-        ), frozenset()
+        error = FileError(shown, exc.message, exc.line, exc.column)
     except RecursionError:
-        return FileReport(
-            shown, error=FileError(shown, "code nested too deeply to analyse")
-        ), frozenset()
+        error = FileError(shown, "code nested too deeply to analyse")
     except Exception as exc:  # noqa: BLE001 - a gaaudit bug must not end the run for other files
         message = f"internal error ({type(exc).__name__}); the file was skipped, please report this"
-        return FileReport(shown, error=FileError(shown, message)), frozenset()
+        error = FileError(shown, message)
+    return FileReport(shown, error=error), frozenset(), None
 
 
 def audit(
@@ -236,8 +259,10 @@ def _check_chunk(
         if recording:
             yield check_recorded(path, settings, known, count)
         else:
-            report = check_file(path, settings)
-            yield path, counted(path, report, settings, count) if count else report, None
+            report, audited = _read_and_analyse(path, settings)
+            if count:
+                report = counted(path, report, settings, count, audited=audited)
+            yield path, report, None
 
 
 def _checked(chunk, settings: Settings, recording: bool, count: FixableCount | None) -> list[tuple]:

@@ -180,11 +180,11 @@ def check(options: CheckOptions) -> int:
     return EXIT_ERROR if run.errors else EXIT_FINDINGS if run.findings else EXIT_CLEAN
 
 
-def _count_fixable(path: Path, settings, data: bytes | None) -> int:
+def _count_fixable(path: Path, settings, data: bytes | None, audited) -> int:
     """`fixes.fixer.count_fixable`, imported only where a file has a fixable finding."""
     from gaaudit.fixes.fixer import count_fixable
 
-    return count_fixable(path, settings, data)
+    return count_fixable(path, settings, data, audited)
 
 
 def stdin_target(options: CheckOptions, settings) -> tuple[Path, bytes, bool] | None:

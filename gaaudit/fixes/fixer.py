@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gaaudit.checks.engine import audit, display_path
+from gaaudit.checks.engine import Audited, audit, display_path
 from gaaudit.config import Settings
 from gaaudit.discover.notebook import load as load_notebook
 from gaaudit.discover.notebook import rebuild
@@ -21,27 +21,42 @@ NO_REWRITE = "gaaudit has no rewrite for this shape; follow the hint (`gaaudit e
 
 
 def fix_source(
-    data: bytes, path: Path, settings: Settings, unsafe: bool = False, reach: bool = False
+    data: bytes,
+    path: Path,
+    settings: Settings,
+    unsafe: bool = False,
+    reach: bool = False,
+    audited: Audited | None = None,
 ) -> FileFix:
     """Rewrite every reported, fixable finding of one file's bytes; raises `SourceError`.
     With `reach`, a fix may change another module of the repository too (a loss function
-    there returns its count): those files are the result's `companions`."""
+    there returns its count): those files are the result's `companions`. `audited`: `check`'s
+    analysis of the whole file, planned on where it is of these bytes."""
     from gaaudit.analysis.domain import Domains
     from gaaudit.checks.accumulation import Auditor
     from gaaudit.fixes.accumulation import Outcome, Planner
 
     shown = display_path(path)
-    if not Source(path, data).may_have_findings:
-        return FileFix(shown, data, data)
-    screened = screen(data, settings.accumulation_names, path.parent)
-    if screened.data is None:  # no finding possible
-        return FileFix(shown, data, data)
-    # Otherwise the whole module is analysed: the rewrite edits it, not a focused copy.
-    module = parse(data, screened.tree)
+    if audited is not None and audited.data == data:
+        module, context, findings = audited.module, audited.context, audited.findings
+    else:
+        if not Source(path, data).may_have_findings:
+            return FileFix(shown, data, data)
+        screened = screen(data, settings.accumulation_names, path.parent)
+        if screened.data is None:  # no finding possible
+            return FileFix(shown, data, data)
+        # Otherwise the whole module is analysed: the rewrite edits it, not a focused copy.
+        module = parse(data, screened.tree)
+        context, findings, _ = audit(
+            module,
+            data.decode(module.encoding),
+            shown,
+            display_path(path, settings.root),
+            settings,
+            path.parent,
+            source=data,
+        )
     text = data.decode(module.encoding)
-    context, findings, _ = audit(
-        module, text, shown, display_path(path, settings.root), settings, path.parent, source=data
-    )
     reported = {(f.code, f.span.line, f.span.column) for f in findings}
     tree = context.tree
     edits, outcomes = _framework_fixes(context, reported, unsafe, path)
@@ -165,23 +180,29 @@ def _start(tree, node) -> tuple[int, int]:
     return span.line, span.column
 
 
-def count_fixable(path: Path, settings: Settings, data: bytes | None = None) -> int:
+def count_fixable(
+    path: Path, settings: Settings, data: bytes | None = None, audited: Audited | None = None
+) -> int:
     """How many findings of the file (of `data`, its text from standard input) `gaaudit fix`
-    would fix (safe fixes only)."""
+    would fix (safe fixes only), planned on `audited`, `check`'s analysis, where there is one."""
     try:
-        return sum(o.applied for o in fix_file(path, settings, data=data).outcomes)
+        return sum(o.applied for o in fix_file(path, settings, data=data, audited=audited).outcomes)
     except Exception:  # noqa: BLE001 - unreadable since checked, or a fixer bug: not counted
         return 0
 
 
 def fix_file(
-    path: Path, settings: Settings, unsafe: bool = False, data: bytes | None = None
+    path: Path,
+    settings: Settings,
+    unsafe: bool = False,
+    data: bytes | None = None,
+    audited: Audited | None = None,
 ) -> FileFix:
     """Plan the fix of one file on disk, or of `data`, its text from standard input (nothing
-    is written here); notebooks cell by cell."""
+    is written here); notebooks cell by cell. `audited`: see `fix_source`."""
     raw = read(path, data).data
     if path.suffix != ".ipynb":  # other files are fixed too, unless the text came on stdin
-        return fix_source(raw, path, settings, unsafe, reach=data is None)
+        return fix_source(raw, path, settings, unsafe, reach=data is None, audited=audited)
     notebook = load_notebook(raw)
     try:
         fixed = fix_source(notebook.text.encode("utf-8"), path, settings, unsafe)

@@ -77,8 +77,11 @@ def deterministic(seed: int, device: torch.device) -> Iterator[None]:
     """Seed everything, force deterministic kernels, full float32 precision on a GPU (no
     TF32 in matrix products and convolutions, which cuDNN allows by default) and one CPU
     thread (reduction order then does not depend on the machine, and tiny models run no
-    slower); restore the caller's state afterwards."""
+    slower); restore the caller's state afterwards. torch's deterministic-kernel switch is
+    thrown on a GPU only: on one CPU thread the kernels are deterministic already, and the
+    switch imports torch's compiler (seconds per replay process)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    switch = device.type != "cpu"
     was = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     threads = torch.get_num_threads()
@@ -86,14 +89,16 @@ def deterministic(seed: int, device: torch.device) -> Iterator[None]:
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        if switch:
+            torch.use_deterministic_algorithms(True, warn_only=True)
         torch.set_num_threads(1)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
             yield
         finally:
             torch.set_num_threads(threads)
-            torch.use_deterministic_algorithms(was, warn_only=warn_only)
+            if switch:
+                torch.use_deterministic_algorithms(was, warn_only=warn_only)
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
