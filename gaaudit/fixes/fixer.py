@@ -39,6 +39,7 @@ def fix_source(
     shown = display_path(path)
     if audited is not None and audited.data == data:
         module, context, findings = audited.module, audited.context, audited.findings
+        text = data.decode(module.encoding)
     else:
         if not Source(path, data).may_have_findings:
             return FileFix(shown, data, data)
@@ -47,16 +48,11 @@ def fix_source(
             return FileFix(shown, data, data)
         # Otherwise the whole module is analysed: the rewrite edits it, not a focused copy.
         module = parse(data, screened.tree)
+        text = data.decode(module.encoding)
+        relative = display_path(path, settings.root)
         context, findings, _ = audit(
-            module,
-            data.decode(module.encoding),
-            shown,
-            display_path(path, settings.root),
-            settings,
-            path.parent,
-            source=data,
+            module, text, shown, relative, settings, path.parent, source=data
         )
-    text = data.decode(module.encoding)
     reported = {(f.code, f.span.line, f.span.column) for f in findings}
     tree = context.tree
     edits, outcomes = _framework_fixes(context, reported, unsafe, path)
