@@ -141,8 +141,9 @@ class Evidence:
 
 def scan(text: str) -> Evidence:
     """The signs in a file's code (its strings and comments told apart without tokenizing,
-    see `lexical`; the first sign of each kind wins) and its suppression comments."""
-    data = text.encode("utf-8")
+    see `lexical`; the first sign of each kind wins) and its suppression comments; a leading
+    byte-order mark is not code."""
+    data = text.removeprefix("\ufeff").encode("utf-8")
     tokens = list(literals(data))
     starts = [token.start() for token in tokens]
     newlines = [match.start() for match in NEWLINE.finditer(data)]

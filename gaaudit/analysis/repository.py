@@ -715,7 +715,7 @@ def _division(
 @lru_cache(maxsize=64)
 def _scanned(path: Path, digest: str) -> Evidence:
     """The evidence of the module at `path` (`digest`: its version)."""
-    return scan(path.read_text("utf-8", "replace").removeprefix("\ufeff"))
+    return scan(path.read_text("utf-8", "replace"))
 
 
 def _bound(statement: cst.Import | cst.ImportFrom) -> Iterator[tuple[str, Reference]]:

@@ -33,7 +33,7 @@ class Context:
     def evidence(self) -> Evidence:
         """Data-shape evidence and suppressions, tokenized only when a rule asks; where the
         file shows nothing of its data's shape, that of the data module it imports."""
-        return self.imports.data_evidence(scan(self.text.removeprefix("\ufeff")))
+        return self.imports.data_evidence(scan(self.text))
 
     @cached_property
     def imports(self) -> Imports:

@@ -277,7 +277,7 @@ def targets(
     found: dict[int, Target] = {}
     imports = Imports(tree, path.parent, name=path.name)
     auditor = Auditor(tree, directory=path.parent, imports=imports)
-    evidence = imports.data_evidence(scan(text.removeprefix("\ufeff")))
+    evidence = imports.data_evidence(scan(text))
     domains = Domains(tree, auditor.tracer, evidence, text)
     # the file's sign of fixed-length blocks, where it shows no padded or masked labels; where
     # it shows neither, that of the data its project's configs build for it
