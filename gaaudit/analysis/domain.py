@@ -32,14 +32,18 @@ from gaaudit.findings import Confidence
 
 Kind = Literal["tokens", "examples", "dense", "unknown"]
 
-# Model classes by the task their `.loss` serves, strongest first (transformers' naming).
+# Model classes by the task their `.loss` serves, strongest first (transformers' naming; peft's
+# `task_type="CAUSAL_LM"` for a model of any name).
 TASKS = (
-    ("causal", re.compile(r"ForCausalLM|LMHeadModel|DoubleHeadsModel|CausalLM\b|SFTTrainer")),
+    (
+        "causal",
+        re.compile(r"ForCausalLM|LMHeadModel|DoubleHeadsModel|CausalLM\b|SFTTrainer|\bCAUSAL_LM\b"),
+    ),
     (
         "seq2seq",
         re.compile(
             r"Seq2SeqLM|ForConditionalGeneration|\bT5Model|\bM?Bart|Pegasus|MarianMT|MTModel"
-            r"|EncoderDecoderModel|ForSpeechSeq2Seq"
+            r"|EncoderDecoderModel|ForSpeechSeq2Seq|\bSEQ_2_SEQ_LM\b"
         ),
     ),
     ("mlm", re.compile(r"MaskedLM|ForTokenClassification")),
