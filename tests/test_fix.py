@@ -1919,6 +1919,44 @@ def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix(accele
     assert fix_source(plain.encode(), Path("train.py"), ALL).outcomes[0].applied
 
 
+NO_SYNC_ELSE_STEPS = FIXTURES / "ga003_accelerate_no_sync_else_steps.py"
+
+
+def test_a_window_stepped_in_its_guards_else_weights_both_branches_and_divides_there():
+    """`if n % k != 0:` backpropagates under `no_sync`, `else:` makes the loss again,
+    backpropagates and steps: both backward calls are weighted, each counting its own
+    branch's targets, and the one division sits between the `else`'s backward and its
+    clipping. Where the file tests for `DistributedType.DEEPSPEED`, the accelerator's backward
+    may be DeepSpeed's, whose ZeRO gradients no division reaches: unsafe. An `else` that steps
+    before its backward leaves the division no place: refused."""
+    source = NO_SYNC_ELSE_STEPS.read_text()
+    after = fix_source(source.encode(), NO_SYNC_ELSE_STEPS, ALL).after.decode()
+    assert after.count('micro_tokens = (batch["labels"].view(-1) != -100).sum()') == 2
+    division, clip = after.index("param.grad.div_("), after.index("accelerator.clip_grad_norm_")
+    assert after.rindex("accelerator.backward(", 0, division) > after.index("        else:\n")
+    assert division < clip
+    tested = source.replace(
+        "    batches = 0\n",
+        "    batches = 0\n"
+        "    if accelerator.distributed_type == DistributedType.DEEPSPEED:\n"
+        '        print("ZeRO")\n',
+    ).replace("import Accelerator\n", "import Accelerator, DistributedType\n")
+    outcomes = fix_source(tested.encode(), NO_SYNC_ELSE_STEPS, ALL).outcomes
+    assert [o.applied for o in outcomes] == [False, False]
+    assert outcomes[0].reason.startswith("unsafe fix (the file may train under DeepSpeed")
+    assert all(
+        o.applied for o in fix_source(tested.encode(), NO_SYNC_ELSE_STEPS, ALL, True).outcomes
+    )
+    early = source.replace(
+        "            accelerator.backward(loss)\n            accelerator.clip_grad_norm_",
+        "            optimizer.step()\n            accelerator.backward(loss)\n"
+        "            accelerator.clip_grad_norm_",
+    )
+    outcomes = fix_source(early.encode(), NO_SYNC_ELSE_STEPS, ALL).outcomes
+    assert not any(o.applied for o in outcomes)
+    assert "steps before its last backward" in outcomes[-1].reason
+
+
 def test_a_distributed_runtime_whose_collectives_fix_cannot_write_makes_it_unsafe():
     """A file started on the processes of a runtime gaaudit does not gather for (BMTrain's
     `bmt.init_distributed`) would count each process's window alone: the fix is unsafe, saying

@@ -210,8 +210,21 @@ class _WindowFinding:
     def _modulo_window(self, loop: cst.For | cst.While, backward: cst.Call) -> Window | None:
         """A step under `if <a % k>:`, or after `if <a % k>: continue` that follows the backward;
         none when a step follows the backward on every pass (its gradient is used at once, as
-        a critic's is where the actor steps every k passes)."""
+        a critic's is where the actor steps every k passes), but for the last micro-batch's
+        backward in the `else` of the step's guard (`if a % k != 0:` backpropagates under
+        `no_sync`, `else:` backpropagates and steps), which closes that guard's window."""
         steps = self.steps_in(loop)
+        for step in steps:
+            guarded = self._guard(step, loop)
+            guard = guarded[0] if guarded else None
+            if (
+                isinstance(guard, cst.If)
+                and isinstance(guard.orelse, cst.Else)
+                and all(self.tree.contains(guard.orelse, n) for n in (step, backward))
+                and not self.steps_in(guard.body)  # not a GAN's turns: each branch steps
+                and any(self.tree.contains(guard.body, b.call) for b in self.backwards())
+            ):
+                return Window("modulo", loop, guarded[1], guard, (guard,))
         if any(self._follows_every_time(step, backward, loop) for step in steps):
             return None
         for step in steps:
@@ -493,8 +506,18 @@ class _Frameworks:
     @cached_property
     def may_run_deepspeed(self) -> bool:
         """Whether the file may train under DeepSpeed, whose ZeRO keeps the gradients outside
-        `param.grad`: it reads an accelerator's `deepspeed_plugin`, or makes an engine."""
-        return self._reads_plugin or bool(self._deepspeed_engines)
+        `param.grad`: it reads an accelerator's `deepspeed_plugin`, tests for
+        `DistributedType.DEEPSPEED`, or makes an engine."""
+        return (
+            self._reads_plugin
+            or bool(self._deepspeed_engines)
+            or any(
+                isinstance(node, cst.Attribute)
+                and node.attr.value == "DEEPSPEED"
+                and last_name(node.value) == "DistributedType"
+                for node in self.tree.walk(self.tree.module)
+            )
+        )
 
     @cached_property
     def _reads_plugin(self) -> bool:

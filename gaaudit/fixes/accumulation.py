@@ -1906,6 +1906,13 @@ class _Window:
         window = site.window
         if window.anchor in self._prepared:
             return
+        if self._accelerator(site) and self.auditor.structure.may_run_deepspeed and not self.unsafe:
+            raise Unfixable(
+                "unsafe fix (the file may train under DeepSpeed (it reads `deepspeed_plugin`, "
+                "tests for `DistributedType.DEEPSPEED` or makes an engine), whose ZeRO keeps the "
+                "gradients outside `param.grad`, where the one division before the step would "
+                "not reach them: assumes a run without DeepSpeed); apply with --unsafe-fixes"
+            )
         if window.kind == "accumulate":
             outer = next(
                 (
@@ -1927,13 +1934,6 @@ class _Window:
                     "backpropagate `loss * count * gradient_accumulation_steps`, then divide the "
                     "gradients once by it where `sync_gradients` is true and reset it"
                     + self._under_deepspeed()
-                )
-            if self.auditor.structure.may_run_deepspeed and not self.unsafe:
-                raise Unfixable(
-                    "unsafe fix (the file may train under DeepSpeed (it reads `deepspeed_plugin` "
-                    "or makes an engine), whose ZeRO keeps the gradients outside `param.grad`, "
-                    "where the one division at `sync_gradients` would not reach them: assumes a "
-                    "run without DeepSpeed); apply with --unsafe-fixes"
                 )
             after = self._after_backwards(window, statement_line(self.tree, site.backward.call))
             if self.auditor.structure.steps_in(after):
@@ -1969,23 +1969,36 @@ class _Window:
         if window.kind == "micro-loop":
             self._cleared_before(window)
         if window.kind == "modulo":
-            self._stepped_in_its_body(window)
+            self._last_backward(window)
         if window.kind == "modulo" and not self.unsafe:
             self._count_restarted(site)
         self._prepared[window.anchor] = (site, self._optimizer(window))
 
-    def _stepped_in_its_body(self, window: Window) -> None:
-        """Refuse a guard whose `else` steps (`if a % k != 0:` backpropagates, `else:`
-        backpropagates and steps): the one division goes where the guard's body steps."""
-        guard = window.anchor
-        if window.skips or not isinstance(guard, cst.If) or guard.orelse is None:
-            return
-        if any(self.tree.contains(guard.orelse, s) for s in self.auditor.structure.steps_in(guard)):
+    def _last_backward(self, window: Window) -> cst.CSTNode | None:
+        """The statement of a stepping `else` (`_stepping_else`) after which its backward has
+        run and before its step, where the one division goes (None: the window's guard has
+        no such `else`, or it only steps); refused where the `else` steps before it."""
+        last = self._stepping_else(window)
+        if last is None:
+            return None
+        body = last.body.body
+        ran = [
+            statement
+            for statement in body
+            if any(self.tree.contains(statement, b.call) for b in self._window_backwards(window))
+        ]
+        steps = self.auditor.structure.steps_in(last)
+        if ran and any(
+            self.tree.contains(statement, s)
+            for s in steps
+            for statement in body[: body.index(ran[-1]) + 1]
+        ):
             raise Unfixable(
-                f"the step is in the `else` of the `if` on line {self.tree.line(guard)}, whose "
-                "body backpropagates too: weight the backward of each branch by its micro-batch's "
-                "count, and divide the gradients once by the window's total before the step"
+                f"the `else` of the `if` on line {self.tree.line(window.anchor)} steps before "
+                "its last backward: the one division must come between the window's last "
+                "backward and its step"
             )
+        return ran[-1] if ran else None
 
     def _count_restarted(self, site: Site) -> None:
         """Refuse, as unsafe, a window whose count starts in its function (`_count_home`)
@@ -2068,15 +2081,18 @@ class _Window:
             self.edits.insert_before(
                 statement_line(self.tree, self._count_home(window, optimizer)), start
             )
-            body = window.step_region if window.skips else window.anchor.body.body
+            last = self._stepping_else(window)
+            body = window.step_region if window.skips else (last or window.anchor).body.body
+            ran = self._last_backward(window)
+            if ran is None:
+                self.edits.insert_before(body[0], normalize if reads else normalize + start)
+            else:
+                self.edits.insert_after(ran, normalize if reads else normalize + start)
             if reads:
-                self.edits.insert_before(body[0], normalize)
                 if _ends_in_exit(body):
                     self.edits.insert_before(body[-1], start)
                 else:
                     self.edits.insert_after(body[-1], start)
-            else:
-                self.edits.insert_before(body[0], normalize + start)
         elif window.kind == "micro-loop":
             self.edits.insert_before(statement_line(self.tree, window.loop), start)
             self.edits.insert_after(statement_line(self.tree, window.loop), normalize)
@@ -2490,6 +2506,18 @@ class Planner(
             found = structure.window(backward)
             if found is not None and found.anchor is window.anchor:
                 yield backward
+
+    def _stepping_else(self, window: Window) -> cst.Else | None:
+        """The `else` of a window's guard that steps (`if n % k != 0:` backpropagates under
+        `no_sync`, `else:` backpropagates the last micro-batch and steps), else None."""
+        guard = window.anchor
+        if window.kind != "modulo" or window.skips or not isinstance(guard, cst.If):
+            return None
+        last = guard.orelse
+        steps = self.auditor.structure.steps_in(guard)
+        if isinstance(last, cst.Else) and any(self.tree.contains(last, s) for s in steps):
+            return last
+        return None
 
     def _position(self, site: Site) -> tuple[int, int]:
         span = self.tree.span(site.node)
