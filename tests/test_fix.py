@@ -1943,7 +1943,9 @@ def test_a_window_stepped_in_its_guards_else_weights_both_branches_and_divides_t
     ).replace("import Accelerator\n", "import Accelerator, DistributedType\n")
     outcomes = fix_source(tested.encode(), NO_SYNC_ELSE_STEPS, ALL).outcomes
     assert [o.applied for o in outcomes] == [False, False]
-    assert outcomes[0].reason.startswith("unsafe fix (the file may train under DeepSpeed")
+    assert outcomes[0].reason.startswith(
+        "unsafe fix (the file may train under DeepSpeed (it tests for `DistributedType.DEEPSPEED`)"
+    )
     assert all(
         o.applied for o in fix_source(tested.encode(), NO_SYNC_ELSE_STEPS, ALL, True).outcomes
     )

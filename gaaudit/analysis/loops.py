@@ -504,20 +504,20 @@ class _Frameworks:
         )
 
     @cached_property
-    def may_run_deepspeed(self) -> bool:
-        """Whether the file may train under DeepSpeed, whose ZeRO keeps the gradients outside
-        `param.grad`: it reads an accelerator's `deepspeed_plugin`, tests for
-        `DistributedType.DEEPSPEED`, or makes an engine."""
-        return (
-            self._reads_plugin
-            or bool(self._deepspeed_engines)
-            or any(
-                isinstance(node, cst.Attribute)
-                and node.attr.value == "DEEPSPEED"
-                and last_name(node.value) == "DistributedType"
-                for node in self.tree.walk(self.tree.module)
-            )
-        )
+    def may_run_deepspeed(self) -> str:
+        """Why the file may train under DeepSpeed, whose ZeRO keeps the gradients outside
+        `param.grad`, in words ("" if it shows no sign): it reads an accelerator's
+        `deepspeed_plugin`, tests for `DistributedType.DEEPSPEED`, or makes an engine."""
+        if self._reads_plugin:
+            return "it reads `deepspeed_plugin`"
+        if any(
+            isinstance(node, cst.Attribute)
+            and node.attr.value == "DEEPSPEED"
+            and last_name(node.value) == "DistributedType"
+            for node in self.tree.walk(self.tree.module)
+        ):
+            return "it tests for `DistributedType.DEEPSPEED`"
+        return "it makes an engine" if self._deepspeed_engines else ""
 
     @cached_property
     def _reads_plugin(self) -> bool:

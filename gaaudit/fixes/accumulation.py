@@ -1906,12 +1906,13 @@ class _Window:
         window = site.window
         if window.anchor in self._prepared:
             return
-        if self._accelerator(site) and self.auditor.structure.may_run_deepspeed and not self.unsafe:
+        deepspeed = self.auditor.structure.may_run_deepspeed
+        if self._accelerator(site) and deepspeed and not self.unsafe:
             raise Unfixable(
-                "unsafe fix (the file may train under DeepSpeed (it reads `deepspeed_plugin`, "
-                "tests for `DistributedType.DEEPSPEED` or makes an engine), whose ZeRO keeps the "
-                "gradients outside `param.grad`, where the one division before the step would "
-                "not reach them: assumes a run without DeepSpeed); apply with --unsafe-fixes"
+                f"unsafe fix (the file may train under DeepSpeed ({deepspeed}), whose ZeRO "
+                "keeps the gradients outside `param.grad`, where the one division before the "
+                "step would not reach them: assumes a run without DeepSpeed); apply with "
+                "--unsafe-fixes"
             )
         if window.kind == "accumulate":
             outer = next(
