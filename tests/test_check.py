@@ -10,6 +10,7 @@ import pytest
 from conftest import FIXTURES, expected, expected_findings, fixture_scripts, gaaudit
 
 from gaaudit import catalogue
+from gaaudit.analysis.domain import shifts_labels
 from gaaudit.checks.engine import check_file
 from gaaudit.config import DEFAULT_EXCLUDE, Settings
 from gaaudit.discover.files import Excluded
@@ -603,3 +604,24 @@ def test_the_tensor_method_of_a_product_reads_as_the_product(tmp_path, product, 
         )
     )
     assert [f.code for f in check_file(script, ALL).findings] == codes
+
+
+@pytest.mark.parametrize(
+    ("named", "shifts"),
+    [
+        ("model = Qwen2_5_VLForConditionalGeneration.from_pretrained(name)", True),
+        ("LlavaNextForConditionalGeneration, PaliGemmaForConditionalGeneration", True),
+        ('LoraConfig(r=8, task_type="CAUSAL_LM")', True),
+        ("model = T5ForConditionalGeneration.from_pretrained(name)", False),
+        ("WhisperForConditionalGeneration", False),
+        ('LoraConfig(task_type="SEQ_2_SEQ_LM")', False),
+        ("Blip2ForConditionalGeneration", None),  # OPT (a decoder) or T5
+        ("a model named `...ForConditionalGeneration`, as encoder-decoders are", None),
+        ("GPT2LMHeadModel beside BartForConditionalGeneration", None),
+    ],
+)
+def test_whether_the_named_model_shifts_its_labels(named, shifts):
+    """The count of a model's own loss follows its task: decoder-only vision models named
+    `...ForConditionalGeneration` shift their labels as causal LMs do, encoder-decoders do
+    not; a name of either kind, or names of both, say nothing."""
+    assert shifts_labels(named) is shifts

@@ -32,18 +32,33 @@ from gaaudit.findings import Confidence
 
 Kind = Literal["tokens", "examples", "dense", "unknown"]
 
+# Decoder-only vision and audio models that transformers (or their remote code) names
+# `...ForConditionalGeneration`: their loss shifts the labels as a causal LM's does.
+CAUSAL_CONDITIONAL = (
+    r"(?:\w*Llava\w*|Qwen\d*(?:_\d)?_?(?:VL|Omni|Audio)\w*|Idefics\d|SmolVLM|PaliGemma\d?"
+    r"|Gemma3n?|Mllama|Llama4|Mistral3|Chameleon|Emu3|Janus|Aria|GotOcr2|InternVL|Kosmos2"
+    r"|ChatGLM\d?|Glm4v\w*|Otter|Flamingo|MplugOwl\d?|AyaVision|Cohere2Vision|DeepseekVL\w*)"
+    r"ForConditionalGeneration"
+)
+# Vision models whose language model may be a decoder or an encoder-decoder (BLIP-2 with OPT
+# or with T5): their class names no task.
+EITHER_CONDITIONAL = r"(?:Blip2|InstructBlip\w*)ForConditionalGeneration"
 # Model classes by the task their `.loss` serves, strongest first (transformers' naming; peft's
 # `task_type="CAUSAL_LM"` for a model of any name).
 TASKS = (
     (
         "causal",
-        re.compile(r"ForCausalLM|LMHeadModel|DoubleHeadsModel|CausalLM\b|SFTTrainer|\bCAUSAL_LM\b"),
+        re.compile(
+            r"ForCausalLM|LMHeadModel|DoubleHeadsModel|CausalLM\b|SFTTrainer|\bCAUSAL_LM\b"
+            rf"|\b{CAUSAL_CONDITIONAL}"
+        ),
     ),
     (
         "seq2seq",
         re.compile(
-            r"Seq2SeqLM|ForConditionalGeneration|\bT5Model|\bM?Bart|Pegasus|MarianMT|MTModel"
-            r"|EncoderDecoderModel|ForSpeechSeq2Seq|\bSEQ_2_SEQ_LM\b"
+            rf"Seq2SeqLM|\b(?!{CAUSAL_CONDITIONAL}|{EITHER_CONDITIONAL})\w+ForConditionalGeneration"
+            r"|\bT5Model|\bM?Bart"
+            r"|Pegasus|MarianMT|MTModel|EncoderDecoderModel|ForSpeechSeq2Seq|\bSEQ_2_SEQ_LM\b"
         ),
     ),
     ("mlm", re.compile(r"MaskedLM|ForTokenClassification")),
