@@ -216,15 +216,9 @@ class _WindowFinding:
         steps = self.steps_in(loop)
         for step in steps:
             guarded = self._guard(step, loop)
-            guard = guarded[0] if guarded else None
-            if (
-                isinstance(guard, cst.If)
-                and isinstance(guard.orelse, cst.Else)
-                and all(self.tree.contains(guard.orelse, n) for n in (step, backward))
-                and not self.steps_in(guard.body)  # not a GAN's turns: each branch steps
-                and any(self.tree.contains(guard.body, b.call) for b in self.backwards())
-            ):
-                return Window("modulo", loop, guarded[1], guard, (guard,))
+            last = self.stepping_else(guarded[0]) if guarded else None
+            if last is not None and self.tree.contains(last, backward):
+                return Window("modulo", loop, guarded[1], guarded[0], (guarded[0],))
         if any(self._follows_every_time(step, backward, loop) for step in steps):
             return None
         for step in steps:
@@ -237,6 +231,18 @@ class _WindowFinding:
                 guard, modulo, after = skipping
                 return Window("modulo", loop, modulo.right, guard, after)
         return None
+
+    def stepping_else(self, guard: cst.CSTNode) -> cst.Else | None:
+        """The `else` of a step guard that closes the window its body backpropagates (`if a %
+        k != 0:` backpropagates under `no_sync`, `else:` backpropagates the last micro-batch
+        and steps), else None; not a GAN's turns, where each branch steps."""
+        if not isinstance(guard, cst.If) or not isinstance(guard.orelse, cst.Else):
+            return None
+        if self.steps_in(guard.body) or not self.steps_in(guard.orelse):
+            return None
+        if not any(self.tree.contains(guard.body, b.call) for b in self.backwards()):
+            return None
+        return guard.orelse
 
     def _follows_every_time(self, step: cst.Call, backward: cst.Call, loop: cst.CSTNode) -> bool:
         """Whether `step` runs after `backward` on every pass that runs the backward."""

@@ -2509,16 +2509,11 @@ class Planner(
                 yield backward
 
     def _stepping_else(self, window: Window) -> cst.Else | None:
-        """The `else` of a window's guard that steps (`if n % k != 0:` backpropagates under
-        `no_sync`, `else:` backpropagates the last micro-batch and steps), else None."""
-        guard = window.anchor
-        if window.kind != "modulo" or window.skips or not isinstance(guard, cst.If):
+        """The `else` of the window's guard that backpropagates its last micro-batch and
+        steps (`Structure.stepping_else`), else None."""
+        if window.kind != "modulo" or window.skips:
             return None
-        last = guard.orelse
-        steps = self.auditor.structure.steps_in(guard)
-        if isinstance(last, cst.Else) and any(self.tree.contains(last, s) for s in steps):
-            return last
-        return None
+        return self.auditor.structure.stepping_else(window.anchor)
 
     def _position(self, site: Site) -> tuple[int, int]:
         span = self.tree.span(site.node)
