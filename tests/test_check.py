@@ -606,6 +606,16 @@ def test_the_tensor_method_of_a_product_reads_as_the_product(tmp_path, product, 
     assert [f.code for f in check_file(script, ALL).findings] == codes
 
 
+def test_the_last_micro_batch_backpropagated_in_the_stepping_else_joins_the_window():
+    """`if n % k != 0:` backpropagates under `no_sync`, `else:` backpropagates the last
+    micro-batch and steps: both backward calls are findings of one window, which the evidence
+    places in the guard's `else`."""
+    findings = check_file(FIXTURES / "ga001_ddp_no_sync_else_steps.py", ALL).findings
+    assert [f.span.line for f in findings] == [27, 32]
+    window = "window: optimizer step in the `else` of `if (step + 1) % accum_steps != 0:` (line 22)"
+    assert all(window in f.evidence for f in findings)
+
+
 @pytest.mark.parametrize(
     ("named", "shifts"),
     [
