@@ -1983,11 +1983,8 @@ class _Window:
         if last is None:
             return None
         body = last.body.body
-        ran = [
-            statement
-            for statement in body
-            if any(self.tree.contains(statement, b.call) for b in self._window_backwards(window))
-        ]
+        calls = [b.call for b in self._window_backwards(window) if b.call is not None]
+        ran = [s for s in body if any(self.tree.contains(s, call) for call in calls)]
         steps = self.auditor.structure.steps_in(last)
         if ran and any(
             self.tree.contains(statement, s)
