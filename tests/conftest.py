@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -113,6 +115,32 @@ def gaaudit(
     )
 
 
+def entry(
+    *args: str, cwd: Path | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess:
+    """The console entry point (`gaaudit.__main__.main`, the fast path and typer's) run in this
+    process as `gaaudit` runs it in a new one, without starting an interpreter and importing
+    gaaudit again: its exit status and what it wrote to stdout and stderr."""
+    from gaaudit.__main__ import main
+
+    given = io.TextIOWrapper(io.BytesIO((stdin or "").encode()), encoding="utf-8")
+    out, err = (io.TextIOWrapper(io.BytesIO(), "utf-8", write_through=True) for _ in range(2))
+    saved = sys.argv, sys.stdin, sys.stdout, sys.stderr
+    sys.argv, sys.stdin, sys.stdout, sys.stderr = ["gaaudit", *args], given, out, err
+    code = 0
+    try:
+        with contextlib.chdir(cwd or os.getcwd()):
+            main()
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+        if isinstance(exit.code, str):
+            err.write(exit.code + "\n")
+    finally:
+        sys.argv, sys.stdin, sys.stdout, sys.stderr = saved
+    written = (stream.buffer.getvalue().decode("utf-8") for stream in (out, err))
+    return subprocess.CompletedProcess(["gaaudit", *args], code, *written)
+
+
 def verify_projects(
     root: Path, projects: dict[str, tuple[str, dict[str, str]]], *options: str
 ) -> tuple[subprocess.CompletedProcess, dict[str, list[dict]]]:
@@ -173,11 +201,14 @@ def sarif_schema() -> dict:
 # ones fill both workers to the end (measured with `--durations=0`).
 LONGEST_FIRST = (
     "test_verify_fixtures.py",
-    "test_deepspeed.py",
     "test_proof.py",
+    "test_deepspeed.py",
     "test_verify_options.py",
+    "test_fix.py",
+    "test_verify_lightning.py",
+    "test_robustness.py",
+    "test_verify_trainer.py",
     "test_cross_module.py",
-    "test_contract.py",
 )
 
 

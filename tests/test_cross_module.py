@@ -13,7 +13,7 @@ from pathlib import Path
 
 import libcst as cst
 import pytest
-from conftest import FIXTURES, flat, gaaudit
+from conftest import FIXTURES, entry, flat
 
 from gaaudit.analysis.provenance import Tracer
 from gaaudit.analysis.tree import Tree, argument_for, call_parameters, code, methods_of
@@ -406,7 +406,7 @@ def test_single_file_check_from_another_directory(tmp_path):
             ),
         },
     )
-    result = gaaudit("check", "--no-cache", "pkg/train.py", cwd=tmp_path)
+    result = entry("check", "--no-cache", "pkg/train.py", cwd=tmp_path)
     assert result.returncode == 1
     assert "pkg/train.py:8:10: GA001 [high]" in result.stdout
     assert (
@@ -1095,10 +1095,10 @@ def test_the_models_forward_returns_its_count_when_the_loop_asks(
     train_py = MICRO_LOOP.replace("loss = model(", f"{bound} = model(")
     root = write(tmp_path / "repo", {"model.py": model_py, "train.py": train_py})
     before = {name: (root / name).read_bytes() for name in ("model.py", "train.py")}
-    shown = gaaudit("fix", "--diff", ".", "--no-cache", cwd=root)
+    shown = entry("fix", "--diff", ".", "--no-cache", cwd=root)
     assert "--- a/train.py" in shown.stdout and "--- a/model.py" in shown.stdout
     assert {name: (root / name).read_bytes() for name in before} == before
-    result = gaaudit("fix", ".", "--no-cache", cwd=root)
+    result = entry("fix", ".", "--no-cache", cwd=root)
     assert "Fixed 1 finding in 2 files (train.py, model.py)" in result.stdout, result.stdout
     fixed_model = (root / "model.py").read_text()
     assert "def forward(self, ids, labels, *, return_loss=False, return_count=False):" in (
@@ -1107,10 +1107,10 @@ def test_the_models_forward_returns_its_count_when_the_loop_asks(
     assert f"if return_count:\n            {returns_count}\n" in fixed_model
     assert asks in (root / "train.py").read_text()
     fixed = {name: (root / name).read_bytes() for name in before}
-    again = gaaudit("fix", ".", "--no-cache", cwd=root)
+    again = entry("fix", ".", "--no-cache", cwd=root)
     assert again.returncode == 0 and "Fixed 0 findings" in again.stdout
     assert {name: (root / name).read_bytes() for name in before} == fixed
-    clean = gaaudit("check", ".", "--no-cache", "--min-confidence", "low", cwd=root)
+    clean = entry("check", ".", "--no-cache", "--min-confidence", "low", cwd=root)
     assert clean.returncode == 0, clean.stdout
 
     original, patched = _full_batch_errors(root, before, fixed)
@@ -1149,7 +1149,7 @@ def test_verify_holds_back_a_fix_that_also_changes_the_model_module(tmp_path):
     --verify` holds it back, saying why."""
     root = write(tmp_path / "repo", {"model.py": OWN_IGNORE_MODEL, "train.py": MICRO_LOOP})
     before = {name: (root / name).read_bytes() for name in ("model.py", "train.py")}
-    told = gaaudit("verify", "train.py", "-k", "4", "--device", "cpu", "--format", "json", cwd=root)
+    told = entry("verify", "train.py", "-k", "4", "--device", "cpu", "--format", "json", cwd=root)
     rows = [row for loop in json.loads(told.stdout)["loops"] for row in loop["rows"]]
     assert rows and all(
         row["original_error"] > 1e-2
@@ -1159,7 +1159,7 @@ def test_verify_holds_back_a_fix_that_also_changes_the_model_module(tmp_path):
         "disk: apply the fix with `gaaudit fix`, then verify the fixed file"
         for row in rows
     ), told.stdout
-    held = gaaudit("fix", "--verify", ".", "--no-cache", cwd=root)
+    held = entry("fix", "--verify", ".", "--no-cache", cwd=root)
     assert "fixes held back: the fix also changes model.py" in held.stdout, held.stdout
     assert {name: (root / name).read_bytes() for name in before} == before
 
@@ -1169,7 +1169,7 @@ def test_standard_input_changes_no_other_file(tmp_path):
     refused with the reason and the buffer comes back as it was."""
     root = write(tmp_path / "repo", {"model.py": OWN_IGNORE_MODEL, "train.py": MICRO_LOOP})
     text = (root / "train.py").read_text()
-    result = gaaudit("fix", "-", "--stdin-filename", "train.py", cwd=root, stdin=text)
+    result = entry("fix", "-", "--stdin-filename", "train.py", cwd=root, stdin=text)
     assert result.stdout == text
     assert "not fixed: the loss is computed in model.py" in result.stderr
     assert "return_count" not in (root / "model.py").read_text()
@@ -1192,7 +1192,7 @@ def _fixed_repo(tmp_path: Path, model_py: str, *options: str) -> tuple[Path, dic
     before and after, and what `fix` said."""
     root = write(tmp_path / "repo", {"model.py": model_py, "train.py": MICRO_LOOP})
     before = {name: (root / name).read_bytes() for name in ("model.py", "train.py")}
-    result = gaaudit("fix", ".", "--no-cache", *options, cwd=root)
+    result = entry("fix", ".", "--no-cache", *options, cwd=root)
     return root, before, {name: (root / name).read_bytes() for name in before}, result.stdout
 
 
@@ -1209,7 +1209,7 @@ def test_a_count_made_in_the_method_forward_returns_is_returned_through_forward(
     assert "if return_count:\n            return mean_loss, (targets.flatten() != self.pad_id)" in (
         model
     )
-    again = gaaudit("fix", ".", "--no-cache", cwd=root)
+    again = entry("fix", ".", "--no-cache", cwd=root)
     assert "Fixed 0 findings" in again.stdout
     assert {name: (root / name).read_bytes() for name in before} == fixed
     original, patched = _full_batch_errors(root, before, fixed)
@@ -1226,7 +1226,7 @@ def test_a_decorated_function_that_would_return_the_count_makes_the_fix_unsafe(t
     )
     root, before, after, said = _fixed_repo(tmp_path, model_py)
     assert after == before and "Fixed 0 findings" in said
-    told = gaaudit("fix", "--diff", ".", "--no-cache", cwd=root)
+    told = entry("fix", "--diff", ".", "--no-cache", cwd=root)
     assert (
         "unsafe fix (`@keep_dtype` wraps `_loss` (model.py), which gaaudit does not read: "
         "assumes it passes `return_count` on and returns what `_loss` returns)" in told.stderr
@@ -1266,7 +1266,7 @@ def test_a_return_that_adds_a_mean_of_another_count_is_refused(tmp_path):
     )
     root, before, after, _ = _fixed_repo(tmp_path, OWN_IGNORE_MODEL.replace(OWN_LOSS, mixed))
     assert after == before
-    told = gaaudit("fix", "--diff", ".", "--no-cache", cwd=root)
+    told = entry("fix", "--diff", ".", "--no-cache", cwd=root)
     assert (
         "`TinyLM.forward` (model.py) returns on line 19 a loss that adds "
         "`logits.pow(2).mean() * 0.1` to a mean" in told.stderr

@@ -10,6 +10,7 @@ with rate 1, so the applied gradient is the parameters' change.
 from __future__ import annotations
 
 import ast
+import os
 import types
 
 import numpy as np
@@ -18,6 +19,11 @@ from conftest import FIXTURES
 
 from gaaudit import catalogue
 
+# Each jitted function here is compiled once and run on tiny arrays: with XLA's cheapest
+# backend optimisation the module compiles in about a third less time, to the same results.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+)
 jax = pytest.importorskip("jax", reason="jax is an optional extra: pip install 'gaaudit[jax]'")
 optax = pytest.importorskip(
     "optax", reason="optax is an optional extra: pip install 'gaaudit[jax]'"

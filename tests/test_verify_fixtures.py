@@ -16,7 +16,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, clipping_unfixed, devices, expected, gaaudit
+from conftest import FIXTURES, clipping_unfixed, devices, expected, gaaudit, verify_projects
 
 from gaaudit.commands.verify import (
     CALLED_PER_BATCH,
@@ -321,11 +321,19 @@ ALSO_REPLAYED = [
 ]
 
 
+# The GPT classifier fixture with the loader keeping an epoch's last, short batch.
+CLASSIFIER = FIXTURES / "ga001_exact_gpt_classifier_last_token.py"
+KEPT = "gpt_classifier_keeps_its_last_batch"
+
+
 @pytest.fixture(scope="module", params=devices())
-def loops(request) -> dict[str, list[dict]]:
-    """Each fixture's per-loop outcomes from one `gaaudit verify --format json` run."""
+def loops(request, tmp_path_factory) -> dict[str, list[dict]]:
+    """Each fixture's per-loop outcomes from one `gaaudit verify --format json` run (and the
+    classifier's copy that keeps the last batch: KEPT)."""
+    kept = tmp_path_factory.mktemp("kept") / f"{KEPT}.py"
+    kept.write_text(CLASSIFIER.read_text().replace("drop_last=True", "drop_last=False"))
     extra = [str(FIXTURES / f"{name}.py") for name in CORRECT_TRAINERS + ALSO_REPLAYED]
-    paths = [*map(str, ORIGINALS), *extra]
+    paths = [*map(str, ORIGINALS), *extra, str(kept)]
     result = gaaudit("verify", *paths, "-k", "4", "--device", request.param, "--format", "json")
     assert result.returncode == 1, result.stdout + result.stderr  # the unsafe fixes fail
     assert "Traceback" not in result.stderr
@@ -333,7 +341,7 @@ def loops(request) -> dict[str, list[dict]]:
 
 
 def test_every_fixed_fixture_is_replayed(loops):
-    assert sorted(loops) == sorted(NAMES + CORRECT_TRAINERS + ALSO_REPLAYED)
+    assert sorted(loops) == sorted([*NAMES, *CORRECT_TRAINERS, *ALSO_REPLAYED, KEPT])
     assert not (LOOPLESS | MISMODELLED) & set(NOT_REPLAYABLE)
     assert set(TRAINER_LIMITS) <= TRAINERS and len(TRAINERS - set(TRAINER_LIMITS)) >= 6
     assert len(NAMES) - len(LOOPLESS | MISMODELLED | set(NOT_REPLAYABLE)) >= 21
@@ -603,23 +611,20 @@ def _add_moe_args(parser):
 """
 
 
-@pytest.mark.parametrize("arguments", [True, False])
-def test_megatrons_arguments_are_the_projects_defaults(tmp_path, arguments):
+def test_megatrons_arguments_are_the_projects_defaults(tmp_path):
     """`get_args()` gives the defaults of the project's `megatron/arguments.py` (a list of
     experts, flags that `store_true`), so a loss function that reads them replays; without
     them, `max()` of a stand-in stops the replay and the verdict says so."""
-    (tmp_path / "pretrain_sft.py").write_text(MOE_LOSS_FUNC)
-    if arguments:
-        (tmp_path / "megatron").mkdir()
-        (tmp_path / "megatron" / "arguments.py").write_text(ARGUMENTS)
-    result = gaaudit("verify", "pretrain_sft.py", "-k", "4", "--format", "json", cwd=tmp_path)
-    (loop,) = json.loads(result.stdout)["loops"]
-    verdict = loop["rows"][0]["verdict"]
-    if arguments:
-        assert result.returncode == 1 and verdict.startswith(REPRODUCED), loop
-    else:
-        assert result.returncode == 2, result.stdout + result.stderr
-        assert verdict.startswith("not replayable: ValueError: max()"), loop
+    script = {"pretrain_sft.py": MOE_LOSS_FUNC}
+    projects = {
+        "with_arguments": ("pretrain_sft.py", {**script, "megatron/arguments.py": ARGUMENTS}),
+        "without": ("pretrain_sft.py", script),
+    }
+    result, found = verify_projects(tmp_path, projects, "-k", "4")
+    assert result.returncode == 1, result.stdout + result.stderr
+    ((read,), (stood_in,)) = found.values()
+    assert read["rows"][0]["verdict"].startswith(REPRODUCED), read
+    assert stood_in["rows"][0]["verdict"].startswith("not replayable: ValueError: max()"), stood_in
 
 
 def test_a_verdict_on_the_tiny_sequence_model_says_what_that_model_averages(loops):
@@ -750,16 +755,11 @@ def test_a_loss_object_handed_the_network_and_the_images_is_a_denoising_loss(loo
     assert row["original_error"] < 1e-5, row
 
 
-def test_a_language_model_read_at_its_last_token_is_replayed_as_a_classifier(tmp_path):
+def test_a_language_model_read_at_its_last_token_is_replayed_as_a_classifier(loops):
     """A GPT whose last position's logits score one label per sequence (a spam classifier of
     LLMs-from-scratch): replayed with one label per sequence on micro-batches of one size, where
     mean/K is exact; the table says whether the loader drops an epoch's last, short batch."""
-    fixture = FIXTURES / "ga001_exact_gpt_classifier_last_token.py"
-    kept = tmp_path / "train.py"
-    kept.write_text(fixture.read_text().replace("drop_last=True", "drop_last=False"))
-    result = gaaudit("verify", str(fixture), str(kept), "-k", "4", "--format", "json")
-    assert result.returncode == 0, result.stdout + result.stderr
-    ((dropped,), (kept,)) = (found["loops"] for found in json.loads(result.stdout))
+    ((dropped,), (kept,)) = loops[CLASSIFIER.stem], loops[KEPT]
     assert dropped["equal_sizes"].startswith("`drop_last=True`"), dropped
     assert kept["equal_sizes"].startswith("no `drop_last=True` found"), kept
     for loop in (dropped, kept):
