@@ -616,6 +616,42 @@ def test_the_last_micro_batch_backpropagated_in_the_stepping_else_joins_the_wind
     assert all(window in f.evidence for f in findings)
 
 
+STEPPING_ELSE = FIXTURES / "ga007_stepping_else_from_zero.py"
+
+
+@pytest.mark.parametrize(
+    ("test", "flagged"),
+    [
+        ("step % args.gradient_accumulation_steps != 0", True),
+        ("0 != step % args.gradient_accumulation_steps", True),
+        ("step % args.gradient_accumulation_steps", True),
+        ("(step + 1) % args.gradient_accumulation_steps != 0", False),  # K in each window
+        ("step % args.gradient_accumulation_steps == 0", False),  # the `else` steps K - 1 of K
+        ("step % args.gradient_accumulation_steps != 0 and step > 0", False),  # not one test
+    ],
+)
+def test_a_stepping_else_on_a_counter_from_zero_steps_after_one_micro_batch(
+    tmp_path, test, flagged
+):
+    """GA007 for the stepping `else`: `if i % K != 0:` backpropagates, its `else:`
+    backpropagates and steps; with `i` from 0 the `else` runs first, at i = 0. The fix counts
+    from 1 in the same test."""
+    source = STEPPING_ELSE.read_text()
+    script = tmp_path / "train.py"
+    script.write_text(source.replace("step % args.gradient_accumulation_steps != 0", test))
+    found = [f for f in check_file(script, ALL).findings if f.code == "GA007"]
+    assert bool(found) is flagged, found
+    if flagged:
+        (finding,) = found
+        assert finding.message.startswith(f"the `else` of `if {test}:` steps the optimizer")
+        assert "the first window holds 1 micro-batch" in finding.message
+        fixed = fix_source(script.read_bytes(), script, ALL).after.decode()
+        assert fixed == source.replace(
+            "step % args.gradient_accumulation_steps != 0",
+            test.replace("step %", "(step + 1) %"),
+        )
+
+
 @pytest.mark.parametrize(
     ("named", "shifts"),
     [

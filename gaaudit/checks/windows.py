@@ -1,7 +1,8 @@
 """GA007: an optimizer step guarded by `i % K == 0` on a counter that starts at 0 and is
 tested after the backward, so the first window closes after one micro-batch (or after K + 1,
 with `and i > 0`) and every later window is shifted; or by `(i + 1) % K == 0` on a counter
-already raised for this micro-batch, so the first window closes after K - 1."""
+already raised for this micro-batch, so the first window closes after K - 1. Also a step in
+the `else` of `if i % K != 0:`, whose branches each backpropagate (the stepping else)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ CODE = "GA007"
 @dataclass(frozen=True)
 class Site:
     """A step test `i % K == 0` whose counter `i` is 0 at the first backward, or
-    `(i + 1) % K == 0` whose counter is already 1 there (`ahead`)."""
+    `(i + 1) % K == 0` whose counter is already 1 there (`ahead`); or `i % K != 0` whose
+    `else` steps (`in_else`)."""
 
-    node: cst.Comparison | cst.UnaryOperation  # `i % K == 0` or `not i % K`
+    # `i % K == 0` or `not i % K`; `i % K != 0` or `i % K` alone in_else
+    node: cst.Comparison | cst.UnaryOperation | cst.BinaryOperation
     modulo: cst.BinaryOperation
     counter: cst.Name
     origin: str  # where the counter starts, in words
@@ -34,6 +37,7 @@ class Site:
     # which must move with the step
     others: tuple[cst.BinaryOperation, ...]
     ahead: bool = False  # `(i + 1) % K` on a counter raised before the test: one ahead
+    in_else: bool = False  # the step is in the `else` of `if i % K != 0:`
 
     code = CODE
 
@@ -82,9 +86,14 @@ class Windows:
         if isinstance(window.size, cst.Integer) and window.size.evaluated_value <= 1:
             return None
         test = self.tree.parents.get(modulo)
-        if not _is_zero_test(test, modulo):
+        in_else = window.kind == "modulo" and self.structure.stepping_else(window.anchor)
+        if in_else:
+            test = window.anchor.test  # `i % K != 0`, or `i % K` alone
+            if not _is_nonzero_test(test, modulo):
+                return None  # the `else` steps on passes this test does not name
+        elif not _is_zero_test(test, modulo):
             return None
-        if window.kind == "modulo":
+        elif window.kind == "modulo":
             if not self.tree.contains(window.anchor.test, modulo):
                 return None  # the guard tests a name assigned elsewhere
             if self.tree.order[window.anchor] < self.tree.order[backward]:
@@ -101,7 +110,7 @@ class Windows:
         origin, confidence, raised = started
         if raised != plus_one:  # `i % K` from 1, or `(i + 1) % K` from 0: K in each window
             return None
-        conjunct = None if raised else self._conjunct(test, counter.value)
+        conjunct = None if raised or in_else else self._conjunct(test, counter.value)
         shown = code(modulo)
         others = tuple(
             node
@@ -113,7 +122,10 @@ class Windows:
             and _is_zero_test(self.tree.parents.get(node), node)
             and self.tree.order[node] > self.tree.order[backward]
         )
-        return Site(test, modulo, counter, origin, confidence, conjunct, window, others, raised)
+        return Site(
+            test, modulo, counter, origin, confidence, conjunct, window, others, raised,
+            bool(in_else),
+        )
 
     def _start(
         self, counter: cst.Name, loop: cst.For | cst.While, window: Window
@@ -217,6 +229,21 @@ def _is_zero_test(test: cst.CSTNode | None, modulo: cst.BinaryOperation) -> bool
     return isinstance(target.operator, cst.Equal) and _is_zero(other)
 
 
+def _is_nonzero_test(test: cst.CSTNode, modulo: cst.BinaryOperation) -> bool:
+    """`i % K != 0`, `0 != i % K` or `i % K` alone: true when `i` is not a multiple of K."""
+    if test is modulo:
+        return True
+    if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
+        return False
+    target = test.comparisons[0]
+    sides = (test.left, target.comparator)
+    return (
+        any(side is modulo for side in sides)
+        and isinstance(target.operator, cst.NotEqual)
+        and any(_is_zero(side) for side in sides)
+    )
+
+
 def _nonzero(node: cst.BaseExpression, name: str) -> bool:
     """`i`, `i > 0`, `i != 0`, `i >= 1` or `0 < i`."""
     if isinstance(node, cst.Name):
@@ -252,20 +279,30 @@ def findings(context) -> list[Finding]:
     for site in Windows(context.tree, context.structure).sites():
         test, counter = code(site.conjunct or site.node), site.counter.value
         size = code(site.modulo.right)
+        line = context.tree.line(site.node)
+        steps = (
+            f"the `else` of `if {test}:` steps the optimizer"
+            if site.in_else
+            else f"`{test}` steps the optimizer after the backward"
+        )
         message = (
-            f"`{test}` steps the optimizer after the backward while `{counter}` already counts "
-            f"this micro-batch: the first window holds {site.first} instead of {size}"
+            f"{steps} while `{counter}` already counts this micro-batch: the first window "
+            f"holds {site.first} instead of {size}"
             if site.ahead
-            else f"`{test}` steps the optimizer after the backward while `{counter}` counts "
-            f"micro-batches from 0: the first window holds {site.first} instead of "
-            f"{size}, and every later window is shifted"
+            else f"{steps} while `{counter}` counts micro-batches from 0: the first window "
+            f"holds {site.first} instead of {size}, and every later window is shifted"
+        )
+        window = (
+            f"window: the optimizer steps in the `else` of the test on line {line}, after that "
+            "branch's backward"
+            if site.in_else
+            else f"window: the step test on line {line} follows the backward"
         )
         why = (
             "the loop's index is 0 on its first pass"
             if site.confidence is Confidence.HIGH
             else "the counter could also change out of sight"
         )
-        line = context.tree.line(site.node)
         found.append(
             Finding(
                 path=context.path,
@@ -275,7 +312,7 @@ def findings(context) -> list[Finding]:
                 confidence=site.confidence,
                 evidence=(
                     f"counter: {site.origin}",
-                    f"window: the step test on line {line} follows the backward",
+                    window,
                     f"confidence {site.confidence}: {why}",
                 ),
                 hint=rule.hint,
