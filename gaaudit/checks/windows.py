@@ -86,7 +86,8 @@ class Windows:
         if isinstance(window.size, cst.Integer) and window.size.evaluated_value <= 1:
             return None
         test = self.tree.parents.get(modulo)
-        in_else = window.kind == "modulo" and self.structure.stepping_else(window.anchor)
+        stepped = self.structure.stepping_else(window.anchor) if window.kind == "modulo" else None
+        in_else = stepped is not None
         if in_else:
             test = window.anchor.test  # `i % K != 0`, or `i % K` alone
             if not _is_nonzero_test(test, modulo):
@@ -122,10 +123,8 @@ class Windows:
             and _is_zero_test(self.tree.parents.get(node), node)
             and self.tree.order[node] > self.tree.order[backward]
         )
-        return Site(
-            test, modulo, counter, origin, confidence, conjunct, window, others, raised,
-            bool(in_else),
-        )
+        found = (test, modulo, counter, origin, confidence, conjunct, window, others)
+        return Site(*found, ahead=raised, in_else=in_else)
 
     def _start(
         self, counter: cst.Name, loop: cst.For | cst.While, window: Window
