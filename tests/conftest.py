@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -125,17 +124,18 @@ def entry(
 
     given = io.TextIOWrapper(io.BytesIO((stdin or "").encode()), encoding="utf-8")
     out, err = (io.TextIOWrapper(io.BytesIO(), "utf-8", write_through=True) for _ in range(2))
-    saved = sys.argv, sys.stdin, sys.stdout, sys.stderr
+    saved, here = (sys.argv, sys.stdin, sys.stdout, sys.stderr), os.getcwd()
     sys.argv, sys.stdin, sys.stdout, sys.stderr = ["gaaudit", *args], given, out, err
     code = 0
     try:
-        with contextlib.chdir(cwd or os.getcwd()):
-            main()
+        os.chdir(cwd or here)
+        main()
     except SystemExit as exit:
         code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
         if isinstance(exit.code, str):
             err.write(exit.code + "\n")
     finally:
+        os.chdir(here)
         sys.argv, sys.stdin, sys.stdout, sys.stderr = saved
     written = (stream.buffer.getvalue().decode("utf-8") for stream in (out, err))
     return subprocess.CompletedProcess(["gaaudit", *args], code, *written)
