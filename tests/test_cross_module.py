@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -453,8 +455,6 @@ def test_check_neither_runs_nor_imports_the_helper_module(tmp_path):
         "try:\n main()\nexcept SystemExit: pass\n"
         "assert not {'torch','losses'} & set(sys.modules), sorted(sys.modules)"
     )
-    import subprocess
-
     result = subprocess.run(
         [sys.executable, "-c", probe],
         check=False,
@@ -778,36 +778,25 @@ def _pairs() -> list:
     return batches
 
 
-# Runs the train.py of each folder in turn as a script from that folder, in one process so
-# that the runs share torch's start-up; each imports its own folder's modules.
-RUNNER = """\
-import json, os, runpy, sys
-
-folders, args = json.loads(sys.argv[1])
-for folder in folders:
-    os.chdir(folder)
-    sys.argv, sys.path[0] = ["train.py", *args], folder
-    runpy.run_path("train.py", run_name="__main__")
-    for name, module in list(sys.modules.items()):  # the next folder has modules so named
-        if os.path.dirname(getattr(module, "__file__", None) or "") == folder:
-            del sys.modules[name]
-"""
-
-
 def _updates(run_dirs: list[Path], *args: str) -> list:
-    """Run each of `run_dirs`' train.py (with `args`) from its init.pt: how far each one's
-    trained.pt moved."""
+    """Run each of `run_dirs`' train.py (with `args`) from its init.pt, in this process as a
+    script from its folder (each imports its own folder's modules, forgotten again after it):
+    how far each one's trained.pt moved."""
     import torch
 
-    folders = [str(run_dir.resolve()) for run_dir in run_dirs]
-    result = subprocess.run(
-        [sys.executable, "-c", RUNNER, json.dumps([folders, args])],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
+    saved, here = (sys.argv, list(sys.path)), Path.cwd()
+    try:
+        for run_dir in run_dirs:
+            folder = str(run_dir.resolve())
+            os.chdir(folder)
+            sys.argv, sys.path[:] = ["train.py", *args], [folder, *saved[1]]
+            runpy.run_path("train.py", run_name="__main__")
+            for name, module in list(sys.modules.items()):  # the next folder's are so named
+                if (getattr(module, "__file__", None) or "").startswith(folder + os.sep):
+                    del sys.modules[name]
+    finally:
+        os.chdir(here)
+        sys.argv, sys.path[:] = saved
     moved = []
     for run_dir in run_dirs:
         trained, initial = torch.load(run_dir / "trained.pt"), torch.load(run_dir / "init.pt")
