@@ -130,10 +130,10 @@ def entry(
     try:
         os.chdir(cwd or here)
         main()
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-        if isinstance(exit.code, str):
-            err.write(exit.code + "\n")
+    except SystemExit as ended:
+        code = ended.code if isinstance(ended.code, int) else int(ended.code is not None)
+        if isinstance(ended.code, str):
+            err.write(ended.code + "\n")
     finally:
         os.chdir(here)
         sys.argv, sys.stdin, sys.stdout, sys.stderr = saved
