@@ -244,6 +244,12 @@ class _WindowFinding:
             return None
         return guard.orelse
 
+    def window_else(self, window: Window) -> cst.Else | None:
+        """The stepping `else` (`stepping_else`) of a modulo window's guard, else None."""
+        if window.kind != "modulo" or window.skips:
+            return None
+        return self.stepping_else(window.anchor)
+
     def _follows_every_time(self, step: cst.Call, backward: cst.Call, loop: cst.CSTNode) -> bool:
         """Whether `step` runs after `backward` on every pass that runs the backward."""
         if self.tree.order[step] < self.tree.order[backward]:

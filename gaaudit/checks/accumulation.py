@@ -294,7 +294,7 @@ class _Divisors:
         line = self.tree.line(window.anchor)
         if window.skips:
             return f"optimizer step after `if {code(window.anchor.test)}: continue` (line {line})"
-        if window.kind == "modulo" and self.structure.stepping_else(window.anchor) is not None:
+        if self.structure.window_else(window) is not None:
             return f"optimizer step in the `else` of `if {code(window.anchor.test)}:` (line {line})"
         if window.kind == "modulo":
             return f"optimizer step guarded by `{code(window.anchor.test)}` (line {line})"

@@ -86,9 +86,7 @@ class Windows:
         if isinstance(window.size, cst.Integer) and window.size.evaluated_value <= 1:
             return None
         test = self.tree.parents.get(modulo)
-        in_else = (
-            window.kind == "modulo" and self.structure.stepping_else(window.anchor) is not None
-        )
+        in_else = self.structure.window_else(window) is not None
         if in_else:
             test = window.anchor.test  # `i % K != 0`, or `i % K` alone
             if not _is_nonzero_test(test, modulo):

@@ -1976,10 +1976,10 @@ class _Window:
         self._prepared[window.anchor] = (site, self._optimizer(window))
 
     def _last_backward(self, window: Window) -> cst.CSTNode | None:
-        """The statement of a stepping `else` (`_stepping_else`) after which its backward has
-        run and before its step, where the one division goes (None: the window's guard has
-        no such `else`, or it only steps); refused where the `else` steps before it."""
-        last = self._stepping_else(window)
+        """The statement of a stepping `else` (`Structure.window_else`) after which its
+        backward has run and before its step, where the one division goes (None: the window's
+        guard has no such `else`, or it only steps); refused where the `else` steps before it."""
+        last = self.auditor.structure.window_else(window)
         if last is None:
             return None
         body = last.body.body
@@ -2079,7 +2079,7 @@ class _Window:
             self.edits.insert_before(
                 statement_line(self.tree, self._count_home(window, optimizer)), start
             )
-            last = self._stepping_else(window)
+            last = self.auditor.structure.window_else(window)
             body = window.step_region if window.skips else (last or window.anchor).body.body
             ran = self._last_backward(window)
             if ran is None:
@@ -2504,13 +2504,6 @@ class Planner(
             found = structure.window(backward)
             if found is not None and found.anchor is window.anchor:
                 yield backward
-
-    def _stepping_else(self, window: Window) -> cst.Else | None:
-        """The `else` of the window's guard that backpropagates its last micro-batch and
-        steps (`Structure.stepping_else`), else None."""
-        if window.kind != "modulo" or window.skips:
-            return None
-        return self.auditor.structure.stepping_else(window.anchor)
 
     def _position(self, site: Site) -> tuple[int, int]:
         span = self.tree.span(site.node)
