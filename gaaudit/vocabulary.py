@@ -10,6 +10,9 @@ OPTIMIZER = re.compile(
     r"($|_|\d)"
 )
 BACKWARDS = ("backward", "manual_backward")
+# Methods that step an optimizer: torch's `step`, and `step_and_update_lr` of the `ScheduledOptim`
+# wrapper that Transformer and FastSpeech code copies (its learning rate set, then the step).
+STEPS = frozenset({"step", "step_and_update_lr"})
 CLIPPERS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")  # torch.nn.utils
 # torch.distributed.pipelining schedules: after the last backward of a step they divide the
 # gradients by `n_microbatches`, unless built with `scale_grads=False`.
@@ -59,7 +62,7 @@ def window_guards(data: bytes) -> list[int]:
 
 
 def steps_optimizer(receiver: str, positional: int) -> bool:
-    """Whether `<receiver>.step(...)` with `positional` positional arguments is an optimizer
+    """Whether `<receiver>.step(...)` (or another of `STEPS`) with `positional` positional arguments is an optimizer
     step: `optimizer.step()`, `opt.step()`, `scaler.step(optimizer)`; never a scheduler's."""
     receiver = receiver.lower()
     if "sched" in receiver:

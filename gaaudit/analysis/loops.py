@@ -31,6 +31,7 @@ from gaaudit.vocabulary import (
     BACKWARDS,
     LOOP_RUNNERS,
     OPTIMIZER,
+    STEPS,
     TORCH_SCHEDULES,
     steps_optimizer,
 )
@@ -79,9 +80,9 @@ class Pipeline:
 
 
 def is_step(call: cst.Call) -> bool:
-    """`optimizer.step()`, `opt.step()`, `scaler.step(optimizer)`."""
+    """`optimizer.step()`, `opt.step()`, `scaler.step(optimizer)`, `optimizer.step_and_update_lr()`."""
     func = call.func
-    if not (isinstance(func, cst.Attribute) and func.attr.value == "step"):
+    if not (isinstance(func, cst.Attribute) and func.attr.value in STEPS):
         return False
     return steps_optimizer(last_name(func.value) or "", len(positional(call)))
 
@@ -274,19 +275,31 @@ class _WindowFinding:
                 return False  # `if a % k != 0: <backward>` / `else: <backward>, <step>`
         return False
 
-    def _calls_window(self, function: cst.FunctionDef) -> Window | None:
+    def _calls_window(self, function: cst.FunctionDef, hops: int = 1) -> Window | None:
         """A function that calls backward and steps under `if <a % k>:` (Lightning's manual
-        optimisation in `training_step`): its window spans K calls, unless every call zeroes
-        that optimizer's gradients."""
-        cleared = {
-            _optimizer_of(n)
+        optimisation in `training_step`), itself or in a same-file helper it calls (XLM's
+        `self.optimize(loss)`): its window spans K calls, unless every call zeroes that
+        optimizer's gradients (on the step's path: not in the other arm of an `if`)."""
+        clearing = [
+            n
             for n in self.tree.walk(function, into_defs=False)
             if isinstance(n, cst.Call)
             and last_name(n.func) == "zero_grad"
             and self._guard(n, function, modulo=False) is None
-        }
+        ]
         for step in self.steps_in(function):
+            helper = None if is_step(step) else self.tree.functions.get(_helper_name(step.func))
+            if helper is not None:
+                found = (
+                    self._calls_window(helper, hops - 1)
+                    if hops and helper is not function
+                    else None
+                )
+                if found is not None:
+                    return found
+                continue
             guarded = self._guard(step, function)
+            cleared = {_optimizer_of(n) for n in clearing if not _apart(self.tree, n, step)}
             if guarded is not None and not cleared & {None, _optimizer_of(step)}:
                 guard, size = guarded
                 return Window("calls", None, size, guard, (guard,))
@@ -412,7 +425,7 @@ class _Guards:
         """The `a % k` a step guard tests, directly or through a name assigned from it, or set
         true under a test of it (`elif step % k == 0: update = True`)."""
         for node in self.tree.walk(test):
-            if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo):
+            if _is_modulo(node):
                 return node
             if isinstance(node, cst.Name):
                 for stmt in self.tree.bindings(self.tree.scope_of(test)).get(node.value, ()):
@@ -437,14 +450,7 @@ class _Guards:
         return None
 
     def _first_modulo(self, expr: cst.CSTNode) -> cst.BinaryOperation | None:
-        return next(
-            (
-                n
-                for n in self.tree.walk(expr)
-                if isinstance(n, cst.BinaryOperation) and isinstance(n.operator, cst.Modulo)
-            ),
-            None,
-        )
+        return next((n for n in self.tree.walk(expr) if _is_modulo(n)), None)
 
 
 class _Frameworks:
@@ -860,6 +866,17 @@ def _optimizer_of(call: cst.Call) -> str | None:
     receiver = call.func.value if isinstance(call.func, cst.Attribute) else None
     name = dotted(receiver) if receiver is not None else None
     return name if name and OPTIMIZER.search(last_name(receiver).lower()) else None
+
+
+def _is_modulo(node: cst.CSTNode) -> bool:
+    """`a % k`; never a string's formatting (`"O%i" % level`)."""
+    return (
+        isinstance(node, cst.BinaryOperation)
+        and isinstance(node.operator, cst.Modulo)
+        and not isinstance(
+            node.left, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString)
+        )
+    )
 
 
 def _skips(guard: cst.If) -> bool:

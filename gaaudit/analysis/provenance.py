@@ -1227,13 +1227,9 @@ class Tracer(_Calls, _Callees, _Counts):
         if literal:
             return self.origin(value.elements[index].value, depth + 1)
         if isinstance(value, cst.Call):
-            if (element := self._returned_element(value, index)) is not None:
-                return self.origin(element, depth + 1)
-            imported = self._imported(value.func, value, index)
-            if imported is None and self.imports is not None:
-                imported = self.imports.called(self, value, index)
-            if imported is not None:
-                return imported
+            element = self._element(value, index, depth)
+            if element is not None:
+                return element
             if "loss" in name:
                 names = (last_name(e.value) or "" for e in target.elements)
                 counts = (n for n in names if COUNT_BESIDE.match(n))
@@ -1243,6 +1239,16 @@ class Tracer(_Calls, _Callees, _Counts):
                 )
                 return replace(self._mean(value, what), from_model=True, beside=beside)
         return UNKNOWN
+
+    def _element(self, call: cst.Call, index: int, depth: int) -> Origin | None:
+        """The origin of element `index` of what `call` returns, where gaaudit reads the
+        function called: a helper of the file, an imported function or a module's `forward`."""
+        if (element := self._returned_element(call, index)) is not None:
+            return self.origin(element, depth + 1)
+        imported = self._imported(call.func, call, index)
+        if imported is None and self.imports is not None:
+            imported = self.imports.called(self, call, index)
+        return imported
 
     def _returned_element(self, call: cst.Call, index: int) -> cst.BaseExpression | None:
         """Element `index` of the tuple or list that the helper of the file `call` calls
@@ -1264,11 +1270,12 @@ class Tracer(_Calls, _Callees, _Counts):
             outputs = self.origin_call(expr.value)
             # `outputs = self.forward(...)`, which returns `[loss]` or `(loss, logits)`
             position = literal_eval(index.value)  # `0`, `0x1`, `1_0`
-            element = self._returned_element(outputs, position) if outputs is not None else None
-            if element is not None:
-                return self.origin(element, depth + 1)
+            found = self._element(outputs, position, depth) if outputs is not None else None
+            if found is not None and found.kind != "unknown":
+                return found
             if index.value == "0" and outputs is not None and self._passes_labels(outputs):
                 return self._mean(expr, f"`{code(expr)}`, the loss of a model called with labels")
+            return found or UNKNOWN
         return UNKNOWN
 
 

@@ -47,6 +47,7 @@ from gaaudit.vocabulary import (
     BACKWARDS,
     OPTIMIZER,
     PIPELINE_CLASSES,
+    STEPS,
     TRAINER_MODULES,
     steps_optimizer,
     window_guards,
@@ -353,9 +354,9 @@ class _Windows:
 
     @cached_property
     def _step_names(self) -> set[str]:
-        """`step`, and functions of the file that call a `.step(...)`."""
-        steps = [c for c in self._calls_on({"step"}) if _last(c.func) == "step"]
-        return {"step"} | self._enclosing_names(steps)
+        """The `STEPS`, and functions of the file that call one (`.step(...)`)."""
+        steps = [c for c in self._calls_on(STEPS) if _last(c.func) in STEPS]
+        return STEPS | self._enclosing_names(steps)
 
     def _steps(self, call: ast.Call) -> bool:
         """Whether a call certainly steps an optimizer: `loops.is_step`, or a call of a function
@@ -366,7 +367,7 @@ class _Windows:
     def _stepping_helpers(self) -> set[str]:
         return {
             name
-            for name in self._step_names - {"step"}
+            for name in self._step_names - STEPS
             if all(
                 any(isinstance(n, ast.Call) and _is_step(n) for n in self._own_nodes(function))
                 for function in self.functions.get(name, ())
@@ -401,8 +402,21 @@ class _Windows:
         if loop is not None:
             return self._loop_window(loop)
         if isinstance(scope, FUNCTIONS):
-            return any(self._guarded(s, scope, skipping=False) for s in self._steps_in(scope))
+            return any(
+                self._guarded(s, scope, skipping=False) or self._steps_guarded_in(s)
+                for s in self._steps_in(scope)
+            )
         return False
+
+    def _steps_guarded_in(self, call: ast.Call) -> bool:
+        """Whether `call` calls a function of the file that steps under a test of `a % k`
+        (`loops.Structure._calls_window`, one hop)."""
+        return any(
+            self._guarded(s, function, skipping=False)
+            for function in self.functions.get(_last(call.func) or "", ())
+            for s in self._steps_in(function)
+            if _is_step(s)
+        )
 
     def _loop_window(self, loop: ast.AST) -> bool:
         """Whether a loop holding backward calls may be an accumulation window (each loop
@@ -781,7 +795,13 @@ def _spells(node: ast.AST, word: str) -> bool:
 
 
 def _is_modulo(node: ast.AST) -> bool:
-    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
+    """`loops._is_modulo` on the `ast`."""
+    return (
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Mod)
+        and not isinstance(node.left, ast.JoinedStr)
+        and not (isinstance(node.left, ast.Constant) and isinstance(node.left.value, str))
+    )
 
 
 def _reads_grad(node: ast.AST, activations: bool = True) -> bool:
@@ -809,7 +829,7 @@ def _last(func: ast.expr) -> str | None:
 def _is_step(call: ast.Call) -> bool:
     """`loops.is_step` on the `ast`."""
     func = call.func
-    if not (isinstance(func, ast.Attribute) and func.attr == "step"):
+    if not (isinstance(func, ast.Attribute) and func.attr in STEPS):
         return False
     positional = sum(not isinstance(a, ast.Starred) for a in call.args)
     return steps_optimizer(_last(func.value) or "", positional)

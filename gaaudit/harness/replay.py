@@ -66,7 +66,7 @@ from gaaudit.harness.stubs import (
     tensor_round,
     trange,
 )
-from gaaudit.vocabulary import BACKWARDS, CLIPPERS, MOVERS
+from gaaudit.vocabulary import BACKWARDS, CLIPPERS, MOVERS, STEPS
 
 ENGINE_STARTUP = 120.0  # seconds a fresh process may take to import torch and DeepSpeed
 BRIEF = 240  # characters of an exception's message a verdict quotes at most
@@ -788,7 +788,7 @@ def _callable(plan: Plan, filename: str, namespace: dict, objects: Objects):
 _UNPACK = "__gaaudit_unpacked__"
 _UNSET = "__gaaudit_unset__"
 # calls by which a block takes part in the window's gradients
-GRADIENT_CALLS = frozenset({*BACKWARDS, *CLIPPERS, "step", "zero_grad", "unscale_"})
+GRADIENT_CALLS = frozenset({*BACKWARDS, *CLIPPERS, *STEPS, "zero_grad", "unscale_"})
 
 
 class _EvaluationLeftOut(ast.NodeTransformer):
