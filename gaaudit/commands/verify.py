@@ -33,7 +33,7 @@ from gaaudit.discover.modules import missing_top_module, project_root, search_ro
 from gaaudit.discover.source import parse, read
 from gaaudit.findings import Confidence
 
-VERIFIED = "verified"  # the verdict of a loop that matches the full batch (harness.gradcheck)
+VERIFIED, REPRODUCED = "verified", "bug reproduced"
 ERROR_MEANS = (
     "error: relative L2 distance between the gradient at the optimizer step and the gradient "
     "of one full-batch step on the same data"
