@@ -29,6 +29,10 @@ LOOP_RUNNERS = frozenset({"pretrain", "training_main"})
 # DeepSpeed's PipelineModule takes a loss_fn too
 PIPELINE_CLASSES = TORCH_SCHEDULES | {"PipelineModule"} | LOOP_RUNNERS
 
+# The parameter `gaaudit fix` gives a function that backpropagates a micro-batch for its caller:
+# asked, it returns its loss and count, and the caller divides the window's gradients once.
+RETURN_COUNT = "return_count"
+
 # Calls that start a distributed runtime, and the packages whose collectives the fixes write.
 DISTRIBUTED_STARTS = frozenset({"init_distributed", "init_process_group"})
 GATHERED_PACKAGES = frozenset({"torch", "accelerate", "lightning", "deepspeed"})

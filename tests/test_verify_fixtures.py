@@ -21,6 +21,7 @@ from conftest import FIXTURES, clipping_unfixed, devices, expected, gaaudit, ver
 from gaaudit.commands.verify import (
     CALLED_PER_BATCH,
     CALLED_WITH_WINDOW,
+    CALLER_DIVIDES,
     DENOISED_BY_STAND_IN,
     REPRODUCED,
     SCORED_BY_FRAMES,
@@ -92,15 +93,11 @@ EVERY_POSITION = {
 }
 # The harness has no sequence-classification model yet (issue "verify on real scripts"): it
 # replays a causal LM, whose shifted labels the classification patch does not count.
-# A method that backpropagates, which its caller's loop calls once per micro-batch, is replayed
-# alone, as that loop would call it: its patched version, asked for no count there, backpropagates
-# as before (tests/test_fixed_loops_runtime.py proves the caller's window).
 # An unsafe read-ahead over epochs whose short last window goes on into the next epoch: the
 # replay finds its patched loop wrong, as the fix warns (tests/test_fixed_loops_runtime.py
 # measures where it is right and where not).
 MISMODELLED = {
     "ga001_exact_seq_classifier_attention_mask",
-    "ga001_split_batch_popped_mask",
     "ga001_read_ahead_window_carried_across_epochs",
 }
 
@@ -440,12 +437,15 @@ def test_fields_popped_off_a_split_batch_are_served_with_its_positions(loops):
     """verl's SFT step splits its batch, pops each micro-batch's loss mask
     (`batch.pop("loss_mask")`: a field read, not a call that loads data), feeds the model
     `position_ids` and divides by `n_micro_batches`: the harness serves those fields and the
-    divisor's name gives K, so the bug shows (and shows again in the patched method, replayed
-    alone: see MISMODELLED)."""
+    divisor's name gives K, so the bug shows. The fix has the method return its count to its
+    caller, which divides the window's gradients once: the patched method is called so, the
+    gradients divided as that caller does, and it matches the full batch."""
     (loop,) = loops["ga001_split_batch_popped_mask"]
     (row,) = loop["rows"]
-    assert loop["verdict"] == "bug reproduced", loop
+    assert row["original_verdict"] == "bug reproduced", loop
     assert row["k"] == 4 and row["original_error"] > 0.1, row
+    assert loop["verdict"] == "verified" and row["patched_error"] < 1e-5, loop
+    assert CALLER_DIVIDES in loop["replayed"], loop
 
 
 def test_a_model_handed_the_batch_as_keywords_scores_itself(loops):

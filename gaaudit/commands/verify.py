@@ -32,6 +32,7 @@ from gaaudit.discover.files import discover
 from gaaudit.discover.modules import missing_top_module, project_root, search_root
 from gaaudit.discover.source import parse, read
 from gaaudit.findings import Confidence
+from gaaudit.vocabulary import RETURN_COUNT
 
 VERIFIED, REPRODUCED = "verified", "bug reproduced"
 ERROR_MEANS = (
@@ -106,6 +107,11 @@ CALLED_PER_BATCH = (
     "called once for each micro-batch, as the loop that calls it would, until the optimizer steps"
 )
 CALLED_WITH_WINDOW = "called once with the whole window, which it cuts into micro-batches itself"
+# ... and, patched, how the count its fix makes it return is used
+CALLER_DIVIDES = (
+    "patched, it is asked for its count (`return_count=True`) and the gradients are divided "
+    "once by the window's total, as its patched caller does"
+)
 # ... and on the tiny model that scores its own spectrogram frames (nets.TinyFrameModel)
 SCORED_BY_FRAMES = (
     "replayed with a tiny model that scores its own spectrogram frames (their mean squared "
@@ -1099,6 +1105,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
         if plan is not None and plan.model_kind in SIZED_KINDS:
             outcome.equal_sizes = target.equal_sizes or LAST_BATCH_LEFT_OUT
         per_call = plan is not None and "micro-batch" in plan.roles.values()
+        counted = per_call and patched and _gains_count(job, target)
         # micro-batches of one fixed length, no padding; of one size, where sizes count
         packed = bool(target.fixed_length or outcome.equal_sizes)
         for k in options.ks:
@@ -1166,6 +1173,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
             stand_in = result.original.replay.ok and not options.model_factory
             notes = (
                 (CALLED_WITH_WINDOW if plan.splits_batch else CALLED_PER_BATCH) if per_call else "",
+                CALLER_DIVIDES if counted else "",
                 STAND_IN_NOTES.get(result.original.replay.model_kind, "") if stand_in else "",
             )
             outcome.replayed = "; ".join(note for note in notes if note)
@@ -1181,6 +1189,15 @@ def _planned(source: str, target: Target):
         return analyse(source, target.line, target.divisors)
     except NotReplayable:
         return None
+
+
+def _gains_count(job: dict, target: Target) -> bool:
+    """Whether the fix gives the replayed function the `return_count` its caller asks for
+    (replay.compare replays it so)."""
+    if target.patched_line is None:
+        return False
+    plan = _planned(job["patched"], replace(target, line=target.patched_line))
+    return plan is not None and RETURN_COUNT in (plan.params or ())
 
 
 def _progress(text: str) -> None:

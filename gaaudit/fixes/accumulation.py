@@ -61,7 +61,7 @@ from gaaudit.fixes.edits import (
 )
 from gaaudit.fixes.lightning import _LightningWindow
 from gaaudit.fixes.read_ahead import _ReadAhead, unmoved
-from gaaudit.vocabulary import CLIPPERS, DISTRIBUTED_STARTS, GATHERED_PACKAGES
+from gaaudit.vocabulary import CLIPPERS, DISTRIBUTED_STARTS, GATHERED_PACKAGES, RETURN_COUNT
 
 COUNT_NOTE = "# the caller weights this mean by its count: sum and count per micro-batch"
 # why a model that takes its targets out of what it is handed is not fixed, and what to do
@@ -78,7 +78,6 @@ HELPER_NOTE = (
 )
 RETURNED_NOTE = "# sum and count: the caller adds this count to its window's"
 ADDED_NOTE = "# sum and count: the window's total, to divide its gradients once at the step"
-RETURN_COUNT = "return_count"
 MAX_REBINDINGS = 8  # how far back `labels = labels.to(device)` chains are followed
 
 

@@ -185,6 +185,9 @@ class Plan:
     lightning: bool = False
     derived: list[Derived] = field(default_factory=list)
     stages: tuple[Chain, Chain] | None = None
+    # a function called once per micro-batch that the fix gave `return_count`: it is called as
+    # its patched caller calls it, and the window's gradients divided once by the counts' sum
+    caller_divides: bool = False
     settings: dict[str, object] = field(default_factory=dict)  # argparse defaults, by dest
     rebound: frozenset[str] = frozenset()  # imported names assigned again before the statement
     # data bound before the statement to an enumeration of itself: `it = enumerate(loader)`

@@ -66,7 +66,7 @@ from gaaudit.harness.stubs import (
     tensor_round,
     trange,
 )
-from gaaudit.vocabulary import BACKWARDS, CLIPPERS, MOVERS, STEPS
+from gaaudit.vocabulary import BACKWARDS, CLIPPERS, MOVERS, RETURN_COUNT, STEPS
 
 ENGINE_STARTUP = 120.0  # seconds a fresh process may take to import torch and DeepSpeed
 BRIEF = 240  # characters of an exception's message a verdict quotes at most
@@ -471,6 +471,10 @@ def compare(
     planned = [p for p in (original, patched) if isinstance(p, Plan)]
     for plan in planned[1:]:
         plan.model_kind, plan.ignore_index = planned[0].model_kind, planned[0].ignore_index
+    if isinstance(patched, Plan) and isinstance(original, Plan):
+        patched.caller_divides = RETURN_COUNT in (patched.params or ()) and RETURN_COUNT not in (
+            original.params or ()
+        )
     session = (make_session or _Session)(
         planned[0] if planned else "", k, micro_batch_size, seed, device, dtype, timeout, packed
     )
@@ -551,12 +555,16 @@ def _execute(
                 precision,
                 _time_limit(timeout),
             ):
+                counted = plan.caller_divides and objects.caller is not None
+                total = 0.0  # the window's count, where the caller divides by it
                 for call, turn in _calls(kwargs, objects.caller):
                     with turn():
-                        result = function(**call)
+                        result = function(**call, **({RETURN_COUNT: True} if counted else {}))
                         if inspect.isgenerator(result):
                             for _ in result:
                                 pass
+                    if counted:
+                        total += float(result[-1])
         except StepReached as stop:
             grads, where, drawn = optimizer.grads, stop.where, optimizer.drawn()
         except Exhausted as exc:
@@ -574,6 +582,8 @@ def _execute(
             grads, where = snapshot(model.parameters()), "end of statement"
             if objects.scaler is not None and objects.scaler.is_enabled():
                 grads = [g / objects.scaler.get_scale() for g in grads]
+            if counted:
+                grads = [g / _per_process(total, device) for g in grads]
     if grouped:  # `dist.get_rank()`, a DistributedSampler: again as the one rank of a group
         with group_of_one("gloo"):
             result = _execute(*args)
@@ -603,6 +613,17 @@ def _execute(
         output.getvalue()[-4000:],
         drawn,
     )
+
+
+def _per_process(count: float, device: torch.device) -> float:
+    """A window's count as the patched caller divides by it: summed over the processes and
+    divided by their number, where the gradients are averaged over them (at least 1)."""
+    dist = torch.distributed
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        summed = torch.tensor(count, device=device)
+        dist.all_reduce(summed)
+        return max(summed.item(), 1.0) / dist.get_world_size()
+    return max(count, 1.0)
 
 
 def _calls(kwargs: dict, caller: Caller | None) -> Iterator[tuple[dict, Callable]]:
