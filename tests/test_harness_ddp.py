@@ -20,6 +20,9 @@ DDP_FIXTURES = sorted(
 )
 # One target per image in chunks of one size: the mean/K is exact (GA-GUIDE section 3).
 EXACT = {"ga001_ddp_no_sync_chunks"}
+# A method its caller calls once per micro-batch, which the fix has return its count: each rank
+# sums its counts, and the patched caller divides by the processes' total over their number.
+COUNTED_BY_CALLER = FIXTURES / "ga001_split_batch_popped_mask.py"
 
 NEVER_SYNCS = """
 import torch.distributed as dist
@@ -42,7 +45,7 @@ def test_ddp_fixtures_are_proven_on_two_processes(tmp_path, device):
     never_syncs = tmp_path / "never_syncs.py"
     never_syncs.write_text(textwrap.dedent(NEVER_SYNCS))
     assert {p.stem for p in DDP_FIXTURES} > EXACT
-    paths = [*DDP_FIXTURES, never_syncs]
+    paths = [*DDP_FIXTURES, COUNTED_BY_CALLER, never_syncs]
     result = gaaudit(
         "verify",
         "--distributed",
@@ -57,7 +60,7 @@ def test_ddp_fixtures_are_proven_on_two_processes(tmp_path, device):
     )
     assert "on 2 DDP processes" in result.stderr and "Traceback" not in result.stderr
     files = {entry["path"]: entry["loops"] for entry in json.loads(result.stdout)}
-    for path in DDP_FIXTURES:
+    for path in (*DDP_FIXTURES, COUNTED_BY_CALLER):
         (loop,) = files[path.as_posix()]
         for row in loop["rows"]:
             assert row["processes"] == 2 and row["k"] in (2, 4), row
