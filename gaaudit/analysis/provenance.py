@@ -12,6 +12,7 @@ from typing import Literal
 
 import libcst as cst
 
+from gaaudit.analysis.loops import is_step
 from gaaudit.analysis.tree import (
     Tree,
     argument_for,
@@ -1061,9 +1062,18 @@ class Tracer(_Calls, _Callees, _Counts):
     def _times(self, node: cst.CSTNode, loss: Origin, factor: cst.BaseExpression) -> Origin:
         """A loss times a factor (`node`): a mean times a count is a sum; times a weight, or
         anything else times a factor, the loss as it was."""
-        if loss.kind == "mean" and not _is_weight(factor):
+        if loss.kind == "mean" and not _is_weight(factor) and not self._unscaled(factor):
             return self._sum(node, f"`{code(node)}`, a mean times a count")
         return loss
+
+    def _unscaled(self, factor: cst.BaseExpression) -> bool:
+        """Whether the file's optimizer step is handed `factor` to undo it (atlas's fp16 loss
+        scale, `optimizer.step(scale=scale)`): a loss scale, which keeps a mean a mean."""
+        spelled = code(factor)
+        return any(
+            is_step(call) and any(code(arg.value) == spelled for arg in call.args)
+            for call in self.tree.calls
+        )
 
     def _count_of(self, expr: cst.BinaryOperation):
         """For `sum / divisor`: (the micro-batch's count, a constant factor beside it or None)
