@@ -1129,11 +1129,13 @@ class Tracer(_Calls, _Callees, _Counts):
                 return found
             taken = next(a for a in self.tree.ancestors(binding) if isinstance(a, cst.If))
             return replace(untaken, branch=taken)  # `if loss_fct: loss = loss_fct(...)`
-        rival = self._rival(expr.value, binding) if found.kind == "mean" else None
+        rival = self._rival(expr.value, binding) if found.kind in ("mean", "unknown") else None
         if rival is not None:  # `if mask: loss = masked mean / else: loss = x.mean()`
             other = self._from_binding(expr.value, rival, depth)
             block = next(a for a in self.tree.ancestors(binding) if isinstance(a, cst.Else))
             branch = self.tree.parents[block]  # `if labels: ce(...) / else: out.loss`
+            if found.kind == "unknown":  # `else: loss = scst_train_iter(...)`: the path in sight
+                return replace(other, branch=branch) if other.kind == "mean" else found
             if other.kind == "mean" and bool(other.added) != bool(found.added):
                 # `if moe: loss = lm + aux / else: loss = lm`: a term added on one path only
                 return replace(found if found.added else other, branch=branch)
@@ -1228,6 +1230,8 @@ class Tracer(_Calls, _Callees, _Counts):
         index = next((i for i, e in enumerate(target.elements) if _unpacks_to(e.value, name)), None)
         if index is None:
             return UNKNOWN
+        if _leading(value):  # `loss, logits = outputs[:2]`: the call's first elements
+            value = self.origin_call(value.value) or value
         literal = isinstance(value, (cst.Tuple, cst.List)) and index < len(value.elements)
         inner = target.elements[index].value
         if isinstance(inner, (cst.Tuple, cst.List)):  # `(quantized, codes), loss = ...`
@@ -1287,6 +1291,18 @@ class Tracer(_Calls, _Callees, _Counts):
                 return self._mean(expr, f"`{code(expr)}`, the loss of a model called with labels")
             return found or UNKNOWN
         return UNKNOWN
+
+
+def _leading(expr: cst.BaseExpression) -> bool:
+    """`x[:n]` or `x[0:n]`: the first elements of `x`, each where it was."""
+    if not (isinstance(expr, cst.Subscript) and len(expr.slice) == 1):
+        return False
+    part = expr.slice[0].slice
+    return (
+        isinstance(part, cst.Slice)
+        and (part.lower is None or code(part.lower) == "0")
+        and part.step is None
+    )
 
 
 def _unpacks_to(target: cst.BaseExpression, name: str) -> bool:
