@@ -32,7 +32,6 @@ from gaaudit.discover.files import discover
 from gaaudit.discover.modules import missing_top_module, project_root, search_root
 from gaaudit.discover.source import parse, read
 from gaaudit.findings import Confidence
-from gaaudit.vocabulary import RETURN_COUNT
 
 VERIFIED, REPRODUCED = "verified", "bug reproduced"
 ERROR_MEANS = (
@@ -1105,7 +1104,7 @@ def _replay_targets(job: dict, options: Options, ranks) -> list[dict]:
         if plan is not None and plan.model_kind in SIZED_KINDS:
             outcome.equal_sizes = target.equal_sizes or LAST_BATCH_LEFT_OUT
         per_call = plan is not None and "micro-batch" in plan.roles.values()
-        counted = per_call and patched and _gains_count(job, target)
+        counted = per_call and patched and _caller_divides(job, target, plan)
         # micro-batches of one fixed length, no padding; of one size, where sizes count
         packed = bool(target.fixed_length or outcome.equal_sizes)
         for k in options.ks:
@@ -1191,13 +1190,15 @@ def _planned(source: str, target: Target):
         return None
 
 
-def _gains_count(job: dict, target: Target) -> bool:
-    """Whether the fix gives the replayed function the `return_count` its caller asks for
-    (replay.compare replays it so)."""
+def _caller_divides(job: dict, target: Target, plan) -> bool:
+    """Whether the fix has the caller of the replayed function divide the window once
+    (analysis.caller_divides; replay.compare replays the patched function so)."""
+    from gaaudit.harness.analysis import caller_divides
+
     if target.patched_line is None:
         return False
-    plan = _planned(job["patched"], replace(target, line=target.patched_line))
-    return plan is not None and RETURN_COUNT in (plan.params or ())
+    patched = _planned(job["patched"], replace(target, line=target.patched_line))
+    return patched is not None and caller_divides(plan, patched)
 
 
 def _progress(text: str) -> None:

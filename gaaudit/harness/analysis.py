@@ -28,6 +28,7 @@ from gaaudit.harness.surroundings import (
     methods_called,
     parameter_defaults,
 )
+from gaaudit.vocabulary import RETURN_COUNT
 
 LOOPS = (ast.For, ast.While)
 DEFS = (ast.FunctionDef,)
@@ -1455,6 +1456,12 @@ def _local_defs(tree: ast.Module, target: ast.stmt) -> dict[str, ast.FunctionDef
                         found.setdefault(statement.name, statement)
         node = parent
     return found
+
+
+def caller_divides(original: Plan, patched: Plan) -> bool:
+    """Whether the fix gave the function planned the `return_count` by which `gaaudit fix` has
+    the caller that calls it once per micro-batch divide the window's gradients once."""
+    return RETURN_COUNT in (patched.params or ()) and RETURN_COUNT not in (original.params or ())
 
 
 def analyse(

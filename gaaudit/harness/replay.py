@@ -32,6 +32,7 @@ from gaaudit.harness.analysis import (
     NotReplayable,
     Plan,
     analyse,
+    caller_divides,
     disables_grad,
 )
 from gaaudit.harness.bindings import Caller, Objects
@@ -472,9 +473,7 @@ def compare(
     for plan in planned[1:]:
         plan.model_kind, plan.ignore_index = planned[0].model_kind, planned[0].ignore_index
     if isinstance(patched, Plan) and isinstance(original, Plan):
-        patched.caller_divides = RETURN_COUNT in (patched.params or ()) and RETURN_COUNT not in (
-            original.params or ()
-        )
+        patched.caller_divides = caller_divides(original, patched)
     session = (make_session or _Session)(
         planned[0] if planned else "", k, micro_batch_size, seed, device, dtype, timeout, packed
     )
