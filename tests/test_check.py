@@ -671,3 +671,51 @@ def test_whether_the_named_model_shifts_its_labels(named, shifts):
     `...ForConditionalGeneration` shift their labels as causal LMs do, encoder-decoders do
     not; a name of either kind, or names of both, say nothing."""
     assert shifts_labels(named) is shifts
+
+
+WINDOW_OF_CALLS = """\
+import torch.nn.functional as F
+
+
+class Learner:
+    def optimizer_step(self):
+        {helper}
+
+    def training_step(self, batch):
+        logits = self.model(batch["input_ids"])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        (loss / self.accumulation_steps).backward()
+        {call}
+        self.n_iter += 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("helper", "call", "guard", "calls"),
+    [  # the caller guards the helper's call; the helper guards its own step
+        (
+            "self.optimizer.step()",
+            "if self.n_iter % self.accumulation_steps == 0:\n            self.optimizer_step()",
+            "self.n_iter % self.accumulation_steps == 0",
+            "training_step",
+        ),
+        (
+            "if self.n_iter % self.k == 0:\n            self.optimizer.step()",
+            "self.optimizer_step()",
+            "self.n_iter % self.k == 0",
+            "optimizer_step",
+        ),
+    ],
+)
+def test_a_step_guarded_in_or_around_a_stepping_helper_makes_a_window_of_calls(
+    tmp_path, helper, call, guard, calls
+):
+    """A function that backpropagates and steps through a same-file helper under `if a % k`,
+    whether the test guards the helper's call or the step inside the helper (XLM's
+    `self.optimize(loss)`), makes a window of K calls (of the function holding the test)."""
+    script = tmp_path / "learner.py"
+    script.write_text(WINDOW_OF_CALLS.format(helper=helper, call=call))
+    (finding,) = check_file(script, ALL).findings
+    assert finding.code == "GA001", finding
+    window = next(e for e in finding.evidence if e.startswith("window:"))
+    assert f"guarded by `{guard}`" in window and f"spans calls of `{calls}`" in window, window

@@ -289,15 +289,10 @@ class _WindowFinding:
         ]
         for step in self.steps_in(function):
             helper = None if is_step(step) else self.tree.functions.get(_helper_name(step.func))
-            if helper is not None:
-                found = (
-                    self._calls_window(helper, hops - 1)
-                    if hops and helper is not function
-                    else None
-                )
+            if hops and helper is not None and helper is not function:
+                found = self._calls_window(helper, hops - 1)  # the helper's own guard
                 if found is not None:
                     return found
-                continue
             guarded = self._guard(step, function)
             cleared = {_optimizer_of(n) for n in clearing if not _apart(self.tree, n, step)}
             if guarded is not None and not cleared & {None, _optimizer_of(step)}:
