@@ -1062,17 +1062,16 @@ class Tracer(_Calls, _Callees, _Counts):
     def _times(self, node: cst.CSTNode, loss: Origin, factor: cst.BaseExpression) -> Origin:
         """A loss times a factor (`node`): a mean times a count is a sum; times a weight, or
         anything else times a factor, the loss as it was."""
-        if loss.kind == "mean" and not _is_weight(factor) and not self._unscaled(factor):
+        if loss.kind == "mean" and not _is_weight(factor) and code(factor) not in self._unscaled:
             return self._sum(node, f"`{code(node)}`, a mean times a count")
         return loss
 
-    def _unscaled(self, factor: cst.BaseExpression) -> bool:
-        """Whether the file's optimizer step is handed `factor` to undo it (atlas's fp16 loss
-        scale, `optimizer.step(scale=scale)`): a loss scale, which keeps a mean a mean."""
-        spelled = code(factor)
-        return any(
-            is_step(call) and any(code(arg.value) == spelled for arg in call.args)
-            for call in self.tree.calls
+    @cached_property
+    def _unscaled(self) -> frozenset[str]:
+        """What the file's optimizer steps are handed to undo (atlas's fp16 loss scale,
+        `optimizer.step(scale=scale)`): loss scales, which keep a mean a mean."""
+        return frozenset(
+            code(arg.value) for call in self.tree.calls if is_step(call) for arg in call.args
         )
 
     def _count_of(self, expr: cst.BinaryOperation):
