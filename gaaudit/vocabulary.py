@@ -66,8 +66,9 @@ def window_guards(data: bytes) -> list[int]:
 
 
 def steps_optimizer(receiver: str, positional: int) -> bool:
-    """Whether `<receiver>.step(...)` (or another of `STEPS`) with `positional` positional arguments is an optimizer
-    step: `optimizer.step()`, `opt.step()`, `scaler.step(optimizer)`; never a scheduler's."""
+    """Whether `<receiver>.step(...)` (or another of `STEPS`) with `positional` positional
+    arguments is an optimizer step: `optimizer.step()`, `opt.step()`, `scaler.step(optimizer)`;
+    never a scheduler's."""
     receiver = receiver.lower()
     if "sched" in receiver:
         return False

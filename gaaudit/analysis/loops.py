@@ -80,7 +80,8 @@ class Pipeline:
 
 
 def is_step(call: cst.Call) -> bool:
-    """`optimizer.step()`, `opt.step()`, `scaler.step(optimizer)`, `optimizer.step_and_update_lr()`."""
+    """`optimizer.step()`, `opt.step()`, `scaler.step(optimizer)`,
+    `optimizer.step_and_update_lr()`."""
     func = call.func
     if not (isinstance(func, cst.Attribute) and func.attr.value in STEPS):
         return False
