@@ -350,6 +350,34 @@ def test_a_lightning_module_that_may_train_in_fp16_weights_by_a_reference(precis
     assert ("param.grad.div_(window_tokens / self.window_reference)" in after) is scaled
 
 
+@pytest.mark.parametrize(
+    ("requirement", "applied"),
+    [
+        ("pytorch_lightning==1.3.5\n", False),  # no `trainer.strategy`, no hook
+        (
+            "pytorch-lightning @ git+https://github.com/someone/pytorch-lightning.git@v0.8.5_fixes\n",
+            False,
+        ),
+        ("lightning<1.6\n", False),
+        ("pytorch-lightning>=1.6\n", True),
+        ("lightning==2.4.0\n", True),
+        ("torch\n", True),  # Lightning named nowhere: any release
+    ],
+)
+def test_a_lightning_module_pinned_before_1_6_is_refused(
+    tmp_path, monkeypatch, requirement, applied
+):
+    """The division lives in `on_before_optimizer_step` and reduces the count with
+    `trainer.strategy`: under a project's Lightning before 1.6 the returned sums would never
+    be divided, so the fix is refused, naming the pin."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "requirements.txt").write_text(requirement)
+    (outcome,) = fix_source(LIGHTNING.encode(), tmp_path / "lit.py", ALL).outcomes
+    assert outcome.applied is applied, outcome.reason
+    if not applied:
+        assert outcome.reason.startswith(f"the project requires `{requirement.strip()}`")
+
+
 def test_a_lightning_module_with_a_mixin_keeps_the_mixins_hook():
     """The hook the fix adds calls the one it overrides where the module has other bases."""
     source = LIGHTNING.replace("(L.LightningModule)", "(LoggingMixin, L.LightningModule)")

@@ -1193,6 +1193,10 @@ class Tracer(_Calls, _Callees, _Counts):
         earlier = self.binding(name, branch)
         return earlier if isinstance(earlier, (cst.Assign, cst.AnnAssign)) else None
 
+    def bound(self, name: str, statement: cst.CSTNode) -> Origin:
+        """Where `name` comes from as `statement` binds it (`loss, nll = helper(...)`)."""
+        return self._from_binding(name, statement, 0)
+
     def _from_binding(self, name: str, stmt: cst.CSTNode, depth: int) -> Origin:
         if isinstance(stmt, cst.Param):
             return Origin("unknown", f"`{name}`, a parameter of the function")

@@ -52,6 +52,8 @@ SETTING = re.compile(r"""gradient[_-]accumulation[_-]steps["']?\s*(?:[:=]|\s)\s*
 GIT_REF = re.compile(
     r"huggingface/transformers(?:\.git)?@(?:v(?P<release>\d+\.\d+\.\d+)|[0-9a-f]{7,40})(?:[#&]|$)"
 )
+# The release a git URL of another package installs, read from its tag (`...@v0.8.5_fixes`)
+RELEASE_REF = re.compile(r"@v?(\d+\.\d+(?:\.\d+)?)(?![\d.])")
 SCRIPT = re.compile(r"(?m)^# /// script\s*$")  # PEP 723 inline script metadata
 FRAMEWORK = re.compile(rb"\b(?:transformers|trl)\b")
 LIBRARIES = ("transformers", "trl")  # whose Trainers the pin governs
@@ -775,8 +777,9 @@ def _written(where: Path, pin: Pin) -> str:
 
 
 def _admits_from(pin: Pin, release: str) -> bool:
-    """Whether a requirement admits `release` or a later one: a git tag from that release on,
-    another git ref (the default branch, or a commit that cannot be dated here), or a
+    """Whether a requirement admits `release` or a later one: a git tag from that release on
+    (a fork's `v0.8.5_fixes` read as 0.8.5), another git ref (the default branch, or a commit
+    that cannot be dated here), or a
     specifier that admits such a release; a requirement that cannot be read admits any."""
     from packaging.requirements import InvalidRequirement, Requirement
 
@@ -785,6 +788,8 @@ def _admits_from(pin: Pin, release: str) -> bool:
     except InvalidRequirement:
         return True
     ref = _git_ref(requirement.url or "")
+    if ref is None and (tag := RELEASE_REF.search(requirement.url or "")):
+        ref = tag.group(1)
     if ref not in (None, "commit"):
         return _version(ref) >= _version(release)
     if requirement.url or not requirement.specifier:

@@ -182,7 +182,10 @@ def returns_count(
         )
         edits.insert_before(line, f"{note}\nif {RETURN_COUNT}:\n    return {elements}, {count}")
         return
-    if not isinstance(value, cst.Name):
+    names = isinstance(value, cst.List) and all(
+        isinstance(e.value, cst.Name) for e in value.elements
+    )
+    if not isinstance(value, cst.Name) and not names:  # `return [loss]` is read twice as it is
         mean = cst.Name(fresh(tree, "mean_loss"))
         bind = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(mean)], value)])
         edits.before.setdefault(line, []).append(bind)  # the value's layout kept
@@ -347,7 +350,7 @@ class _Counting:
         `kl` masked over the same targets) seen as one mean, weighted as a whole by that
         count; else `site` as it is."""
         origin = site.origin
-        if not origin.terms or origin.source is None or origin.branch is not None:
+        if not origin.terms or origin.source is None:
             return site
         try:
             (count, _), safe = self._mean_count(origin, site)
@@ -452,22 +455,27 @@ class _Counting:
                 f"{self.tree.line(kept[0].node)}), which the count-weighted sum would keep; "
                 "weight each micro-batch by its valid-target count instead of that factor"
             )
-        helper = self._helper_call(site) if source is not None else None
+        chain = self._helper_call(site) if source is not None else ()
         self.counted_inside = ""
         if origin.module and origin.count is None:  # its function returns its count too
             caveat = self._companion_count(site)
             return (self.micro, caveat), not caveat
         counted = self._mean_count(origin, site)
-        if helper is None:
+        if not chain:
             return counted
         (count, caveat), safe = counted
-        name = self.auditor.tracer.helper(helper.value.func).name.value
+        name = self.auditor.tracer.helper(chain[0].value.func).name.value
         self.counted_inside = (
-            f"`{name}()` (line {self.tree.line(helper)}) makes the loss and returns its count "
+            f"`{name}()` (line {self.tree.line(chain[0])}) makes the loss and returns its count "
             "when asked"
         )
-        self.asked = (helper, count, copy_edits(self.edits))  # a read-ahead asks otherwise
-        self._return_count(helper, count, self._loss_use(site))
+        if len(chain) == 1:
+            self.asked = (chain[0], count, copy_edits(self.edits))  # a read-ahead asks otherwise
+        else:  # the relay asks the helper, and returns the count it gets when asked itself
+            relay = self.auditor.tracer.helper(chain[0].value.func)
+            self._return_count(chain[1], count, self._return_of(relay))
+            count = self.micro
+        self._return_count(chain[0], count, self._loss_use(site))
         return (self.micro, caveat), safe
 
     def _across_calls(self, site: Site) -> str:
@@ -536,7 +544,7 @@ class _Counting:
         use = looped = self._loss_use(site)
         call = None
         if self.tree.scope_of(branch) is not self.tree.scope_of(use):
-            call = self._helper_call(site)
+            call = next(iter(self._helper_call(site)), None)
             helper = self.auditor.tracer.helper(call.value.func) if call is not None else None
             if helper is self.tree.scope_of(branch):
                 use = self._return_of(helper)
@@ -571,10 +579,8 @@ class _Counting:
         if binding not in paths:
             raise Unfixable(refusal.format("which gaaudit cannot follow to the backward"))
         origins = [
-            tracer.origin(path.value)
-            if isinstance(path, cst.Assign)
-            and len(path.targets) == 1
-            and isinstance(path.targets[0].target, cst.Name)
+            self.one_mean(replace(site, origin=tracer.bound(name, path))).origin
+            if isinstance(path, cst.Assign) and len(path.targets) == 1
             else None
             for path in paths
         ]
@@ -586,17 +592,22 @@ class _Counting:
                 "count would weight that term too; add the term on every path (zero where it is "
                 "absent), so the mean's term can be weighted alone"
             )
-        counts = []
+        counts, asked = [], []
         for path, origin in zip(paths, origins):
+            made = self.tree.scope_of(origin.source) if origin and origin.source else None
+            helper = tracer.helper(path.value.func) if self._calls(path) else None
             if (
                 origin is None
                 or origin.kind != "mean"
-                or origin.source is None
+                or made is None
                 or origin.divisions
                 or origin.added
                 or origin.beside
                 or origin.branch is not None
-                or self.tree.scope_of(origin.source) is not self.tree.scope_of(path)
+                or made is not self.tree.scope_of(path)
+                and (made is not helper or not self._asks(helper))
+                or made is self.tree.scope_of(path)
+                and not isinstance(path.targets[0].target, cst.Name)
             ):
                 raise Unfixable(
                     refusal.format(
@@ -606,7 +617,11 @@ class _Counting:
                     )
                 )
             counts.append(self._mean_count(origin, site))
-        for path, ((count, _), _) in zip(paths, counts):
+            asked.append(made is helper)
+        for path, ((count, _), _), ask in zip(paths, counts, asked):
+            if ask:  # `loss, nll = helper(...)`, a function of the file that returns its count
+                self._return_count(path, count, None)  # each other path binds its own
+                continue
             self.edits.insert_before(
                 statement_line(self.tree, path), f"{PATH_NOTE}\n{self.micro} = {count}\n"
             )
@@ -615,6 +630,16 @@ class _Counting:
             self._return_count(call, self.micro, looped)
         caveat = next((caveat for (_, caveat), _ in counts if caveat), "")
         return (self.micro, caveat), all(safe for _, safe in counts)
+
+    @staticmethod
+    def _calls(statement: cst.CSTNode) -> bool:
+        """`x = f(...)` or `x, y = f(...)`."""
+        return isinstance(statement, cst.Assign) and isinstance(statement.value, cst.Call)
+
+    def _asks(self, helper: cst.FunctionDef) -> bool:
+        """Whether `helper`, a function of the file, can be asked for its count: one
+        `return`, and no `return_count` parameter of its own."""
+        return self._return_of(helper) is not None and not _takes_return_count(self.tree, helper)
 
     def _arms_holding(self, branch: cst.If, use: cst.CSTNode) -> cst.CSTNode | None:
         """The statement of the block holding `use` that holds `branch` through `if` arms and
@@ -738,21 +763,22 @@ class _Counting:
             for node in self.tree.walk(window.loop or window.anchor)
         )
 
-    def _helper_call(self, site: Site) -> cst.Assign | None:
+    def _helper_call(self, site: Site) -> tuple[cst.Assign, ...]:
         """`loss = helper(...)` in the loop when the mean is made in `helper`, a function of
-        this file that returns it from its one `return` (None when the loop makes it)."""
+        this file that returns it from its one `return`; where the loop calls another function
+        of the file for it (`loss = self.shared_step(...)`, whose `loss, nll = helper(...)` it
+        returns), that call, then the call of `helper`; `()` when the loop makes the mean."""
         source = site.origin.source
         helper = self.tree.scope_of(source)
         loop = self.tree.scope_of(site.backward.call or site.backward.loss)
         if helper is loop:
-            return None
+            return ()
+        tracer = self.auditor.tracer
         found = self._binding_call(
-            self._loss_use(site),
-            lambda c, _: self.auditor.tracer.helper(c.func) is helper,
-            unpacked=True,
+            self._loss_use(site), lambda c, _: tracer.helper(c.func) is helper, unpacked=True
         )
-        call = found[0] if found is not None else None
-        if not isinstance(helper, cst.FunctionDef) or call is None:
+        chain = (found[0],) if found is not None else self._relayed(site, helper)
+        if not isinstance(helper, cst.FunctionDef) or not chain:
             if not isinstance(helper, cst.FunctionDef):
                 raise Unfixable(
                     "the loss is made at the module's top level, outside the function of its "
@@ -764,14 +790,36 @@ class _Counting:
                 f"the loop other than as `loss = {name}(...)` or `loss, ... = {name}(...)`, "
                 "so the loop cannot ask it for its count; call it so"
             )
-        if self._return_of(helper) is None:
-            raise Unfixable(
-                f"`{helper.name.value}` has more than one `return`; make it return its loss "
-                "from one place, or return the loss's valid-target count beside it"
-            )
-        if _takes_return_count(self.tree, helper):
-            raise Unfixable(f"`{helper.name.value}` already takes a `{RETURN_COUNT}` parameter")
-        return call
+        for function in (tracer.helper(call.value.func) for call in chain):
+            if self._return_of(function) is None:
+                raise Unfixable(
+                    f"`{function.name.value}` has more than one `return`; make it return its "
+                    "loss from one place, or return the loss's valid-target count beside it"
+                )
+            if _takes_return_count(self.tree, function):
+                raise Unfixable(
+                    f"`{function.name.value}` already takes a `{RETURN_COUNT}` parameter"
+                )
+        return chain
+
+    def _relayed(self, site: Site, helper: cst.CSTNode) -> tuple[cst.Assign, ...]:
+        """(`loss = relay(...)` in the loop, `loss, ... = helper(...)` in `relay`): the loop
+        gets the loss from a function of this file that gets it from `helper` and returns it
+        from its one `return`; `()` where it does not."""
+        tracer = self.auditor.tracer
+
+        def relays(call: cst.Call, _) -> bool:
+            relay = tracer.helper(call.func)
+            return relay not in (None, helper) and self._return_of(relay) is not None
+
+        outer = self._binding_call(self._loss_use(site), relays)
+        if outer is None or outer[1] is not None:
+            return ()
+        returned = self._return_of(tracer.helper(outer[0].value.func))
+        inner = self._binding_call(
+            returned, lambda call, _: tracer.helper(call.func) is helper, unpacked=True
+        )
+        return (outer[0], inner[0]) if inner is not None else ()
 
     def _return_of(self, function: cst.CSTNode) -> cst.Return | None:
         """The one `return` of `function`, when it has one and it returns a value."""
@@ -812,19 +860,20 @@ class _Counting:
                     return found
         return None
 
-    def _return_count(self, call: cst.Assign, count: str, use: cst.CSTNode) -> None:
-        """`helper` also returns the micro-batch's count when the loop asks for it."""
+    def _return_count(self, call: cst.Assign, count: str, use: cst.CSTNode | None) -> None:
+        """`helper` also returns the micro-batch's count when the loop asks for it (at `call`,
+        and at `use`'s other bindings by it; `use` None: at `call` alone)."""
         helper = self.auditor.tracer.helper(call.value.func)
         if helper.params not in self.edits.replace:  # else done for another backward of it
             returns_count(self.tree, self.edits, helper, self._return_of(helper), count)
         self._ask_count(call, use)
 
-    def _ask_count(self, call: cst.Assign, use: cst.CSTNode) -> None:
+    def _ask_count(self, call: cst.Assign, use: cst.CSTNode | None) -> None:
         """`loss = f(...)` becomes `loss, micro_tokens = f(..., return_count=True)` (and
         `loss, aux = f(...)`, `loss, aux, micro_tokens = ...`), also where another branch of
         an `if` binds the loss that reaches `use` instead (`if fp16: loss = f(...)` /
         `else: loss = f(...)`)."""
-        for each in (call, *self._other_branches(call, use)):
+        for each in (call, *(self._other_branches(call, use) if use is not None else ())):
             target = each.targets[0].target
             names = code(target.with_changes(lpar=[], rpar=[]))
             self.edits.replace[each] = each.with_changes(

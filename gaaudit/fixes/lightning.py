@@ -21,6 +21,7 @@ from gaaudit.analysis.tree import (
     target_names,
 )
 from gaaudit.checks.accumulation import Site
+from gaaudit.checks.versions import admits
 from gaaudit.fixes.edits import (
     DIVIDE_NOTE,
     PRECISION,
@@ -33,6 +34,10 @@ from gaaudit.fixes.edits import (
 )
 
 HOOK = "on_before_optimizer_step"
+# `trainer.strategy`, which the hook reduces the window's count with, came in Lightning 1.6
+# (the hook itself in 1.4): an older Trainer would never divide the returned sums
+HOOKED = "1.6"
+PACKAGES = ("pytorch-lightning", "pytorch_lightning", "lightning")
 
 
 class _LightningWindow:
@@ -60,6 +65,13 @@ class _LightningWindow:
                 "`param.grad` in `on_before_optimizer_step`; return `loss_sum * k * P / N` with N "
                 "the window's valid tokens over the P processes, counted before the window runs "
                 "(see `gaaudit explain GA003`)"
+            )
+        older = self._older_lightning()
+        if older:
+            raise Unfixable(
+                f"the project requires {older}, a Lightning before {HOOKED}, whose Trainer "
+                f"would not divide the window once in `{HOOK}` (it has no `trainer.strategy` "
+                f"to reduce the count with): require `pytorch-lightning>={HOOKED}`, then fix again"
             )
         unknown = self._strategy_at_run_time()
         if unknown and not self.unsafe:
@@ -166,6 +178,15 @@ class _LightningWindow:
             for call in self._trainers()
             if keyword(call, "precision") is not None
         )
+
+    def _older_lightning(self) -> str:
+        """A Lightning requirement of the file's project that admits no release from `HOOKED`
+        on, as written with where; "" where there is none."""
+        for package in PACKAGES if self.path is not None else ():
+            admitted, pin, _ = admits(self.path, HOOKED, package)
+            if not admitted:
+                return pin
+        return ""
 
     def _strategy_at_run_time(self) -> str:
         """A Lightning Trainer's `strategy=` that the file does not spell out ("" where every
