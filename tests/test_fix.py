@@ -1653,6 +1653,44 @@ def test_a_step_counter_that_outlives_the_function_carries_its_windows_across_ca
         assert "keep the window's count beside `self.step`" in outcome.reason
 
 
+SCRIPT_RUN = (FIXTURES / "ga002_script_train_resumes_step_counter.py").read_text()
+SCRIPT_CALL = "    train(model, optimizer, scheduler, step, dataset, opt, Collator(tokenizer))\n"
+
+
+@pytest.mark.parametrize(
+    "change, importer, safe",
+    [
+        ((SCRIPT_CALL, SCRIPT_CALL), None, True),  # once, from `__main__`
+        (  # through a `main()` that block calls once
+            (SCRIPT_CALL, f"    main()\n\n\ndef main():\n    opt = None\n{SCRIPT_CALL}"),
+            None,
+            True,
+        ),
+        ((SCRIPT_CALL, "    for _ in range(2):\n    " + SCRIPT_CALL), None, False),
+        ((SCRIPT_CALL, SCRIPT_CALL * 2), None, False),
+        ((SCRIPT_CALL, SCRIPT_CALL), "from train_reader import train\n", False),
+        ((SCRIPT_CALL, SCRIPT_CALL), "import train_reader as reader\n", False),
+    ],
+    ids=["main-block", "through-main", "in-a-loop", "twice", "from-import", "import"],
+)
+def test_a_step_counter_handed_in_is_safe_where_the_function_runs_once(
+    tmp_path, monkeypatch, change, importer, safe
+):
+    """FiD's `train(..., step, ...)` raises a counter it is handed, so a call's last window
+    could go on into the next call: where the script calls it once, from its `__main__` block
+    (outside any loop, directly or through a function so called), and no file of its project
+    imports the script, no next call exists, and the fix is safe."""
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train_reader.py"
+    script.write_text(SCRIPT_RUN.replace(*change))
+    if importer is not None:
+        (tmp_path / "evaluate.py").write_text(importer)
+    (outcome,) = fix_source(script.read_bytes(), script, ALL, False).outcomes
+    assert outcome.applied is safe, outcome.reason
+    if not safe:  # a next call, or a loop running this one again, carries the last window on
+        assert outcome.reason.startswith("unsafe fix (") and "`train()`" in outcome.reason
+
+
 def test_a_guard_reading_an_attribute_the_loop_raises_is_not_read_ahead():
     """The reader draws a window's micro-batches before the loop raises `self.step`, so it
     would test a stale counter, every window running to the pass's end: it refuses."""

@@ -975,6 +975,25 @@ def calls_of(tree: Tree, function: cst.FunctionDef) -> list[cst.Call]:
     ]
 
 
+def runs_once(tree: Tree, function: cst.FunctionDef, hops: int = 3) -> bool:
+    """Whether `function` runs once when the file runs as a script: a module-level function
+    the file calls once, outside any loop, in its `if __name__ == "__main__":` block, itself or
+    through a module-level function that block so calls (`main()` calling `train(...)`)."""
+    calls = calls_of(tree, function)
+    if tree.scope_of(function) is not tree.module or len(calls) != 1:
+        return False
+    (call,) = calls
+    if any(isinstance(a, (*LOOPS, cst.CompFor)) for a in tree.ancestors(call)):
+        return False
+    caller = tree.scope_of(call)
+    if caller is tree.module:
+        return any(
+            isinstance(a, cst.If) and code(a.test).replace("'", '"') == '__name__ == "__main__"'
+            for a in tree.ancestors(call)
+        )
+    return isinstance(caller, cst.FunctionDef) and hops > 0 and runs_once(tree, caller, hops - 1)
+
+
 def run_again(
     tree: Tree, loop: cst.CSTNode, clears: Callable[[cst.CSTNode], bool]
 ) -> cst.For | cst.While | None:

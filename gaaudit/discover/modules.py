@@ -31,6 +31,7 @@ MAX_HOPS = 4  # a helper calling an imported helper calling ...: modules followe
 CONFIG_FOLDERS = ("configs", "config", "conf")  # where Hydra and OmegaConf projects keep YAML
 MAX_CONFIGS = 400  # YAML files read at most for one project
 MAX_LEVELS = 6  # folders climbed at most from a file to its project's configs
+MAX_IMPORTERS_READ = 5000  # Python files read at most to find a script's importers
 # Lightning's accumulation factor as a YAML config sets it: a number or an interpolation.
 ACCUMULATE = re.compile(rb"(?m)^[ \t]*accumulate_grad_batches[ \t]*:[ \t]*([^\s#]+)")
 # ... and as a launch script hands it to `Trainer.from_argparse_args` (Lightning 1.x).
@@ -355,6 +356,32 @@ def missing_top_module(module: str, root: Path) -> str | None:
         return top if find_spec(top) is None else None
     except (ImportError, ValueError):
         return None
+
+
+def imported_elsewhere(path: Path) -> bool:
+    """Whether another Python file of `path`'s project (`search_root`) may import it: one
+    with an import line naming its module (`from train_reader import train`, `import
+    train_reader`), or a project too large to read (`MAX_IMPORTERS_READ` files)."""
+    from gaaudit.config import DEFAULT_EXCLUDE
+
+    stem = re.escape(path.stem.encode())
+    named = re.compile(rb"(?m)^[ \t]*(?:from|import)[ \t][^#\n]*(?<![\w])" + stem + rb"(?![\w])")
+    here, read = path.resolve(), 0
+    for folder, folders, files in os.walk(search_root(path)):
+        folders[:] = [f for f in folders if f not in DEFAULT_EXCLUDE and not f.startswith(".")]
+        for name in files:
+            other = Path(folder, name)
+            if not name.endswith(".py") or other.resolve() == here:
+                continue
+            read += 1
+            if read > MAX_IMPORTERS_READ:
+                return True
+            try:
+                if named.search(other.read_bytes()):
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def search_root(path: Path) -> Path:

@@ -579,7 +579,7 @@ class _Counting:
         if binding not in paths:
             raise Unfixable(refusal.format("which gaaudit cannot follow to the backward"))
         origins = [
-            self.one_mean(replace(site, origin=tracer.bound(name, path))).origin
+            self.one_mean(replace(site, origin=self._path_origin(path, name))).origin
             if isinstance(path, cst.Assign) and len(path.targets) == 1
             else None
             for path in paths
@@ -630,6 +630,13 @@ class _Counting:
             self._return_count(call, self.micro, looped)
         caveat = next((caveat for (_, caveat), _ in counts if caveat), "")
         return (self.micro, caveat), all(safe for _, safe in counts)
+
+    def _path_origin(self, path: cst.Assign, name: str) -> Origin:
+        """Where the loss `path` binds comes from: its value (`loss = loss.mean()`), or the
+        element of it that an unpacking binds (`loss, nll = helper(...)`)."""
+        if isinstance(path.targets[0].target, cst.Name):
+            return self.auditor.tracer.origin(path.value)
+        return self.auditor.tracer.bound(name, path)
 
     @staticmethod
     def _calls(statement: cst.CSTNode) -> bool:

@@ -12,7 +12,7 @@ import re
 
 import libcst as cst
 
-from gaaudit.analysis.loops import cleared_around, raises_by_one, run_again
+from gaaudit.analysis.loops import cleared_around, raises_by_one, run_again, runs_once
 from gaaudit.analysis.tree import (
     ATOMS,
     assigned_value,
@@ -27,6 +27,7 @@ from gaaudit.analysis.tree import (
 )
 from gaaudit.checks.accumulation import Site
 from gaaudit.checks.versions import admits
+from gaaudit.discover.modules import imported_elsewhere
 from gaaudit.fixes.edits import (
     Unfixable,
     atom,
@@ -322,13 +323,16 @@ class _ReadAhead:
         `start`, by default `loop`), where a pass neither clears the gradients
         (`cleared_around`) nor ends on a step (`_steps_at_end`, by a test that reads no such
         counter: `self.step == len(loader) - 1` holds in the first call only): the windows then
-        span calls of the function, whoever calls it, in this file or another; else None."""
+        span calls of the function, whoever calls it, in this file or another; else None, also
+        where the function runs once a process (`runs_once`, and no file of the project imports
+        this one: FiD's `train(..., step, ...)` called from `__main__`)."""
         function, start = self.tree.scope_of(loop), start or loop
         optimizer = self._optimizer(site.window)
         if (
             test is None
             or not isinstance(function, cst.FunctionDef)
             or cleared_around(self.tree, start, lambda node: self._clears(node, optimizer))
+            or self._runs_once(function)
         ):
             return None
         raised = {
@@ -353,6 +357,15 @@ class _ReadAhead:
         ends = [term for term in _disjuncts(test) if _steps_at_end(term, loop)]
         found = counters(test)
         return found[0] if found and all(counters(term) for term in ends) else None
+
+    def _runs_once(self, function: cst.FunctionDef) -> bool:
+        """Whether `function` runs once a process: once from the script's `__main__` block,
+        in a file no other file of its project imports."""
+        return (
+            self.path is not None
+            and runs_once(self.tree, function)
+            and not imported_elsewhere(self.path)
+        )
 
     def _spanning(self, loop: cst.CSTNode, counter: str) -> str:
         """Says that the step's counter (`_spans_calls`) carries windows across calls."""
