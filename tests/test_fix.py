@@ -1668,10 +1668,20 @@ SCRIPT_CALL = "    train(model, optimizer, scheduler, step, dataset, opt, Collat
         ),
         ((SCRIPT_CALL, "    for _ in range(2):\n    " + SCRIPT_CALL), None, False),
         ((SCRIPT_CALL, SCRIPT_CALL * 2), None, False),
-        ((SCRIPT_CALL, SCRIPT_CALL), "from train_reader import train\n", False),
-        ((SCRIPT_CALL, SCRIPT_CALL), "import train_reader as reader\n", False),
+        ((SCRIPT_CALL, SCRIPT_CALL), ("evaluate.py", "from train_reader import train\n"), False),
+        ((SCRIPT_CALL, SCRIPT_CALL), ("tools/run.py", "import train_reader as reader\n"), False),
+        # a folder `check` skips (`build/`, a default exclusion) holds no importer
+        ((SCRIPT_CALL, SCRIPT_CALL), ("build/lib/run.py", "import train_reader\n"), True),
     ],
-    ids=["main-block", "through-main", "in-a-loop", "twice", "from-import", "import"],
+    ids=[
+        "main-block",
+        "through-main",
+        "in-a-loop",
+        "twice",
+        "from-import",
+        "import",
+        "excluded-folder",
+    ],
 )
 def test_a_step_counter_handed_in_is_safe_where_the_function_runs_once(
     tmp_path, monkeypatch, change, importer, safe
@@ -1684,7 +1694,8 @@ def test_a_step_counter_handed_in_is_safe_where_the_function_runs_once(
     script = tmp_path / "train_reader.py"
     script.write_text(SCRIPT_RUN.replace(*change))
     if importer is not None:
-        (tmp_path / "evaluate.py").write_text(importer)
+        (tmp_path / importer[0]).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / importer[0]).write_text(importer[1])
     (outcome,) = fix_source(script.read_bytes(), script, ALL, False).outcomes
     assert outcome.applied is safe, outcome.reason
     if not safe:  # a next call, or a loop running this one again, carries the last window on

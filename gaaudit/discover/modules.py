@@ -359,28 +359,25 @@ def missing_top_module(module: str, root: Path) -> str | None:
 
 
 def imported_elsewhere(path: Path) -> bool:
-    """Whether another Python file of `path`'s project (`search_root`) may import it: one
-    with an import line naming its module (`from train_reader import train`, `import
-    train_reader`), or a project too large to read (`MAX_IMPORTERS_READ` files)."""
-    from gaaudit.config import DEFAULT_EXCLUDE
+    """Whether another Python file of `path`'s project (`search_root`, read as `check` reads
+    a folder: default exclusions and .gitignore kept) may import it: one with an import line
+    naming its module (`from train_reader import train`, `import train_reader`), or a project
+    too large to read (`MAX_IMPORTERS_READ` files)."""
+    from gaaudit.config import Settings
+    from gaaudit.discover.files import discover
 
     stem = re.escape(path.stem.encode())
     named = re.compile(rb"(?m)^[ \t]*(?:from|import)[ \t][^#\n]*(?<![\w])" + stem + rb"(?![\w])")
-    here, read = path.resolve(), 0
-    for folder, folders, files in os.walk(search_root(path)):
-        folders[:] = [f for f in folders if f not in DEFAULT_EXCLUDE and not f.startswith(".")]
-        for name in files:
-            other = Path(folder, name)
-            if not name.endswith(".py") or other.resolve() == here:
-                continue
-            read += 1
-            if read > MAX_IMPORTERS_READ:
+    root, here = search_root(path), path.resolve()
+    others = (p for p in discover([root], Settings(root=root)) if p.suffix == ".py")
+    for read, other in enumerate(others):
+        if read == MAX_IMPORTERS_READ:
+            return True
+        try:
+            if other.resolve() != here and named.search(other.read_bytes()):
                 return True
-            try:
-                if named.search(other.read_bytes()):
-                    return True
-            except OSError:
-                continue
+        except OSError:
+            continue
     return False
 
 
