@@ -779,8 +779,8 @@ def _written(where: Path, pin: Pin) -> str:
 def _admits_from(pin: Pin, release: str) -> bool:
     """Whether a requirement admits `release` or a later one: a git tag from that release on
     (a fork's `v0.8.5_fixes` read as 0.8.5), another git ref (the default branch, or a commit
-    that cannot be dated here), or a
-    specifier that admits such a release; a requirement that cannot be read admits any."""
+    that cannot be dated here), or a specifier that admits such a release; a requirement that
+    cannot be read admits any."""
     from packaging.requirements import InvalidRequirement, Requirement
 
     try:

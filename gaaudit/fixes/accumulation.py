@@ -596,18 +596,16 @@ class _Counting:
         for path, origin in zip(paths, origins):
             made = self.tree.scope_of(origin.source) if origin and origin.source else None
             helper = tracer.helper(path.value.func) if self._calls(path) else None
+            here = made is self.tree.scope_of(path) and isinstance(path.targets[0].target, cst.Name)
+            asking = made is helper and helper is not None and self._asks(helper)
             if (
                 origin is None
                 or origin.kind != "mean"
-                or made is None
                 or origin.divisions
                 or origin.added
                 or origin.beside
                 or origin.branch is not None
-                or made is not self.tree.scope_of(path)
-                and (made is not helper or not self._asks(helper))
-                or made is self.tree.scope_of(path)
-                and not isinstance(path.targets[0].target, cst.Name)
+                or not (here or asking)
             ):
                 raise Unfixable(
                     refusal.format(
@@ -617,7 +615,7 @@ class _Counting:
                     )
                 )
             counts.append(self._mean_count(origin, site))
-            asked.append(made is helper)
+            asked.append(asking)
         for path, ((count, _), _), ask in zip(paths, counts, asked):
             if ask:  # `loss, nll = helper(...)`, a function of the file that returns its count
                 self._return_count(path, count, None)  # each other path binds its own

@@ -37,7 +37,7 @@ HOOK = "on_before_optimizer_step"
 # `trainer.strategy`, which the hook reduces the window's count with, came in Lightning 1.6
 # (the hook itself in 1.4): an older Trainer would never divide the returned sums
 HOOKED = "1.6"
-PACKAGES = ("pytorch-lightning", "pytorch_lightning", "lightning")
+LIGHTNING = ("pytorch-lightning", "pytorch_lightning", "lightning")  # as requirements name it
 
 
 class _LightningWindow:
@@ -182,7 +182,7 @@ class _LightningWindow:
     def _older_lightning(self) -> str:
         """A Lightning requirement of the file's project that admits no release from `HOOKED`
         on, as written with where; "" where there is none."""
-        for package in PACKAGES if self.path is not None else ():
+        for package in LIGHTNING if self.path is not None else ():
             admitted, pin, _ = admits(self.path, HOOKED, package)
             if not admitted:
                 return pin
