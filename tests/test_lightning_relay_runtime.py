@@ -1,10 +1,10 @@
 """The Lightning fix of a loss made two calls deep, at runtime: `training_step` gets it from
 `shared_step`, which makes it on one path of an `if` with a cross-entropy module and on the
-other with a label-smoothed helper that counts its targets (fixtures/
-ga003_lightning_smoothing_branch_helper.py). A real Lightning Trainer with
+other with a label-smoothed helper that counts its targets
+(`fixtures/ga003_lightning_smoothing_branch_helper.py`). A real Lightning Trainer with
 `accumulate_grad_batches` trains the fixture's module on a tiny BART over micro-batches padded
 to different target counts: on either path, the fixed module's gradient at the optimizer step is
-the full batch's token mean; the original's is not."""
+the gradient of the window's token mean; the original's is not."""
 
 from __future__ import annotations
 
