@@ -250,8 +250,8 @@ NOT_REPLAYABLE = {
         ("`Tagger()` cannot be built here", "pass your module with --model-factory"),
     ),
     # A seq2seq LightningModule built from an argparse Namespace: its stand-in feeds the
-    # harness's causal batches to an encoder-decoder, and fails. tests/
-    # test_lightning_relay_runtime.py trains the fixed branch fixture with a real Trainer.
+    # harness's causal batches to an encoder-decoder, and fails.
+    # tests/test_lightning_relay_runtime.py trains the fixed branch fixture with a real Trainer.
     **{
         name: (
             "not replayable: IndexError",
