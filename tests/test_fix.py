@@ -1551,6 +1551,19 @@ def test_a_window_read_ahead_in_a_function_its_caller_runs_again(old, new, safe)
     assert "read_ahead(enumerate(loader))" in fixed(source.encode(), unsafe=True).decode()
 
 
+@pytest.mark.parametrize(
+    "wrapper, safe", [("tqdm", True), ("islice", False)], ids=["progress-bar", "islice"]
+)
+def test_a_pass_that_steps_at_its_end_is_read_through_a_progress_bar(wrapper, safe):
+    """`for i, x in enumerate(tqdm(loader))` with `or i == len(loader) - 1`: the bar draws
+    what the loader does, so each pass ends on a step; `islice(loader, n)` may stop short."""
+    source = READ_AHEAD_EPOCH.replace(
+        "(i + 1) % K == 0", "(i + 1) % K == 0 or i == len(loader) - 1"
+    ).replace("enumerate(loader)", f"enumerate({wrapper}(loader, 100))")
+    (outcome,) = fix_source(source.encode(), Path("x.py"), ALL, False).outcomes
+    assert outcome.applied is safe, outcome.reason
+
+
 PLAIN_EPOCH = READ_AHEAD_EPOCH.replace("(out.loss + out.aux_loss) / K", "out.loss / K")
 
 

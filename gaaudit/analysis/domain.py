@@ -50,7 +50,7 @@ TASKS = (
         "causal",
         re.compile(
             r"ForCausalLM|LMHeadModel|DoubleHeadsModel|CausalLM\b|SFTTrainer|\bCAUSAL_LM\b"
-            rf"|\b{CAUSAL_CONDITIONAL}"
+            rf"|\b{CAUSAL_CONDITIONAL}|\bCausalLMOutput"  # a causal LM's output class
         ),
     ),
     (

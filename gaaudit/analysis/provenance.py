@@ -14,6 +14,7 @@ import libcst as cst
 
 from gaaudit.analysis.loops import is_step
 from gaaudit.analysis.tree import (
+    BINDS_VALUE,
     Tree,
     argument_for,
     call_parameters,
@@ -400,7 +401,7 @@ class _Calls:
         """The call an expression (or the name it is bound to) evaluates."""
         if isinstance(expr, cst.Name):
             stmt = self.binding(expr.value, expr)
-            expr = stmt.value if isinstance(stmt, cst.Assign) else None
+            expr = stmt.value if isinstance(stmt, BINDS_VALUE) else None
         return expr if isinstance(expr, cst.Call) else None
 
     @staticmethod
@@ -642,7 +643,7 @@ class _Callees:
             values = self.assigned(name, func)
         else:
             stmt = self.binding(name, func)
-            values = [stmt.value] if isinstance(stmt, cst.Assign) else []
+            values = [stmt.value] if isinstance(stmt, BINDS_VALUE) else []
         return next((v for v in values if isinstance(v, (cst.Lambda, cst.Call))), None)
 
     def loss_method(self, func: cst.BaseExpression) -> cst.FunctionDef | None:
@@ -681,7 +682,7 @@ class _Callees:
         candidates = self.assigned(name, func) if "." in name else []
         if not candidates:
             stmt = self.binding(name, func)
-            candidates = [stmt.value] if isinstance(stmt, cst.Assign) else []
+            candidates = [stmt.value] if isinstance(stmt, BINDS_VALUE) else []
         calls = [v for v in candidates if isinstance(v, cst.Call)]
         built = next((v for v in calls if self._is_torch_loss(v)), None)
         return built or next((b for v in calls if (b := self._configured_loss(v))), None)
@@ -1026,7 +1027,7 @@ class Tracer(_Calls, _Callees, _Counts):
         if not isinstance(expr.value, cst.Name) or expr.value not in self.tree.order:
             return None
         stmt = self.binding(expr.value.value, expr.value)
-        if isinstance(stmt, cst.Assign) and isinstance(stmt.value, cst.Call):
+        if isinstance(stmt, BINDS_VALUE) and isinstance(stmt.value, cst.Call):
             return keyword(stmt.value, "loss")
         return None
 
@@ -1191,7 +1192,7 @@ class Tracer(_Calls, _Callees, _Counts):
         if not isinstance(branch, cst.If) or self.tree.contains(branch, use):
             return None
         earlier = self.binding(name, branch)
-        return earlier if isinstance(earlier, (cst.Assign, cst.AnnAssign)) else None
+        return earlier if isinstance(earlier, BINDS_VALUE) else None
 
     def bound(self, name: str, statement: cst.CSTNode) -> Origin:
         """Where `name` comes from as `statement` binds it (`loss, nll = helper(...)`)."""
@@ -1209,7 +1210,7 @@ class Tracer(_Calls, _Callees, _Counts):
             if multiplied and not _is_weight(stmt.value):  # `loss *= weights[i]` stays a mean
                 return self._sum(stmt, f"`{name}` multiplied by a count")
             return before
-        value = stmt.value if isinstance(stmt, (cst.Assign, cst.AnnAssign)) else None
+        value = stmt.value if isinstance(stmt, BINDS_VALUE) else None
         if value is None:
             return UNKNOWN
         targets = (

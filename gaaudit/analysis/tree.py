@@ -137,6 +137,7 @@ def walk(node: cst.CSTNode, children=None, *, into_defs: bool = True) -> Iterato
 _FIELDS: dict[type, tuple[str, ...]] = {}
 _IS_NODE: dict[type, bool] = {}
 ASSIGNMENTS = (cst.Assign, cst.AugAssign, cst.AnnAssign)
+BINDS_VALUE = (cst.Assign, cst.AnnAssign)  # `x = v` and `x: T = v` (whose `v` may be None)
 # Whitespace, comments, brackets, separators and operators: read through their parents'
 # fields (`node.operator`), never looked up in the index, which leaves them out.
 # fmt: off

@@ -19,6 +19,7 @@ from gaaudit.analysis.tree import (
     bound_afresh,
     code,
     dotted,
+    last_name,
     parameter_names,
     positional,
     substituted,
@@ -603,9 +604,14 @@ def _steps_at_end(test: cst.BaseExpression | None, loop: cst.For | cst.While) ->
 
 
 def _at_length(term: cst.BaseExpression, loop: cst.For) -> bool:
-    """`i == len(loader) - 1` (an equality reading the length of what the loop draws from)."""
+    """`i == len(loader) - 1` (an equality reading the length of what the loop draws from,
+    also through a progress bar: `enumerate(tqdm(loader))`)."""
     items = loop.iter
-    if isinstance(items, cst.Call) and code(items.func) == "enumerate" and items.args:
+    while (
+        isinstance(items, cst.Call)
+        and last_name(items.func) in ("enumerate", "tqdm")
+        and items.args
+    ):
         items = items.args[0].value
     return (
         isinstance(term, cst.Comparison)
