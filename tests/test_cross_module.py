@@ -268,6 +268,16 @@ def test_tuple_returning_helper_and_loss_class(tmp_path):
     assert "`nll_loss` with the default reduction='mean'" in finding.evidence[0]
 
 
+def test_a_jax_loss_returning_a_helpers_loss_and_aux_reads_the_helpers_first_element():
+    """`return nll_and_accuracy(...)` under `has_aux=True`: the gradient is of the first
+    element of the tuple the imported helper returns, its masked mean."""
+    folder = FIXTURES / "ga005_xmod_loss_helper_returns_aux"
+    (finding,) = check_file(folder / "train.py", ALL).findings
+    assert finding.code == "GA005"
+    assert finding.evidence[0].startswith("loss: `jnp.mean(per_token, where=keep)` (")
+    assert "returned by `nll_and_accuracy()` imported from `losses`" in finding.evidence[0]
+
+
 @pytest.mark.parametrize(
     "imports",
     ["from helpers_absent import masked_lm_loss", "from torch.nn.functional import masked_lm_loss"],

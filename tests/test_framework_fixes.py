@@ -380,7 +380,7 @@ OPTAX = """\
     "loss, after, reason",
     [
         ("losses.mean()", "", "the loss is a plain mean over every element"),
-        ('jnp.mean(losses, where=batch["valid"]), losses', "", "returns more than its masked mean"),
+        ('jnp.mean(losses, where=batch["valid"]), losses', "", "`has_aux=` does not match"),
         (
             'jnp.mean(losses, where=batch["valid"])',
             "step(params, state, batch, tx)",
@@ -395,6 +395,42 @@ def test_multisteps_fix_is_refused_with_a_reason(loss, after, reason):
     assert text == textwrap.dedent(source)
     ((_, code, applied, why),) = outcomes
     assert code == "GA005" and not applied and reason in why
+
+
+@pytest.mark.parametrize(
+    "aux, applied",
+    [
+        ('{"valid": jnp.sum(batch["valid"])}', True),
+        ('{"loss": mean}', False),  # the fix would make the logged aux the window's share
+        ("{**metrics}", False),  # a dict made of the mean beforehand
+    ],
+    ids=["aux-apart", "aux-reads-the-mean", "aux-bound-from-the-mean"],
+)
+def test_multisteps_fix_of_a_loss_with_auxiliary_data(aux, applied):
+    """`return mean, aux` under `has_aux=True`: fixed where the auxiliary data does not read
+    the mean (which becomes the micro-batch's share of its window), else refused."""
+    source = (
+        OPTAX.format(loss=f"mean, {aux}", after="")
+        .replace(
+            "        losses = per_token(params, batch)\n",
+            "        losses = per_token(params, batch)\n"
+            '        mean = jnp.mean(losses, where=batch["valid"])\n'
+            '        metrics = {"loss": mean}\n',
+        )
+        .replace(
+            "jax.value_and_grad(loss_fn)(params, batch)",
+            "jax.value_and_grad(loss_fn, has_aux=True)(params, batch)",
+        )
+        .replace("        loss, grads =", "        (loss, aux), grads =")
+    )
+    assert "has_aux=True" in source and "(loss, aux), grads" in source
+    text, outcomes = fix(source)
+    ((_, code, done, why),) = outcomes
+    assert code == "GA005" and done is applied, why
+    if applied:
+        assert "use_grad_mean=False" in text and "loss = loss * window_weight / " in text
+    else:
+        assert "auxiliary outputs read its masked mean" in why
 
 
 @pytest.mark.parametrize(

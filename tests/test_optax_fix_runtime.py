@@ -217,16 +217,30 @@ def train(params, apply_fn, batches, logged, accum_steps=4):
 """
 
 
-def test_multisteps_fix_keeps_the_logged_loss_a_micro_batch_mean():
+# The loss function returns its mean first beside auxiliary data, under `has_aux=True`.
+LOGGED_AUX = LOGGED.replace(
+    "    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)\n",
+    "    loss = jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)\n"
+    "    return loss, {'tokens': jnp.sum(mask)}\n",
+).replace(
+    "    loss, grads = jax.value_and_grad(loss_fn)(params, apply_fn, batch)\n",
+    "    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, apply_fn, batch)\n",
+)
+
+
+@pytest.mark.parametrize("source", [LOGGED, LOGGED_AUX], ids=["loss", "loss-and-aux"])
+def test_multisteps_fix_keeps_the_logged_loss_a_micro_batch_mean(source):
     """Issue 17, item 1, for JAX: the step's loss value, logged every micro-step, is the
-    micro-batch's masked mean before and after the fix; only the applied gradient changes."""
+    micro-batch's masked mean before and after the fix; only the applied gradient changes
+    (also where the loss function returns auxiliary data beside it, `has_aux=True`)."""
     from pathlib import Path
 
     from gaaudit.config import Settings
     from gaaudit.findings import Confidence
     from gaaudit.fixes.fixer import fix_source
 
-    fixed = fix_source(LOGGED.encode(), Path("train.py"), Settings(min_confidence=Confidence.LOW))
+    assert source == LOGGED or ("has_aux=True" in source and "return loss, {" in source)
+    fixed = fix_source(source.encode(), Path("train.py"), Settings(min_confidence=Confidence.LOW))
     assert fixed.changed and "use_grad_mean=False" in fixed.after.decode()
     batches = micro_batches(4)
     means = [
@@ -241,9 +255,9 @@ def test_multisteps_fix_keeps_the_logged_loss_a_micro_batch_mean():
         )
         for b in batches
     ]
-    for source, exact in ((LOGGED, False), (fixed.after.decode(), True)):
+    for code, exact in ((source, False), (fixed.after.decode(), True)):
         logged: list[float] = []
-        params = definitions(source, "train.py")["train"](
+        params = definitions(code, "train.py")["train"](
             initial_params(), logits_of, batches, logged
         )
         assert np.allclose(logged, means, rtol=1e-5), (logged, means)

@@ -17,6 +17,7 @@ from gaaudit.analysis.tree import (
     BINDS_VALUE,
     Tree,
     argument_for,
+    assigned_value,
     call_parameters,
     code,
     dotted,
@@ -865,7 +866,7 @@ class _Counts:
     def _value(self, name: cst.Name) -> cst.BaseExpression | None:
         """The value `name = value` binds where `name` is read, else None."""
         stmt = self.binding(name.value, name)
-        return stmt.value if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 else None
+        return assigned_value(stmt, name.value)
 
     def inlined(
         self, expr: cst.BaseExpression, function: cst.FunctionDef
@@ -1049,7 +1050,8 @@ class Tracer(_Calls, _Callees, _Counts):
             return left.divided(Division(expr, expr.right))
         right = self.origin(expr.right, depth + 1)
         if isinstance(expr.operator, cst.Multiply):
-            loss, other = (left, expr.right) if left.kind != "unknown" else (right, expr.left)
+            known = left.kind != "unknown" or right.kind == "unknown"  # else the left, as read
+            loss, other = (left, expr.right) if known else (right, expr.left)
             return self._times(expr, loss, other)
         if isinstance(expr.operator, (cst.Add, cst.Subtract)):
             for kind in ("mean", "sum", "elementwise"):
@@ -1245,7 +1247,7 @@ class Tracer(_Calls, _Callees, _Counts):
         if literal:
             return self.origin(value.elements[index].value, depth + 1)
         if isinstance(value, cst.Call):
-            element = self._element(value, index, depth)
+            element = self.element(value, index, depth)
             if element is not None:
                 return element
             if "loss" in name:
@@ -1258,7 +1260,7 @@ class Tracer(_Calls, _Callees, _Counts):
                 return replace(self._mean(value, what), from_model=True, beside=beside)
         return UNKNOWN
 
-    def _element(self, call: cst.Call, index: int, depth: int) -> Origin | None:
+    def element(self, call: cst.Call, index: int, depth: int = 0) -> Origin | None:
         """The origin of element `index` of what `call` returns, where gaaudit reads the
         function called: a helper of the file, an imported function or a module's `forward`."""
         if (element := self._returned_element(call, index)) is not None:
@@ -1288,7 +1290,7 @@ class Tracer(_Calls, _Callees, _Counts):
             outputs = self.origin_call(expr.value)
             # `outputs = self.forward(...)`, which returns `[loss]` or `(loss, logits)`
             position = literal_eval(index.value)  # `0`, `0x1`, `1_0`
-            found = self._element(outputs, position, depth) if outputs is not None else None
+            found = self.element(outputs, position, depth) if outputs is not None else None
             if found is not None and found.kind != "unknown":
                 return found
             if index.value == "0" and outputs is not None and self._passes_labels(outputs):

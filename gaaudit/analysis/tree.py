@@ -488,8 +488,10 @@ def target_names(target: cst.CSTNode) -> set[str]:
 
 
 def assigned_value(statement: cst.CSTNode | None, name: str) -> cst.BaseExpression | None:
-    """What `statement` binds `name` to: `x` of `name = x`, and of `a, name = y, x`; None
-    where it binds it otherwise (unpacking a call, augmenting) or not at all."""
+    """What `statement` binds `name` to: `x` of `name = x` (or `name: T = x`), and of `a, name
+    = y, x`; None where it binds it otherwise (unpacking a call, augmenting) or not at all."""
+    if isinstance(statement, cst.AnnAssign):
+        return statement.value if code(statement.target) == name else None
     if not (isinstance(statement, cst.Assign) and len(statement.targets) == 1):
         return None
     target, value = statement.targets[0].target, statement.value

@@ -147,7 +147,7 @@ class OptaxAudit(_Divisions):
     def loss(self) -> tuple[Origin, cst.CSTNode | None]:
         """The micro-step loss: a mean if any loss function returns one, else a sum, else unknown."""
         origins = [
-            (self.tracer.origin(_first(returned)), function)
+            (self._returned_loss(returned), function)
             for function in self._loss_functions()
             for returned in (
                 self.tracer.returns(function)
@@ -162,6 +162,18 @@ class OptaxAudit(_Divisions):
                 if origin.kind == kind:
                     return origin, function
         return origins[0] if origins else (NO_LOSS, None)
+
+    def _returned_loss(self, returned: cst.BaseExpression) -> Origin:
+        """The origin of the loss a loss function returns: the first element of `return loss,
+        aux`, or of the tuple a helper returns (`return helper(...)` under `has_aux=True`, as
+        a gradient of a function that returns a tuple takes its first element)."""
+        first = _first(returned)
+        found = self.tracer.origin(first)
+        if found.kind == "unknown" and isinstance(first, cst.Call):
+            element = self.tracer.element(first, 0)
+            if element is not None and element.kind != "unknown":
+                return element
+        return found
 
     @cached_property
     def normalised_grads(self) -> Origin | None:

@@ -28,6 +28,7 @@ import libcst as cst
 
 from gaaudit.analysis.loops import run_again
 from gaaudit.analysis.tree import (
+    BINDS_VALUE,
     DEFS,
     Tree,
     argument_for,
@@ -60,13 +61,14 @@ BUILTINS = set(dir(builtins))
 class MaskedMean:
     """A loss function's masked mean: the expression, its sum, its count and the divisor as
     written (a count kept from zero, `jnp.maximum(n, 1.0)`), in the function's parameters,
-    locals inlined."""
+    locals inlined; `aux`: the function returns it first beside auxiliary data."""
 
     function: cst.FunctionDef
     node: cst.BaseExpression
     summed: cst.BaseExpression
     count: cst.BaseExpression
     divisor: cst.BaseExpression
+    aux: bool = False  # returned first beside auxiliary data (`return loss, metrics`)
 
 
 class _LossFunction:
@@ -101,11 +103,45 @@ class _LossFunction:
                 "average is exact)"
             )
         returns = self.tracer.returns(function)
-        if len(returns) != 1 or self._resolve(returns[0], function) is not source:
+        returned = returns[0] if len(returns) == 1 else None
+        aux = isinstance(returned, cst.Tuple) and len(returned.elements) > 1
+        if aux and not any(isinstance(e, cst.StarredElement) for e in returned.elements):
+            first, others = returned.elements[0].value, returned.elements[1:]
+            if any(self._reads(e.value, source, function) for e in others):
+                raise Unfixable(
+                    "the loss function's auxiliary outputs read its masked mean, which the fix "
+                    "makes the window's share: return them from the mean kept apart"
+                )
+            returned = first
+        if returned is None or self._resolve(returned, function) is not source:
             raise Unfixable(
                 "the loss function returns more than its masked mean (auxiliary outputs)"
             )
-        return MaskedMean(function, source, summed, count, divisor)
+        return MaskedMean(function, source, summed, count, divisor, aux)
+
+    def _reads(
+        self,
+        expr: cst.BaseExpression,
+        source: cst.CSTNode,
+        function: cst.FunctionDef,
+        depth: int = 0,
+    ) -> bool:
+        """Whether `expr` holds `source` or reads a local of `function` bound to what does."""
+        if expr in self.tree.order and self.tree.contains(expr, source):
+            return True
+        for name in _names(expr):
+            stmt = self.tracer.binding(name.value, name)
+            if (
+                stmt is None
+                or isinstance(stmt, cst.Param)
+                or self.tree.scope_of(stmt) is not function
+            ):
+                continue
+            if not isinstance(stmt, BINDS_VALUE) or stmt.value is None or depth > 8:
+                return True  # a binding gaaudit does not read through is taken to read it
+            if self._reads(stmt.value, source, function, depth + 1):
+                return True
+        return False
 
     def _imported_mean(self, function: cst.FunctionDef) -> MaskedMean:
         """The mean a helper of another module returns, called in the loss function: its sum is
@@ -169,12 +205,13 @@ class _LossFunction:
             values[node.value] = self._inline(value, function, depth + 1)
         return _renamed(expr, values)
 
-    def _invocations(self, function: cst.FunctionDef) -> list[cst.Call]:
+    def _invocations(self, function: cst.FunctionDef, aux: bool = False) -> list[cst.Call]:
         """The calls that evaluate the gradient of `function`: `value_and_grad(f)(...)`, or
-        `grad_fn(...)` after `grad_fn = jax.jit(jax.value_and_grad(f))`."""
+        `grad_fn(...)` after `grad_fn = jax.jit(jax.value_and_grad(f))`; `has_aux=True` where
+        the function returns `aux`iliary data beside its loss, else none."""
         name = function.name.value
         if decorated_with_gradient(self.tree, function):
-            return self._decorated_calls(function)
+            return self._decorated_calls(function, aux)
         transforms, found = [], []
         for call in self.tree.calls:
             if (
@@ -182,21 +219,21 @@ class _LossFunction:
                 and positional(call)
                 and dotted(positional(call)[0]) == name
             ):
-                if keyword(call, "has_aux") is not None:
-                    raise Unfixable("the loss function already returns auxiliary data")
+                _has_aux(keyword(call, "has_aux"), aux)
                 transforms.append(call)
                 found.extend(self._called(call))
         return self._only(name, transforms, found, "its gradient")
 
-    def _decorated_calls(self, function: cst.FunctionDef) -> list[cst.Call]:
+    def _decorated_calls(self, function: cst.FunctionDef, aux: bool) -> list[cst.Call]:
         """The calls of a loss function decorated with its gradient (`@jax.value_and_grad`):
         each evaluates the gradient."""
         name = function.name.value
-        if any(
-            isinstance(d.decorator, cst.Call) and keyword(d.decorator, "has_aux") is not None
+        given = (
+            keyword(d.decorator, "has_aux")
             for d in function.decorators
-        ):
-            raise Unfixable("the loss function already returns auxiliary data")
+            if isinstance(d.decorator, cst.Call)
+        )
+        _has_aux(next((g for g in given if g is not None), None), aux)
         found = [c for c in self.tree.calls if dotted(c.func) == name]
         return self._only(name, found, found, "its calls")
 
@@ -478,6 +515,8 @@ class _MultiSteps:
             return
         target = statement.targets[0].target
         value = target.elements[0].value if isinstance(target, cst.Tuple) else None
+        if mean.aux:  # `(loss, aux), grads = ...`
+            value = value.elements[0].value if isinstance(value, cst.Tuple) else None
         if not isinstance(value, cst.Name) or value.value == "_":
             return
         divisor = _atom(self._count_at(mean.divisor, mean.function, call))
@@ -749,9 +788,14 @@ class OptaxPlanner(_LossFunction, _Averages, _MultiSteps, _Microbatched):
                 "(for MultiSteps, passed to the step, with `use_grad_mean=False`)"
             )
         mean = self._masked_mean()
-        (call,) = self._invocations(mean.function)
+        (call,) = self._invocations(mean.function, mean.aux)
         if site.kind == "multisteps":
             return self._multisteps(site, mean, call)
+        if mean.aux:
+            raise Unfixable(
+                "the loss function already returns auxiliary data, where the fix would return "
+                "each micro-batch's count"
+            )
         body = self.tree.enclosing_function(call)
         scan = self._scan_of(body) if body is not None else None
         if scan is not None:
@@ -837,6 +881,20 @@ def _unclamped(expr: cst.BaseExpression) -> cst.BaseExpression:
         if len(numbers) == 1 and len(others) == 1:
             return others[0]
     return expr
+
+
+def _has_aux(given: cst.BaseExpression | None, aux: bool) -> None:
+    """Refuse a gradient whose `has_aux=` (`given`, None where absent) does not say what the
+    loss function returns: its loss alone, or its loss first beside `aux`iliary data."""
+    if given is not None and code(given) not in ("True", "False"):
+        raise Unfixable(
+            f"gaaudit cannot tell whether the gradient takes auxiliary data (`has_aux={code(given)}`)"
+        )
+    if (given is not None and code(given) == "True") != aux:
+        raise Unfixable(
+            "the gradient's `has_aux=` does not match what the loss function returns "
+            "(its masked mean alone, or first beside auxiliary data)"
+        )
 
 
 def _bound_value(stmt: cst.CSTNode, name: str) -> cst.BaseExpression | None:
