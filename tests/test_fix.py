@@ -1564,6 +1564,47 @@ def test_a_pass_that_steps_at_its_end_is_read_through_a_progress_bar(wrapper, sa
     assert outcome.applied is safe, outcome.reason
 
 
+SPREAD = """
+from transformers import {model}
+
+K = 8
+
+
+def train(model: {model}, loader, optimizer):
+    for step, batch in enumerate(loader):
+        {unpacked} = model(**batch, return_dict=False){part}
+        (loss / K).backward()
+        if (step + 1) % K == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    "model, unpacked, part, count",
+    [
+        ("AutoModelForCausalLM", "loss, logits", "[:2]", 'batch["labels"][..., 1:]'),
+        ("AutoModelForCausalLM", "loss, *_", "", 'batch["labels"][..., 1:]'),
+        ("AutoModelForSeq2SeqLM", "loss, logits", "[:2]", 'batch["labels"]'),
+        ("PreTrainedModel", "loss, logits", "[:2]", None),  # its kind unknown: not counted
+    ],
+    ids=["causal-sliced", "causal-starred", "seq2seq", "kind-unknown"],
+)
+def test_a_loss_unpacked_from_a_model_handed_the_batch_dict_counts_its_labels(
+    model, unpacked, part, count
+):
+    """`loss, logits = model(**batch, return_dict=False)[:2]`: a transformers model takes its
+    `labels` from the dict it is handed, as `model(**batch).loss` does; counted where the file
+    shows the model's kind (shifted for a causal LM)."""
+    source = SPREAD.format(model=model, unpacked=unpacked, part=part)
+    (outcome,) = fix_source(source.encode(), Path("x.py"), ALL, False).outcomes
+    assert outcome.applied is (count is not None), outcome.reason
+    if count is None:
+        assert "finds its targets in `**batch`" in outcome.reason
+    else:
+        assert f"micro_tokens = ({count} != -100).sum()" in fixed(source.encode()).decode()
+
+
 PLAIN_EPOCH = READ_AHEAD_EPOCH.replace("(out.loss + out.aux_loss) / K", "out.loss / K")
 
 

@@ -1167,6 +1167,14 @@ class _CompanionCounts:
             return (count, f"assumes `{code(func)}` is its default, `{code(named)}`"), False
         return (count, ""), True
 
+    def _spread_labels(self, call: cst.Call) -> cst.BaseExpression | None:
+        """`batch["labels"]` of a transformers model handed `**batch` (whose own loss reads its
+        `labels`), where the file shows the model's kind; else None."""
+        spread = next((a.value for a in call.args if a.star == "**"), None)
+        if spread is None or self._causal(call) is None:
+            return None
+        return cst.parse_expression(f'{code(spread)}["labels"]')
+
     def _uncounted(self, call: cst.Call) -> str:
         """Why a model's own loss has no count here: the repository class it is annotated
         with makes it out of sight, it picks its targets out of a spread dict, or none of its
@@ -1211,9 +1219,10 @@ class _CompanionCounts:
             )
         args = positional(call)
         named = [arg for arg in args if re.search(r"(?i)label|target", code(arg))]
+        labels = keyword(call, "labels") or self._spread_labels(call)
         target = (
             keyword(call, "targets")
-            or keyword(call, "labels")
+            or labels
             or (named[0] if len(named) == 1 else None)  # `model(ids, pos, types, label_ids)`
             or (args[1] if len(args) == 2 else None)  # `model(x, y)`
         )
@@ -1222,7 +1231,7 @@ class _CompanionCounts:
         ignore = re.search(r"ignore_index\s*=\s*(-?\d+)", self.text) or re.search(
             r"(-100)\b", self.text
         )
-        causal = self._causal(call) if target is keyword(call, "labels") else None
+        causal = self._causal(call) if target is labels else None
         if causal is not None:  # a transformers model's `labels=`: -100 unless set otherwise
             shifted = f"{atom(target)}[..., 1:]" if causal else atom(target)
             return (f"({shifted} != {ignore.group(1) if ignore else -100}).sum()", ""), True
