@@ -1605,6 +1605,33 @@ def test_a_loss_unpacked_from_a_model_handed_the_batch_dict_counts_its_labels(
         assert f"micro_tokens = ({count} != -100).sum()" in fixed(source.encode()).decode()
 
 
+INIT_PAD = (FIXTURES / "ga001_trainer_class_criterion_ignores_init_pad.py").read_text()
+
+
+@pytest.mark.parametrize(
+    "old, new, count",
+    [
+        ("", "", "self.pad_id"),  # kept on the instance by `__init__`
+        ("        self.pad_id = pad_id\n", "", None),  # kept nowhere the loop can read
+        ("        running = 0.0\n", "        running = 0.0\n        self.pad_id = 0\n", None),
+    ],
+    ids=["kept-on-self", "not-kept", "kept-then-changed"],
+)
+def test_an_ignore_value_read_in_init_is_counted_through_what_keeps_it(old, new, count):
+    """`self.criterion = nn.CrossEntropyLoss(ignore_index=pad_id)` in `__init__`: the loop
+    counts `targets != self.pad_id` where `__init__` keeps it there (and nothing sets it
+    again), and is refused where the loop cannot read `pad_id`, rather than writing a count
+    that raises NameError."""
+    source = INIT_PAD.replace(old, new)
+    assert source != INIT_PAD or not old
+    (outcome,) = fix_source(source.encode(), Path("x.py"), ALL, False).outcomes
+    assert outcome.applied is (count is not None), outcome.reason
+    if count is None:
+        assert "the loss's ignore value `pad_id` is read in `__init__()`" in outcome.reason
+    else:
+        assert f"(targets.reshape(-1) != {count}).sum()" in fixed(source.encode()).decode()
+
+
 PLAIN_EPOCH = READ_AHEAD_EPOCH.replace("(out.loss + out.aux_loss) / K", "out.loss / K")
 
 

@@ -34,6 +34,7 @@ from gaaudit.analysis.tree import (
     methods_of,
     parameter_names,
     positional,
+    substituted,
     target_names,
     variables,
     walk,
@@ -1162,10 +1163,56 @@ class _CompanionCounts:
             raise Unfixable(
                 "the loss has class weights: its mean divides by the targets' summed weights"
             )
-        count = code(valid_targets(target, configured))
+        count = code(valid_targets(target, self._ignore_here(configured, call)))
         if named is not configured.func:
             return (count, f"assumes `{code(func)}` is its default, `{code(named)}`"), False
         return (count, ""), True
+
+    def _ignore_here(self, configured: cst.Call, call: cst.Call) -> cst.Call:
+        """`configured` (the loss's constructor) with its `ignore_index=` read as `call`'s
+        function can: a local of another method (`__init__`'s `pad_id`) read through the
+        attribute that method keeps it in (`self.pad_id`); refused where none keeps it."""
+        ignore = keyword(configured, "ignore_index")
+        made, used = self.tree.scope_of(configured), self.tree.scope_of(call)
+        if ignore is None or made is used or not isinstance(made, cst.FunctionDef):
+            return configured
+        local = parameter_names(made) | set(self.tree.bindings(made))
+        kept = {  # `self.pad_id = pad_id` in the method that builds the loss, set only there
+            stmt.value.value: code(stmt.targets[0].target)
+            for stmt in self.tree.assignments
+            if isinstance(stmt, cst.Assign)
+            and self.tree.scope_of(stmt) is made
+            and len(stmt.targets) == 1
+            and isinstance(stmt.value, cst.Name)
+            and (dotted(stmt.targets[0].target) or "").startswith("self.")
+            and len(self.tree.assigned_values.get(code(stmt.targets[0].target), ())) == 1
+        }
+        owner, user = (
+            next((a for a in self.tree.ancestors(f) if isinstance(a, cst.ClassDef)), None)
+            for f in (made, used)
+        )
+        same_class = owner is not None and owner is user
+        missing = sorted(
+            name
+            for name in variables(ignore)
+            if name in local and not (same_class and name in kept)
+        )
+        if missing:
+            raise Unfixable(
+                f"the loss's ignore value `{code(ignore)}` is read in `{made.name.value}()` "
+                f"(line {self.tree.line(configured)}), where the loop cannot see "
+                f"`{missing[0]}`: keep it on the instance or pass it, and count the targets "
+                "that are not it"
+            )
+        renamed = substituted(
+            ignore,
+            lambda name: (
+                cst.parse_expression(kept[name.value])
+                if name.value in local and name.value in kept
+                else None
+            ),
+        )
+        return with_argument(configured, "ignore_index", code(renamed))
 
     def _spread_labels(self, call: cst.Call) -> cst.BaseExpression | None:
         """`batch["labels"]` of a transformers model handed `**batch` (whose own loss reads its
