@@ -1612,10 +1612,11 @@ INIT_PAD = (FIXTURES / "ga001_trainer_class_criterion_ignores_init_pad.py").read
     "old, new, count",
     [
         ("", "", "self.pad_id"),  # kept on the instance by `__init__`
+        ("ignore_index=pad_id", "ignore_index=self.pad_id", "self.pad_id"),  # read from it
         ("        self.pad_id = pad_id\n", "", None),  # kept nowhere the loop can read
         ("        running = 0.0\n", "        running = 0.0\n        self.pad_id = 0\n", None),
     ],
-    ids=["kept-on-self", "not-kept", "kept-then-changed"],
+    ids=["kept-on-self", "read-from-self", "not-kept", "kept-then-changed"],
 )
 def test_an_ignore_value_read_in_init_is_counted_through_what_keeps_it(old, new, count):
     """`self.criterion = nn.CrossEntropyLoss(ignore_index=pad_id)` in `__init__`: the loop

@@ -1192,6 +1192,9 @@ class _CompanionCounts:
             for f in (made, used)
         )
         same_class = owner is not None and owner is user
+        if same_class and made.params.params and used.params.params:  # the instance (`self`)
+            instance, there = (f.params.params[0].name.value for f in (made, used))
+            kept[instance] = there  # is the loop's too, by its own name there
         missing = sorted(
             name
             for name in variables(ignore)
