@@ -35,6 +35,7 @@ from gaaudit.analysis.tree import (
     code,
     dotted,
     positional,
+    spread,
     substituted,
     variables,
     walk,
@@ -665,12 +666,12 @@ def lifted_count(
     `**batch`); None unless each is a name, attribute or subscript, safe to read again."""
     if call is None or not returned.count:
         return None
-    spread = next((a.value for a in call.args if a.star == "**"), None)
+    unpacked = spread(call)
     passed = {}
     for parameter in found.parameters:
         argument = argument_for(call, parameter)
-        if argument is None and spread is not None and parameter.keyword:  # `model(**batch)`
-            argument = cst.parse_expression(f'{code(spread)}["{parameter.name}"]')
+        if argument is None and unpacked is not None and parameter.keyword:  # `model(**batch)`
+            argument = cst.parse_expression(f'{code(unpacked)}["{parameter.name}"]')
         elif argument is None and parameter.default is not None and _literal(parameter.default):
             argument = parameter.default  # `ignore_index=-100`, not passed
         if argument is not None and not any(isinstance(n, cst.Call) for n in walk(argument)):

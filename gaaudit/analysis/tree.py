@@ -314,6 +314,11 @@ def positional(call: cst.Call) -> list[cst.BaseExpression]:
     return [a.value for a in call.args if a.keyword is None and not a.star]
 
 
+def spread(call: cst.Call) -> cst.BaseExpression | None:
+    """The dict a call unpacks into keywords: `batch` of `model(**batch)`, else None."""
+    return next((a.value for a in call.args if a.star == "**"), None)
+
+
 def string_value(node: cst.CSTNode | None) -> str | None:
     if isinstance(node, cst.SimpleString):
         return node.evaluated_value if isinstance(node.evaluated_value, str) else None

@@ -34,6 +34,7 @@ from gaaudit.analysis.tree import (
     methods_of,
     parameter_names,
     positional,
+    spread,
     substituted,
     target_names,
     variables,
@@ -1061,10 +1062,8 @@ class _CompanionCounts:
             labels = keyword(call, "labels")
             if labels is not None:  # `(a if mask else b)[..., 1:]`, not `a if mask else b[...]`
                 labels = atom(labels)
-            else:
-                spread = next((a.value for a in call.args if a.star == "**"), None)
-                if spread is not None:
-                    labels = f'{code(spread)}["labels"]'
+            elif (unpacked := spread(call)) is not None:
+                labels = f'{code(unpacked)}["labels"]'
         if labels is None and call is not None and len(call.args) == len(positional(call)) == 1:
             raise Unfixable(
                 f"`{code(source)}` is the loss of `{code(call)}` (line {self.tree.line(call)}), "
@@ -1220,10 +1219,10 @@ class _CompanionCounts:
     def _spread_labels(self, call: cst.Call) -> cst.BaseExpression | None:
         """`batch["labels"]` of a transformers model handed `**batch` (whose own loss reads its
         `labels`), where the file shows the model's kind; else None."""
-        spread = next((a.value for a in call.args if a.star == "**"), None)
-        if spread is None or self._causal(call) is None:
+        unpacked = spread(call)
+        if unpacked is None or self._causal(call) is None:
             return None
-        return cst.parse_expression(f'{code(spread)}["labels"]')
+        return cst.parse_expression(f'{code(unpacked)}["labels"]')
 
     def _uncounted(self, call: cst.Call) -> str:
         """Why a model's own loss has no count here: the repository class it is annotated
@@ -1241,9 +1240,9 @@ class _CompanionCounts:
                 "it (one per mean term if it adds means over different counts), backpropagate "
                 "the loss times that count and divide the gradients once by the window's total"
             )
-        spread = next((a.value for a in call.args if a.star == "**"), None)
-        if spread is not None:  # `model(**inputs)`: the model picks its targets out
-            return f"{made} finds its targets in `**{code(spread)}`, {COUNTED_INSIDE}"
+        unpacked = spread(call)
+        if unpacked is not None:  # `model(**inputs)`: the model picks its targets out
+            return f"{made} finds its targets in `**{code(unpacked)}`, {COUNTED_INSIDE}"
         return (
             f"{made} computes its own loss, and none of its arguments is named as its targets: "
             "pass them as `labels=` or `targets=`"
