@@ -326,6 +326,7 @@ ALSO_REPLAYED = [
     "ok_microbatch_slices_weighted_share",
     "ok_window_drawn_whole_cut_by_batch_size",
     "ok_denoising_loss_sum_over_window",
+    "ok_trainer_class_criterion_ignores_init_pad_token_sums",
     *MEGATRON,
     *CALLED_PER_BATCH_FUNCTIONS,
     *(name for name in FIXED_LENGTH if name not in NAMES),
@@ -740,6 +741,19 @@ def test_a_function_that_cuts_the_batch_it_is_handed_is_called_once_with_the_win
         assert row["first_window"] is None and row["original_verdict"] == verdict, row
     (row,) = loops["ga002_microbatch_slices_weighted_mean"][0]["rows"]
     assert row["patched_error"] < 1e-5, row
+
+
+def test_a_criterion_built_in_init_from_a_parameters_default_is_the_users(loops):
+    """`self.criterion = nn.CrossEntropyLoss(ignore_index=pad_id, reduction="sum")` in
+    `__init__`, `pad_id=-100` a parameter: the instance is made without running `__init__`,
+    but the criterion is built with the parameter's default, so the correct twin (token sums
+    divided once by the window's tokens) matches the full batch, where the harness's mean
+    stand-in for an unbuilt criterion reproduced a bug it does not have."""
+    (loop,) = loops["ok_trainer_class_criterion_ignores_init_pad_token_sums"]
+    (row,) = loop["rows"]
+    assert loop["verdict"] == VERIFIED and row["original_error"] < 1e-5, loop
+    (row,) = loops["ga001_trainer_class_criterion_ignores_init_pad"][0]["rows"]
+    assert row["original_verdict"] == REPRODUCED and row["patched_error"] < 1e-5, row
 
 
 def test_a_window_drawn_with_next_and_cut_by_its_size_is_served_whole(loops):

@@ -24,6 +24,7 @@ from gaaudit.harness.surroundings import (
     framework_base,
     functions_around,
     implemented,
+    init_defaults,
     literal,
     methods_called,
     parameter_defaults,
@@ -1572,6 +1573,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         if roles.get(item.chain) == "data" and _counts_turns(item.value):
             roles[item.chain] = "turns"
     module_constants = constants(list(_module_level(tree.body)))
+    given = {name: literal(default)[1] for name, default in init_defaults(owner).items()}
     derived = _evaluable(derived, roles, unbound, module_constants, owner)
     for item in derived:  # a loss keeps its stand-in where the user's does not evaluate
         if roles.get(item.chain) != "criterion":
@@ -1643,7 +1645,7 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
         after_step=_called_after_step(target, usage, roles),
         model_reads=_read_on_model(target, roles),
         model_kind=kind,
-        ignore_index=_ignore_index(source, module_constants, kind),
+        ignore_index=_ignore_index(source, {**given, **module_constants}, kind),
         data_arity=arity,
         data_fillers=fillers,
         data_keys=_positional_keys(usage, data),
@@ -1771,8 +1773,9 @@ def _hands_on(call: ast.Call, models: set) -> bool:
 
 
 def _ignore_index(source: str, module_constants: dict, kind: str) -> int | None:
-    """The value the source's loss ignores: `ignore_index=-1`, or `ignore_index=PAD` with a
-    module constant `PAD`; -100 for nanoGPT-style code that mentions it; else None."""
+    """The value the source's loss ignores: `ignore_index=-1`, or `ignore_index=PAD` with
+    `PAD` among `constants` (the module's, and the literal defaults of its `__init__`'s
+    parameters); -100 for nanoGPT-style code that mentions it; else None."""
     found = IGNORE_RE.search(source)
     if found:
         return int(found.group(1))

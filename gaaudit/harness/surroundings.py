@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 from dataclasses import dataclass, replace
 
 Chain = tuple[str, ...]
@@ -229,8 +230,9 @@ def assignments_before(
 ) -> list[Derived]:
     """The last non-literal assignment before `target` to each of its free names, in the
     functions that enclose it (literals are Plan.initial); with an owner, the last
-    `self.attr = ...` of its `__init__`, literal or not (assigned unconditionally from a
-    parameter never reassigned there, the parameter's literal default other than None)."""
+    `self.attr = ...` of its `__init__`, literal or not, where a statement of its body reads
+    a parameter never reassigned there, with the parameter's literal default other than None
+    (`self.criterion = nn.CrossEntropyLoss(ignore_index=pad_id)`, `pad_id=-100`)."""
     enclosing = functions_around(tree, target)
     found: dict[Chain, Derived] = {}
     statements = sorted(
@@ -250,26 +252,12 @@ def assignments_before(
                     found[(target_node.id,)] = Derived(
                         (target_node.id,), statement.value, statement
                     )
-    init = (
-        next(
-            (m for m in owner.node.body if isinstance(m, ast.FunctionDef) and m.name == "__init__"),
-            None,
-        )
-        if owner
-        else None
-    )
+    init = _init(owner)
     assigned = sorted(
         (s for s in ast.walk(init) if isinstance(s, ast.Assign)) if init else (),
         key=lambda s: s.lineno,
     )
-    rebound = {
-        n.id for s in assigned for t in s.targets for n in ast.walk(t) if isinstance(n, ast.Name)
-    }
-    given = {  # `self.ignore_index = ignore_index`: the parameter's literal default
-        name: default
-        for name, default in (parameter_defaults(init.args) if init else ())
-        if name not in rebound and literal(default)[0] and literal(default)[1] is not None
-    }
+    given = init_defaults(owner)
     for statement in assigned:
         for node in statement.targets:
             if (
@@ -280,7 +268,55 @@ def assignments_before(
                 chain = (owner.instance, node.attr)
                 found.pop(chain, None)
                 value = statement.value
-                if isinstance(value, ast.Name) and value.id in given and statement in init.body:
-                    value = given[value.id]
+                if statement in init.body:
+                    value = _Defaults(given).visit(copy.deepcopy(value))
                 found[chain] = Derived(chain, value, statement)
     return list(found.values())
+
+
+def _init(owner: Owner | None) -> ast.FunctionDef | None:
+    if owner is None:
+        return None
+    return next(
+        (m for m in owner.node.body if isinstance(m, ast.FunctionDef) and m.name == "__init__"),
+        None,
+    )
+
+
+def init_defaults(owner: Owner | None) -> dict[str, ast.expr]:
+    """The parameters of the owner's `__init__` that it never reassigns, with their literal
+    defaults other than None: what its body reads them as when the harness makes the instance."""
+    init = _init(owner)
+    if init is None:
+        return {}
+    rebound = {
+        n.id
+        for s in ast.walk(init)
+        if isinstance(s, ast.Assign)
+        for t in s.targets
+        for n in ast.walk(t)
+        if isinstance(n, ast.Name)
+    }
+    return {
+        name: default
+        for name, default in parameter_defaults(init.args)
+        if name not in rebound and literal(default)[0] and literal(default)[1] is not None
+    }
+
+
+class _Defaults(ast.NodeTransformer):
+    """Each read of a parameter by its literal default (a name a lambda or comprehension of
+    the value binds itself is left as it is)."""
+
+    def __init__(self, given: dict[str, ast.expr]) -> None:
+        self.given = given
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        if isinstance(node.ctx, ast.Load) and node.id in self.given:
+            return ast.copy_location(copy.deepcopy(self.given[node.id]), node)
+        return node
+
+    def visit_Lambda(self, node: ast.Lambda) -> ast.expr:
+        return node
+
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = visit_Lambda
