@@ -352,3 +352,47 @@ def test_multisteps_fix_of_a_decorated_loss_over_an_imported_masked_mean(monkeyp
         assert np.allclose(logged, want, rtol=1e-5), (logged, want)
         error = relative_error(applied(initial_params(), params), window_gradient(batches[:4]))
         assert (error < 1e-5) if exact else (error > 1e-3), error
+
+
+HELPER_AUX = FIXTURES / "ga005_xmod_loss_helper_returns_aux"
+
+
+def test_multisteps_fix_of_a_helper_returning_its_mean_beside_auxiliary_data(monkeypatch):
+    """`return nll_and_accuracy(...)` under `has_aux=True`, the helper of another module
+    returning its masked token mean and the accuracy: fixed, the loss function unpacks the
+    two and returns the mean times its kept count over the window's beside the accuracy as it
+    was. The logged loss and accuracy are each micro-batch's, before and after; the applied
+    gradient becomes the window's token mean's, as the correct twin's is."""
+    from gaaudit.config import Settings
+    from gaaudit.fixes.fixer import fix_source
+
+    train = HELPER_AUX / "train.py"
+    fixed = fix_source(train.read_bytes(), train, Settings())
+    assert [o.applied for o in fixed.outcomes] == [True]
+    after = fixed.after.decode()
+    assert "mean_loss, aux = nll_and_accuracy(logits, tags, keep)" in after
+    assert "return mean_loss * keep.sum() / window_weight, aux" in after
+    batches = micro_batches(4)
+    tuples = [(b["input_ids"], b["labels"], b["loss_mask"] > 0) for b in batches]
+    want = []
+    for tokens, tags, keep in tuples:
+        logits = logits_of(initial_params(), tokens)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, tags)
+        right = jnp.argmax(logits, axis=-1) == tags
+        want.append((float(jnp.mean(losses, where=keep)), float(jnp.mean(right, where=keep))))
+
+    twin = HELPER_AUX.with_name("ok_xmod_loss_helper_returns_aux_sums")
+    for folder, source, exact in (
+        (HELPER_AUX, train.read_text(), False),
+        (HELPER_AUX, after, True),
+        (twin, (twin / "train.py").read_text(), True),
+    ):
+        monkeypatch.syspath_prepend(str(folder))
+        monkeypatch.delitem(__import__("sys").modules, "losses", raising=False)
+        logged: list[tuple[float, float]] = []
+        params = definitions(source, "train.py")["train"](
+            initial_params(), logits_of, tuples, logged
+        )
+        assert np.allclose(logged, want, rtol=1e-5), (logged, want)
+        error = relative_error(applied(initial_params(), params), window_gradient(batches))
+        assert (error < 1e-5) if exact else (error > 1e-3), error

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from gaaudit.analysis.loops import run_again
+from gaaudit.analysis.provenance import Origin
 from gaaudit.analysis.tree import (
     BINDS_VALUE,
     DEFS,
@@ -61,7 +62,8 @@ BUILTINS = set(dir(builtins))
 class MaskedMean:
     """A loss function's masked mean: the expression, its sum, its count and the divisor as
     written (a count kept from zero, `jnp.maximum(n, 1.0)`), in the function's parameters,
-    locals inlined; `aux`: the function returns it first beside auxiliary data."""
+    locals inlined; `aux`: the function returns it first beside auxiliary data; `unpacked`:
+    the names the fix unpacks a helper's `(mean, aux)` into, where `node` is that call."""
 
     function: cst.FunctionDef
     node: cst.BaseExpression
@@ -69,6 +71,7 @@ class MaskedMean:
     count: cst.BaseExpression
     divisor: cst.BaseExpression
     aux: bool = False  # returned first beside auxiliary data (`return loss, metrics`)
+    unpacked: tuple[str, str] | None = None
 
 
 class _LossFunction:
@@ -145,11 +148,14 @@ class _LossFunction:
 
     def _imported_mean(self, function: cst.FunctionDef) -> MaskedMean:
         """The mean a helper of another module returns, called in the loss function: its sum is
-        the mean times the count the helper divides by, read at the call."""
+        the mean times the count the helper divides by, read at the call. Where the helper
+        returns its mean first beside auxiliary data (`return helper(...)` under
+        `has_aux=True`), the fix unpacks the two and returns the sum beside the data."""
         origin = self.audit.loss[0]
         returns = self.tracer.returns(function)
         call = self._resolve(returns[0], function) if len(returns) == 1 else None
-        if not isinstance(call, cst.Call) or self.tracer.origin(call).kind != "mean":
+        pair = isinstance(call, cst.Call) and self.tracer.origin(call).kind != "mean"
+        if not isinstance(call, cst.Call) or pair and not _mean(self.tracer.element(call, 0)):
             raise Unfixable(
                 "the loss function returns more than the mean of "
                 f"`{origin.callee}()` (auxiliary outputs)"
@@ -160,8 +166,13 @@ class _LossFunction:
                 "loss by: make it return the masked sum and its count"
             )
         count = self._inline(origin.count, function, at=call)
-        summed = cst.BinaryOperation(_atom(call), cst.Multiply(), _atom(origin.count))
-        return MaskedMean(function, call, summed, count, count)
+        if not pair:
+            summed = cst.BinaryOperation(_atom(call), cst.Multiply(), _atom(origin.count))
+            return MaskedMean(function, call, summed, count, count)
+        mean = _fresh("mean_loss", self._taken)
+        unpacked = (mean, _fresh("aux", self._taken | {mean}))
+        summed = cst.BinaryOperation(cst.Name(mean), cst.Multiply(), _atom(origin.count))
+        return MaskedMean(function, call, summed, count, count, aux=True, unpacked=unpacked)
 
     def _resolve(self, expr: cst.BaseExpression, function: cst.FunctionDef) -> cst.BaseExpression:
         """`loss` -> the value of its one binding in `function`."""
@@ -324,6 +335,14 @@ class _LossFunction:
             )  # `a * n / w` reads as `(a * n) / w`
             left = summed if product else _atom(summed)
             summed = cst.BinaryOperation(left, cst.Divide(), cst.Name(divisor))
+        if mean.unpacked is not None:  # `mean_loss, aux = helper(...)`; `return sum, aux`
+            first, rest = mean.unpacked
+            self.edits.insert_before(
+                statement_line(self.tree, mean.node),
+                "# the helper's mean, made a sum below; its auxiliary data as it was\n"
+                f"{first}, {rest} = {code(mean.node)}\n",
+            )
+            summed = cst.Tuple([cst.Element(summed), cst.Element(cst.Name(rest))], lpar=[], rpar=[])
         self.edits.replace[mean.node] = summed.with_changes(
             lpar=mean.node.lpar, rpar=mean.node.rpar
         )
@@ -977,6 +996,10 @@ def _loop_level(block: cst.CSTNode):
         yield current
         if not isinstance(current, (cst.For, cst.While, *DEFS)):
             stack.extend(current.children)
+
+
+def _mean(origin: Origin | None) -> bool:
+    return origin is not None and origin.kind == "mean"
 
 
 def _fresh(name: str, taken: set[str]) -> str:
