@@ -16,7 +16,7 @@ every full run), and the wall time. A file is flagged when a finding of gaaudit 
 or when a GA006 finding (a transformers pin without the Trainer's fix) names the Trainer it builds.
 The labels judge the loss: findings of the window rules (GA007) are listed apart, for reading.
 `fixes` runs `gaaudit fix` (the loss rules) on each labelled file at its tree's root and prints how many buggy
-files a safe fix changed, whether they compile, what `gaaudit verify` says of them, which correct or benign files it changed (it
+files a safe fix changed, whether they compile and bind every name they read, what `gaaudit verify` says of them, which correct or benign files it changed (it
 should change none), and why findings were not fixed; each file is restored afterwards.
 `verdicts` runs `gaaudit verify` on each labelled torch-family file and prints how many get a
 verdict and how many of those agree with the label, per framework.
@@ -26,6 +26,7 @@ This is a script that prints figures, not a test; no repository code is committe
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -350,11 +351,12 @@ def score(trees: Path, only: list[str]) -> int:
 
 def fixes(trees: Path, only: list[str], each: bool = False) -> int:
     """`gaaudit fix` (its safe fixes, at the default confidence) on each labelled file, run at
-    its tree's root as a user would: which files it changed, whether they still compile, and
-    why the findings of buggy files were not fixed; with `each`, what happened to each buggy
-    file. Each file, and any module a fix changed with it, is put back afterwards."""
+    its tree's root as a user would: which files it changed, whether they still compile and
+    bind every name they read, and why the findings of buggy files were not fixed; with
+    `each`, what happened to each buggy file. Each file, and any module a fix changed with it,
+    is put back afterwards."""
     rows = [row for row in load_manifest() if not only or row.repo in only]
-    changed: dict[Row, bool] = {}  # -> compiles
+    changed: dict[Row, bool] = {}  # -> every module the fix rewrote is sound (`_sound`)
     reasons: Counter[str] = Counter()
     outcome: dict[Row, str] = {}  # buggy file -> what fix did
     said: dict[Row, list[str]] = {}  # buggy file -> why its findings were not fixed
@@ -380,15 +382,13 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
             )
             after = target.read_bytes()
         finally:  # the file, and any other module a fix changed with it
+            rewritten = {}
             for path, data in kept.items():
-                if path.read_bytes() != data:
+                if (now := path.read_bytes()) != data:
+                    rewritten[path] = now
                     path.write_bytes(data)
         if after != before:
-            try:
-                compile(after, row.path, "exec")
-                changed[row] = True
-            except SyntaxError:
-                changed[row] = False
+            changed[row] = all(_sound(kept[p], now, str(p)) for p, now in rewritten.items())
         if row.positive:
             why = [
                 found.group(1)
@@ -420,7 +420,8 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
     safe = len(fixed) + len(pin_fixed)
     print(f"buggy files            {len(positives):>4}: fixed by a safe fix {safe}", end="")
     print(f" ({ratio(safe, len(positives))}), {len(pin_fixed)} of them by their pin;", end="")
-    print(f" changed files compiling {sum(changed[r] for r in fixed)} of {len(fixed)}")
+    print(" changed files compiling, reading no name they leave unbound: ", end="")
+    print(f"{sum(changed[r] for r in fixed)} of {len(fixed)}")
     for what, count in Counter(outcome.values()).most_common():
         print(f"  {count:>3}  {what}")
         if each:
@@ -442,6 +443,23 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
 
 
 PIN_FIXED = "its transformers pin: "  # how `_pin_fixes` says a pin got a safe fix
+
+
+def _sound(before: bytes, after: bytes, path: str) -> bool:
+    """Whether a module a fix rewrote compiles and reads no name that it binds nowhere, where
+    the original bound it or never read it (pyflakes, of the test extra)."""
+    from pyflakes.checker import Checker
+    from pyflakes.messages import UndefinedName
+
+    def unbound(source: bytes) -> set[str]:
+        found = Checker(ast.parse(source)).messages
+        return {m.message_args[0] for m in found if isinstance(m, UndefinedName)}
+
+    try:
+        compile(after, path, "exec")
+    except SyntaxError:
+        return False
+    return unbound(after) <= unbound(before)
 
 
 def _pin_fixes(root: Path) -> dict[str, list[str]]:
