@@ -324,6 +324,7 @@ ALSO_REPLAYED = [
     "ga001_model_handed_token_counts_in_dict",
     "ga002_base_trainer_abstract_step",
     "ok_microbatch_slices_weighted_share",
+    "ok_microbatch_slices_kept_parameters_divided_once",
     "ok_window_drawn_whole_cut_by_batch_size",
     "ok_denoising_loss_sum_over_window",
     "ok_trainer_class_criterion_ignores_init_pad_token_sums",
@@ -728,19 +729,27 @@ def test_a_function_that_cuts_the_batch_it_is_handed_is_called_once_with_the_win
     into slices of `self.microbatch` samples, each scored by `diffusion.training_losses` at
     timesteps from `schedule_sampler.sample(n, device)`: the replay calls it once with the
     window, the slices being its micro-batches, and says so. Their means summed undivided
-    (also on an fp16 branch) are K - 1 times off; weighted by each slice's share, exact."""
+    (also on an fp16 branch) are K - 1 times off; weighted by each slice's share, exact. A
+    list of the model's parameters the trainer keeps (`self.model_params`) and the loop goes
+    through, dividing their gradients, is the harness model's, not a source of data."""
     verdicts = {
         "ga002_microbatch_slices_weighted_mean": REPRODUCED,
         "ga002_microbatch_slices_fp16_branch": REPRODUCED,
+        "ga002_microbatch_slices_kept_parameters": REPRODUCED,
         "ok_microbatch_slices_weighted_share": VERIFIED,
+        "ok_microbatch_slices_kept_parameters_divided_once": VERIFIED,
     }
     for name, verdict in verdicts.items():
         (loop,) = loops[name]
         assert loop["replayed"].startswith(CALLED_WITH_WINDOW + "; "), loop
         (row,) = loop["rows"]
         assert row["first_window"] is None and row["original_verdict"] == verdict, row
-    (row,) = loops["ga002_microbatch_slices_weighted_mean"][0]["rows"]
-    assert row["patched_error"] < 1e-5, row
+    for name in (
+        "ga002_microbatch_slices_weighted_mean",
+        "ga002_microbatch_slices_kept_parameters",
+    ):
+        (row,) = loops[name][0]["rows"]
+        assert row["patched_error"] < 1e-5, row
 
 
 def test_a_criterion_built_in_init_from_a_parameters_default_is_the_users(loops):

@@ -1561,6 +1561,11 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
     }
     rebound = imported & _assigned_before(tree, target)  # `optim = torch.optim.Adam(...)`
     unbound = imported - rebound
+    module_constants = constants(list(_module_level(tree.body)))
+    for item in _evaluable(derived, roles, unbound, module_constants, owner):
+        if item.reads_model and roles.get(item.chain) in DATA_ROLES:
+            # `for p in self.model_params` over `list(self.model.parameters())`: no data
+            del roles[item.chain]
     if params and not lightning and (batch := _micro_batch(params, optional, roles, unbound)):
         # data of a parameter left at its default (`sample_weighter=None`) is not bound
         roles = {c: r for c, r in roles.items() if c[0] not in optional or r not in DATA_ROLES}
@@ -1572,7 +1577,6 @@ def _analysed(source: str, line: int, divisor_names, model_kind, lightning) -> P
     for item in derived:  # `bar = tqdm(range(steps)); for step in bar:` counts turns
         if roles.get(item.chain) == "data" and _counts_turns(item.value):
             roles[item.chain] = "turns"
-    module_constants = constants(list(_module_level(tree.body)))
     given = {name: literal(default)[1] for name, default in init_defaults(owner).items()}
     derived = _evaluable(derived, roles, unbound, module_constants, owner)
     for item in derived:  # a loss keeps its stand-in where the user's does not evaluate
