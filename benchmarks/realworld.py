@@ -4,6 +4,7 @@
     python benchmarks/realworld.py score [--trees DIR] [--only REPO ...]
     python benchmarks/realworld.py fixes [--trees DIR] [--only REPO ...]
     python benchmarks/realworld.py verdicts [--trees DIR] [--only REPO ...] [--each]
+    python benchmarks/realworld.py sweep [--trees DIR] [--only REPO ...]
 
 `manifest.jsonl` (beside this script, in `realworld/`) holds one labelled file a row: repo,
 commit, path, label, lines, loss_source, data_path, reason, framework. `restore` exports the
@@ -19,7 +20,9 @@ The labels judge the loss: findings of the window rules (GA007) are listed apart
 files a safe fix changed, whether they compile and bind every name they read, what `gaaudit verify` says of them, which correct or benign files it changed (it
 should change none), and why findings were not fixed; each file is restored afterwards.
 `verdicts` runs `gaaudit verify` on each labelled torch-family file and prints how many get a
-verdict and how many of those agree with the label, per framework.
+verdict and how many of those agree with the label, per framework. `sweep` applies every fix
+(unsafe ones too, at any confidence) to a copy of each whole tree and names any module a fix
+leaves not compiling or reading a name it binds nowhere.
 This is a script that prints figures, not a test; no repository code is committed.
 """
 
@@ -33,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -616,6 +620,42 @@ def _original_verdict(trees: Path, row: Row) -> tuple[str | None, str]:
     return None, next(iter(found), "no accumulation loop to replay")
 
 
+def sweep(trees: Path, only: list[str]) -> int:
+    """`gaaudit fix --unsafe-fixes` at any confidence over the whole of each tree, on a copy:
+    every fix it has, on every file it reaches, labelled or not. Prints each rewritten module
+    that does not compile or reads a name it binds nowhere (`_sound`), and each run that
+    failed other than on files it cannot parse; returns how many there were."""
+    problems = rewritten = 0
+    started = time.perf_counter()
+    for repo in sorted({row.repo for row in load_manifest() if not only or row.repo in only}):
+        root = tree_of(trees, repo)
+        with tempfile.TemporaryDirectory() as scratch:
+            copy = Path(shutil.copytree(root, Path(scratch) / root.name, symlinks=True))
+            result = subprocess.run(
+                [*GAAUDIT, "fix", "--unsafe-fixes", "--min-confidence", "low", "."],
+                check=False,
+                cwd=copy,
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+            if result.returncode not in (0, 1) and "E999" not in result.stdout:
+                problems += 1
+                print(f"{repo}: exit {result.returncode}: {result.stderr.strip()[-300:]}")
+            for path in copy.rglob("*.py"):
+                original = root / path.relative_to(copy)
+                before = original.read_bytes() if original.is_file() else None
+                if before is None or path.read_bytes() == before:
+                    continue
+                rewritten += 1
+                if not _sound(before, path.read_bytes(), str(path)):
+                    problems += 1
+                    print(f"{repo}/{path.relative_to(copy)}: broken by the fix")
+    print(f"{rewritten} modules rewritten, {problems} problems; wall time", end="")
+    print(f" {time.perf_counter() - started:.1f}s")
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", type=Path, default=TREES, help="where restored trees live")
@@ -636,7 +676,13 @@ def main() -> int:
         "--only", nargs="+", default=[], metavar="REPO", help="these repositories only"
     )
     replaying.add_argument("--each", action="store_true", help="say where each file stopped")
+    sweeping = commands.add_parser("sweep", help="every fix over every tree, on copies")
+    sweeping.add_argument(
+        "--only", nargs="+", default=[], metavar="REPO", help="these repositories only"
+    )
     args = parser.parse_args()
+    if args.command == "sweep":
+        return 1 if sweep(args.trees, args.only) else 0
     if args.command == "verdicts":
         return verdicts(args.trees, args.only, args.each)
     if args.command == "restore":
