@@ -328,6 +328,7 @@ ALSO_REPLAYED = [
     "ok_window_drawn_whole_cut_by_batch_size",
     "ok_denoising_loss_sum_over_window",
     "ok_trainer_class_criterion_ignores_init_pad_token_sums",
+    "ok_vlm_abstract_strategy_image_fields_token_sums",
     *MEGATRON,
     *CALLED_PER_BATCH_FUNCTIONS,
     *(name for name in FIXED_LENGTH if name not in NAMES),
@@ -763,6 +764,19 @@ def test_a_criterion_built_in_init_from_a_parameters_default_is_the_users(loops)
     assert loop["verdict"] == VERIFIED and row["original_error"] < 1e-5, loop
     (row,) = loops["ga001_trainer_class_criterion_ignores_init_pad"][0]["rows"]
     assert row["original_verdict"] == REPRODUCED and row["patched_error"] < 1e-5, row
+
+
+def test_an_abstract_strategys_loop_runs_with_its_hooks_doing_nothing(loops):
+    """prismatic's training strategy: an abstract class whose subclasses, in other modules,
+    fill in the `clip_grad_norm` its loop calls, and a loop handing the model
+    `batch["pixel_values"]` and `batch["multimodal_indices"]`. The instance is made with its
+    abstract methods doing nothing and the text batch's images read as None: the bug is
+    reproduced, and the fix and the correct twin match the full batch."""
+    (row,) = loops["ga001_vlm_abstract_strategy_image_fields"][0]["rows"]
+    assert row["original_verdict"] == REPRODUCED and row["patched_error"] < 1e-5, row
+    (loop,) = loops["ok_vlm_abstract_strategy_image_fields_token_sums"]
+    (row,) = loop["rows"]
+    assert loop["verdict"] == VERIFIED and row["original_error"] < 1e-5, loop
 
 
 def test_a_window_drawn_with_next_and_cut_by_its_size_is_served_whole(loops):

@@ -276,7 +276,13 @@ class Objects:
         getter = _module_stub_attribute if module else _stub_attribute
         if self.plan.lightning:  # stubs only where the class reads them: Lightning probes
             getter = _stubs_only_for(getter, _read_attributes(owner))  # hooks by getattr
-        stand_in = type(cls.__name__, (cls,), {"__getattr__": getter})
+        # a hook left abstract, whose subclasses live in other modules: a method doing nothing
+        hooks = sorted(getattr(cls, "__abstractmethods__", ()))
+        stand_in = type(
+            cls.__name__,
+            (cls,),
+            {"__getattr__": getter, **{hook: _does_nothing for hook in hooks}},
+        )
         instance = object.__new__(stand_in)
         if self.plan.lightning:  # the LightningModule's own set-up, not the user's
             lightning_base(cls).__init__(instance)
@@ -289,6 +295,9 @@ class Objects:
         self.bindings[owner.instance] = (
             f"{made} made without __init__ (its methods run; unknown attributes are stubs)"
         )
+        if hooks:
+            named = ", ".join(f"`{hook}`" for hook in hooks)
+            self.bindings[owner.instance] += f"; its abstract methods {named} do nothing"
 
     def _stages(self, model) -> dict:
         """The encoder and decoder of the tiny pair, for a loop that calls two models."""
@@ -445,6 +454,10 @@ def _first_tensor(batch, preferred: str | None = None) -> torch.Tensor | None:
 def lightning_base(cls: type) -> type:
     """The LightningModule class that `cls` subclasses."""
     return next(c for c in cls.__mro__ if c.__name__ == "LightningModule")
+
+
+def _does_nothing(self, *args, **kwargs) -> None:
+    """An abstract method of the class the loop is a method of, made to run as a no-op."""
 
 
 def _stub_attribute(self, name: str):

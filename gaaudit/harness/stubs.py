@@ -6,11 +6,16 @@ import contextlib
 import inspect
 import itertools
 import operator
+import re
 import types
 
 import torch
 
 from gaaudit.harness.nets import denoising_loss
+
+# the images of a vision-language batch and what indexes them: `pixel_values`, `images`,
+# `image_sizes`, `multimodal_indices`
+IMAGE_FIELDS = re.compile(r"^(pixel_values|images?|image_\w+|multimodal_\w+)$")
 
 
 class Stub:
@@ -281,6 +286,12 @@ class Batch(dict):
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+    def __missing__(self, key: str) -> None:
+        """The images of a vision-language batch, and their indices, where the batch has no
+        images (the harness's are text): None."""
+        if not IMAGE_FIELDS.search(key) or "pixel_values" in self:
+            raise KeyError(key)
 
 
 class DataSource(Stub):
