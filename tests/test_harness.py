@@ -2231,3 +2231,30 @@ def test_a_record_of_the_turn_beside_each_batch_and_a_mode_the_loop_dispatches_o
     assert result.verdict == "bug reproduced", result.replay.reason
     assert result.error > 1, result.error  # K means summed, undivided
     assert "record of the turn" in result.replay.bindings["turns"]
+
+
+def test_abstract_hooks_stand_in_and_image_fields_of_a_text_batch_read_none():
+    """The class around a loop, abstract where its subclasses live in other modules, is made
+    with each abstract method doing nothing and each abstract property a stub; a text batch
+    reads an image field it lacks as None, and any other missing key raises KeyError."""
+    import abc
+
+    from gaaudit.harness.bindings import _stand_in_hook
+
+    class Strategy(abc.ABC):
+        @property
+        @abc.abstractmethod
+        def world(self): ...
+
+        @abc.abstractmethod
+        def clip_grad_norm(self) -> None: ...
+
+    hooks = {name: _stand_in_hook(Strategy, name) for name in Strategy.__abstractmethods__}
+    made = object.__new__(type("Strategy", (Strategy,), hooks))
+    assert made.clip_grad_norm() is None and isinstance(made.world, Stub)
+    text = Batch(input_ids=torch.ones(2, 3), labels=torch.ones(2, 3))
+    assert text["pixel_values"] is None and text["multimodal_indices"] is None
+    with pytest.raises(KeyError):
+        text["token_types"]
+    with pytest.raises(KeyError):  # a batch with images: a missing image field is missing
+        Batch(pixel_values=torch.ones(1))["images"]

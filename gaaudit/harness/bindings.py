@@ -9,6 +9,7 @@ import builtins
 import contextlib
 import copy
 import functools
+import inspect
 import math
 import os
 import re
@@ -281,7 +282,7 @@ class Objects:
         stand_in = type(
             cls.__name__,
             (cls,),
-            {"__getattr__": getter, **{hook: _does_nothing for hook in hooks}},
+            {"__getattr__": getter, **{hook: _stand_in_hook(cls, hook) for hook in hooks}},
         )
         instance = object.__new__(stand_in)
         if self.plan.lightning:  # the LightningModule's own set-up, not the user's
@@ -458,6 +459,14 @@ def lightning_base(cls: type) -> type:
 
 def _does_nothing(self, *args, **kwargs) -> None:
     """An abstract method of the class the loop is a method of, made to run as a no-op."""
+
+
+def _stand_in_hook(cls: type, name: str):
+    """What stands in for the abstract `name` of `cls`: a method doing nothing, or for an
+    abstract property a stub."""
+    if isinstance(inspect.getattr_static(cls, name, None), property):
+        return property(lambda self: Stub(f"{type(self).__name__}.{name}"))
+    return _does_nothing
 
 
 def _stub_attribute(self, name: str):
