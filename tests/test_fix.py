@@ -2089,6 +2089,46 @@ def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix(accele
     assert fix_source(plain.encode(), Path("train.py"), ALL).outcomes[0].applied
 
 
+BOOSTER = (
+    (FIXTURES / "ga002_booster_backward_loss_keyword.py")
+    .read_text()
+    .replace("import torch\n", "import torch\nfrom transformers import AutoModelForCausalLM\n")
+    .replace("def train(model, ", "def train(model: AutoModelForCausalLM, ")
+)
+BOOSTED = BOOSTER.replace(
+    "    loader = DataLoader(",
+    "    booster = Booster(plugin=PLUGIN)\n"
+    "    model, optimizer, *_ = booster.boost(model, optimizer)\n"
+    "    loader = DataLoader(",
+).replace(
+    "import torch\n",
+    "import torch\nfrom colossalai.booster import Booster\n"
+    "from colossalai.booster.plugin import GeminiPlugin, TorchDDPPlugin\n",
+)
+
+
+@pytest.mark.parametrize(
+    "source, safe",
+    [
+        (BOOSTER, False),  # a booster handed in, its plugin not seen
+        (BOOSTED.replace("PLUGIN", "GeminiPlugin()"), False),
+        (BOOSTED.replace("PLUGIN", "TorchDDPPlugin()"), True),
+    ],
+    ids=["handed-in", "gemini", "torch-ddp"],
+)
+def test_a_colossalai_booster_backward_is_an_unsafe_fix_unless_its_plugin_is_ddp(source, safe):
+    """`booster.backward(loss=..., optimizer=...)`: ColossalAI's sharding plugins keep the
+    gradients outside `param.grad`, where the one division before the step would not reach
+    them while each micro-batch's loss is weighted by its count; the fix is unsafe, saying so,
+    unless the file boosts with the TorchDDP plugin alone."""
+    (outcome,) = fix_source(source.encode(), Path("train.py"), ALL).outcomes
+    assert outcome.applied is safe
+    if not safe:
+        assert outcome.reason.startswith("unsafe fix (`booster.backward(...)` runs a ColossalAI")
+    unsafe = fix_source(source.encode(), Path("train.py"), ALL, unsafe=True)
+    assert "param.grad.div_(" in unsafe.after.decode()
+
+
 NO_SYNC_ELSE_STEPS = FIXTURES / "ga003_accelerate_no_sync_else_steps.py"
 
 

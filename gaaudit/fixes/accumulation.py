@@ -1833,6 +1833,26 @@ class _Owners:
         """Where the optimizer's parameters live."""
         return f'{optimizer}.param_groups[0]["params"][0].device'
 
+    def _booster(self, site: Site) -> str | None:
+        """The ColossalAI booster of `booster.backward(loss=..., optimizer=...)`, else None;
+        None too where the file boosts with the TorchDDP plugin alone, whose gradients stay
+        in `param.grad`."""
+        call = site.backward.call
+        if call is None or not isinstance(call.func, cst.Attribute):
+            return None
+        name = dotted(call.func.value) or ""
+        built = {
+            (self.tree.qualified(n.func) or dotted(n.func) or "").rsplit(".", 1)[-1]
+            for n in self.tree.walk(self.tree.module)
+            if isinstance(n, cst.Call)
+        }
+        if "booster" not in name.lower() and not (
+            "Booster" in built and keyword(call, "optimizer") is not None
+        ):
+            return None
+        plugins = {b for b in built if b.endswith("Plugin")}
+        return None if plugins == {"TorchDDPPlugin"} else name
+
     def _backward_owner(self, site: Site, kind: str) -> str | None:
         """The receiver of `<kind>.backward(loss)` (an Accelerator or a Fabric), else None."""
         if site.backward.call is None:
@@ -2024,6 +2044,14 @@ class _Window:
                 "keeps the gradients outside `param.grad`, where the one division before the "
                 "step would not reach them: assumes a run without DeepSpeed); apply with "
                 "--unsafe-fixes"
+            )
+        booster = self._booster(site)
+        if booster and not self.unsafe:
+            raise Unfixable(
+                f"unsafe fix (`{booster}.backward(...)` runs a ColossalAI booster, whose "
+                "sharding plugins (Gemini, LowLevelZero, HybridParallel) keep the gradients "
+                "outside `param.grad`, where the one division before the step would not reach "
+                "them: assumes its TorchDDP plugin); apply with --unsafe-fixes"
             )
         if window.kind == "accumulate":
             outer = next(
