@@ -2129,6 +2129,36 @@ def test_a_colossalai_booster_backward_is_an_unsafe_fix_unless_its_plugin_is_ddp
     assert "param.grad.div_(" in unsafe.after.decode()
 
 
+FABRIC_FSDP = (FIXTURES / "ga001_fabric_no_backward_sync.py").read_text()
+
+
+@pytest.mark.parametrize(
+    "strategy, safe",
+    [
+        ('strategy="fsdp"', True),
+        ('strategy="deepspeed_stage_2"', False),
+        ("strategy=DeepSpeedStrategy(stage=3)", False),
+    ],
+    ids=["fsdp", "deepspeed-string", "deepspeed-strategy"],
+)
+def test_a_fabric_loop_under_a_deepspeed_strategy_is_an_unsafe_fix(strategy, safe):
+    """`fabric.backward(loss)` under Fabric's DeepSpeed strategy: ZeRO keeps the gradients
+    outside `param.grad`, where the one division before the step would not reach them; the fix
+    is unsafe, saying which strategy, and safe under FSDP, whose gradients are there."""
+    source = FABRIC_FSDP.replace('strategy="fsdp"', strategy)
+    if "DeepSpeedStrategy" in strategy:
+        source = source.replace(
+            "import lightning as L\n",
+            "import lightning as L\nfrom lightning.fabric.strategies import DeepSpeedStrategy\n",
+        )
+    assert strategy in source
+    (outcome,) = fix_source(source.encode(), Path("train.py"), ALL).outcomes
+    assert outcome.applied is safe
+    if not safe:
+        assert outcome.reason.startswith("unsafe fix (the file may train under DeepSpeed (it ")
+        assert ("deepspeed_stage_2" in outcome.reason) or "DeepSpeedStrategy" in outcome.reason
+
+
 NO_SYNC_ELSE_STEPS = FIXTURES / "ga003_accelerate_no_sync_else_steps.py"
 
 

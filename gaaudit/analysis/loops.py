@@ -521,9 +521,18 @@ class _Frameworks:
     def may_run_deepspeed(self) -> str:
         """Why the file may train under DeepSpeed, whose ZeRO keeps the gradients outside
         `param.grad`, in words ("" if it shows no sign): it reads an accelerator's
-        `deepspeed_plugin`, tests for `DistributedType.DEEPSPEED`, or makes an engine."""
+        `deepspeed_plugin`, tests for `DistributedType.DEEPSPEED`, makes an engine, or hands
+        Lightning (Fabric or its Trainer) a DeepSpeed strategy."""
         if self._reads_plugin:
             return "it reads `deepspeed_plugin`"
+        for node in self.tree.walk(self.tree.module):
+            if not isinstance(node, cst.Call):
+                continue
+            if (dotted(node.func) or "").endswith("DeepSpeedStrategy"):
+                return "it makes a `DeepSpeedStrategy`"
+            strategy = keyword(node, "strategy")
+            if isinstance(strategy, cst.SimpleString) and "deepspeed" in strategy.value:
+                return f"it hands `{dotted(node.func)}` the strategy {strategy.value}"
         if any(
             isinstance(node, cst.Attribute)
             and node.attr.value == "DEEPSPEED"

@@ -2038,7 +2038,8 @@ class _Window:
         if window.anchor in self._prepared:
             return
         deepspeed = self.auditor.structure.may_run_deepspeed
-        if self._accelerator(site) and deepspeed and not self.unsafe:
+        launched = self._accelerator(site) or self._backward_owner(site, "fabric")
+        if launched and deepspeed and not self.unsafe:
             raise Unfixable(
                 f"unsafe fix (the file may train under DeepSpeed ({deepspeed}), whose ZeRO "
                 "keeps the gradients outside `param.grad`, where the one division before the "
