@@ -990,6 +990,26 @@ class _Counts:
         return False
 
 
+def scale_loss_call(tree: Tree, name: cst.Name) -> cst.Call | None:
+    """The `amp.scale_loss(loss, optimizer)` of apex whose `with` binds `name` (`as
+    scaled_loss`) around it: the loss times a constant loss scale, which apex removes from the
+    gradients before the step; else None."""
+    for outer in tree.ancestors(name):
+        if not isinstance(outer, cst.With):
+            continue
+        for item in outer.items:
+            bound = item.asname.name if item.asname is not None else None
+            if (
+                isinstance(bound, cst.Name)
+                and bound.value == name.value
+                and isinstance(item.item, cst.Call)
+                and last_name(item.item.func) == "scale_loss"
+                and positional(item.item)
+            ):
+                return item.item
+    return None
+
+
 class Tracer(_Calls, _Callees, _Counts):
     """Traces loss expressions back through assignments, same-file helpers, lambdas, loss
     classes, and (given `imports`, a `repository.Imports`) helpers of other modules."""
@@ -1122,6 +1142,9 @@ class Tracer(_Calls, _Callees, _Counts):
     def _name(self, expr: cst.Name, depth: int) -> Origin:
         binding = self.binding(expr.value, expr)
         if binding is None:
+            scaling = scale_loss_call(self.tree, expr)
+            if scaling is not None:  # apex's `with amp.scale_loss(loss, opt) as scaled_loss:`
+                return self.origin(positional(scaling)[0], depth + 1)
             return Origin("unknown", f"`{expr.value}`, whose origin is not visible here")
         found = self._from_binding(expr.value, binding, depth)
         earlier = self._bypassed(expr.value, binding, expr)

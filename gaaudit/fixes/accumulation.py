@@ -18,6 +18,7 @@ from gaaudit.analysis.provenance import (
     averaged_mean,
     loss_target,
     same_count,
+    scale_loss_call,
     valid_targets,
 )
 from gaaudit.analysis.tree import (
@@ -1466,7 +1467,8 @@ class _LossRewrite:
         return f"if {ref} is None:\n    {ref} = max(float({self.micro}), 1.0)\n{indented(shared)}"
 
     def _scaled(self, site: Site) -> bool:
-        """Whether the backward goes through a GradScaler: `scaler.scale(loss).backward()`, or
+        """Whether the backward goes through a GradScaler: `scaler.scale(loss).backward()`
+        (or apex's `amp.scale_loss`), or
         `accelerator.backward(loss)` / `fabric.backward(loss)` of an Accelerator or Fabric
         built with fp16 precision (or with a precision chosen at run time), or on a branch
         of its window times a loss scale of its own (`(loss * loss_scale).backward()`). Its fp16
@@ -1489,6 +1491,8 @@ class _LossRewrite:
             and receiver.func.attr.value == "scale"
         ):
             return True
+        if isinstance(receiver, cst.Name) and scale_loss_call(self.tree, receiver) is not None:
+            return True  # apex's `with amp.scale_loss(loss, optimizer) as scaled_loss:`
         owner = next((kind for kind in PRECISION if self._backward_owner(site, kind.lower())), None)
         return owner is not None and any(
             may_be_fp16(call, *PRECISION[owner])

@@ -56,6 +56,7 @@ from gaaudit.harness.models import build_model, ignore_value
 from gaaudit.harness.nets import NOISED_KINDS
 from gaaudit.harness.project import project_import
 from gaaudit.harness.stubs import (
+    ApexAmp,
     Exhausted,
     Progress,
     Stub,
@@ -753,6 +754,12 @@ def module_namespace(plan: Plan, filename: str) -> dict:
                 name = alias.asname or alias.name.split(".")[0]
                 if alias.name in MOVERS:  # `to_device(batch, device)`: moves, keeps all
                     namespace.setdefault(name, factory.to_device)
+                    continue
+                if isinstance(node, ast.ImportFrom) and (node.module, alias.name) == (
+                    "apex",
+                    "amp",
+                ):  # apex builds on CUDA only: its amp as O0 runs it
+                    namespace.setdefault(name, ApexAmp)
                     continue
                 found = project_import(node, alias, filename, Stub, modules)
                 namespace.setdefault(name, Stub(name) if found is None else found)

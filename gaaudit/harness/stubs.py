@@ -294,6 +294,27 @@ class Batch(dict):
             raise KeyError(key)
 
 
+class ApexAmp:
+    """apex's `amp`, where apex is not installed (it builds on CUDA only): `initialize`
+    returns the model and optimizer as they are, `scale_loss` yields the loss unscaled (a
+    loss scale apex removes again before the step), and `master_params` reads the optimizer's
+    parameters, so a loop that trains through it runs in fp32 as O0 would."""
+
+    @staticmethod
+    def initialize(models, optimizers=None, *args, **kwargs):
+        return models if optimizers is None else (models, optimizers)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def scale_loss(loss, optimizers, *args, **kwargs):
+        yield loss
+
+    @staticmethod
+    def master_params(optimizer):
+        for group in optimizer.param_groups:
+            yield from group["params"]
+
+
 class DataSource(Stub):
     """One window of micro-batches served as a DataLoader-like iterable, as an iterator
     (`next(it)`) and as a `get_batch('train')`-style callable; the latter two cycle, so a
