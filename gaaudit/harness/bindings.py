@@ -298,7 +298,9 @@ class Objects:
         )
         if hooks:
             named = ", ".join(f"`{hook}`" for hook in hooks)
-            self.bindings[owner.instance] += f"; its abstract methods {named} do nothing"
+            self.bindings[owner.instance] += (
+                f"; its abstract {named} stand in (methods doing nothing, properties stubs)"
+            )
 
     def _stages(self, model) -> dict:
         """The encoder and decoder of the tiny pair, for a loop that calls two models."""
