@@ -525,9 +525,7 @@ class _Frameworks:
         Lightning (Fabric or its Trainer) a DeepSpeed strategy."""
         if self._reads_plugin:
             return "it reads `deepspeed_plugin`"
-        for node in self.tree.walk(self.tree.module):
-            if not isinstance(node, cst.Call):
-                continue
+        for node in self.tree.calls:
             if (dotted(node.func) or "").endswith("DeepSpeedStrategy"):
                 return "it makes a `DeepSpeedStrategy`"
             strategy = keyword(node, "strategy")

@@ -1847,8 +1847,7 @@ class _Owners:
         name = dotted(call.func.value) or ""
         built = {
             (self.tree.qualified(n.func) or dotted(n.func) or "").rsplit(".", 1)[-1]
-            for n in self.tree.walk(self.tree.module)
-            if isinstance(n, cst.Call)
+            for n in self.tree.calls
         }
         if "booster" not in name.lower() and not (
             "Booster" in built and keyword(call, "optimizer") is not None
