@@ -360,7 +360,7 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
     `each`, what happened to each buggy file. Each file, and any module a fix changed with it,
     is put back afterwards."""
     rows = [row for row in load_manifest() if not only or row.repo in only]
-    changed: dict[Row, bool] = {}  # -> every module the fix rewrote is sound (`_sound`)
+    changed: dict[Row, bool] = {}  # -> every module the fix rewrote is sound (`sound`)
     reasons: Counter[str] = Counter()
     outcome: dict[Row, str] = {}  # buggy file -> what fix did
     said: dict[Row, list[str]] = {}  # buggy file -> why its findings were not fixed
@@ -392,7 +392,7 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
                     rewritten[path] = now
                     path.write_bytes(data)
         if after != before:
-            changed[row] = all(_sound(kept[p], now, str(p)) for p, now in rewritten.items())
+            changed[row] = all(sound(kept[p], now, str(p)) for p, now in rewritten.items())
         if row.positive:
             why = [
                 found.group(1)
@@ -449,7 +449,7 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
 PIN_FIXED = "its transformers pin: "  # how `_pin_fixes` says a pin got a safe fix
 
 
-def _sound(before: bytes, after: bytes, path: str) -> bool:
+def sound(before: bytes, after: bytes, path: str) -> bool:
     """Whether a module a fix rewrote compiles and reads no name that it binds nowhere, where
     the original bound it or never read it (pyflakes, of the test extra)."""
     from pyflakes.checker import Checker
@@ -623,7 +623,7 @@ def _original_verdict(trees: Path, row: Row) -> tuple[str | None, str]:
 def sweep(trees: Path, only: list[str]) -> int:
     """`gaaudit fix --unsafe-fixes` at any confidence over the whole of each tree, on a copy:
     every fix it has, on every file it reaches, labelled or not. Prints each rewritten module
-    that does not compile or reads a name it binds nowhere (`_sound`), and each run that
+    that does not compile or reads a name it binds nowhere (`sound`), and each run that
     failed other than on files it cannot parse; returns how many there were."""
     problems = rewritten = 0
     started = time.perf_counter()
@@ -648,7 +648,7 @@ def sweep(trees: Path, only: list[str]) -> int:
                 if before is None or path.read_bytes() == before:
                     continue
                 rewritten += 1
-                if not _sound(before, path.read_bytes(), str(path)):
+                if not sound(before, path.read_bytes(), str(path)):
                     problems += 1
                     print(f"{repo}/{path.relative_to(copy)}: broken by the fix")
     print(f"{rewritten} modules rewritten, {problems} problems; wall time", end="")

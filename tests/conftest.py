@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -222,3 +223,13 @@ def pytest_collection_modifyitems(items):
             rank.get(item.path.name, len(rank)),
         )
     )
+
+
+@cache
+def realworld():
+    """benchmarks/realworld.py as a module: its manifest reader and its test of a rewrite."""
+    spec = importlib.util.spec_from_file_location("realworld", ROOT / "benchmarks" / "realworld.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

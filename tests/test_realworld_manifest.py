@@ -6,22 +6,10 @@ snapshots; these tests only read the manifest, as a fresh clone has it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "realworld.py"
-
-
-def scorer():
-    spec = importlib.util.spec_from_file_location("realworld", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from conftest import ROOT, realworld
 
 
 def rows() -> list[dict]:
@@ -30,16 +18,16 @@ def rows() -> list[dict]:
 
 
 def test_every_row_names_a_pinned_file_with_a_known_label_and_its_reasons():
-    realworld = scorer()
-    loaded = realworld.load_manifest()  # exits on a malformed row
+    scorer = realworld()
+    loaded = scorer.load_manifest()  # exits on a malformed row
     assert len(loaded) == len(rows())
     for row in rows():
         assert re.fullmatch(r"[\w.-]+/[\w.-]+", row["repo"]), row
         assert re.fullmatch(r"[0-9a-f]{40}", row["commit"]), row
-        assert row["label"] in realworld.LABELS, row
-        assert row["framework"] in realworld.FRAMEWORKS, row
+        assert row["label"] in scorer.LABELS, row
+        assert row["framework"] in scorer.FRAMEWORKS, row
         assert not row["path"].startswith(("/", "..")), row
-        assert all(str(row[field]).strip() for field in realworld.FIELDS), row
+        assert all(str(row[field]).strip() for field in scorer.FIELDS), row
 
 
 def test_each_file_is_labelled_once_and_each_repository_pinned_once():
