@@ -36,10 +36,20 @@ class Edits:
     spaced: set[cst.CSTNode] = field(default_factory=set)  # two blank lines above (a def before)
 
     def insert_before(self, anchor: cst.CSTNode, source: str) -> None:
-        self.before.setdefault(anchor, []).extend(parsed_statements(source))
+        _insert_once(self.before.setdefault(anchor, []), source)
 
     def insert_after(self, anchor: cst.CSTNode, source: str) -> None:
-        self.after.setdefault(anchor, []).extend(parsed_statements(source))
+        _insert_once(self.after.setdefault(anchor, []), source)
+
+
+def _insert_once(placed: list[cst.BaseStatement], source: str) -> None:
+    """Adds `source`'s statements to those `placed` at an anchor, unless they hold them
+    already: two findings of one loss (a helper's result backpropagated on two branches) ask
+    for the same lines at the same place."""
+    statements = parsed_statements(source)
+    held, new = [code(s) for s in placed], [code(s) for s in statements]
+    if not any(held[i : i + len(new)] == new for i in range(len(held) - len(new) + 1)):
+        placed.extend(statements)
 
 
 def parsed_statements(source: str) -> list[cst.BaseStatement]:
@@ -207,9 +217,7 @@ def torch_module(tree: Tree, edits: Edits) -> str:
             )
         )
         anchor, before = (heading[-1], False) if heading else (tree.module.body[0], True)
-    placed = (edits.before if before else edits.after).get(anchor, ())
-    if all(code(s).strip() != "import torch" for s in placed):
-        (edits.insert_before if before else edits.insert_after)(anchor, "import torch\n")
+    (edits.insert_before if before else edits.insert_after)(anchor, "import torch\n")
     return "torch"
 
 
