@@ -17,12 +17,13 @@ every full run), and the wall time. A file is flagged when a finding of gaaudit 
 or when a GA006 finding (a transformers pin without the Trainer's fix) names the Trainer it builds.
 The labels judge the loss: findings of the window rules (GA007) are listed apart, for reading.
 `fixes` runs `gaaudit fix` (the loss rules) on each labelled file at its tree's root and prints how many buggy
-files a safe fix changed, whether they compile and bind every name they read, what `gaaudit verify` says of them, which correct or benign files it changed (it
+files a safe fix changed, whether they are sound (compile, bind every name they read, hold no
+inserted block twice), what `gaaudit verify` says of them, which correct or benign files it changed (it
 should change none), and why findings were not fixed; each file is restored afterwards.
 `verdicts` runs `gaaudit verify` on each labelled torch-family file and prints how many get a
 verdict and how many of those agree with the label, per framework. `sweep` applies every fix
 (unsafe ones too, at any confidence) to a copy of each whole tree and names any module a fix
-leaves not compiling or reading a name it binds nowhere.
+leaves unsound.
 This is a script that prints figures, not a test; no repository code is committed.
 """
 
@@ -424,7 +425,7 @@ def fixes(trees: Path, only: list[str], each: bool = False) -> int:
     safe = len(fixed) + len(pin_fixed)
     print(f"buggy files            {len(positives):>4}: fixed by a safe fix {safe}", end="")
     print(f" ({ratio(safe, len(positives))}), {len(pin_fixed)} of them by their pin;", end="")
-    print(" changed files compiling, reading no name they leave unbound: ", end="")
+    print(" changed files sound (`sound`): ", end="")
     print(f"{sum(changed[r] for r in fixed)} of {len(fixed)}")
     for what, count in Counter(outcome.values()).most_common():
         print(f"  {count:>3}  {what}")
@@ -450,8 +451,9 @@ PIN_FIXED = "its transformers pin: "  # how `_pin_fixes` says a pin got a safe f
 
 
 def sound(before: bytes, after: bytes, path: str) -> bool:
-    """Whether a module a fix rewrote compiles and reads no name that it binds nowhere, where
-    the original bound it or never read it (pyflakes, of the test extra)."""
+    """Whether a module a fix rewrote compiles, reads no name that it binds nowhere, where
+    the original bound it or never read it (pyflakes, of the test extra), and holds no
+    lines twice in a row that the original did not (a block inserted twice)."""
     from pyflakes.checker import Checker
     from pyflakes.messages import UndefinedName
 
@@ -459,11 +461,21 @@ def sound(before: bytes, after: bytes, path: str) -> bool:
         found = Checker(ast.parse(source)).messages
         return {m.message_args[0] for m in found if isinstance(m, UndefinedName)}
 
+    def repeated(source: bytes) -> set[tuple[str, ...]]:
+        lines = [line.strip() for line in source.decode("utf-8", "replace").splitlines()]
+        lines = [line for line in lines if re.search(r"\w", line)]  # not a lone `)`
+        return {
+            tuple(lines[i : i + size])
+            for size in range(1, 9)
+            for i in range(len(lines) - 2 * size + 1)
+            if lines[i : i + size] == lines[i + size : i + 2 * size]
+        }
+
     try:
         compile(after, path, "exec")
     except SyntaxError:
         return False
-    return unbound(after) <= unbound(before)
+    return unbound(after) <= unbound(before) and repeated(after) <= repeated(before)
 
 
 def _pin_fixes(root: Path) -> dict[str, list[str]]:
@@ -623,7 +635,7 @@ def _original_verdict(trees: Path, row: Row) -> tuple[str | None, str]:
 def sweep(trees: Path, only: list[str]) -> int:
     """`gaaudit fix --unsafe-fixes` at any confidence over the whole of each tree, on a copy:
     every fix it has, on every file it reaches, labelled or not. Prints each rewritten module
-    that does not compile or reads a name it binds nowhere (`sound`), and each run that
+    that is not `sound`, and each run that
     failed other than on files it cannot parse; returns how many there were."""
     problems = rewritten = 0
     started = time.perf_counter()

@@ -78,7 +78,8 @@ def test_pair_is_exact_compiles_is_clean_and_idempotent(pair: Path):
     after = pair.read_bytes()
     before = original_of(pair).read_bytes()
     assert fixed(before, path=original_of(pair)) == after
-    # compiles, and reads no name it binds nowhere where the original bound it or did not read it
+    # compiles, reads no name it binds nowhere where the original bound it or did not read it,
+    # and holds no block twice in a row that the original did not
     assert realworld().sound(before, after, str(pair))
     assert check_file(pair, ALL).findings == []
     assert fixed(after) == after
