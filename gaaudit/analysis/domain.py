@@ -16,7 +16,7 @@ from typing import Literal
 import libcst as cst
 
 from gaaudit.analysis.evidence import Evidence
-from gaaudit.analysis.provenance import MASKED_MEAN, Origin, Tracer
+from gaaudit.analysis.provenance import MASKED_MEAN, MEANS_OF_ALL, Origin, Tracer
 from gaaudit.analysis.tree import (
     Tree,
     code,
@@ -99,8 +99,6 @@ PER_ROW = re.compile(
 SQUARED = re.compile(r"\*\*\s*2\b|\.pow\(\s*2\s*\)|\.abs\(\)|\btorch\.abs\(|\.square\(\)")
 # How another module's loss is described when it is a plain `.mean()` there: its code first.
 RETURNED_MEAN = re.compile(r"`([^`]*)\.mean\(\)`")
-# Functions that average every element of their first argument.
-MEANS = ("torch.mean", "torch.nanmean", "jax.numpy.mean", "jax.numpy.nanmean")
 FLATTENED = re.compile(r"\.(?:view|reshape)\(\s*-1\s*\)|\.flatten\(\)|\.view\(\s*-1\s*,")
 
 
@@ -209,6 +207,8 @@ class Domains:
             return Domain("tokens", True, f"{origin.variable}, where the loss is computed")
         if origin.reduces and (found := _reduced(origin.reduces, origin.reduces)):
             return found
+        if origin.rows:
+            return _per_row(f"`{origin.callee}()`")
         source = origin.source
         owner = origin.callee.split(".")[0]
         if origin.module and DENSE_MODEL.search(owner):
@@ -233,11 +233,17 @@ class Domains:
             return self.model_loss(self._model_call(source), returned)
         if isinstance(source, cst.Call) and isinstance(source.func, cst.Attribute):
             reduced = source.func.value  # `x.mean()`, or `torch.mean(x)`'s `x`
-            if self.tree.qualified(source.func) in MEANS:
+            if self.tree.qualified(source.func) in MEANS_OF_ALL:
                 reduced = next(iter(positional(source)), reduced)
             found = _reduced(self.spelled(reduced), code(source))
             if found is None and self.tracer.per_row(reduced) is not None:
-                found = _per_row(code(source))
+                found = _per_row(f"`{_short(code(source))}`")
+            if found is None and self.tracer.summed_along(reduced):
+                found = Domain(
+                    "examples",
+                    False,
+                    f"`{_short(code(source))}` averages per-row sums, one per row",
+                )
             if found is not None:
                 return found
         if MASKED_MEAN in origin.what:
@@ -248,6 +254,8 @@ class Domains:
                     "its mask is Megatron's `get_ltor_masks_and_position_ids` loss mask, all ones "
                     "over full blocks unless `--eod-mask-loss` hides end-of-document tokens",
                 )
+            if origin.ignored:  # an `ignore_index=` by hand: the data path decides
+                return self._tokens(f"a mean over the targets other than `{origin.ignored}`")
             return Domain("tokens", True, "a mask or count taken per micro-batch")
         if tasks(self.text) == {"classification"}:
             return Domain(
@@ -346,7 +354,10 @@ class Domains:
         model = call.func if call is not None else None
         if model is not None:
             annotated = self.tracer.annotated_class(model)  # `model: VideoTokenizer`
-            for named in (model, annotated) if annotated is not None else (model,):
+            owner = model.value if isinstance(model, cst.Attribute) else None
+            # the model, its annotated class, or what its method is called on
+            # (`diffusion.training_losses(model, latents, t)`)
+            for named in (n for n in (model, annotated, owner) if n is not None):
                 if DENSE_MODEL.search(last_name(named) or ""):
                     return Domain(
                         "dense", False, f"`{code(named)}` models fixed-size images or signals"
@@ -467,14 +478,15 @@ def _reduced(reduced: str, mean: str) -> Domain | None:
     if PAIRWISE.search(reduced):
         return Domain("examples", False, "a pairwise preference loss, one element per pair")
     if PER_ROW.search(reduced):
-        return _per_row(mean)
+        return _per_row(f"`{_short(mean)}`")
     if SQUARED.search(reduced):
         return Domain("dense", False, f"`{_short(mean)}` averages a dense tensor")
     return None
 
 
 def _per_row(mean: str) -> Domain:
-    return Domain("examples", False, f"`{_short(mean)}` averages per-row means, one per sequence")
+    """A mean of per-row means (`mean`: the code that takes it, quoted), one per sequence."""
+    return Domain("examples", False, f"{mean} averages per-row means, one per sequence")
 
 
 def _short(text: str, limit: int = 60) -> str:

@@ -25,6 +25,7 @@ from gaaudit.analysis.tree import (
     last_name,
     methods_of,
     positional,
+    reads,
     string_value,
     substituted,
     variables,
@@ -64,6 +65,8 @@ SAYS_MEAN = re.compile(r"(?i)mean|avg|average|per_token")
 RESHAPES = {"reshape", "view", "flatten", "contiguous", "unsqueeze", "squeeze"}
 # casts that keep the count of a boolean mask: `(labels >= 0).float().sum()`
 MASK_CASTS = {"float", "double", "half", "bfloat16", "long", "int", "bool", "to", "type", "detach"}
+# Functions that average every element of the one argument they are handed.
+MEANS_OF_ALL = ("torch.mean", "torch.nanmean", "jax.numpy.mean", "jax.numpy.nanmean", "numpy.mean")
 GUARDS = {"clamp", "clamp_min", "clamp_", "clamp_min_", "float", "double", "to", "item", "detach"}
 
 
@@ -94,6 +97,8 @@ class Origin:
     count: cst.BaseExpression | None = field(
         default=None, compare=False, repr=False
     )  # of a masked mean
+    ignored: str = ""  # what a masked mean's count leaves out: `-100` of `(t != -100).sum()`
+    rows: bool = False  # another module's mean of per-row means (`Tracer.counts_rows`)
     variable: str = ""  # a sign of variable valid-token counts where that module computes it
     configured: cst.Call | None = field(default=None, compare=False, repr=False)  # a torch loss
     added: str = ""  # another term added to (or subtracted from) it: `aux_loss * coef`
@@ -183,6 +188,21 @@ def unguarded(count: cst.BaseExpression) -> cst.BaseExpression:
     return count
 
 
+def ignored_value(count: cst.BaseExpression) -> str:
+    """The value a count leaves out where it counts the targets unequal to it
+    (`(target != self.ignore_index).sum()`, `labels.ne(-100).sum()`), else ""."""
+    count = unguarded(count)
+    if not (isinstance(count, cst.Call) and code(count.func).endswith(".sum") and not count.args):
+        return ""
+    summed = count.func.value
+    if isinstance(summed, cst.Comparison) and len(summed.comparisons) == 1:
+        compared = summed.comparisons[0]
+        return code(compared.comparator) if isinstance(compared.operator, cst.NotEqual) else ""
+    if isinstance(summed, cst.Call) and code(summed.func).endswith(".ne") and len(summed.args) == 1:
+        return code(summed.args[0].value)
+    return ""
+
+
 def same_count(count: str, other: str, targets: bool) -> bool:
     """Whether two count expressions count the same: alike up to the casts and reshapes of
     what they sum (`mask.unsqueeze(-1).sum()`), and, where `count` counts the `targets` of a
@@ -268,6 +288,11 @@ def _is_weight(factor: cst.BaseExpression) -> bool:
         factor = factor.value
     name = last_name(factor.func if isinstance(factor, cst.Call) else factor) or ""
     return bool(WEIGHT.search(name) or PROCESSES.fullmatch(name))
+
+
+def _zero(value: cst.BaseExpression | None) -> bool:
+    """`0` or `0.0`: where a sum of losses starts."""
+    return isinstance(value, (cst.Integer, cst.Float)) and float(value.value) == 0
 
 
 def _averages_itself(name: str, value: cst.BaseExpression) -> bool:
@@ -366,8 +391,8 @@ def valid_targets(target: cst.BaseExpression, configured: cst.Call) -> cst.Call:
 
 
 def averaged_mean(call: cst.Call, tree: Tree) -> cst.BaseExpression | None:
-    """What `x.mean()` or `torch.mean(x)` averages (every element), else None."""
-    if tree.qualified(call.func) in ("torch.mean", "torch.nanmean"):
+    """What `x.mean()`, `torch.mean(x)` or `jnp.mean(x)` averages (every element), else None."""
+    if tree.qualified(call.func) in MEANS_OF_ALL:
         return call.args[0].value if len(call.args) == 1 else None
     if isinstance(call.func, cst.Attribute) and call.func.attr.value in ("mean", "nanmean"):
         return None if call.args else call.func.value
@@ -849,6 +874,23 @@ class _Counts:
             return expr if self._counted_along(expr.right, depth + 1) else None
         return None
 
+    def counts_rows(self, origin: Origin) -> bool:
+        """Whether a loss is a mean of per-row means (`(per_row / lengths).mean()`, each row
+        normalised by its own count): it counts rows, not their tokens."""
+        if origin.rows:
+            return True
+        source = origin.source if origin.kind == "mean" and not origin.module else None
+        reduced = averaged_mean(source, self.tree) if isinstance(source, cst.Call) else None
+        return reduced is not None and self.per_row(reduced) is not None
+
+    def summed_along(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        """Whether `expr` sums along a dimension (`jnp.sum(logp * labels, axis=1)`, or a
+        name bound to that): one element per row, so a mean of it counts rows."""
+        if isinstance(expr, cst.Name) and expr in self.tree.order and depth <= MAX_DEPTH:
+            value = self._value(expr)
+            return value is not None and self.summed_along(value, depth + 1)
+        return isinstance(expr, cst.Call) and _along_a_dimension(expr, self.tree, ("sum",))
+
     def _counted_along(self, divisor: cst.BaseExpression, depth: int) -> bool:
         """Whether a divisor is a count per row: it sums along a dimension (`mask.sum(-1)`,
         `width - paddings.sum(axis=-1)`), here or in a value one of its names is bound to."""
@@ -1040,6 +1082,8 @@ class Tracer(_Calls, _Callees, _Counts):
             return self._subscript(expr, depth)
         if isinstance(expr, cst.Call):
             return self._call(expr, depth)
+        if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, cst.Minus):
+            return self.origin(expr.expression, depth + 1)  # `-log_likelihood.mean()`
         return UNKNOWN
 
     def _packed_loss(self, expr: cst.Attribute) -> cst.BaseExpression | None:
@@ -1061,11 +1105,18 @@ class Tracer(_Calls, _Callees, _Counts):
     def _binary(self, expr: cst.BinaryOperation, depth: int) -> Origin:
         left = self.origin(expr.left, depth + 1)
         if isinstance(expr.operator, cst.Divide):
+            if left.kind == "sum" and self._kept_for_the_window(expr.right, expr):
+                return left  # `loss * tokens / reference`: a sum over the window's first count
             count, constant = self._count_of(expr) if left.kind == "sum" else (None, None)
             if count is not None:
                 what = f"`{code(expr)}`, a sum over its own count ({MASKED_MEAN})"
                 # what divided the sum divides the mean (`loss_sum / k / n_tokens`)
-                mean = replace(self._mean(expr, what), count=count, divisions=left.divisions)
+                mean = replace(
+                    self._mean(expr, what),
+                    count=count,
+                    ignored=ignored_value(count),
+                    divisions=left.divisions,
+                )
                 return mean.divided(Division(expr, constant)) if constant is not None else mean
             return left.divided(Division(expr, expr.right))
         right = self.origin(expr.right, depth + 1)
@@ -1107,6 +1158,37 @@ class Tracer(_Calls, _Callees, _Counts):
                 if self._per_micro_batch(expr, count) and not self._per_micro_batch(expr, constant):
                     return count, constant
         return (expr.right, None) if self._per_micro_batch(expr, expr.right) else (None, None)
+
+    def _kept_for_the_window(self, divisor: cst.BaseExpression, expr: cst.CSTNode) -> bool:
+        """Whether a divisor is a name the loop around `expr` sets once a window and keeps
+        (`reference = reference or max(tokens, 1)`, or bound under `if reference is None:`),
+        reset only to a constant (`reference = None` at the step): a window's constant, by
+        which a sum stays a sum, unlike the micro-batch's own count."""
+        from gaaudit.analysis.tree import LOOPS
+
+        name = unguarded(divisor)
+        loop = next((a for a in self.tree.ancestors(expr) if isinstance(a, LOOPS)), None)
+        if not isinstance(name, cst.Name) or loop is None:
+            return False
+        kept = False
+        for binding in self.tree.bindings(self.tree.scope_of(expr)).get(name.value, ()):
+            if not self.tree.contains(loop, binding):
+                continue
+            value = assigned_value(binding, name.value)
+            if value is None:
+                return False
+            if isinstance(value, (cst.Integer, cst.Float)) or dotted(value) == "None":
+                continue  # reset
+            guarded = any(
+                isinstance(a, cst.If)
+                and self.tree.contains(a.body, binding)
+                and code(a.test) in (f"{name.value} is None", f"not {name.value}")
+                for a in self.tree.ancestors(binding)
+            )
+            if not (guarded or name.value in reads(value)):
+                return False
+            kept = True
+        return kept
 
     def _per_micro_batch(self, expr: cst.CSTNode, divisor: cst.BaseExpression) -> bool:
         """Whether a divisor is computed inside the loop that holds `expr` (a micro-batch count)."""
@@ -1231,6 +1313,8 @@ class Tracer(_Calls, _Callees, _Counts):
             before = self._from_binding(name, previous, depth + 1) if previous else UNKNOWN
             if isinstance(stmt.operator, cst.DivideAssign):
                 return before.divided(Division(stmt, stmt.value))
+            if isinstance(stmt.operator, cst.AddAssign) and _zero(assigned_value(previous, name)):
+                return self.origin(stmt.value, depth + 1)  # `loss = 0`, then `loss += head_loss`
             multiplied = isinstance(stmt.operator, cst.MultiplyAssign) and before.kind == "mean"
             if multiplied and not _is_weight(stmt.value):  # `loss *= weights[i]` stays a mean
                 return self._sum(stmt, f"`{name}` multiplied by a count")

@@ -69,6 +69,8 @@ class Returned:
     variable: str  # a sign of variable valid-token counts where a further module computes it
     count: str = ""  # what a mean divides by, in the helper's parameters ("" when not shown)
     reduces: str = ""  # what a mean of a further helper's parameter averages (Origin.reduces)
+    ignored: str = ""  # what its count leaves out (Origin.ignored)
+    rows: bool = False  # a mean of per-row means (Origin.rows)
 
 
 @dataclass(frozen=True)
@@ -265,6 +267,8 @@ def _returned(
         origin.variable,
         code(lifted) if lifted is not None else "",
         origin.reduces,
+        origin.ignored,
+        tracer.counts_rows(origin),
     )
 
 
@@ -573,6 +577,8 @@ class Imports(_Callers):
             variable=found.variable,
             count=lifted_count(found, returned, call),
             reduces=returned.reduces,
+            ignored=returned.ignored,
+            rows=returned.rows,
         )
 
 

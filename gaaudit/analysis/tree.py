@@ -434,6 +434,18 @@ class Tree:
             found.setdefault(node.name.value, node)
         return found
 
+    def function_named(self, name: str, use: cst.CSTNode) -> cst.FunctionDef | None:
+        """The function `name` names where `use` reads it: the one the innermost enclosing
+        function (or the module) defines, else the first of that name (`functions`)."""
+        defined = [
+            node
+            for node in self._functions
+            if node.name.value == name and self.contains(self.scope_of(node), use)
+        ]
+        if defined:
+            return max(defined, key=lambda node: self.order[self.scope_of(node)])
+        return self.functions.get(name)
+
     def enclosing_function(self, node: cst.Call | cst.CSTNode) -> cst.FunctionDef | None:
         """The function a call or assignment sits in directly, if any (indexed, no walk)."""
         scope = self._scopes.get(node)

@@ -145,7 +145,8 @@ class OptaxAudit(_Divisions):
 
     @cached_property
     def loss(self) -> tuple[Origin, cst.CSTNode | None]:
-        """The micro-step loss: a mean if any loss function returns one, else a sum, else unknown."""
+        """The micro-step loss: a mean if any loss function returns one (a masked mean before
+        the others: the one whose count varies), else a sum, else unknown."""
         origins = [
             (self._returned_loss(returned), function)
             for function in self._loss_functions()
@@ -155,6 +156,7 @@ class OptaxAudit(_Divisions):
                 else [function.body]
             )
         ]
+        origins.sort(key=lambda found: MASKED_MEAN not in found[0].what)  # stable
         for kind in ("mean", "sum"):
             for origin, function in origins:
                 if origin.kind == kind == "sum" and (normalised := self.normalised_grads):
@@ -226,7 +228,7 @@ class OptaxAudit(_Divisions):
             and positional(expr)
         ):
             return self._function_of(positional(expr)[0])
-        return self.tree.functions.get(dotted(expr) or "")
+        return self.tree.function_named(dotted(expr) or "", expr)
 
     def sites(self) -> Iterator[Site]:
         if self.loss[0].kind == "sum":
@@ -338,7 +340,8 @@ class OptaxAudit(_Divisions):
         # element (`(ce * mask).mean()`), leaves the count as the shape makes it
         over_all = origin.kind == "mean" and not origin.module
         over_all = over_all and _reduced(origin.source, self.tree) is not None
-        masked = origin.kind in ("mean", "unknown") and self.per_row() is None and not over_all
+        masked = origin.kind in ("mean", "unknown") and not self.tracer.counts_rows(origin)
+        masked = masked and not over_all
         mask = self._mask_sign(function) if masked else None
         if origin.kind == "unknown" and mask is not None:
             return Confidence.MEDIUM, (
@@ -476,8 +479,4 @@ def findings(context) -> list[Finding]:
 def _reduced(source: cst.CSTNode | None, tree: Tree) -> cst.BaseExpression | None:
     """What a `x.mean()` or `jnp.mean(x)` reduces, every element of it (None for anything
     else)."""
-    if not isinstance(source, cst.Call):
-        return None
-    if tree.qualified(source.func) in ("jax.numpy.mean", "numpy.mean"):
-        return positional(source)[0] if len(source.args) == 1 else None
-    return averaged_mean(source, tree)
+    return averaged_mean(source, tree) if isinstance(source, cst.Call) else None

@@ -22,6 +22,7 @@ from gaaudit.analysis.provenance import (
     valid_targets,
 )
 from gaaudit.analysis.tree import (
+    LOOPS,
     Tree,
     abstract,
     argument_for,
@@ -508,6 +509,14 @@ class _Counting:
         """What a mean made in this file divides by: (count expression, caveat), and
         whether that is certain."""
         source = origin.source
+        inner = self._pass_loop(source, site)
+        if inner is not None:
+            raise Unfixable(
+                f"the loss adds up the means line {self.tree.line(source)} makes on each pass "
+                f"of the loop on line {self.tree.line(inner)}, each over a count of its own: "
+                "have each pass add its loss sum and its valid-target count, backpropagate the "
+                "sums' total and divide the gradients once by the window's count"
+            )
         if origin.count is not None:  # a masked mean: the count it divides by
             return (code(origin.count), ""), True
         if isinstance(source, (cst.Attribute, cst.Subscript)):
@@ -515,6 +524,19 @@ class _Counting:
         if isinstance(source, cst.Call):
             return self._call_count(source, origin)
         raise Unfixable(self._untraced(site))
+
+    def _pass_loop(self, source: cst.CSTNode | None, site: Site) -> cst.CSTNode | None:
+        """A loop of the function that makes the mean `source` which does not hold the
+        loss's use (`for head in range(n): loss += ce(...)`): the mean is one of a pass."""
+        if source is None or source not in self.tree.order:
+            return None
+        use = self._loss_use(site)
+        for node in self.tree.ancestors(source):
+            if isinstance(node, (cst.FunctionDef, cst.Lambda)) or self.tree.contains(node, use):
+                return None
+            if isinstance(node, LOOPS):
+                return node
+        return None
 
     def _bound_in_if(self, site: Site) -> cst.If | None:
         """The innermost `if` not holding the loss's use (in the loop, or the `return` of the

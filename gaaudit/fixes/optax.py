@@ -229,11 +229,12 @@ class _LossFunction:
                 takes_gradient(self.tree, call.func)
                 and positional(call)
                 and dotted(positional(call)[0]) == name
+                and self.tree.function_named(name, call) is function
             ):
                 _has_aux(keyword(call, "has_aux"), aux)
                 transforms.append(call)
                 found.extend(self._called(call))
-        return self._only(name, transforms, found, "its gradient")
+        return self._only(function, transforms, found, "its gradient")
 
     def _decorated_calls(self, function: cst.FunctionDef, aux: bool) -> list[cst.Call]:
         """The calls of a loss function decorated with its gradient (`@jax.value_and_grad`):
@@ -245,28 +246,36 @@ class _LossFunction:
             if isinstance(d.decorator, cst.Call)
         )
         _has_aux(next((g for g in given if g is not None), None), aux)
-        found = [c for c in self.tree.calls if dotted(c.func) == name]
-        return self._only(name, found, found, "its calls")
+        found = [
+            c
+            for c in self.tree.calls
+            if dotted(c.func) == name and self.tree.function_named(name, c) is function
+        ]
+        return self._only(function, found, found, "its calls")
 
     def _only(
-        self, name: str, uses: list[cst.Call], found: list[cst.Call], where: str
+        self, function: cst.FunctionDef, uses: list[cst.Call], found: list[cst.Call], where: str
     ) -> list[cst.Call]:
-        """`found`, the one evaluation of the loss gradient, when `name` appears nowhere but in
-        its definition and `uses`."""
-        self._used_only_in(name, len(uses), where)
+        """`found`, the one evaluation of the loss gradient, when `function` is named nowhere
+        but in its definition and `uses`."""
+        self._used_only_in(function, len(uses), where)
         if len(found) != 1:
             raise Unfixable(
                 "the loss gradient is evaluated in more than one place (or in none gaaudit can follow)"
             )
         return found
 
-    def _used_only_in(self, name: str, uses: int, where: str) -> None:
-        """Refuse when the loss function `name` appears elsewhere than in its definition and
-        its `uses` (its gradient's transforms or calls)."""
+    def _used_only_in(self, function: cst.FunctionDef, uses: int, where: str) -> None:
+        """Refuse when the loss function is named elsewhere than in its definition and its
+        `uses` (its gradient's transforms or calls); not a function of the same name that
+        another function defines."""
+        name = function.name.value
         named = [
             n
             for n in self.tree.walk(self.tree.module)
-            if isinstance(n, cst.Name) and n.value == name
+            if isinstance(n, cst.Name)
+            and n.value == name
+            and self.tree.function_named(name, n) is function
         ]
         if len(named) != 1 + uses:
             raise Unfixable(
@@ -679,7 +688,7 @@ class _Microbatched:
             keyword(fun, "has_aux") or len(positional(fun)) > 2
         ):
             raise Unfixable(f"`microbatch` is not handed the plain gradient of `{name}`")
-        self._used_only_in(name, 1, "its gradient")
+        self._used_only_in(function, 1, "its gradient")
         _plain_signature(function)
         called = self._called(call)
         if len(called) != 1:
