@@ -2060,24 +2060,38 @@ def main(model, loader, optimizer):
 
 
 @pytest.mark.parametrize(
-    "accelerator", ["Accelerator()", "Accelerator(gradient_accumulation_steps=4)"]
+    "accelerator, sign",
+    [
+        ("Accelerator()", "it reads `deepspeed_plugin`"),
+        ("Accelerator(gradient_accumulation_steps=4)", "it reads `deepspeed_plugin`"),
+        (
+            "DeepSpeedPlugin(zero_stage=3)\n    accelerator = Accelerator(deepspeed_plugin=plugin)",
+            "it makes a `DeepSpeedPlugin`",
+        ),
+        ("Accelerator(deepspeed_plugin=plugin)", "it hands `Accelerator` a `deepspeed_plugin`"),
+    ],
+    ids=["reads", "reads-with-k", "makes-plugin", "hands-plugin"],
 )
-def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix(accelerator):
-    """A file that reads `deepspeed_plugin` may run under ZeRO, whose gradients are not in
-    `param.grad`, whether or not it sets K itself: the one division at `sync_gradients` would
-    miss them while the backward is weighted by the count, so the fix is unsafe, saying so;
-    without the plugin it is safe."""
-    source = ACCUMULATE_UNDER_DEEPSPEED.replace("Accelerator()", accelerator).encode()
-    (outcome,) = fix_source(source, Path("train.py"), ALL).outcomes
-    assert not outcome.applied
-    assert outcome.reason.startswith("unsafe fix (the file may train under DeepSpeed")
-    unsafe = fix_source(source, Path("train.py"), ALL, unsafe=True)
-    assert "param.grad.div_(" in unsafe.after.decode()
+def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix(accelerator, sign):
+    """A file that reads `deepspeed_plugin`, or hands the Accelerator one, may run under ZeRO,
+    whose gradients are not in `param.grad`, whether or not it sets K itself: the one division
+    at `sync_gradients` would miss them while the backward is weighted by the count, so the
+    fix is unsafe, saying so; without the plugin it is safe."""
     plain = ACCUMULATE_UNDER_DEEPSPEED.replace(
         "    if accelerator.state.deepspeed_plugin is not None:\n"
         '        accelerator.print("micro-batches per step:", accelerator.gradient_accumulation_steps)\n',
         "",
     )
+    source = ACCUMULATE_UNDER_DEEPSPEED if "reads" in sign else plain
+    if accelerator.startswith("DeepSpeedPlugin"):  # the plugin made first, then handed in
+        source = source.replace("accelerator = Accelerator()", f"plugin = {accelerator}")
+    source = source.replace("Accelerator()", accelerator)
+    source = source.replace("def main(model, ", "def main(plugin, model, ").encode()
+    (outcome,) = fix_source(source, Path("train.py"), ALL).outcomes
+    assert not outcome.applied
+    assert outcome.reason.startswith(f"unsafe fix (the file may train under DeepSpeed ({sign})")
+    unsafe = fix_source(source, Path("train.py"), ALL, unsafe=True)
+    assert "param.grad.div_(" in unsafe.after.decode()
     assert fix_source(plain.encode(), Path("train.py"), ALL).outcomes[0].applied
 
 

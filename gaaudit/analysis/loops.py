@@ -521,13 +521,17 @@ class _Frameworks:
     def may_run_deepspeed(self) -> str:
         """Why the file may train under DeepSpeed, whose ZeRO keeps the gradients outside
         `param.grad`, in words ("" if it shows no sign): it reads an accelerator's
-        `deepspeed_plugin`, tests for `DistributedType.DEEPSPEED`, makes an engine, or hands
+        `deepspeed_plugin` or hands it one (`Accelerator(deepspeed_plugin=DeepSpeedPlugin(
+        zero_stage=3))`), tests for `DistributedType.DEEPSPEED`, makes an engine, or hands
         Lightning (Fabric or its Trainer) a DeepSpeed strategy."""
         if self._reads_plugin:
             return "it reads `deepspeed_plugin`"
         for node in self.tree.calls:
-            if (dotted(node.func) or "").endswith("DeepSpeedStrategy"):
-                return "it makes a `DeepSpeedStrategy`"
+            name = dotted(node.func) or ""
+            if name.endswith(("DeepSpeedStrategy", "DeepSpeedPlugin")):
+                return f"it makes a `{name.rsplit('.', 1)[-1]}`"
+            if keyword(node, "deepspeed_plugin") is not None:
+                return f"it hands `{name}` a `deepspeed_plugin`"
             strategy = keyword(node, "strategy")
             if isinstance(strategy, cst.SimpleString) and "deepspeed" in strategy.value:
                 return f"it hands `{dotted(node.func)}` the strategy {strategy.value}"
