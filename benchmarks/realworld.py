@@ -635,8 +635,8 @@ def _original_verdict(trees: Path, row: Row) -> tuple[str | None, str]:
 def sweep(trees: Path, only: list[str]) -> int:
     """`gaaudit fix --unsafe-fixes` at any confidence over the whole of each tree, on a copy:
     every fix it has, on every file it reaches, labelled or not. Prints each rewritten module
-    that is not `sound`, and each run that
-    failed other than on files it cannot parse; returns how many there were."""
+    that is not `sound`, and each run that failed other than on files it cannot parse;
+    returns how many there were."""
     problems = rewritten = 0
     started = time.perf_counter()
     for repo in sorted({row.repo for row in load_manifest() if not only or row.repo in only}):
