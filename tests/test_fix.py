@@ -2060,19 +2060,25 @@ def main(model, loader, optimizer):
 
 
 @pytest.mark.parametrize(
-    "accelerator, sign",
+    "made, sign",
     [
-        ("Accelerator()", "it reads `deepspeed_plugin`"),
-        ("Accelerator(gradient_accumulation_steps=4)", "it reads `deepspeed_plugin`"),
+        ("accelerator = Accelerator()", "it reads `deepspeed_plugin`"),
+        ("accelerator = Accelerator(gradient_accumulation_steps=4)", "it reads `deepspeed_plugin`"),
         (
-            "DeepSpeedPlugin(zero_stage=3)\n    accelerator = Accelerator(deepspeed_plugin=plugin)",
+            (
+                "plugin = DeepSpeedPlugin(zero_stage=3)\n"
+                "    accelerator = Accelerator(deepspeed_plugin=plugin)"
+            ),
             "it makes a `DeepSpeedPlugin`",
         ),
-        ("Accelerator(deepspeed_plugin=plugin)", "it hands `Accelerator` a `deepspeed_plugin`"),
+        (
+            "accelerator = Accelerator(deepspeed_plugin=plugin)",
+            "it hands `Accelerator` a `deepspeed_plugin`",
+        ),
     ],
     ids=["reads", "reads-with-k", "makes-plugin", "hands-plugin"],
 )
-def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix(accelerator, sign):
+def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix(made, sign):
     """A file that reads `deepspeed_plugin`, or hands the Accelerator one, may run under ZeRO,
     whose gradients are not in `param.grad`, whether or not it sets K itself: the one division
     at `sync_gradients` would miss them while the backward is weighted by the count, so the
@@ -2083,9 +2089,7 @@ def test_an_accumulate_window_a_deepspeed_launch_may_run_is_an_unsafe_fix(accele
         "",
     )
     source = ACCUMULATE_UNDER_DEEPSPEED if "reads" in sign else plain
-    if accelerator.startswith("DeepSpeedPlugin"):  # the plugin made first, then handed in
-        source = source.replace("accelerator = Accelerator()", f"plugin = {accelerator}")
-    source = source.replace("Accelerator()", accelerator)
+    source = source.replace("accelerator = Accelerator()", made)
     source = source.replace("def main(model, ", "def main(plugin, model, ").encode()
     (outcome,) = fix_source(source, Path("train.py"), ALL).outcomes
     assert not outcome.applied
