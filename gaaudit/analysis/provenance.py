@@ -15,11 +15,13 @@ import libcst as cst
 from gaaudit.analysis.loops import is_step
 from gaaudit.analysis.tree import (
     BINDS_VALUE,
+    LOOPS,
     Tree,
     argument_for,
     assigned_value,
     call_parameters,
     code,
+    depends_on,
     dotted,
     keyword,
     last_name,
@@ -877,11 +879,14 @@ class _Counts:
     def counts_rows(self, origin: Origin) -> bool:
         """Whether a loss is a mean of per-row means (`(per_row / lengths).mean()`, each row
         normalised by its own count): it counts rows, not their tokens."""
-        if origin.rows:
-            return True
-        source = origin.source if origin.kind == "mean" and not origin.module else None
+        return origin.rows or (origin.kind == "mean" and self.row_quotient(origin) is not None)
+
+    def row_quotient(self, origin: Origin) -> cst.BinaryOperation | None:
+        """The per-row quotient (`per_row / lengths`) that the `x.mean()` a loss made in this
+        file is averages."""
+        source = None if origin.module else origin.source
         reduced = averaged_mean(source, self.tree) if isinstance(source, cst.Call) else None
-        return reduced is not None and self.per_row(reduced) is not None
+        return self.per_row(reduced) if reduced is not None else None
 
     def summed_along(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
         """Whether `expr` sums along a dimension (`jnp.sum(logp * labels, axis=1)`, or a
@@ -1164,8 +1169,6 @@ class Tracer(_Calls, _Callees, _Counts):
         (`reference = reference or max(tokens, 1)`, or bound under `if reference is None:`),
         reset only to a constant (`reference = None` at the step): a window's constant, by
         which a sum stays a sum, unlike the micro-batch's own count."""
-        from gaaudit.analysis.tree import LOOPS
-
         name = unguarded(divisor)
         loop = next((a for a in self.tree.ancestors(expr) if isinstance(a, LOOPS)), None)
         if not isinstance(name, cst.Name) or loop is None:
@@ -1192,8 +1195,6 @@ class Tracer(_Calls, _Callees, _Counts):
 
     def _per_micro_batch(self, expr: cst.CSTNode, divisor: cst.BaseExpression) -> bool:
         """Whether a divisor is computed inside the loop that holds `expr` (a micro-batch count)."""
-        from gaaudit.analysis.tree import LOOPS, depends_on
-
         loop = next((a for a in self.tree.ancestors(expr) if isinstance(a, LOOPS)), None)
         if loop is None:
             count = unguarded(divisor)

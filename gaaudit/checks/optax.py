@@ -378,9 +378,7 @@ class OptaxAudit(_Divisions):
     def per_row(self) -> cst.BaseExpression | None:
         """The per-row means the loss averages (`per_row / lengths` of `(per_row /
         lengths).mean()`): a mask it reads is spent within each row, and it counts rows."""
-        origin = self.loss[0]
-        reduced = None if origin.module else _reduced(origin.source, self.tree)
-        return self.tracer.per_row(reduced) if reduced is not None else None
+        return self.tracer.row_quotient(self.loss[0])
 
     def _mask_sign(self, function: cst.CSTNode) -> str | None:
         """A mask, padding or ignore label read by the loss function, or a `where=` reduction."""
