@@ -128,9 +128,31 @@ def padded(token, previous) -> str | None:
             return "labels set to -100"
     if what := named(token, PADDED):
         return what
+    if what := _length_mask(token, strings):
+        return what
     value = token.string in ("True", '"longest"', "'longest'", '"max_length"', "'max_length'")
     if value and strings[-2:] == ["padding", "="]:
         return "a tokenizer's `padding=`"
+    return None
+
+
+def _length_mask(token, strings: list[str]) -> str | None:
+    """`< lengths.unsqueeze(` or `>= (length - 1)[:, None`: a mask of each row's length."""
+    if token.string == "unsqueeze" and strings[-1:] == ["."]:
+        before = strings[:-1]
+    elif token.string == "None" and strings[-3:] == ["[", ":", ","]:
+        before = strings[:-3]
+    else:
+        return None
+    if before[-5:-4] == ["("] and before[-3:] == ["-", "1", ")"]:
+        before = before[:-3]
+    name = before[-1] if before else ""
+    if before[-2:-1] == ["("]:
+        before = [*before[:-2], name]
+    if before[-2:-1] in (["<"], [">"], ["<="], [">="]) and re.fullmatch(
+        r"\w*(?:length|lens?)\w*", name
+    ):
+        return f"a mask of the positions within each row's `{name}`"
     return None
 
 
@@ -323,3 +345,15 @@ def test_a_mask_of_ones_is_no_sign_of_padding(call, masked):
     text = f"out = {call}\n"
     assert (scan(text).masked is not None) is masked
     assert scan(text) == reference(text)
+
+
+def test_a_mask_of_each_rows_length_shows_varying_counts():
+    """Positions compared with each row's length (`< lengths.unsqueeze(1)`, `>= (prompt_length
+    - 1)[:, None]`) select a different number of targets in each row; a plain comparison with a
+    length does not."""
+    for line in (
+        "keep = positions < lengths.unsqueeze(1)",
+        "answer = positions >= (prompt_length - 1)[:, None]",
+    ):
+        assert scan(line + "\n").padded is not None, line
+    assert scan("if step < max_length:\n    pass\n").padded is None

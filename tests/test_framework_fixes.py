@@ -310,6 +310,18 @@ def test_a_step_that_withholds_the_count_becomes_the_stock_step(tmp_path):
     assert clean(text, tmp_path)
 
 
+def test_a_compute_loss_dividing_by_the_steps_itself_is_refused_not_opted_out():
+    """Opting out would have the Trainer divide by K again (K squared), and a token sum over
+    its count would still be divided by K: refused, naming the division."""
+    path = FIXTURES / "ga004_compute_loss_divides_by_steps_itself.py"
+    result = fix_source(path.read_bytes(), path, ALL, unsafe=True)
+    ((outcome),) = result.outcomes
+    assert not outcome.applied and not result.changed
+    assert outcome.reason.startswith(
+        "`compute_loss` divides its loss by `self.args.gradient_accumulation_steps` (line 14)"
+    ), outcome.reason
+
+
 def test_a_step_that_withholds_the_count_from_another_backward_is_refused():
     """The stock step backpropagates through `self.accelerator.backward(loss)`; a step that
     does not is refused with what to do, and `compute_loss` is left as it is."""

@@ -329,6 +329,8 @@ UNSAFE_PAIRS = (
     "ga004_collator_pads_rows",
     "ga004_exact_collator_stacks_rows",
     "ga004_exact_contrastive_embedder_compute_loss",
+    "ga004_exact_contrastive_made_targets",
+    "ga004_helper_weights_the_models_loss",
     "ga004_exact_pair_fields_listed_old_signature",
     "ga004_exact_pairwise_reward_old_signature",
     "ga004_dpo_loss_types_unpacked",

@@ -100,6 +100,9 @@ SQUARED = re.compile(r"\*\*\s*2\b|\.pow\(\s*2\s*\)|\.abs\(\)|\btorch\.abs\(|\.sq
 # How another module's loss is described when it is a plain `.mean()` there: its code first.
 RETURNED_MEAN = re.compile(r"`([^`]*)\.mean\(\)`")
 FLATTENED = re.compile(r"\.(?:view|reshape)\(\s*-1\s*\)|\.flatten\(\)|\.view\(\s*-1\s*,")
+# Targets a contrastive loss makes itself, one per row of its scores (`torch.arange(n)`, the
+# positive's column for each query): none can be an ignore value.
+MADE_TARGETS = re.compile(r"^(?:torch|np|jnp)\.(?:arange|zeros|ones|full|zeros_like|ones_like)\(")
 
 
 def tasks(text: str) -> set[str]:
@@ -337,6 +340,8 @@ class Domains:
             and FLATTENED.search(self.spelled(targets[0]))
         ):
             return self._tokens(f"`{name}` over flattened token targets")
+        if targets[0] is not None and MADE_TARGETS.match(self.spelled(targets[0])):
+            return Domain("examples", False, f"`{name}` over targets it makes, one per row")
         if self.evidence.padded is not None or self.evidence.masked is not None:
             return self._tokens(f"`{name}`")
         return Domain("unknown", None, f"`{name}` over targets gaaudit cannot see to be tokens")

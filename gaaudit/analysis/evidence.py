@@ -47,6 +47,13 @@ PADDED_SIGNS = (
         lambda match: f"`{match['sign'].decode()}[...] = -N` writes ignored targets",
     ),
     (PADDING, lambda match: "a tokenizer's `padding=`"),
+    (  # `positions < lengths.unsqueeze(1)`: a mask of each row's own length
+        re.compile(
+            rb"[<>]=?\s*\(?\s*(?P<sign>\w*(?:length|lens?)\w*)(?:\s*-\s*1\s*\))?"
+            rb"\s*(?:\.unsqueeze\(|\[\s*:\s*,\s*None)"
+        ),
+        lambda match: f"a mask of the positions within each row's `{match['sign'].decode()}`",
+    ),
 )
 # what follows a mask of ones, which hides no position: `attention_mask=torch.ones_like(ids)`
 SET_TO_ONES = rb"\s*=\s*(?:torch\.)?ones(?:_like)?\("

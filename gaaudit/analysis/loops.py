@@ -560,8 +560,25 @@ class _Frameworks:
         )
 
     def deepspeed_engine(self, backward: Backward) -> bool:
-        """Whether the backward's receiver was unpacked from `deepspeed.initialize(...)`."""
-        return self._receiver(backward) in self._deepspeed_engines
+        """Whether the backward's receiver was unpacked from `deepspeed.initialize(...)`, or is
+        a parameter of its function that every call of it in the file hands such an engine
+        (`train(loader, model_engine, ...)` running `model.backward(loss)`)."""
+        receiver = self._receiver(backward)
+        if receiver in self._deepspeed_engines:
+            return True
+        function = self.tree.enclosing_function(backward.call)
+        parameter = call_parameters(function).get(receiver or "") if function else None
+        if parameter is None:
+            return False
+        calls = [
+            c
+            for c in self.tree.calls
+            if isinstance(c.func, cst.Name) and c.func.value == function.name.value
+        ]
+        handed = [argument_for(c, parameter) for c in calls]
+        return bool(handed) and all(
+            isinstance(a, cst.Name) and a.value in self._deepspeed_engines for a in handed
+        )
 
     @cached_property
     def _deepspeed_engines(self) -> set[str]:

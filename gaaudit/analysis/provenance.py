@@ -51,6 +51,7 @@ MAX_DEPTH = 16
 WEIGHT = re.compile(
     r"(?i)weight|multiplier|coef|lambda|alpha|beta|temperature|^temp(?:_sq)?$"
     r"|(?:^|_)eps(?:ilon)?(?:_\w)?$|smoothing$"  # label smoothing's share: `(1 - eps) * nll`
+    r"|(?:^|_)scale$"  # a term's configured scale: `ce_loss * args.cap_loss_scale`
 )
 PROCESSES = re.compile(
     r"(?i)(?:get_)?world_size|dp_size|dp_world_size|data_parallel_size|num_processes|n_gpus?|num_gpus"
@@ -505,6 +506,7 @@ class _Calls:
             label = f"`{helper.name.value}()`"
             settled = _settled(helper, call, self.tree.bindings(helper))
             saved, self._settled = self._settled, settled
+            self._calls.append((helper, call))
             try:
                 return [
                     (r, self._at_call(self._returned(r, depth, label), helper, call))
@@ -513,6 +515,7 @@ class _Calls:
                 ]
             finally:
                 self._settled = saved
+                self._calls.pop()
         value = self.bound_value(func) if isinstance(func, (cst.Name, cst.Attribute)) else func
         if isinstance(value, cst.Lambda):
             return [(value.body, self._returned(value.body, depth, "the lambda"))]
@@ -1066,6 +1069,8 @@ class Tracer(_Calls, _Callees, _Counts):
         self.imports = imports
         # the helper being traced from a call, and the literals its parameters hold there
         self._settled: tuple[cst.FunctionDef | None, dict[str, object]] = (None, {})
+        # the same-file helpers being traced from their calls, innermost last
+        self._calls: list[tuple[cst.FunctionDef, cst.Call]] = []
 
     def origin(self, expr: cst.BaseExpression, depth: int = 0) -> Origin:
         if depth > MAX_DEPTH:
@@ -1308,7 +1313,7 @@ class Tracer(_Calls, _Callees, _Counts):
 
     def _from_binding(self, name: str, stmt: cst.CSTNode, depth: int) -> Origin:
         if isinstance(stmt, cst.Param):
-            return Origin("unknown", f"`{name}`, a parameter of the function")
+            return self._handed_in(name, stmt, depth)
         if isinstance(stmt, cst.AugAssign):
             previous = self.binding(name, stmt)
             before = self._from_binding(name, previous, depth + 1) if previous else UNKNOWN
@@ -1339,6 +1344,20 @@ class Tracer(_Calls, _Callees, _Counts):
             what = f"`{name}` returned by `{code(value.func)}(...)`, a model's mean loss"
             return replace(self._mean(value, what), from_model=True)
         return found
+
+    def _handed_in(self, name: str, param: cst.Param, depth: int) -> Origin:
+        """A parameter of the helper being traced from its call is what the call hands it
+        (`combine(kd, out.loss)` returning `alpha * kd + (1 - alpha) * original_loss`)."""
+        helper, call = self._calls[-1] if self._calls else (None, None)
+        parameter = call_parameters(helper).get(name) if helper is not None else None
+        passed = argument_for(call, parameter) if parameter is not None else None
+        if passed is None or self.tree.scope_of(param) is not helper:
+            return Origin("unknown", f"`{name}`, a parameter of the function")
+        frame = self._calls.pop()  # the argument is read where the call stands
+        try:
+            return self.origin(passed, depth + 1)
+        finally:
+            self._calls.append(frame)
 
     def _unpacked(self, name: str, target, value, depth: int) -> Origin:
         index = next((i for i, e in enumerate(target.elements) if _unpacks_to(e.value, name)), None)
@@ -1392,6 +1411,9 @@ class Tracer(_Calls, _Callees, _Counts):
     def _subscript(self, expr: cst.Subscript, depth: int) -> Origin:
         key = expr.slice[0].slice if len(expr.slice) == 1 else None
         index = key.value if isinstance(key, cst.Index) else None
+        item = self._item_binding(expr) if string_value(index) is not None else None
+        if item is not None:  # `outputs["loss"] = outputs["loss"] / k`: what it holds now
+            return self.origin(item.value, depth + 1)
         if string_value(index) == "loss":
             return self._mean(expr, f"`{code(expr)}`, the mean loss a model returns for its labels")
         if isinstance(index, cst.Integer):
@@ -1405,6 +1427,22 @@ class Tracer(_Calls, _Callees, _Counts):
                 return self._mean(expr, f"`{code(expr)}`, the loss of a model called with labels")
             return found or UNKNOWN
         return UNKNOWN
+
+    def _item_binding(self, expr: cst.Subscript) -> cst.Assign | None:
+        """The last assignment before `expr`, in its scope, to the item it reads (`outputs[
+        "loss"] = ...`), on a path that reaches it."""
+        spelled, scope = code(expr), self.tree.scope_of(expr)
+        found = [
+            node
+            for node in self.tree.assignments
+            if isinstance(node, cst.Assign)
+            and self.tree.scope_of(node) is scope
+            and self.tree.order[node] < self.tree.order[expr]
+            and not self.tree.contains(node, expr)
+            and not self._apart(node, expr)
+            and any(code(t.target) == spelled for t in node.targets)
+        ]
+        return found[-1] if found else None
 
 
 def _leading(expr: cst.BaseExpression) -> bool:

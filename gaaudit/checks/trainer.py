@@ -624,11 +624,20 @@ class TrainerAudit(_LossKwargs, _Models):
             return
         origin = self.returned_mean(function)
         if origin is not None:
+            divided = any(
+                last_name(d.divisor) == "gradient_accumulation_steps" for d in origin.divisions
+            )
+            effect = (
+                "divides by the accumulation steps itself, so each micro-batch still weighs "
+                "the same whatever its count"
+                if divided  # `loss / self.args.gradient_accumulation_steps`, as before 4.46
+                else "is K times too large and still weighted per micro-batch"
+            )
             yield Site(
                 function.name,
                 "`compute_loss` accepts `num_items_in_batch` but never uses it while returning a mean "
-                "loss: the Trainer then skips its division by the accumulation steps, so the loss is "
-                "K times too large and still weighted per micro-batch",
+                f"loss: the Trainer then skips its division by the accumulation steps, and the loss "
+                f"{effect}",
                 (*facts, f"loss: {origin.description}"),
                 "compute-loss",
                 function,

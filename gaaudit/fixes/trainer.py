@@ -122,6 +122,22 @@ class _ComputeLoss:
 
     def _compute_loss_rewrite(self, site: Site) -> Choice:
         function = site.function
+        origin = self.audit.returned_mean(function)
+        divided = next(
+            (
+                d
+                for d in (origin.divisions if origin is not None else ())
+                if last_name(d.divisor) == "gradient_accumulation_steps"
+            ),
+            None,
+        )
+        if divided is not None:  # every rewrite below would leave that division standing
+            raise Unfixable(
+                f"`compute_loss` divides its loss by `{code(divided.divisor)}` (line "
+                f"{self.tree.line(divided.node)}): a token sum over the Trainer's count would "
+                "still be divided by it, and a Trainer told to divide would divide again; remove "
+                f"that division, then return the loss's token sum divided by `{COUNT}`"
+            )
         self._accept(function)
         dropped = self.audit.count_dropped(function)
         if dropped is not None:
