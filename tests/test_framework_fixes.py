@@ -314,6 +314,9 @@ def test_a_compute_loss_dividing_by_the_steps_itself_is_refused_not_opted_out():
     """Opting out would have the Trainer divide by K again (K squared), and a token sum over
     its count would still be divided by K: refused, naming the division."""
     path = FIXTURES / "ga004_compute_loss_divides_by_steps_itself.py"
+    (finding,) = check_file(path, ALL).findings
+    assert "the loss divides by the accumulation steps itself" in finding.message
+    assert "K times too large" not in finding.message
     result = fix_source(path.read_bytes(), path, ALL, unsafe=True)
     ((outcome),) = result.outcomes
     assert not outcome.applied and not result.changed

@@ -564,10 +564,10 @@ class _Frameworks:
         a parameter of its function that every call of it in the file hands such an engine
         (`train(loader, model_engine, ...)` running `model.backward(loss)`)."""
         receiver = self._receiver(backward)
-        if receiver in self._deepspeed_engines:
-            return True
+        if receiver is None or receiver in self._deepspeed_engines:
+            return receiver is not None
         function = self.tree.enclosing_function(backward.call)
-        parameter = call_parameters(function).get(receiver or "") if function else None
+        parameter = call_parameters(function).get(receiver) if function else None
         if parameter is None:
             return False
         calls = [

@@ -1431,6 +1431,8 @@ class Tracer(_Calls, _Callees, _Counts):
     def _item_binding(self, expr: cst.Subscript) -> cst.Assign | None:
         """The last assignment before `expr`, in its scope, to the item it reads (`outputs[
         "loss"] = ...`), on a path that reaches it."""
+        if expr not in self.tree.order:  # an expression gaaudit wrote, in no statement
+            return None
         spelled, scope = code(expr), self.tree.scope_of(expr)
         found = [
             node

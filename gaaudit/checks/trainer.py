@@ -12,7 +12,7 @@ import libcst as cst
 
 from gaaudit import catalogue
 from gaaudit.analysis.domain import Domain, Domains
-from gaaudit.analysis.provenance import PASS_THROUGH, Origin, Tracer
+from gaaudit.analysis.provenance import PASS_THROUGH, Division, Origin, Tracer
 from gaaudit.analysis.tree import (
     Tree,
     code,
@@ -252,6 +252,15 @@ class _LossKwargs:
                 if origin.kind == "mean":
                     return origin
         return None
+
+    def divided_by_steps(self, function: cst.FunctionDef) -> Division | None:
+        """Where `function`'s returned mean is divided by `gradient_accumulation_steps` on its
+        way out (`loss / self.args.gradient_accumulation_steps`, as the Trainer did before
+        4.46), if it is."""
+        origin = self.returned_mean(function)
+        divisions = origin.divisions if origin is not None else ()
+        steps = (d for d in divisions if last_name(d.divisor) == "gradient_accumulation_steps")
+        return next(steps, None)
 
 
 class _Models:
@@ -624,19 +633,16 @@ class TrainerAudit(_LossKwargs, _Models):
             return
         origin = self.returned_mean(function)
         if origin is not None:
-            divided = any(
-                last_name(d.divisor) == "gradient_accumulation_steps" for d in origin.divisions
-            )
             effect = (
                 "divides by the accumulation steps itself, so each micro-batch still weighs "
                 "the same whatever its count"
-                if divided  # `loss / self.args.gradient_accumulation_steps`, as before 4.46
+                if self.divided_by_steps(function) is not None
                 else "is K times too large and still weighted per micro-batch"
             )
             yield Site(
                 function.name,
                 "`compute_loss` accepts `num_items_in_batch` but never uses it while returning a mean "
-                f"loss: the Trainer then skips its division by the accumulation steps, and the loss "
+                "loss: the Trainer then skips its division by the accumulation steps, and the loss "
                 f"{effect}",
                 (*facts, f"loss: {origin.description}"),
                 "compute-loss",

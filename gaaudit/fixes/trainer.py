@@ -122,15 +122,7 @@ class _ComputeLoss:
 
     def _compute_loss_rewrite(self, site: Site) -> Choice:
         function = site.function
-        origin = self.audit.returned_mean(function)
-        divided = next(
-            (
-                d
-                for d in (origin.divisions if origin is not None else ())
-                if last_name(d.divisor) == "gradient_accumulation_steps"
-            ),
-            None,
-        )
+        divided = self.audit.divided_by_steps(function)
         if divided is not None:  # every rewrite below would leave that division standing
             raise Unfixable(
                 f"`compute_loss` divides its loss by `{code(divided.divisor)}` (line "
