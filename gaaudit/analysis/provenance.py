@@ -1440,9 +1440,12 @@ class Tracer(_Calls, _Callees, _Counts):
             if isinstance(node, cst.Assign)
             and self.tree.scope_of(node) is scope
             and self.tree.order[node] < self.tree.order[expr]
+            and any(
+                isinstance(t.target, cst.Subscript) and code(t.target) == spelled
+                for t in node.targets
+            )
             and not self.tree.contains(node, expr)
             and not self._apart(node, expr)
-            and any(code(t.target) == spelled for t in node.targets)
         ]
         return found[-1] if found else None
 

@@ -253,15 +253,6 @@ class _LossKwargs:
                     return origin
         return None
 
-    def divided_by_steps(self, function: cst.FunctionDef) -> Division | None:
-        """Where `function`'s returned mean is divided by `gradient_accumulation_steps` on its
-        way out (`loss / self.args.gradient_accumulation_steps`, as the Trainer did before
-        4.46), if it is."""
-        origin = self.returned_mean(function)
-        divisions = origin.divisions if origin is not None else ()
-        steps = (d for d in divisions if last_name(d.divisor) == "gradient_accumulation_steps")
-        return next(steps, None)
-
 
 class _Models:
     """Part of `TrainerAudit`: same-file models and loss functions handed to a Trainer."""
@@ -636,7 +627,7 @@ class TrainerAudit(_LossKwargs, _Models):
             effect = (
                 "divides by the accumulation steps itself, so each micro-batch still weighs "
                 "the same whatever its count"
-                if self.divided_by_steps(function) is not None
+                if divided_by_steps(origin) is not None
                 else "is K times too large and still weighted per micro-batch"
             )
             yield Site(
@@ -699,6 +690,14 @@ class TrainerAudit(_LossKwargs, _Models):
             ):
                 return isinstance(parent, cst.If) or self.tree.contains(parent.body, node)
         return False
+
+
+def divided_by_steps(origin: Origin | None) -> Division | None:
+    """Where a returned mean is divided by `gradient_accumulation_steps` on its way out (`loss
+    / self.args.gradient_accumulation_steps`, as the Trainer did before 4.46), if it is."""
+    divisions = origin.divisions if origin is not None else ()
+    steps = (d for d in divisions if last_name(d.divisor) == "gradient_accumulation_steps")
+    return next(steps, None)
 
 
 def class_attribute(statement: cst.CSTNode, name: str) -> str | None:

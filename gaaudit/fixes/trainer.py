@@ -41,6 +41,7 @@ from gaaudit.checks.trainer import (
     TrainerAudit,
     class_attribute,
     detached,
+    divided_by_steps,
     division_of,
     hands_count,
     head_kind,
@@ -122,7 +123,7 @@ class _ComputeLoss:
 
     def _compute_loss_rewrite(self, site: Site) -> Choice:
         function = site.function
-        divided = self.audit.divided_by_steps(function)
+        divided = divided_by_steps(self.audit.returned_mean(function))
         if divided is not None:  # every rewrite below would leave that division standing
             raise Unfixable(
                 f"`compute_loss` divides its loss by `{code(divided.divisor)}` (line "
