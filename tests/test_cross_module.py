@@ -1385,6 +1385,31 @@ def test_a_global_model_built_by_a_factory_of_the_repository_says_whether_it_shi
     assert "`(labels[..., 1:] != -100).sum()` if it does" in outcome.reason
 
 
+def test_a_repository_model_whose_name_says_nothing_is_read_by_its_bases(tmp_path):
+    """minimind-v's shape: `init_model` builds a `TinyMoeVLM`, whose name says neither, but
+    which subclasses the repository's causal LM and overrides `forward`: its bases say the
+    labels are shifted. A base that says nothing either leaves the fix refused."""
+    vlm = (
+        "\n\nclass TinyMoeVLM(TinyMoeForCausalLM):\n"
+        "    def forward(self, input_ids, labels=None):\n"
+        "        return super().forward(input_ids, labels=labels)\n"
+    )
+    model = (
+        (GLOBAL_MODEL / "model.py")
+        .read_text()
+        .replace("model = TinyMoeForCausalLM(vocab)", "model = TinyMoeVLM(vocab)")
+    )
+    subclass = write(tmp_path / "vlm", {"train.py": (GLOBAL_MODEL / "train.py").read_text()})
+    (subclass / "model.py").write_text(model + vlm)
+    (outcome,) = _global_model_fix(subclass).outcomes
+    assert outcome.applied, outcome.reason
+    assert "(labels[..., 1:] != -100).sum()" in _global_model_fix(subclass).after.decode()
+    (subclass / "model.py").write_text((model + vlm).replace("TinyMoeForCausalLM", "TinyMoe"))
+    (outcome,) = _global_model_fix(subclass).outcomes
+    assert not outcome.applied
+    assert outcome.reason.startswith("cannot tell whether `model` (line 14) shifts its labels")
+
+
 def test_the_global_models_read_ahead_fix_matches_the_full_batch(tmp_path):
     """Run the fixed loop on K = 4 micro-batches whose prompts mask 1 to 9 labels per row: at
     the step the gradient is one full-batch step's, the token mean over the window plus the

@@ -85,6 +85,7 @@ class Summary:
     parameters: tuple[Parameter, ...]  # those a call passes, in order
     variable: str  # a sign of variable valid-token counts in the helper's code, and where
     passes: int | None = None  # the parameter it returns as it came (`return model`)
+    bases: str = ""  # a class's bases as written (`MiniMindForCausalLM`)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,8 @@ class Repository:
             (i for v in values if (i := _passed_through(tracer, v, parameters)) is not None),
             None,
         )
-        summary = Summary(path, label, is_class, value, items, parameters, variable, passes)
+        bases = ", ".join(code(b.value) for b in definition.bases) if is_class else ""
+        summary = Summary(path, label, is_class, value, items, parameters, variable, passes, bases)
         return summary, frozenset(imports.dependencies)
 
 
@@ -549,10 +551,15 @@ class Imports(_Callers):
         return found
 
     def class_of(self, tracer: Tracer, instance: cst.BaseExpression) -> str:
-        """The name of the repository class `instance` was built from ("" when not found):
-        `MiniMindForCausalLM` for `model` of `model, tok = init_model(cfg); model(x)`."""
+        """The name of the repository class `instance` was built from, with its bases as
+        written ("" when not found): `MiniMindForCausalLM(PreTrainedModel, GenerationMixin)`
+        for `model` of `model, tok = init_model(cfg); model(x)`."""
         built = _constructor(tracer, instance, self)
-        return built[1].name if built is not None else ""
+        if built is None:
+            return ""
+        maker, reference, _ = built
+        found = maker.summary(reference)
+        return f"{reference.name}({found.bases})" if found is not None else reference.name
 
     def _origin(
         self,
