@@ -85,6 +85,8 @@ DENSE_MODEL = re.compile(
 # Keywords of a model call that hand it the micro-batch's lengths or masks (`lens=`,
 # `target_mask=`): its loss then covers a varying number of positions.
 LENGTHS = re.compile(r"(?i)(?:^|_)(?:lens?|lengths?|mask)$|^num_\w*tokens$")
+# ... but not the mask of a conditioning embedding (`speaker_emb_mask=`), which scores nothing
+EMBEDDING_MASK = re.compile(r"(?i)(?:^|_)emb(?:ed)?(?:ding)?s?_mask$")
 # Megatron's loss mask: ones, but for end-of-document tokens under `--eod-mask-loss`.
 EOD_MASK = "get_ltor_masks_and_position_ids"
 ONES = {"ones", "ones_like"}  # `attention_mask=torch.ones_like(ids)`: a mask that hides nothing
@@ -406,7 +408,9 @@ class Domains:
                         if isinstance(e, cst.DictElement)
                         and (key := string_value(e.key)) is not None
                     ]
-        return next((k for k in keywords if LENGTHS.search(k)), None)
+        return next(
+            (k for k in keywords if LENGTHS.search(k) and not EMBEDDING_MASK.search(k)), None
+        )
 
     def _task(self, expr: cst.BaseExpression, hops: int) -> str | None:
         """The task of the model class that `expr` was built from, following assignments,

@@ -48,6 +48,8 @@ TORCH_LOSSES = {
 # fmt: on
 PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half", "bfloat16"}
 MAX_DEPTH = 16
+# The keywords a model takes its targets by (`masked_lm_labels`, `lm_labels`: transformers 2)
+LABEL_KEYWORDS = ("labels", "targets", "masked_lm_labels", "lm_labels")
 WEIGHT = re.compile(
     r"(?i)weight|multiplier|coef|lambda|alpha|beta|temperature|^temp(?:_sq)?$"
     r"|(?:^|_)eps(?:ilon)?(?:_\w)?$|smoothing$"  # label smoothing's share: `(1 - eps) * nll`
@@ -427,16 +429,24 @@ class _Calls:
     loss module, an imported or passed callable, an annotated parameter's class."""
 
     def origin_call(self, expr: cst.BaseExpression) -> cst.Call | None:
-        """The call an expression (or the name it is bound to) evaluates."""
+        """The call an expression (or the name it is bound to) evaluates; of two calls of
+        one function on the arms of an `if` expression, the first."""
         if isinstance(expr, cst.Name):
             stmt = self.binding(expr.value, expr)
             expr = stmt.value if isinstance(stmt, BINDS_VALUE) else None
+        if (
+            isinstance(expr, cst.IfExp)
+            and isinstance(expr.orelse, cst.Call)
+            and isinstance(expr.body, cst.Call)
+            and code(expr.body.func) == code(expr.orelse.func)
+        ):
+            expr = expr.body  # `model(x, masked_lm_labels=y) if mlm else model(x, labels=y)`
         return expr if isinstance(expr, cst.Call) else None
 
     @staticmethod
     def _passes_labels(call: cst.Call) -> bool:
         return any(
-            (a.keyword is not None and a.keyword.value in ("labels", "targets")) or a.star == "**"
+            (a.keyword is not None and a.keyword.value in LABEL_KEYWORDS) or a.star == "**"
             for a in call.args
         )
 

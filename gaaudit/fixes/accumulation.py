@@ -1080,6 +1080,13 @@ class _CompanionCounts:
 
     def _model_count(self, source: cst.CSTNode) -> tuple[str, str]:
         call = self.auditor.tracer.origin_call(source.value)
+        either = next(self.tree.ancestors(call), None) if call is not None else None
+        if isinstance(either, cst.IfExp):
+            raise Unfixable(
+                f"`{code(source)}` is the loss of one of two calls of `{code(call.func)}` (line "
+                f"{self.tree.line(call)}), chosen by `{code(either.test)}`, each counting its "
+                "targets its own way: bind each call's loss in an `if` statement of its own"
+            )
         labels = None
         if call is not None:
             labels = keyword(call, "labels")
