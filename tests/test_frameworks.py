@@ -593,6 +593,22 @@ def test_pin_reported_with_column_evidence_and_suppression(tmp_path):
     assert finding.hint == catalogue.load()["GA006"].hint
 
 
+def test_a_pin_to_the_first_releases_with_the_count_is_medium_beside_a_trainer(tmp_path):
+    """transformers 4.46.0/4.46.1 over-scale only the models that drop the count, and most
+    decoders of those releases take it (s1's Qwen2): a Trainer seen keeps the pin medium,
+    where an older release's is high."""
+    trainer = "from transformers import Trainer, TrainingArguments\n"
+    trainer += "Trainer(model, TrainingArguments('o', gradient_accumulation_steps=4))\n"
+    for pin, expected in (("4.46.1", Confidence.MEDIUM), ("4.45.2", Confidence.HIGH)):
+        root = tmp_path / pin
+        files = write(root, {"requirements.txt": f"transformers=={pin}\n", "train.py": trainer})
+        (report,) = check_repository(files, [root])
+        (finding,) = report.findings
+        assert finding.confidence is expected, finding.evidence
+        unseen = "which models the code trains is not visible" in finding.evidence[-1]
+        assert unseen is (expected is Confidence.MEDIUM), finding.evidence
+
+
 def test_singular_requirement_file_names_the_trainer_it_concerns(tmp_path):
     files = write(
         tmp_path,

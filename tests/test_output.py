@@ -316,6 +316,7 @@ UNSAFE_PAIRS = (
     "ga002_nanogpt_micro_loop_no_division",
     "ga001_loss_fn_parameter_default",  # assumes the parameter's default loss function
     "ga002_denoising_loss_mean_undivided",  # counts every label: no ignore_index is visible
+    "ga001_exact_speaker_embedding_mask",  # the same
     "ga003_accelerate_deepspeed_plugin_at_launch",  # assumes accelerate before 1.8
     "ga001_read_ahead_window_carried_across_epochs",  # right only for whole windows a pass
     "ga001_apex_fp16_optimizer_backward",  # the same, and the step is apex's wrapper's

@@ -743,12 +743,13 @@ class _Frameworks:
         return None
 
     def is_accumulation_name(self, expr: cst.CSTNode) -> bool:
-        """`k`, `args.k`, or a config's entry `cfg["k"]` whose name is an accumulation name."""
+        """`k`, `args.k`, or a config's entry `cfg["k"]` whose name is an accumulation name,
+        in any case (a module constant `ACCUMULATION_STEPS`)."""
         if isinstance(expr, cst.Subscript) and len(expr.slice) == 1:
             index = expr.slice[0].slice
             key = string_value(index.value) if isinstance(index, cst.Index) else None
-            return (key or "") in self.names
-        return (last_name(expr) or "") in self.names
+            return (key or "").lower() in self.names
+        return (last_name(expr) or "").lower() in self.names
 
 
 class Structure(_WindowFinding, _Guards, _Frameworks):
@@ -762,7 +763,7 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
         seen: set[Dependency] | None = None,
     ) -> None:
         self.tree = tree
-        self.names = ACCUMULATION_NAMES | accumulation_names
+        self.names = frozenset(n.lower() for n in ACCUMULATION_NAMES | accumulation_names)
         self.directory = directory  # where config files named in the source are looked up
         self.seen = seen if seen is not None else set()  # the config files read
         self._windows: dict[Backward, Window | None] = {}  # each backward's, found once

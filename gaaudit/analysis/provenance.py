@@ -46,7 +46,17 @@ TORCH_LOSSES = {
     "SmoothL1Loss", "HuberLoss", "KLDivLoss",
 }
 # fmt: on
-PASS_THROUGH = {"float", "to", "clone", "contiguous", "squeeze", "double", "half", "bfloat16"}
+PASS_THROUGH = {
+    "float",
+    "to",
+    "clone",
+    "contiguous",
+    "squeeze",
+    "unsqueeze",
+    "double",
+    "half",
+    "bfloat16",
+}  # fmt: skip
 MAX_DEPTH = 16
 # The keywords a model takes its targets by (`masked_lm_labels`, `lm_labels`: transformers 2)
 LABEL_KEYWORDS = ("labels", "targets", "masked_lm_labels", "lm_labels")

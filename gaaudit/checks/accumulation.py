@@ -444,13 +444,14 @@ class Auditor(_Frameworks, _Divisors):
             window = Window("named", None, division.divisor, backward.call, ())
         if origin.kind not in ("mean", "unknown"):
             return
-        division = next(
-            (
-                d
-                for d in origin.divisions
-                if self._constant_divisor(d, window) and not self._stock_guarded(d.node)
-            ),
-            None,
+        constant = [
+            d
+            for d in origin.divisions
+            if self._constant_divisor(d, window) and not self._stock_guarded(d.node)
+        ]
+        division = next(  # an accumulation name before another constant (`world_size`)
+            (d for d in constant if self.structure.is_accumulation_name(d.divisor)),
+            next(iter(constant), None),
         )
         if division is not None:
             yield Site(

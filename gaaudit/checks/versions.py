@@ -477,7 +477,13 @@ def _finding(
         confidence, why = Confidence.HIGH, TRAINER_SEEN
     else:
         confidence, why = Confidence.MEDIUM, NO_TRAINER
-    capped = {"commit": "gaaudit cannot date the commit offline"}.get(kind) or documented
+    capped = {
+        "commit": "gaaudit cannot date the commit offline",
+        "early": (
+            "the decoders of those releases that take the count (Llama, Qwen2, Gemma, Phi, "
+            "Mixtral) get it right, and which models the code trains is not visible here"
+        ),
+    }.get(kind) or documented
     if capped and confidence > Confidence.MEDIUM:
         confidence, why = Confidence.MEDIUM, f"{why}; {capped}"
     accumulates = "the code accumulates gradients"
