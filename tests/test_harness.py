@@ -1827,6 +1827,31 @@ def test_a_loop_that_wants_a_process_group_is_replayed_through_its_short_first_w
     assert result.replay.bindings["profiler"] == "None, as assigned before the statement"
 
 
+PROFILED_EVERY_MICRO_BATCH = source("""
+    def train(args, model, loader, optimizer, accum_steps):
+        with profiling_context(args) as prof:
+            for batch_idx, batch in enumerate(loader):
+                accumulate = (batch_idx + 1) % accum_steps == 0
+                loss = model(**batch).loss / accum_steps
+                loss.backward()
+                if accumulate:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                prof.step()
+""")
+
+
+def test_a_profiler_stepped_every_micro_batch_is_no_optimizer():
+    """fsdp_qlora's loop: `prof`, bound by a profiling context the replay cannot enter,
+    steps once per micro-batch. Taken for an optimizer, it ended the first window after one
+    micro-batch; it is a stub, and the window holds K."""
+    text = PROFILED_EVERY_MICRO_BATCH
+    result = check(text, line_of(text, "for batch_idx"), k=4, device="cpu")
+    assert result.replay.bindings["prof"] == "stub", result.replay.bindings
+    assert result.window is None and result.replay.drawn == 4, result
+    assert result.verdict == "bug reproduced", result
+
+
 PICKED_STREAM = """\
 def train(model, streams, weights, optimizer, k, steps):
     for step in range(steps):

@@ -79,7 +79,7 @@ MODEL_RE = re.compile(r"model|net$|gpt|llm|transformer", re.IGNORECASE)
 OPTIMIZER_RE = re.compile(r"optim", re.IGNORECASE)
 OPTIONS_RE = re.compile(r"(kwargs|args|config|cfg|params?)$", re.IGNORECASE)  # what builds one
 # what steps without being an optimizer: a learning-rate schedule, `torch.profiler.profile`
-SCHEDULER_RE = re.compile(r"sched|profil", re.IGNORECASE)
+SCHEDULER_RE = re.compile(r"sched|profil|^prof$", re.IGNORECASE)
 # a function that makes something (`get_sft_collate_fn(**kwargs)`): not a model called on a batch
 FACTORY_RE = re.compile(r"(get|make|build|create|load)_", re.IGNORECASE)
 # what a function that trains on one micro-batch a call names it: `def train_step(batch)`
