@@ -45,6 +45,8 @@ ACCUMULATION_NAMES = frozenset({
     "gradient_accumulation", "accumulate_grad_batches", "ga_steps", "num_accumulation_steps",
     "n_accum", "accum", "accumulate", "grad_acc_steps", "micro_steps", "num_micro_batches",
     "n_microbatches", "num_microbatches", "n_micro_batches", "n_micro", "num_micro", "microbatches",
+    "accum_grad", "accum_grad_n_steps", "grad_accum_every", "gradient_accumulate_every",
+    "accum_freq",
 })
 # fmt: on
 

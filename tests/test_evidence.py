@@ -185,7 +185,17 @@ def fixed(token, previous) -> str | None:
         return "inputs and targets viewed as B x T blocks of one token buffer"
     if token.string in ('"input_ids"', "'input_ids'") and _stacked_rows(strings):
         return "a collator's `torch.stack` of its rows' `input_ids`, as they are"
+    if token.string == ")" and _stacked_as_inputs(strings):
+        return "a collator's `torch.stack` of its rows as `input_ids`, as they are"
     return None
+
+
+def _stacked_as_inputs(strings: list[str]) -> bool:
+    """Whether the tokens end with `(input_ids=torch.stack(rows` (or `,` before it)."""
+    head, tail = strings[:-5], strings[-5:]
+    if len(tail) < 5 or tail[:4] != ["torch", ".", "stack", "("] or not tail[4].isidentifier():
+        return False
+    return head[-2:] == ["input_ids", "="] and head[-3:-2] in (["("], [","])
 
 
 def _asserted_shape(strings: list[str]) -> bool:
@@ -256,6 +266,12 @@ SNIPPETS = {
     "token buffer views": "x = (buf[:-1]).view(B, T)\ny = buf[1:].view(B, T)\n",
     "stacked rows": 'ids = torch.stack(\n    [torch.LongTensor(f["input_ids"]) for f in rows]\n)\n',
     "stacked rows as they are": "ids = torch.stack([row['input_ids'] for row in rows])\n",
+    "rows stacked as the inputs": "b = dict(input_ids=torch.stack(batch), labels=x)\n",
+    "rows stacked as the inputs, spaced": "b = f(x, input_ids = torch.stack( rows )\n)\n",
+    "other stacks of rows": (
+        "input_ids = torch.stack(rows)\nb = dict(ids=torch.stack(rows))\n"
+        "c = {'input_ids': torch.stack(rows)}\n"
+    ),
     "other stacks": 'a = torch.stack([pad(f["input_ids"]) for f in rows])\nb = torch.stack(x["input_ids"])\n',
     "other views": "a = buf[:-1].view(-1)\nb = x[:, :-1].view(B, T)\nc = buf[: -1 ].view(n, m)\n",
     "random tokens are no crop": "x = torch.randint(0, vocab.size, (4, 8))\ny = randint(0, n.size)\n",

@@ -88,6 +88,11 @@ FIXED_SIGNS = (
         ),
         lambda match: "a collator's `torch.stack` of its rows' `input_ids`, as they are",
     ),
+    (  # `dict(input_ids=torch.stack(batch))`: the rows themselves stacked as a batch's
+        # inputs, so of one length
+        re.compile(rb"[(,]\s*input_ids\s*=\s*torch\.stack\(\s*\w+\s*(?P<sign>\))"),
+        lambda match: "a collator's `torch.stack` of its rows as `input_ids`, as they are",
+    ),
     (  # `assert input_ids.shape == torch.Size([B, T])`: every batch of inputs has one shape
         re.compile(
             rb"\bassert\s+(?:[\w.]+\.)?(?:\w*(?:input|ids|tokens|idx)\w*|x"

@@ -67,6 +67,7 @@ WEIGHT = re.compile(
 )
 PROCESSES = re.compile(
     r"(?i)(?:get_)?world_size|dp_size|dp_world_size|data_parallel_size|num_processes|n_gpus?|num_gpus"
+    r"|num_replicas"  # `DistributedSampler`'s name for it
 )
 MODEL = re.compile(r"(?i)^(?:model|net|network|transformer|gpt|llm|lm|module)$|_model$|_wrapper$")
 # A count a call returns beside its loss (fairseq's `loss, sample_size, logging_output =
