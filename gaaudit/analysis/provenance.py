@@ -45,18 +45,10 @@ TORCH_LOSSES = {
     "CrossEntropyLoss", "NLLLoss", "BCELoss", "BCEWithLogitsLoss", "MSELoss", "L1Loss",
     "SmoothL1Loss", "HuberLoss", "KLDivLoss",
 }
-# fmt: on
 PASS_THROUGH = {
-    "float",
-    "to",
-    "clone",
-    "contiguous",
-    "squeeze",
-    "unsqueeze",
-    "double",
-    "half",
-    "bfloat16",
-}  # fmt: skip
+    "float", "to", "clone", "contiguous", "squeeze", "unsqueeze", "double", "half", "bfloat16",
+}
+# fmt: on
 MAX_DEPTH = 16
 # The keywords a model takes its targets by (`masked_lm_labels`, `lm_labels`: transformers 2)
 LABEL_KEYWORDS = ("labels", "targets", "masked_lm_labels", "lm_labels")

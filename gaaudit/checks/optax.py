@@ -126,7 +126,7 @@ class _Divisions:
         ):
             return self._is_steps(positional(expr)[0], hops)
         name = last_name(expr) or ""
-        if name in self.names or STEPS.search(name):
+        if name.lower() in self.names or STEPS.search(name):
             return True
         if hops and isinstance(expr, cst.Name):
             stmt = self.tracer.binding(name, expr)
@@ -140,7 +140,7 @@ class OptaxAudit(_Divisions):
     def __init__(self, tree: Tree, accumulation_names: frozenset[str], imports=None) -> None:
         self.tree = tree
         self.tracer = JaxTracer(tree, imports)
-        self.names = ACCUMULATION_NAMES | accumulation_names
+        self.names = frozenset(n.lower() for n in ACCUMULATION_NAMES | accumulation_names)
         self.imports = imports  # a `repository.Imports`, to read combinators of other modules
 
     @cached_property
