@@ -51,6 +51,12 @@ ACCUMULATION_NAMES = frozenset({
 # fmt: on
 
 
+def matched_names(configured: frozenset[str]) -> frozenset[str]:
+    """The default accumulation names and the configured ones, lowercased: a name matches in
+    any case (a module constant `ACCUMULATION_STEPS`)."""
+    return frozenset(name.lower() for name in ACCUMULATION_NAMES | configured)
+
+
 # A modulo by an accumulation name: `% accum_iter`, `% (self.cfg.accum_iter)`, `% a["k"].accum`.
 # The literal `%` first lets the search skip at memory speed.
 WINDOW_GUARD = re.compile(

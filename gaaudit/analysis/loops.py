@@ -27,12 +27,12 @@ from gaaudit.analysis.tree import (
 )
 from gaaudit.discover.modules import Dependency, configured_accumulation, shown
 from gaaudit.vocabulary import (
-    ACCUMULATION_NAMES,
     BACKWARDS,
     LOOP_RUNNERS,
     OPTIMIZER,
     STEPS,
     TORCH_SCHEDULES,
+    matched_names,
     steps_optimizer,
 )
 
@@ -763,7 +763,7 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
         seen: set[Dependency] | None = None,
     ) -> None:
         self.tree = tree
-        self.names = frozenset(n.lower() for n in ACCUMULATION_NAMES | accumulation_names)
+        self.names = matched_names(accumulation_names)
         self.directory = directory  # where config files named in the source are looked up
         self.seen = seen if seen is not None else set()  # the config files read
         self._windows: dict[Backward, Window | None] = {}  # each backward's, found once

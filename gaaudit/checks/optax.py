@@ -25,7 +25,7 @@ from gaaudit.analysis.tree import (
     string_value,
 )
 from gaaudit.findings import Confidence, Finding
-from gaaudit.vocabulary import ACCUMULATION_NAMES
+from gaaudit.vocabulary import matched_names
 
 CODE = "GA005"
 MEAN = "is a mean"
@@ -140,7 +140,7 @@ class OptaxAudit(_Divisions):
     def __init__(self, tree: Tree, accumulation_names: frozenset[str], imports=None) -> None:
         self.tree = tree
         self.tracer = JaxTracer(tree, imports)
-        self.names = frozenset(n.lower() for n in ACCUMULATION_NAMES | accumulation_names)
+        self.names = matched_names(accumulation_names)
         self.imports = imports  # a `repository.Imports`, to read combinators of other modules
 
     @cached_property

@@ -1080,7 +1080,7 @@ class _CompanionCounts:
 
     def _model_count(self, source: cst.CSTNode) -> tuple[str, str]:
         call = self.auditor.tracer.origin_call(source.value)
-        either = next(self.tree.ancestors(call), None) if call is not None else None
+        either = self.tree.parents.get(call) if call is not None else None
         if isinstance(either, cst.IfExp):
             raise Unfixable(
                 f"`{code(source)}` is the loss of one of two calls of `{code(call.func)}` (line "
