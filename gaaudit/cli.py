@@ -323,6 +323,17 @@ def verify(
             min=1, metavar="N", help="Replay on N DDP processes (gloo on CPU, NCCL on CUDA)."
         ),
     ] = None,
+    jobs: Annotated[
+        int,
+        typer.Option(
+            "--jobs",
+            "-j",
+            min=1,
+            metavar="N",
+            show_default=False,
+            help="Files replayed at once, each in a process of its own [default: 1].",
+        ),
+    ] = 1,
     format: Annotated[
         VerifyFormat, typer.Option("--format", "-f", metavar="FORMAT", help="text or json.")
     ] = VerifyFormat.text,
@@ -404,7 +415,7 @@ def verify(
                 err=True,
             )
         try:
-            outcomes = verifying.verify_files(group, options)
+            outcomes = verifying.verify_files(group, options, jobs)
         except verifying.VerifyError as exc:
             _fail(str(exc))
         results += [(path, found) for (path, _), found in zip(group, outcomes)]

@@ -88,7 +88,9 @@ def failing_loop(statement: str) -> str:
 def test_a_replay_that_ends_its_process_or_hangs_loses_only_its_own_file(tmp_path):
     """A process that dies in one file's replay (as after a device-side assert on a GPU) does
     not take the other files' rows with it: a new process replays the files after it. A file
-    that runs past --timeout says so; the files answered before it keep their rows."""
+    that runs past --timeout says so; the files answered before it keep their rows. With
+    `-j 2` the crash and the hang are one worker's share (files 1 and 3), the script the
+    other's, and the rows come back in the order of the files."""
     crash, hang = tmp_path / "crash.py", tmp_path / "hang.py"
     crash.write_text(failing_loop("os.abort()"))
     hang.write_text(failing_loop("time.sleep(1000)"))
@@ -97,7 +99,7 @@ def test_a_replay_that_ends_its_process_or_hangs_loses_only_its_own_file(tmp_pat
     paths = map(str, (crash, script, hang))
     # the timeout counts from when the replay process begins a file, not from its start: the
     # script's replay takes about 2 s alone; 10 s ran out on a 2-core machine under load, 20 s
-    result = gaaudit("verify", *paths, "-k", "2", "--timeout", "20", "--format", "json")
+    result = gaaudit("verify", *paths, "-k", "2", "--timeout", "20", "-j", "2", "-f", "json")
     crashed, replayed, hung = json.loads(result.stdout)
     reason = "not replayable: the replay process failed (ended by SIGABRT)"
     assert crashed["loops"][0]["verdict"] == reason

@@ -2,7 +2,7 @@
 by `gaaudit verify` on a tiny real model over one window of K=4 variable-size micro-batches and
 compared with one full-batch step. The original must reproduce the bug (relative gradient error
 > 1e-3) and the patched loop must be verified (< 1e-5 in fp32). One `verify` call replays all
-the fixtures in one process, so torch is imported once."""
+the fixtures on two workers, each importing torch once."""
 
 from __future__ import annotations
 
@@ -369,7 +369,9 @@ def loops(request, tmp_path_factory) -> dict[str, list[dict]]:
     kept.write_text(CLASSIFIER.read_text().replace("drop_last=True", "drop_last=False"))
     extra = [str(FIXTURES / f"{name}.py") for name in CORRECT_TRAINERS + ALSO_REPLAYED]
     paths = [*map(str, ORIGINALS), *extra, str(kept)]
-    result = gaaudit("verify", *paths, "-k", "4", "--device", request.param, "--format", "json")
+    result = gaaudit(
+        "verify", *paths, "-k", "4", "--device", request.param, "-j", "2", "--format", "json"
+    )
     assert result.returncode == 1, result.stdout + result.stderr  # the unsafe fixes fail
     assert "Traceback" not in result.stderr
     return {Path(f["path"]).stem: f["loops"] for f in json.loads(result.stdout)}

@@ -841,9 +841,36 @@ def _find(lines: list[str], header: str, occurrence: int) -> int | None:
     return matches[occurrence] if occurrence < len(matches) else None
 
 
-def verify_files(requests: list[tuple[Path, int | None]], options: Options) -> list[list[Outcome]]:
+def verify_files(
+    requests: list[tuple[Path, int | None]], options: Options, jobs: int = 1
+) -> list[list[Outcome]]:
     """Every loop of each (path, line) request against what `gaaudit fix` (all confidences,
-    unsafe fixes too) would make of it, replayed in one child process (torch imported once)."""
+    unsafe fixes too) would make of it, replayed in one child process (torch imported once);
+    with `jobs` > 1, the requests are shared out round-robin to that many worker processes,
+    each fixing its share and replaying it in a child of its own."""
+    shares = min(jobs, len(requests))
+    if shares < 2:
+        return _verify_share(requests, options)
+    from concurrent.futures import ProcessPoolExecutor
+
+    results: list[list[Outcome]] = [[] for _ in requests]
+    threads = max(1, (os.cpu_count() or 1) // shares)
+    with ProcessPoolExecutor(shares, initializer=_share_cores, initargs=(threads,)) as pool:
+        answered = pool.map(
+            _verify_share, [requests[i::shares] for i in range(shares)], [options] * shares
+        )
+        for i, outcomes in enumerate(answered):
+            results[i::shares] = outcomes
+    return results
+
+
+def _share_cores(threads: int) -> None:
+    """A worker's replay child runs torch on its share of the cores (unless the user said how
+    many): torch's threads, each process as many as there are cores, spin against each other."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def _verify_share(requests: list[tuple[Path, int | None]], options: Options) -> list[list[Outcome]]:
     from gaaudit.fixes.fixer import fix_source
 
     pairs, companions = [], []
