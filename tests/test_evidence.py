@@ -171,14 +171,8 @@ def fixed(token, previous) -> str | None:
     if token.type == tokenize.STRING and CHUNKED_DATASET.fullmatch(value):
         return f"`{value}`, a dataset of chunked or packed rows"
     strings = [t.string for t in previous]
-    if token.string == "len" and _after_randint(strings):
+    if token.type == tokenize.NAME and not token.string[0].isdigit() and _window_start(strings):
         return "random fixed-length windows drawn with `randint` over the data's length"
-    if (strings[-1:], token.string) in ((["size"], "("), (["shape"], "[")):
-        strings = strings[:-1]  # back over `a.b.` before `size(` / `shape[`
-        while len(strings) >= 2 and strings[-1] == "." and strings[-2].isidentifier():
-            strings = strings[:-2]
-        if _after_randint(strings):
-            return "random fixed-length windows drawn with `randint` over the data's length"
     if token.string in ("[", "(") and _asserted_shape([t.string for t in previous]):
         return "an `assert` that every batch of inputs has one shape"
     if token.string == ")" and _viewed_blocks(previous):
@@ -243,6 +237,32 @@ def _viewed_blocks(previous) -> bool:
     return False
 
 
+def _window_start(strings: list[str]) -> bool:
+    """Whether the tokens end with `randint(len(x) -`, `randint(0, a.b.size(0) -` or
+    `randint(0, a.shape[0] -` (at most one level of brackets inside `len(` or `size(`)."""
+    if strings[-1:] != ["-"] or strings[-2:-1] not in ([")"], ["]"]):
+        return False
+    depth, i = 0, len(strings) - 2
+    while i >= 0:
+        depth += {")": 1, "]": 1, "(": -1, "[": -1}.get(strings[i], 0)
+        if depth > 2:
+            return False
+        if depth == 0:
+            break
+        i -= 1
+    head = strings[:i]
+    if strings[-2] == ")" and head[-1:] == ["len"]:
+        return _after_randint(head[:-1])
+    if (strings[-2], head[-1:]) not in ((")", ["size"]), ("]", ["shape"])):
+        return False
+    if head[-2:-1] != ["."] or not head[-3:-2] or not head[-3].isidentifier():
+        return False
+    head = head[:-3]  # back over `a.b.` before `size(` / `shape[`
+    while len(head) >= 2 and head[-1] == "." and head[-2].isidentifier():
+        head = head[:-2]
+    return _after_randint(head)
+
+
 def _after_randint(strings: list[str]) -> bool:
     """Whether the tokens end with `randint(` or `randint(0,`."""
     return strings[-2:] == ["randint", "("] or strings[-4:] == ["randint", "(", "0", ","]
@@ -261,6 +281,10 @@ SNIPPETS = {
     "targets written with an ignore value": "y[row, n - 1 :] = -1\nlabels[:, :p] = -3\n",
     "other subscripts": "x[0] = -1\ny[a[0]] = -1\nlabels[i] = 1\n",
     "random windows": "i = torch.randint(len(data) - T, (B,))\nj = randint(0, n)\n",
+    "random examples": (
+        "i = torch.randint(len(data), (B,))\nj = random.randint(0, len(rows) - 1)\n"
+        "k = randint(len(tok), labels.shape)\nm = randint(0, len(f(x)) - cut - 1)\n"
+    ),
     "random crops over a size": "s = torch.randint(0, self.data.size(0) - n, (1,))\n",
     "random crops over a shape": "s = randint(0, data.shape[0] - n)\n",
     "token buffer views": "x = (buf[:-1]).view(B, T)\ny = buf[1:].view(B, T)\n",

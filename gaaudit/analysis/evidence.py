@@ -78,8 +78,13 @@ FIXED_SIGNS = (
         ),
         lambda match: f"`{match['sign'].decode()}`",
     ),
-    (
-        re.compile(rb"\b(?P<sign>randint)\(\s*(?:0\s*,\s*)?(?:len\(|[\w.]+\.(?:size\(|shape\[))"),
+    (  # `randint(len(data) - block_size, ...)`: a window's start, short of the end by its
+        # length (not `randint(0, len(rows) - 1)`, an example drawn at random)
+        re.compile(
+            rb"\brandint\(\s*(?:0\s*,\s*)?"
+            rb"(?:len\((?:[^()\n]|\([^()\n]*\))*\)|[\w.]+\.(?:size\([^()\n]*\)|shape\[[^\]\n]*\]))"
+            rb"\s*-\s*(?P<sign>(?![0-9])\w+)"
+        ),
         lambda match: "random fixed-length windows drawn with `randint` over the data's length",
     ),
     (  # a collator that stacks its rows' ids as they are: rows of one length

@@ -365,7 +365,9 @@ class _Guards:
         """The accumulation name `k` of a test for a window's last index, `a == k - 1` or
         `a + 1 == k` (minimal-llama's `batch_metadata["grad_accum_index"] == k - 1`), or for
         its count of micro-batches, `n == k` with `n += 1` earlier in the guard's loop (a
-        `while True` that runs micro-batches until its counter reaches K)."""
+        `while True` that runs micro-batches until its counter reaches K); any `k` there when
+        the guard sets `n` back to 0, so that it holds every k passes (BRIO's `step_cnt ==
+        args.accumulate_step`)."""
         test = guard.test
         if not (
             isinstance(test, cst.Comparison)
@@ -382,7 +384,7 @@ class _Guards:
                 size = other
             else:
                 continue
-            if self.is_accumulation_name(size):
+            if self.is_accumulation_name(size) or _resets(guard, side):
                 return size
         return None
 
@@ -839,8 +841,11 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
         return next((a.value for a in call.args[1:] if self._modulo(a.value) is not None), None)
 
     def stepping_optimizer(self, call: cst.Call) -> cst.BaseExpression | None:
-        """The optimizer a call handed the loss first also hands (`stepping_flag`), else None."""
+        """The optimizer a call handed the loss first also hands (`stepping_flag`), else None;
+        never a scheduler's maker (`get_scheduler(name, optimizer, total % k ...)`)."""
         if not positional(call) or backward_of(call) is not None:
+            return None
+        if "sched" in (last_name(call.func) or "").lower():
             return None
         return next(
             (a.value for a in call.args[1:] if OPTIMIZER.search(last_name(a.value) or "")), None
@@ -869,6 +874,18 @@ class Structure(_WindowFinding, _Guards, _Frameworks):
         if backward not in self._windows:
             self._windows[backward] = self._window(backward)
         return self._windows[backward]
+
+
+def _resets(guard: cst.If, counter: cst.BaseExpression) -> bool:
+    """Whether the body of `guard` sets the name `counter` back to 0 (`n = 0`)."""
+    return isinstance(counter, cst.Name) and any(
+        isinstance(stmt, cst.Assign)
+        and code(stmt.value) == "0"
+        and any(code(target.target) == counter.value for target in stmt.targets)
+        for line in guard.body.body
+        if isinstance(line, cst.SimpleStatementLine)
+        for stmt in line.body
+    )
 
 
 def raises_by_one(node: cst.CSTNode, name: str) -> bool:

@@ -536,6 +536,8 @@ class TrainerAudit(_LossKwargs, _Models):
                 yield from self._compute_loss(cls, methods["compute_loss"], where)
             if "training_step" in methods:
                 yield from self._training_step(cls, methods["training_step"], where)
+            elif "_training_step" in methods:  # its name before transformers 3.1
+                yield from self._training_step(cls, methods["_training_step"], where)
         yield from self._models()
         yield from self._loss_functions()
 
@@ -646,8 +648,10 @@ class TrainerAudit(_LossKwargs, _Models):
     ) -> Iterator[Site]:
         params = function.params
         positional_count = len(params.posonly_params) + len(params.params)
+        name = function.name.value
         if (
-            positional_count < 4
+            name == "training_step"
+            and positional_count < 4
             and not isinstance(params.star_arg, cst.Param)
             and params.star_kwarg is None
         ):
@@ -672,7 +676,7 @@ class TrainerAudit(_LossKwargs, _Models):
                 continue
             yield Site(
                 node,
-                f"`training_step` divides the loss by `{code(divisor)}`: a per-micro-batch mean divided "
+                f"`{name}` divides the loss by `{code(divisor)}`: a per-micro-batch mean divided "
                 "by K weights micro-batches equally instead of by their valid tokens",
                 (where, f"loss: {self.tracer.origin(value).description}"),
                 "training-step-division",

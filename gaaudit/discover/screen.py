@@ -490,12 +490,13 @@ class _Windows:
         return self._region_steps[region]
 
     def _guarded(self, step: ast.Call, region: ast.AST, skipping: bool) -> bool:
-        """Whether an `if` inside `region` testing `a % k` holds the step or, with
-        `skipping`, comes before it in one of the blocks holding it."""
+        """Whether an `if` inside `region` testing `a % k` (or `n == k` where it sets `n` back
+        to 0) holds the step or, with `skipping`, comes before it in one of the blocks holding
+        it."""
         node = step
         while node is not region and node in self.parents:
             parent = self.parents[node]
-            if isinstance(parent, ast.If) and self._modular(parent.test):
+            if isinstance(parent, ast.If) and (self._modular(parent.test) or _resets(parent)):
                 return True
             if skipping:
                 block, index = _place(parent, node)
@@ -720,6 +721,21 @@ def _candidates(base: Path, parts: list[str]) -> tuple[Path, ...]:
     if not parts:
         return (base / "__init__.py",)
     return (base / f"{parts[0]}.py", base / parts[0])
+
+
+def _resets(guard: ast.If) -> bool:
+    """`if n == k:` whose body sets `n` back to 0 (`loops.Structure._last_index`)."""
+    test = guard.test
+    if not (isinstance(test, ast.Compare) and [type(o) for o in test.ops] == [ast.Eq]):
+        return False
+    counters = {side.id for side in (test.left, test.comparators[0]) if isinstance(side, ast.Name)}
+    return any(
+        isinstance(stmt, ast.Assign)
+        and isinstance(stmt.value, ast.Constant)
+        and stmt.value.value == 0
+        and any(isinstance(t, ast.Name) and t.id in counters for t in stmt.targets)
+        for stmt in guard.body
+    )
 
 
 def _statements(tree: ast.Module) -> Iterator[tuple[ast.AST, ast.AST]]:

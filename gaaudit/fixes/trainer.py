@@ -512,6 +512,12 @@ class _Signatures:
 
     def _training_step_division(self, site: Site) -> Choice:
         function = site.function
+        if function.name.value != "training_step":
+            raise Unfixable(
+                f"`{function.name.value}` is the hook of a transformers before 3.1, whose Trainer "
+                "has no count of the window's tokens to hand it: require a transformers >= 4.46 "
+                "and override `training_step` or `compute_loss` instead"
+            )
         division = site.node
         value = division.left if isinstance(division, cst.BinaryOperation) else division.target
         call = self.audit.compute_loss_call(value)
