@@ -217,10 +217,14 @@ NOT_REPLAYABLE = {
         "not replayable: KeyError: 'audio'",
         ("KeyError: 'audio'",),
     ),
-    # Batches with keys the harness's data does not hold (`chosen`).
+    # Batches with keys the harness's data does not hold (`chosen`, `preferred`).
     "ga001_exact_dpo_named_logsigmoid": (
         "not replayable: KeyError: 'chosen'",
         ("KeyError: 'chosen'",),
+    ),
+    "ga001_exact_reward_pairs_sigmoid_in_steps": (
+        "not replayable: KeyError: 'preferred'",
+        ("KeyError: 'preferred'",),
     ),
     "ga001_padded_documents_ignore_index": (
         "not replayable: no backward pass",

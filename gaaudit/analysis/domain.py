@@ -92,7 +92,7 @@ EOD_MASK = "get_ltor_masks_and_position_ids"
 ONES = {"ones", "ones_like"}  # `attention_mask=torch.ones_like(ids)`: a mask that hides nothing
 # A pairwise preference loss: a log-sigmoid of margins, or a loss of the chosen and the
 # rejected answers' log-probabilities (DPO and kin): one element per pair.
-PAIRWISE = re.compile(r"\blogsigmoid\b|\blog_sigmoid\b|\bchosen\w*\W.*\brejected")
+PAIRWISE = re.compile(r"\blogsigmoid\b|\blog_sigmoid\b|\b(?:chosen|preferred)\w*\W.*\brejected")
 # Per-row means averaged over the rows (GRPO's sequence-level loss,
 # `((loss * mask).sum(dim=1) / mask.sum(dim=1)).mean()`): one element per sequence.
 PER_ROW = re.compile(
@@ -240,7 +240,10 @@ class Domains:
             reduced = source.func.value  # `x.mean()`, or `torch.mean(x)`'s `x`
             if self.tree.qualified(source.func) in MEANS_OF_ALL:
                 reduced = next(iter(positional(source)), reduced)
-            found = _reduced(self.spelled(reduced), code(source))
+            # the names it reduces spelled too, for a pairwise loss built in steps (`probs =
+            # torch.sigmoid(preferred - rejected)`, then `(-torch.log(probs)).mean()`)
+            named = [self.spelled(n, 0) for n in walk(reduced) if isinstance(n, cst.Name)]
+            found = _reduced(self.spelled(reduced), code(source), " ".join(named))
             if found is None and self.tracer.per_row(reduced) is not None:
                 found = _per_row(f"`{_short(code(source))}`")
             if found is None and self.tracer.summed_along(reduced):
@@ -481,10 +484,11 @@ def _task_of(name: str) -> str | None:
     return next((task for task, pattern in TASKS if pattern.search(name)), None)
 
 
-def _reduced(reduced: str, mean: str) -> Domain | None:
+def _reduced(reduced: str, mean: str, named: str = "") -> Domain | None:
     """The domain of the mean `mean` by what it reduces, spelled out: a pairwise preference
-    loss (one element per pair), a squared error or norm (a dense tensor)."""
-    if PAIRWISE.search(reduced):
+    loss (one element per pair; also by the values of the `named` it reduces), a squared
+    error or norm (a dense tensor)."""
+    if PAIRWISE.search(reduced) or PAIRWISE.search(named):
         return Domain("examples", False, "a pairwise preference loss, one element per pair")
     if PER_ROW.search(reduced):
         return _per_row(f"`{_short(mean)}`")

@@ -871,6 +871,7 @@ def _share_cores(threads: int) -> None:
 
 
 def _verify_share(requests: list[tuple[Path, int | None]], options: Options) -> list[list[Outcome]]:
+    """`verify_files` of some requests, fixed here and replayed in one child process."""
     from gaaudit.fixes.fixer import fix_source
 
     pairs, companions = [], []
