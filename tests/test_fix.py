@@ -7,6 +7,7 @@ import shutil
 import stat
 import subprocess
 import textwrap
+from functools import cache
 from pathlib import Path
 
 import libcst as cst
@@ -47,6 +48,13 @@ def fixed(
     return fix_source(data, path, settings, unsafe).after
 
 
+@cache
+def fixed_fixture(script: Path):
+    """`fix_source` of a fixture at every confidence, unsafe fixes too, made once for the tests
+    that read it."""
+    return fix_source(script.read_bytes(), script, ALL, unsafe=True)
+
+
 def original_of(pair: Path) -> Path:
     return pair.with_name(pair.name.replace(".fixed.py", ".py"))
 
@@ -55,9 +63,8 @@ def test_every_fixable_shape_has_a_pair_and_every_finding_an_outcome():
     assert len(PAIRS) >= 20
     for script in fixture_scripts():
         if rows := expected(script):
-            data = script.read_bytes()
-            result = fix_source(data, script, ALL, unsafe=True)
-            changes = result.after != data
+            result = fixed_fixture(script)
+            changes = result.after != script.read_bytes()
             assert changes == script.with_name(script.stem + ".fixed.py").exists(), script.name
             told = {(o.line, o.site.code) for o in result.outcomes}
             assert {(line, code) for line, code, _ in rows} <= told, script.name
@@ -77,7 +84,7 @@ def test_a_finding_no_rewrite_covers_is_reported_not_fixed(tmp_path, cli):
 def test_pair_is_exact_compiles_is_clean_and_idempotent(pair: Path):
     after = pair.read_bytes()
     before = original_of(pair).read_bytes()
-    assert fixed(before, path=original_of(pair)) == after
+    assert fixed_fixture(original_of(pair)).after == after
     # compiles, reads no name it binds nowhere where the original bound it or did not read it,
     # and holds no block twice in a row that the original did not
     assert realworld().sound(before, after, str(pair))
