@@ -201,6 +201,7 @@ def sarif_schema() -> dict:
 # pytest-xdist hands whole modules to its workers in order, so these start first and the short
 # ones fill both workers to the end (measured with `--durations=0`).
 LONGEST_FIRST = (
+    "test_verify_fixtures.py",
     "test_proof.py",
     "test_deepspeed.py",
     "test_verify_options.py",
@@ -214,13 +215,11 @@ LONGEST_FIRST = (
 
 def pytest_collection_modifyitems(items):
     """The longest modules first; JAX tests last: once JAX has started its threads, forking
-    worker pools could deadlock. The fixture replays, on two processes of their own (`verify
-    -j 2`), just before them: the worker that ends first leaves them its core."""
+    worker pools could deadlock."""
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(
         key=lambda item: (
             item.path.name == "test_optax_fix_runtime.py",
-            item.path.name == "test_verify_fixtures.py",
             rank.get(item.path.name, len(rank)),
         )
     )
