@@ -99,6 +99,23 @@ def expected(path: Path) -> list[tuple[int, str, str]]:
     return rows
 
 
+def unscreened(path: Path, settings) -> list:
+    """The findings of a file's whole module analysed by libcst, without the `ast` screen and
+    the focused copy that `check` analyses."""
+    from gaaudit.checks.engine import audit
+    from gaaudit.discover.source import parse
+
+    data = path.read_bytes()
+    module = parse(data)
+    text = data.decode(module.encoding)
+    return audit(module, text, str(path), path.name, settings, path.parent)[1]
+
+
+def finding_key(finding) -> tuple:
+    """What the screen must leave as it is: a finding's code, span and message."""
+    return finding.code, finding.span, finding.message
+
+
 def gaaudit(
     *args: str, cwd: Path | None = None, env=None, stdin: str | None = None
 ) -> subprocess.CompletedProcess:

@@ -7,7 +7,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, expected, expected_findings, fixture_scripts, gaaudit
+from conftest import (
+    FIXTURES,
+    expected,
+    expected_findings,
+    finding_key,
+    fixture_scripts,
+    gaaudit,
+    unscreened,
+)
 
 from gaaudit import catalogue
 from gaaudit.analysis.domain import shifts_labels
@@ -39,11 +47,15 @@ def buggy(comment: str = "") -> str:
 
 
 @pytest.mark.parametrize("script", fixture_scripts(), ids=lambda p: p.stem)
-def test_fixture_findings_are_exact(script: Path):
+def test_fixture_findings_are_exact_and_survive_the_screen(script: Path):
+    """The `.expected` findings, the same as the whole module's without the `ast` screen
+    (tests/test_screen.py)."""
     report = check_file(script, ALL)
     assert report.error is None
     got = [(f.span.line, f.code, str(f.confidence)) for f in report.findings]
     assert got == expected(script)
+    whole = unscreened(script, ALL)
+    assert sorted(map(finding_key, report.findings)) == sorted(map(finding_key, whole))
 
 
 def test_fixture_catalogue_is_large_and_varied():

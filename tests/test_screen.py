@@ -12,13 +12,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, fixture_scripts
+from conftest import FIXTURES, finding_key, unscreened
 
 from gaaudit import cache
-from gaaudit.checks.engine import audit, check_file, check_recorded
+from gaaudit.checks.engine import check_file, check_recorded
 from gaaudit.config import Settings
 from gaaudit.discover.screen import screen
-from gaaudit.discover.source import PROBES, TRIGGERS, Source, parse
+from gaaudit.discover.source import PROBES, TRIGGERS, Source
 from gaaudit.findings import Confidence
 
 SETTINGS = Settings(min_confidence=Confidence.LOW)
@@ -26,22 +26,10 @@ HEAD = "import torch.nn.functional as F\n\n"
 
 
 def findings(path: Path) -> tuple[list, list]:
-    """The findings of `gaaudit check` on a file, and those of its whole, unscreened module."""
+    """The findings of `gaaudit check` on a file, and those of its whole, unscreened module
+    (tests/test_check.py compares them on every fixture)."""
     screened = check_file(path, SETTINGS).findings
-    data = path.read_bytes()
-    module = parse(data)
-    whole = audit(module, data.decode(module.encoding), str(path), path.name, SETTINGS, path.parent)
-    return sorted(map(_key, screened)), sorted(map(_key, whole[1]))
-
-
-def _key(finding) -> tuple:
-    return finding.code, finding.span, finding.message
-
-
-@pytest.mark.parametrize("path", fixture_scripts(), ids=lambda p: p.name)
-def test_fixture_findings_survive_the_screen(path):
-    screened, whole = findings(path)
-    assert screened == whole
+    return sorted(map(finding_key, screened)), sorted(map(finding_key, unscreened(path, SETTINGS)))
 
 
 def project_file(tmp_path: Path, text: str, name: str = "train.py") -> Path:
