@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from functools import cache
 from pathlib import Path
 
@@ -214,30 +215,44 @@ def sarif_schema() -> dict:
     return json.loads((DATA / "sarif-schema-2.1.0.json").read_text(encoding="utf-8"))
 
 
-# The modules that take longest (their tests start processes that import torch), longest first:
-# pytest-xdist hands whole modules to its workers in order, so these start first and the short
-# ones fill both workers to the end (measured with `--durations=0`).
+# The modules that take longest, longest first (measured with `--durations=0` in a fresh clone).
+# pytest-xdist hands a worker its next module when it is two tests from the end of its own; one
+# of these handed out last would leave the other worker idle until it ends.
 LONGEST_FIRST = (
     "test_verify_fixtures.py",
     "test_proof.py",
     "test_deepspeed.py",
     "test_verify_options.py",
     "test_fix.py",
-    "test_verify_lightning.py",
+    "test_check.py",
     "test_robustness.py",
+    "test_verify_lightning.py",
+    "test_integrations.py",
     "test_verify_trainer.py",
+    "test_output.py",
+    "test_harness_ddp.py",
+    "test_positions.py",
+    "test_harness.py",
+    "test_lightning_fix_runtime.py",
     "test_cross_module.py",
+    "test_fixed_loops_runtime.py",
+    "test_trainer_fix_runtime.py",
+    "test_docs.py",
+    "test_packaging.py",
 )
 
 
 def pytest_collection_modifyitems(items):
-    """The longest modules first; JAX tests last: once JAX has started its threads, forking
-    worker pools could deadlock."""
+    """The longest modules first, then those with the most tests (pytest-xdist's own order,
+    which `--no-loadscope-reorder` replaces by this one); JAX's last: once JAX has started
+    its threads in a worker, a worker pool forked there could deadlock."""
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    tests = Counter(item.path for item in items)
     items.sort(
         key=lambda item: (
             item.path.name == "test_optax_fix_runtime.py",
             rank.get(item.path.name, len(rank)),
+            -tests[item.path],
         )
     )
 

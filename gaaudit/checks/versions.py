@@ -809,12 +809,14 @@ def _admits_from(pin: Pin, release: str) -> bool:
 def _pin_files(folder: Path) -> list[Path]:
     """The dependency files of `folder` and of its `requirements/` folder."""
     listed = (*_listed(folder), *_listed(folder / "requirements"))
-    return [p for p in listed if is_pin_file(p) and _regular(p)]
+    return [p for p in listed if _regular(p)]
 
 
 def _listed(folder: Path) -> list[Path]:
+    """The dependency files of `folder` by name (picked before sorting: a folder of a
+    thousand scripts has few)."""
     try:
-        return sorted(folder.iterdir())
+        return sorted(p for p in folder.iterdir() if is_pin_file(p))
     except OSError:
         return []
 
